@@ -1,0 +1,18 @@
+"""stepbundle.exporter: trace a PyTorch training step with torch_xla and write a bundle.
+
+The only part of stepbundle that imports torch and torch_xla.
+"""
+
+from __future__ import annotations
+
+import os
+
+# torch_xla runs on the host CPU unless told otherwise; a user with a TPU or GPU sets
+# PJRT_DEVICE themselves.
+os.environ.setdefault("PJRT_DEVICE", "CPU")
+
+from .errors import ExportError  # noqa: E402
+from .export import ExportReport, export  # noqa: E402
+from .recipe import Recipe  # noqa: E402
+
+__all__ = ["ExportError", "ExportReport", "Recipe", "export"]

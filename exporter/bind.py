@@ -1,0 +1,228 @@
+"""Turn two consecutive traces of a step into one program's binding tables.
+
+A replayed step is right only if every graph input gets the right value on every call.
+State, batch, seed and hyperparameter inputs are fed by the runtime; everything else
+(host scalars, temporaries made inside the step) becomes a constant, and only when the
+two traces prove it did not change. The graphs themselves must be identical too.
+
+Imports: torch, stepbundle.schema.
+"""
+
+from __future__ import annotations
+
+import difflib
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from stepbundle.schema.manifest import (
+    BatchInput,
+    ConstantInput,
+    DType,
+    HyperparameterInput,
+    InputBinding,
+    InputKind,
+    MetricOutput,
+    OutputBinding,
+    RngSeedInput,
+    StateInput,
+    StateKind,
+    StateUpdateOutput,
+    TensorSpec,
+)
+
+from .errors import ExportError
+from .trace import InputOrigin, StepTrace
+
+__all__ = ["BoundProgram", "bind", "dtype_of", "tensor_bytes"]
+
+_DTYPES: dict[torch.dtype, DType] = {
+    torch.float64: DType.F64,
+    torch.float32: DType.F32,
+    torch.bfloat16: DType.BF16,
+    torch.float16: DType.F16,
+    torch.int64: DType.I64,
+    torch.int32: DType.I32,
+    torch.int16: DType.I16,
+    torch.int8: DType.I8,
+    torch.uint64: DType.U64,
+    torch.uint32: DType.U32,
+    torch.uint16: DType.U16,
+    torch.uint8: DType.U8,
+    torch.bool: DType.BOOL,
+}
+
+_STATE_INPUT_KIND = {
+    StateKind.PARAMETER: InputKind.PARAMETER,
+    StateKind.BUFFER: InputKind.BUFFER,
+    StateKind.OPTIMIZER_STATE: InputKind.OPTIMIZER_STATE,
+    StateKind.GRADIENT: InputKind.GRADIENT,
+}
+
+
+def dtype_of(dtype: torch.dtype, what: str) -> DType:
+    try:
+        return _DTYPES[dtype]
+    except KeyError:
+        raise ExportError(
+            f"{what} has dtype {dtype}, which bundles cannot hold (supported: "
+            f"{', '.join(str(d) for d in _DTYPES)}). Cast it to a supported dtype."
+        ) from None
+
+
+def spec_of(dtype: torch.dtype, shape: tuple[int, ...], what: str) -> TensorSpec:
+    return TensorSpec(dtype_of(dtype, what), tuple(int(d) for d in shape))
+
+
+def tensor_bytes(t: torch.Tensor) -> bytes:
+    """Little-endian, C-order bytes of a tensor (the layout of tensor sections)."""
+    if sys.byteorder != "little":  # pragma: no cover - every supported host is little-endian
+        raise ExportError("The exporter runs on little-endian hosts only.")
+    t = t.detach().cpu().contiguous().reshape(-1)
+    if t.dtype == torch.bool:
+        t = t.to(torch.uint8)
+    return t.view(torch.uint8).numpy().tobytes()
+
+
+@dataclass(frozen=True)
+class BoundProgram:
+    """A program's tables before its sections are named.
+
+    ``constants`` holds the value of each ConstantInput, by the input's name.
+    """
+
+    inputs: tuple[InputBinding, ...]
+    outputs: tuple[OutputBinding, ...]
+    constants: Mapping[str, torch.Tensor]
+    bytecode: bytes
+    text: str
+
+
+def _first_difference(a: str, b: str) -> str:
+    la, lb = a.splitlines(), b.splitlines()
+    for i, (x, y) in enumerate(zip(la, lb)):
+        if x != y:
+            return f"line {i + 1}:\n  step 1: {x.strip()[:300]}\n  step 2: {y.strip()[:300]}"
+    diff = list(difflib.unified_diff(la, lb, lineterm="", n=0))
+    return "\n".join(diff[:6])
+
+
+def _fmt(t: torch.Tensor) -> str:
+    if t.numel() == 1:
+        return repr(t.reshape(()).item())
+    return f"{t.dtype} tensor of shape {tuple(t.shape)} (sum {float(t.double().sum()):.6g})"
+
+
+def _name_the_value(
+    a: InputOrigin, b: InputOrigin, ta: StepTrace, tb: StepTrace
+) -> list[str]:
+    """Say which optimizer setting a changing host scalar is, when it is one."""
+    if a.value is None or b.value is None or a.value.numel() != 1:
+        return []
+    va, vb = float(a.value.double().item()), float(b.value.double().item())
+    after = dict(tb.hyper_values)
+    for label, xa in ta.hyper_values:
+        xb = after.get(label)
+        if xb is None or xa == xb:
+            continue
+        if any(_close(va, s * xa) and _close(vb, s * xb) for s in (1.0, -1.0)):
+            key = label.split("'")[1]
+            return [
+                f"It is the optimizer's {label}, which changed from {xa!r} to {xb!r} between "
+                "the steps (a learning-rate scheduler, or other code that edits "
+                f"param_groups). Declare it: Recipe(hyperparameters=({key!r},)), and set "
+                "it from the runtime (trainer.set_hyperparameter, or stepbundle run "
+                "--lr-schedule) instead of inside the step."
+            ]
+    return []
+
+
+def _close(x: float, y: float) -> bool:
+    return abs(x - y) <= 1e-6 * max(1.0, abs(x), abs(y))
+
+
+def bind(
+    ta: StepTrace,
+    tb: StepTrace,
+    *,
+    what: str,
+    state_kinds: Mapping[str, StateKind],
+    hints: list[str],
+    constant_prefix: str,
+) -> BoundProgram:
+    """Compare two traces of the same step and build the program's tables.
+
+    Raises ExportError when the graphs differ, when an input changes its origin, or
+    when a would-be constant differs between the two steps.
+    """
+    hint_text = "".join(f"\n  - {h}" for h in hints)
+    if ta.text != tb.text:
+        raise ExportError(
+            f"The graph of the {what} changed between two consecutive traced steps, so "
+            "no single program can replay it. This happens with Python control flow on "
+            "step-dependent values (a step counter, a value read from a tensor), or when "
+            "a Python number flips between values torch_xla inlines (0 or 1) and others. "
+            f"First difference, {_first_difference(ta.text, tb.text)}"
+            + (f"\nLikely causes:{hint_text}" if hints else "")
+        )
+    if len(ta.inputs) != len(tb.inputs):  # pragma: no cover - implied by equal text
+        raise ExportError(f"The {what} has a different number of graph inputs in each traced step.")
+    if ta.metric_names != tb.metric_names or ta.updated_state != tb.updated_state:
+        raise ExportError(
+            f"The {what} returned different metrics or updated different state in two "
+            f"consecutive steps (metrics {list(ta.metric_names)} then {list(tb.metric_names)}; "
+            f"updated {len(ta.updated_state)} then {len(tb.updated_state)} state tensors). "
+            "A step must do the same work every time."
+        )
+    inputs: list[InputBinding] = []
+    constants: dict[str, torch.Tensor] = {}
+    state_input_index: dict[str, int] = {}
+    for i, (a, b) in enumerate(zip(ta.inputs, tb.inputs)):
+        spec = spec_of(a.dtype, a.shape, f"Graph input {i} of the {what}")
+        if a.kind != b.kind or a.name != b.name:
+            raise ExportError(
+                f"Graph input {i} of the {what} is {a.kind} {a.name!r} in one traced step and "
+                f"{b.kind} {b.name!r} in the next. The step must read the same tensors in "
+                "the same way every time."
+            )
+        if a.kind == "state":
+            state_input_index[a.name] = i
+            inputs.append(StateInput(_STATE_INPUT_KIND[state_kinds[a.name]], a.name, spec))
+        elif a.kind == "batch":
+            inputs.append(BatchInput(a.name, spec))
+        elif a.kind == "hyperparameter":
+            inputs.append(HyperparameterInput(a.name, spec))
+        elif a.kind == "rng_seed":
+            inputs.append(RngSeedInput(spec))
+        else:
+            assert a.value is not None and b.value is not None
+            if a.value.shape != b.value.shape or tensor_bytes(a.value) != tensor_bytes(b.value):
+                named = _name_the_value(a, b, ta, tb)
+                more = "".join(f"\n  - {h}" for h in (named or hints))
+                raise ExportError(
+                    f"Graph input {i} of the {what} is a value captured from Python or made "
+                    f"inside the step ({spec}), and it changed between two consecutive traced "
+                    f"steps: {_fmt(a.value)} in step 1, {_fmt(b.value)} in step 2. A bundle "
+                    "would freeze it at one value, so the export is refused."
+                    + (f"\nWhat it is and how to fix it:{more}" if more else
+                       "\nMake it a tensor the step reads from the model, the optimizer "
+                       "state or the batch, or declare it as a hyperparameter.")
+                )
+            name = f"{constant_prefix}{len(constants)}"
+            constants[name] = b.value
+            inputs.append(ConstantInput(name, spec, section=name))
+    outputs: list[OutputBinding] = []
+    for name, (dt, shape) in zip(tb.metric_names, tb.metric_specs):
+        outputs.append(MetricOutput(name, spec_of(dt, shape, f"Metric {name!r}")))
+    for name, (dt, shape) in zip(tb.updated_state, tb.update_specs):
+        spec = spec_of(dt, shape, f"State {name!r}")
+        donates = state_input_index.get(name)
+        if donates is not None and inputs[donates].spec != spec:
+            raise ExportError(
+                f"The {what} changes the dtype or shape of state {name!r} "
+                f"({inputs[donates].spec} -> {spec}); state must keep its dtype and shape."
+            )
+        outputs.append(StateUpdateOutput(name, spec, donates))
+    return BoundProgram(tuple(inputs), tuple(outputs), constants, tb.bytecode, tb.text)

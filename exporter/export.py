@@ -1,0 +1,307 @@
+"""``export(recipe, path)``: trace a training step, bind every input and output, write a bundle.
+
+Stages: copy the model and optimizer to the XLA device (``workspace.py``); trace each
+shape bucket's training step twice and the read-only entries twice (``trace.py``);
+prove the two traces agree and build the binding tables (``bind.py``); serialize each
+graph as a StableHLO portable artifact; write the bundle (``stepbundle.schema``).
+
+Imports: torch, torch_xla, jaxlib's MLIR bindings (through stepbundle.runtime.mlir),
+stepbundle.schema.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from stepbundle import __version__
+from stepbundle.runtime import mlir
+from stepbundle.schema import codec
+from stepbundle.schema.manifest import (
+    ConstantInput,
+    Entry,
+    Hyperparameter,
+    InputKind,
+    Manifest,
+    NamedSpec,
+    Producer,
+    Program,
+    Rng,
+    SectionKind,
+    StateEntry,
+    StateInput,
+    StateKind,
+    StateUpdateOutput,
+)
+
+from .bind import BoundProgram, bind, spec_of, tensor_bytes
+from .errors import ExportError
+from .recipe import Recipe
+from .trace import StepTrace, sync, trace_eval, trace_train
+from .workspace import Workspace, xla_device
+
+__all__ = ["ExportReport", "export"]
+
+
+@dataclass
+class ExportReport:
+    """What an export did, for the CLI and for people reading logs.
+
+    Attributes:
+      path: the bundle written.
+      manifest: its manifest.
+      digest: the bundle digest ("sha256:...").
+      size: the file size in bytes.
+      stage_seconds: wall time of each stage.
+      input_counts: number of graph inputs of each kind, over the train programs.
+    """
+
+    path: Path
+    manifest: Manifest
+    digest: str
+    size: int
+    stage_seconds: dict[str, float] = field(default_factory=dict)
+    input_counts: dict[str, int] = field(default_factory=dict)
+
+
+def _versions() -> Producer:
+    import jax
+    import torch_xla
+
+    return Producer(
+        stepbundle=__version__, torch=str(torch.__version__), torch_xla=str(torch_xla.__version__), jax=str(jax.__version__)
+    )
+
+
+def _to_device(batch: Mapping[str, torch.Tensor], device: torch.device, which: str) -> dict[str, torch.Tensor]:
+    out = {}
+    for k, v in batch.items():
+        if not isinstance(k, str) or not k:
+            raise ExportError(f"The {which} has a key {k!r}; batch keys must be non-empty strings.")
+        if not isinstance(v, torch.Tensor):
+            raise ExportError(
+                f"The {which} maps {k!r} to {type(v).__name__}; every batch value must be a "
+                "tensor (the runtime feeds arrays)."
+            )
+        out[k] = v.detach().to(device)
+    return out
+
+
+def _lower(bound: BoundProgram, n_outputs: int, what: str) -> tuple[bytes, str, str]:
+    module = mlir.parse_artifact(bound.bytecode)
+    module.strip_attributes()
+    sig = module.signature()
+    if len(sig.inputs) != len(bound.inputs) or len(sig.results) != n_outputs:
+        raise ExportError(
+            f"Internal error lowering the {what}: torch_xla's graph has {len(sig.inputs)} "
+            f"inputs and {len(sig.results)} outputs, the trace accounted for "
+            f"{len(bound.inputs)} and {n_outputs}. Please report this with the recipe."
+        )
+    bad = module.custom_call_targets() - mlir.ALLOWED_CUSTOM_CALLS
+    if bad:
+        raise ExportError(
+            f"The {what} lowers to custom call(s) {sorted(bad)}, which the runtime does not "
+            "allow (they are backend-specific native code). Use ops torch_xla lowers to "
+            "plain StableHLO."
+        )
+    errors = []
+    for target in mlir.TARGET_CANDIDATES:
+        try:
+            return module.portable_artifact(target), target, module.text()
+        except Exception as e:  # the program needs a newer StableHLO than this target
+            errors.append(f"{target}: {e}")
+    raise ExportError(
+        f"The {what} could not be serialized as a StableHLO portable artifact at any "
+        f"supported target ({'; '.join(errors)})."
+    )
+
+
+def export(
+    recipe: Recipe,
+    path: str | os.PathLike[str],
+    *,
+    mlir_dir: str | os.PathLike[str] | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> ExportReport:
+    """Trace ``recipe``'s step with torch_xla and write a bundle to ``path``.
+
+    The user's model, optimizer and torch_xla RNG state are left as they were: tracing
+    runs on device copies, and the bundle's initial state is the state at the moment
+    of export (with a fresh optimizer's first-step state materialized).
+
+    Args:
+      recipe: the model, optimizer, step and example batches.
+      path: where to write the bundle (atomically).
+      mlir_dir: if given, each program is also written there as ``.mlir`` text.
+      progress: called with a line per stage (the CLI prints them).
+
+    Raises:
+      ExportError: the step cannot be replayed faithfully; the message says why.
+    """
+    import torch_xla.core.xla_model as xm
+
+    say = progress or (lambda _msg: None)
+    times: dict[str, float] = {}
+    t0 = time.perf_counter()
+    device = xla_device()
+    if not isinstance(recipe, Recipe):
+        raise ExportError(f"export() needs a stepbundle.exporter.Recipe, got {type(recipe).__name__}.")
+    sync()
+    saved_rng = int(xm.get_rng_state())
+    base_seed = saved_rng if recipe.seed is None else int(recipe.seed)
+    if not 0 <= base_seed < 2**64:
+        raise ExportError(f"Recipe.seed must be in [0, 2**64), got {base_seed}.")
+    try:
+        ws = Workspace(recipe, device)
+        batches = [_to_device(b, device, f"example batch {i}") for i, b in enumerate(recipe.all_batches())]
+        sync()
+        initial = ws.state_tensors()
+        # The bundle's initial state: the state at the moment of export (CPU copies).
+        initial_values = {s.name: s.tensor.detach().cpu().clone() for s in initial}
+        initial_hyper = {n: float(t.detach().cpu()) for n, t in ws.hyperparameters.items()}
+        kinds = {s.name: s.kind for s in initial}
+        times["prepare"] = time.perf_counter() - t0
+        say(f"prepared: {len(initial)} state tensors on {device}")
+
+        hints = ws.optimizer_hints()
+        host_state = ws.host_state()
+        if host_state:
+            hints.append(
+                f"{', '.join(host_state[:3])} live(s) on the host, not the XLA device, so "
+                "their values enter the graph as numbers."
+            )
+        t1 = time.perf_counter()
+        train_bound: list[tuple[BoundProgram, tuple[NamedSpec, ...]]] = []
+        for i, batch in enumerate(batches):
+            what = "training step" + (f" (shape bucket {i})" if len(batches) > 1 else "")
+            ta = trace_train(ws, batch, recipe.step, seed=base_seed if i == 0 else None)
+            tb = trace_train(ws, batch, recipe.step)
+            bound = bind(ta, tb, what=what, state_kinds=kinds, hints=hints, constant_prefix=f"train.{i}.constant.")
+            train_bound.append((bound, _batch_signature(recipe.all_batches()[i])))
+        eval_fns: dict[str, Any] = dict(recipe.entries)
+        if recipe.eval_step is not None:
+            eval_fns = {"eval": recipe.eval_step, **eval_fns}
+        eval_bound: dict[str, list[tuple[BoundProgram, tuple[NamedSpec, ...]]]] = {}
+        for name, fn in eval_fns.items():
+            if name == "train":
+                raise ExportError('Recipe.entries may not be called "train"; that entry is the training step.')
+            progs = []
+            for i, batch in enumerate(batches):
+                what = f"{name} step" + (f" (shape bucket {i})" if len(batches) > 1 else "")
+                ta = trace_eval(ws, batch, fn, what)
+                tb = trace_eval(ws, batch, fn, what)
+                bound = bind(ta, tb, what=what, state_kinds=kinds, hints=[], constant_prefix=f"{name}.{i}.constant.")
+                progs.append((bound, _batch_signature(recipe.all_batches()[i])))
+            eval_bound[name] = progs
+        sync()
+        times["trace"] = time.perf_counter() - t1
+        say(f"traced: {2 * len(batches)} training steps" + (f", {len(eval_fns)} read-only entries" if eval_fns else ""))
+    finally:
+        xm.set_rng_state(saved_rng)
+
+    # ---------------------------------------------------------------- tables
+    t2 = time.perf_counter()
+    referenced: set[str] = set()
+    for bound, _ in train_bound + [p for ps in eval_bound.values() for p in ps]:
+        for inp in bound.inputs:
+            if isinstance(inp, StateInput):
+                referenced.add(inp.name)
+        for out in bound.outputs:
+            if isinstance(out, StateUpdateOutput):
+                referenced.add(out.state)
+    state_entries: list[StateEntry] = []
+    payloads: list[codec.SectionPayload] = []
+    for s in initial:
+        # Gradients are state only when the step keeps or reads them.
+        if s.kind is StateKind.GRADIENT and s.name not in referenced:
+            continue
+        value = initial_values[s.name]
+        section = f"state/{s.name}"
+        state_entries.append(
+            StateEntry(
+                name=s.name,
+                kind=s.kind,
+                spec=spec_of(value.dtype, tuple(value.shape), f"State {s.name!r}"),
+                section=section,
+                trainable=s.trainable,
+                aliases=s.aliases,
+            )
+        )
+        payloads.append(codec.SectionPayload(section, SectionKind.TENSOR, tensor_bytes(value)))
+    known = {e.name for e in state_entries}
+    uses_seed = False
+    entries: dict[str, Entry] = {}
+    texts: dict[str, str] = {}
+    for entry_name, progs, updates in [("train", train_bound, True)] + [
+        (n, ps, False) for n, ps in eval_bound.items()
+    ]:
+        programs = []
+        for i, (bound, batch_sig) in enumerate(progs):
+            what = f"{entry_name} program {i}"
+            for inp in bound.inputs:
+                if isinstance(inp, StateInput) and inp.name not in known:  # pragma: no cover
+                    raise ExportError(f"Internal error: {what} reads unknown state {inp.name!r}.")
+                if inp.kind is InputKind.RNG_SEED:
+                    uses_seed = True
+            artifact, target, text = _lower(bound, len(bound.outputs), what)
+            section = f"program/{entry_name}/{i}"
+            payloads.append(codec.SectionPayload(section, SectionKind.PROGRAM, artifact))
+            for inp in bound.inputs:
+                if isinstance(inp, ConstantInput):
+                    payloads.append(
+                        codec.SectionPayload(inp.section, SectionKind.TENSOR, tensor_bytes(bound.constants[inp.name]))
+                    )
+            texts[f"{entry_name}.{i}"] = text
+            programs.append(
+                Program(
+                    section=section,
+                    stablehlo_version=target,
+                    inputs=bound.inputs,
+                    outputs=bound.outputs,
+                    batch=batch_sig,
+                )
+            )
+        entries[entry_name] = Entry(programs=tuple(programs), updates_state=updates)
+    hypers = tuple(
+        Hyperparameter(name=n, spec=spec_of(torch.float32, (), f"Hyperparameter {n!r}"), value=v)
+        for n, v in initial_hyper.items()
+    )
+    manifest = Manifest(
+        producer=_versions(),
+        entries=entries,
+        state=tuple(state_entries),
+        hyperparameters=hypers,
+        rng=Rng(seed=base_seed) if uses_seed else None,
+        sections=(),
+    )
+    times["lower"] = time.perf_counter() - t2
+    t3 = time.perf_counter()
+    out = Path(path)
+    manifest = codec.write_bundle(out, manifest, payloads)
+    if mlir_dir is not None:
+        d = Path(mlir_dir)
+        d.mkdir(parents=True, exist_ok=True)
+        for key, text in texts.items():
+            (d / f"{out.name}.{key}.mlir").write_text(text)
+    times["write"] = time.perf_counter() - t3
+    with codec.open_bundle(out) as b:
+        digest, size = b.digest, b.file_size
+    counts: dict[str, int] = {}
+    for prog in manifest.entries["train"].programs:
+        for inp in prog.inputs:
+            counts[inp.kind.value] = counts.get(inp.kind.value, 0) + 1
+    say(f"wrote {out} ({size / 1e6:.2f} MB, {digest})")
+    return ExportReport(out, manifest, digest, size, times, counts)
+
+
+def _batch_signature(batch: Mapping[str, torch.Tensor]) -> tuple[NamedSpec, ...]:
+    return tuple(
+        NamedSpec(k, spec_of(v.dtype, tuple(v.shape), f"Batch input {k!r}")) for k, v in batch.items()
+    )
+

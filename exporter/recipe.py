@@ -1,0 +1,56 @@
+"""What the user hands the exporter: a model, an optimizer and their ordinary step.
+
+Imports: torch (for types only).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = ["Recipe", "StepFn", "EvalFn"]
+
+StepFn = Callable[[torch.nn.Module, torch.optim.Optimizer, dict[str, torch.Tensor]], Mapping[str, Any]]
+"""``step(model, optimizer, batch) -> {"loss": tensor, ...}``: forward, backward, optimizer step."""
+
+EvalFn = Callable[[torch.nn.Module, dict[str, torch.Tensor]], Mapping[str, Any]]
+"""``eval_step(model, batch) -> {"name": tensor, ...}``: runs under ``model.eval()`` and no_grad."""
+
+
+@dataclass
+class Recipe:
+    """A training step to export, exactly as the user would run it eagerly.
+
+    Attributes:
+      model: the ``nn.Module``, on the CPU or already on the XLA device.
+      optimizer: a ``torch.optim.Optimizer`` built over ``model``'s parameters.
+      step: the user's imperative training step, returning a dict of scalar tensors
+        that includes ``"loss"``.
+      example_batch: a dict of name -> CPU tensor. Its shapes and dtypes become the
+        first shape bucket of every entry.
+      example_batches: further example batches; each one with a different shape
+        becomes another shape bucket (for example a short last batch).
+      eval_step: optional read-only step, exported as the ``eval`` entry.
+      entries: further read-only entries by name, called like ``eval_step``.
+      hyperparameters: optimizer ``param_groups`` keys (``"lr"``, ...) to export as
+        named scalar inputs the runtime sets on every step instead of constants.
+      seed: torch_xla RNG seed the first exported step receives. ``None`` takes the
+        process's current torch_xla RNG state.
+    """
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    step: StepFn
+    example_batch: Mapping[str, torch.Tensor]
+    example_batches: Sequence[Mapping[str, torch.Tensor]] = ()
+    eval_step: EvalFn | None = None
+    entries: Mapping[str, EvalFn] = field(default_factory=dict)
+    hyperparameters: Sequence[str] = ()
+    seed: int | None = None
+
+    def all_batches(self) -> list[Mapping[str, torch.Tensor]]:
+        """The example batches, one per shape bucket, first bucket first."""
+        return [self.example_batch, *self.example_batches]

@@ -1,0 +1,348 @@
+"""Run the user's step once under torch_xla's lazy tracer and record its graph.
+
+One ``StepTrace`` says, for every input of the lowered graph, which tensor it came
+from (by torch_xla tensor id, read after a sync and before the step), and for every
+output, which metric or state tensor it is. ``bind.py`` turns two consecutive traces
+into a binding table.
+
+Imports: torch, torch_xla.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from stepbundle.schema.manifest import StateKind
+
+from .errors import ExportError
+from .workspace import StateTensor, Workspace
+
+__all__ = ["InputOrigin", "StepTrace", "trace_eval", "trace_train", "sync"]
+
+
+def _xlac() -> Any:
+    import torch_xla
+
+    return torch_xla._XLAC
+
+
+def sync() -> None:
+    """Materialize every pending lazy tensor (torch_xla's mark_step)."""
+    import torch_xla
+
+    torch_xla.sync()
+
+
+def tensor_id(t: torch.Tensor) -> int:
+    return int(_xlac()._xla_get_tensor_id(t))
+
+
+@dataclass(frozen=True)
+class InputOrigin:
+    """What one graph input is, as seen by the tracer.
+
+    kind: "state" | "batch" | "rng_seed" | "hyperparameter" | "host"
+    ("host": a host scalar or a temporary made inside the step; a constant candidate).
+    """
+
+    kind: str
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    value: torch.Tensor | None  # CPU copy, for "host" and "rng_seed" inputs only
+
+
+@dataclass(frozen=True)
+class StepTrace:
+    """One traced call of a step.
+
+    Attributes:
+      text: the lowered StableHLO, as text (compared between traces).
+      bytecode: the lowered StableHLO as torch_xla serialized it.
+      inputs: origin of each graph input, in parameter order.
+      metric_names: names of the metric outputs, in output order (first outputs).
+      updated_state: names of the state tensors written, in output order, after the
+        metrics.
+      metric_specs / update_specs: (dtype, shape) of each output.
+      hyper_values: hyperparameter-like values of the param_groups before the step,
+        for error messages.
+    """
+
+    text: str
+    bytecode: bytes
+    inputs: tuple[InputOrigin, ...]
+    metric_names: tuple[str, ...]
+    metric_specs: tuple[tuple[torch.dtype, tuple[int, ...]], ...]
+    updated_state: tuple[str, ...]
+    update_specs: tuple[tuple[torch.dtype, tuple[int, ...]], ...]
+    hyper_values: tuple[tuple[str, float], ...]
+
+
+def _counters() -> dict[str, int]:
+    import torch_xla.debug.metrics as met
+
+    return {n: int(met.counter_value(n) or 0) for n in met.counter_names()}
+
+
+def _check_no_host_round_trip(before: dict[str, int], after: dict[str, int], what: str) -> None:
+    """Refuse a step that ran part of itself eagerly: it cannot be captured as one graph."""
+    grew = {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
+    fallbacks = sorted(
+        k for k in grew if k.startswith("aten::") and k != "aten::_local_scalar_dense"
+    )
+    if fallbacks:
+        ops = ", ".join(k.removeprefix("aten::") for k in fallbacks)
+        raise ExportError(
+            f"The {what} ran op(s) {ops} on the CPU: torch_xla has no XLA lowering for "
+            "them (data-dependent output shapes, such as nonzero or boolean masking, are "
+            "the usual cause). A graph with a CPU round trip cannot be replayed. Replace "
+            "them with static-shape ops (torch.where, masked sums) and export again."
+        )
+    if grew.get("aten::_local_scalar_dense", 0) or grew.get("ExecuteComputation", 0):
+        raise ExportError(
+            f"The {what} read a device value on the host in the middle of the step "
+            "(.item(), float(t), print(t), a Python `if` on a tensor, or a tensor "
+            "passed where torch wants a number). That splits the step into several "
+            "graphs whose host-side decisions would be frozen into the bundle. Keep "
+            "the values on the device (torch.where instead of `if`, return tensors as "
+            "metrics instead of calling .item()) and export again."
+        )
+
+
+def _origins(
+    ws: Workspace,
+    ids: list[int],
+    values: list[torch.Tensor],
+    *,
+    state_ids: Mapping[int, str],
+    batch_ids: Mapping[int, str],
+    hyper_ids: Mapping[int, str],
+) -> tuple[InputOrigin, ...]:
+    seed_id = int(_xlac()._get_seed_info_id())
+    out = []
+    for tid, v in zip(ids, values):
+        dtype, shape = v.dtype, tuple(int(d) for d in v.shape)
+        if tid in state_ids:
+            out.append(InputOrigin("state", state_ids[tid], dtype, shape, None))
+        elif tid in batch_ids:
+            out.append(InputOrigin("batch", batch_ids[tid], dtype, shape, None))
+        elif tid in hyper_ids:
+            out.append(InputOrigin("hyperparameter", hyper_ids[tid], dtype, shape, None))
+        elif tid == seed_id:
+            out.append(InputOrigin("rng_seed", "rng_seed", dtype, shape, v.cpu().clone()))
+        else:
+            out.append(InputOrigin("host", "", dtype, shape, v.cpu().clone()))
+    return tuple(out)
+
+
+def _metrics(result: Any, what: str, *, need_loss: bool) -> dict[str, torch.Tensor]:
+    if not isinstance(result, Mapping):
+        raise ExportError(
+            f"The {what} returned {type(result).__name__}; it must return a dict of "
+            'name -> tensor, for example {"loss": loss}.'
+        )
+    out: dict[str, torch.Tensor] = {}
+    for k, v in result.items():
+        if not isinstance(k, str) or not k:
+            raise ExportError(f"The {what} returned a metric key {k!r}; keys must be non-empty strings.")
+        if not isinstance(v, torch.Tensor):
+            raise ExportError(
+                f"The {what} returned {k!r} = {v!r} ({type(v).__name__}); metrics must be "
+                "tensors on the XLA device. Return the tensor itself, not .item()."
+            )
+        if v.device.type != "xla":
+            raise ExportError(
+                f"The {what} returned {k!r} on device {v.device}; metrics must be computed "
+                "on the XLA device from the batch and the model."
+            )
+        out[k] = v.detach()
+    if need_loss and "loss" not in out:
+        raise ExportError(
+            f'The {what} returned the keys {sorted(out)}; a training step must return "loss".'
+        )
+    return out
+
+
+def _hyper_values(ws: Workspace) -> tuple[tuple[str, float], ...]:
+    vals = []
+    for i, g in enumerate(ws.optimizer.param_groups):
+        for k, v in g.items():
+            if k == "params":
+                continue
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                vals.append((f"param_groups[{i}][{k!r}]", float(v)))
+            elif isinstance(v, tuple):
+                for j, e in enumerate(v):
+                    if isinstance(e, (int, float)) and not isinstance(e, bool):
+                        vals.append((f"param_groups[{i}][{k!r}][{j}]", float(e)))
+    return tuple(vals)
+
+
+def _lower(roots: list[torch.Tensor]) -> tuple[str, bytes]:
+    import torch_xla.core.xla_model as xm
+
+    return xm.get_stablehlo(roots), xm.get_stablehlo_bytecode(roots)
+
+
+def _ids_of(states: list[StateTensor]) -> dict[str, int]:
+    return {s.name: tensor_id(s.tensor) for s in states}
+
+
+def trace_train(
+    ws: Workspace,
+    batch: Mapping[str, torch.Tensor],
+    step_fn: Any,
+    *,
+    seed: int | None = None,
+    execute: bool = True,
+) -> StepTrace:
+    """Trace one training step on the workspace and (by default) run it.
+
+    Running it leaves the workspace in the state after the step, ready for the next
+    traced step, as in eager training with one sync per step. ``seed``, when given, is
+    the torch_xla RNG seed this step receives (every sync advances it).
+    """
+    sync()
+    if seed is not None:
+        import torch_xla.core.xla_model as xm
+
+        xm.set_rng_state(seed)
+    states = ws.state_tensors()
+    before = _ids_of(states)
+    state_ids = {tid: name for name, tid in before.items()}
+    obj_before = {s.name: s.tensor for s in states}
+    batch_ids = {tensor_id(t): k for k, t in batch.items()}
+    hyper_before = {name: tensor_id(t) for name, t in ws.hyperparameters.items()}
+    hyper_ids = {tid: name for name, tid in hyper_before.items()}
+    hvals = _hyper_values(ws)
+    counters = _counters()
+    ws.model.train()
+    result = step_fn(ws.model, ws.optimizer, dict(batch))
+    _check_no_host_round_trip(counters, _counters(), "training step")
+    metrics = _metrics(result, "training step", need_loss=True)
+
+    for name, t in ws.hyperparameters.items():
+        if tensor_id(t) != hyper_before[name]:
+            raise ExportError(
+                f"The training step changed hyperparameter {name!r} itself (a "
+                "scheduler.step() inside the step?). A declared hyperparameter is set by "
+                "the runtime on every step: drive it with trainer.set_hyperparameter or "
+                "a schedule (stepbundle run --lr-schedule) and remove the change from the "
+                "step."
+            )
+    after = ws.state_tensors()
+    after_names = {s.name for s in after}
+    vanished = [n for n in before if n not in after_names]
+    new_names = [s.name for s in after if s.name not in before]
+    if new_names:
+        raise ExportError(
+            "The training step created new state: "
+            + ", ".join(new_names[:8])
+            + (" ..." if len(new_names) > 8 else "")
+            + ". The first step of an optimizer stepbundle does not know lazily creates "
+            "its state; take one optimizer step before exporting so that the state "
+            "exists, then export."
+        )
+    updated: list[StateTensor] = []
+    for s in after:
+        if s.kind is StateKind.GRADIENT and s.name in vanished:
+            continue
+        if obj_before.get(s.name) is not s.tensor or tensor_id(s.tensor) != before[s.name]:
+            updated.append(s)
+    # Gradients dropped by the step (zero_grad(set_to_none=True) at its end) are not
+    # kept between steps: they are not state of the bundle.
+    for n in vanished:
+        if not n.endswith(".grad"):
+            raise ExportError(
+                f"The training step removed state tensor {n!r}. State must persist "
+                "between steps."
+            )
+
+    roots: list[torch.Tensor] = []
+    seen: dict[int, int] = {}
+    metric_specs = []
+    for v in metrics.values():
+        metric_specs.append((v.dtype, tuple(int(d) for d in v.shape)))
+        roots.append(v)
+        seen.setdefault(id(v), len(roots) - 1)
+    for s in updated:
+        roots.append(s.tensor)
+    text, bytecode = _lower(roots)
+    ids, values = _xlac()._get_tensors_xla_device_data_node(roots)
+    inputs = _origins(
+        ws,
+        list(ids),
+        list(values),
+        state_ids=state_ids,
+        batch_ids=batch_ids,
+        hyper_ids=hyper_ids,
+    )
+    missing_hp = [n for n in ws.hyperparameters if n not in {i.name for i in inputs if i.kind == "hyperparameter"}]
+    if missing_hp:
+        raise ExportError(
+            f"Hyperparameter(s) {', '.join(map(repr, missing_hp))} were declared but the "
+            "traced step does not read them as tensors, so setting them would change "
+            "nothing. The optimizer must use the param_groups value inside its update; "
+            "remove the declaration or use an optimizer that accepts a tensor value."
+        )
+    trace = StepTrace(
+        text=text,
+        bytecode=bytecode,
+        inputs=inputs,
+        metric_names=tuple(metrics),
+        metric_specs=tuple(metric_specs),
+        updated_state=tuple(s.name for s in updated),
+        update_specs=tuple((s.tensor.dtype, tuple(int(d) for d in s.tensor.shape)) for s in updated),
+        hyper_values=hvals,
+    )
+    del roots, metrics, result, values
+    if execute:
+        sync()
+    return trace
+
+
+def trace_eval(ws: Workspace, batch: Mapping[str, torch.Tensor], eval_fn: Any, what: str) -> StepTrace:
+    """Trace a read-only step (model.eval(), no grad). Nothing is executed."""
+    sync()
+    states = ws.state_tensors()
+    before = _ids_of(states)
+    state_ids = {tid: name for name, tid in before.items()}
+    batch_ids = {tensor_id(t): k for k, t in batch.items()}
+    counters = _counters()
+    ws.model.eval()
+    try:
+        with torch.no_grad():
+            result = eval_fn(ws.model, dict(batch))
+        _check_no_host_round_trip(counters, _counters(), what)
+        metrics = _metrics(result, what, need_loss=False)
+        changed = [
+            s.name for s in ws.state_tensors() if tensor_id(s.tensor) != before.get(s.name)
+        ]
+        if changed:
+            raise ExportError(
+                f"The {what} changed state ({', '.join(changed[:5])}); read-only entries "
+                "must not. Run it under model.eval() and torch.no_grad(), or make it a "
+                "training step."
+            )
+        roots = list(metrics.values())
+        text, bytecode = _lower(roots)
+        ids, values = _xlac()._get_tensors_xla_device_data_node(roots)
+        inputs = _origins(
+            ws, list(ids), list(values), state_ids=state_ids, batch_ids=batch_ids, hyper_ids={}
+        )
+        return StepTrace(
+            text=text,
+            bytecode=bytecode,
+            inputs=inputs,
+            metric_names=tuple(metrics),
+            metric_specs=tuple((v.dtype, tuple(int(d) for d in v.shape)) for v in roots),
+            updated_state=(),
+            update_specs=(),
+            hyper_values=(),
+        )
+    finally:
+        ws.model.train()

@@ -1,0 +1,333 @@
+"""Device copies of the user's model and optimizer, and the names of every state tensor.
+
+The exporter never traces on the user's own objects: it deep-copies the model and the
+optimizer together (so the optimizer keeps pointing at the copied parameters), moves the
+copies to the XLA device, re-points the optimizer at the moved parameters by name, and
+materializes the optimizer state a fresh optimizer would create on its first step. The
+user's objects are therefore exactly as they were after an export.
+
+Imports: torch, torch_xla.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from stepbundle.schema.manifest import StateKind
+
+from .errors import ExportError
+from .recipe import Recipe
+
+__all__ = ["StateTensor", "Workspace", "xla_device"]
+
+
+def xla_device() -> torch.device:
+    """The default XLA device (created on first use, before any autograd runs)."""
+    import torch_xla
+
+    return torch_xla.device()
+
+
+@dataclass(frozen=True)
+class StateTensor:
+    """One state tensor of the workspace, under its primary name."""
+
+    name: str
+    kind: StateKind
+    tensor: torch.Tensor
+    trainable: bool
+    aliases: tuple[str, ...] = ()
+
+
+def _set_parameter(model: torch.nn.Module, dotted: str, value: torch.nn.Parameter) -> None:
+    owner_name, _, leaf = dotted.rpartition(".")
+    owner = model.get_submodule(owner_name) if owner_name else model
+    owner._parameters[leaf] = value
+
+
+def _set_buffer(model: torch.nn.Module, dotted: str, value: torch.Tensor) -> None:
+    owner_name, _, leaf = dotted.rpartition(".")
+    owner = model.get_submodule(owner_name) if owner_name else model
+    owner._buffers[leaf] = value
+
+
+def _group_names(named: Iterator[tuple[str, torch.Tensor]]) -> dict[int, list[str]]:
+    """Names of each distinct tensor object, first name first (tied weights share one)."""
+    out: dict[int, list[str]] = {}
+    for name, t in named:
+        if t is None:
+            continue
+        out.setdefault(id(t), []).append(name)
+    return out
+
+
+class Workspace:
+    """The traced copies: ``model`` and ``optimizer`` on the XLA device.
+
+    Attributes:
+      model, optimizer: the copies the user's step is run on.
+      device: the XLA device.
+      param_names: primary name of every parameter object (by ``id``).
+      hyperparameters: declared hyperparameter name -> its device tensor.
+    """
+
+    def __init__(self, recipe: Recipe, device: torch.device) -> None:
+        self.device = device
+        src_model, src_opt = recipe.model, recipe.optimizer
+        model, optimizer = copy.deepcopy((src_model, src_opt))
+        # Names by object identity, read before the move: tied weights are one object
+        # under several names, and the optimizer references parameters by object.
+        param_groups = _group_names(model.named_parameters(remove_duplicate=False))
+        buffer_groups = _group_names(model.named_buffers(remove_duplicate=False))
+        self._param_aliases = {names[0]: tuple(names[1:]) for names in param_groups.values()}
+        self._buffer_aliases = {names[0]: tuple(names[1:]) for names in buffer_groups.values()}
+        name_of_param = {pid: names[0] for pid, names in param_groups.items()}
+        src_grads = {
+            name_of_param[id(p)]: p.grad
+            for p in model.parameters()
+            if id(p) in name_of_param and p.grad is not None
+        }
+        old_state = optimizer.state
+        old_groups = [list(g["params"]) for g in optimizer.param_groups]
+
+        model.to(device)
+        # module.to(xla) creates new Parameter objects one module at a time, which
+        # unties tied weights: tie them again, by name.
+        for primary, aliases in self._param_aliases.items():
+            p = model.get_parameter(primary)
+            for alias in aliases:
+                _set_parameter(model, alias, p)
+        for primary, aliases in self._buffer_aliases.items():
+            b = model.get_buffer(primary)
+            for alias in aliases:
+                _set_buffer(model, alias, b)
+
+        new_by_name = dict(model.named_parameters(remove_duplicate=False))
+        for group, old_params in zip(optimizer.param_groups, old_groups):
+            moved = []
+            for p in old_params:
+                name = name_of_param.get(id(p))
+                if name is None:
+                    raise ExportError(
+                        f"The optimizer ({type(optimizer).__name__}) updates a tensor of shape "
+                        f"{tuple(p.shape)} that is not a parameter of the model. Build the "
+                        "optimizer over model.parameters() (or named subsets of them)."
+                    )
+                moved.append(new_by_name[name])
+            group["params"] = moved
+        group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+        new_state: defaultdict[torch.Tensor, dict[str, Any]] = defaultdict(dict)
+        for p, s in old_state.items():
+            name = name_of_param.get(id(p))
+            if name is None:
+                continue
+            newp = new_by_name[name]
+            host_step = _keeps_host_step(optimizer, group_of.get(id(newp), {}))
+            new_state[newp] = {
+                k: self._move_state(v, keep_on_host=host_step and k == "step")
+                for k, v in s.items()
+            }
+        optimizer.state = new_state
+        self.model = model
+        self.optimizer = optimizer
+        self.param_names: dict[int, str] = {id(new_by_name[n]): n for n in self._param_aliases}
+        self._trainable = {
+            id(p) for g in optimizer.param_groups for p in g["params"] if p.requires_grad
+        }
+        self._materialize_optimizer_state()
+        # Gradients: the value a parameter's .grad holds between steps is state when
+        # the user keeps it. Start every trainable parameter with its grad (zeros
+        # when it has none): zeros are what a first backward accumulates into, so the
+        # traced step is the steady-state step from the very first call.
+        for name, p in new_by_name.items():
+            if name not in self._param_aliases or not p.requires_grad:
+                continue
+            g = src_grads.get(name)
+            p.grad = g.detach().to(device).clone() if g is not None else torch.zeros_like(p)
+        self.hyperparameters: dict[str, torch.Tensor] = {}
+        self._declare_hyperparameters(recipe.hyperparameters)
+
+    def _move_state(self, value: Any, *, keep_on_host: bool) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return value
+        # State the optimizer deliberately keeps on the host (a non-capturable Adam's
+        # step count) stays there; the tracer then sees it as a changing host value.
+        if keep_on_host:
+            return value.detach().cpu().clone()
+        return value.detach().to(self.device).clone()
+
+    def _materialize_optimizer_state(self) -> None:
+        """Create the state a fresh optimizer builds on its first step, as the step would."""
+        opt = self.optimizer
+        kind = _optimizer_family(opt)
+        for group in opt.param_groups:
+            for p in group["params"]:
+                if not p.requires_grad or opt.state.get(p):
+                    continue
+                if kind == "adam":
+                    s: dict[str, Any] = {}
+                    on_device = group.get("capturable", False) or group.get("fused", False)
+                    s["step"] = (
+                        torch.zeros((), dtype=torch.get_default_dtype(), device=self.device)
+                        if on_device
+                        else torch.tensor(0.0, dtype=torch.get_default_dtype())
+                    )
+                    s["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    s["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    if group["amsgrad"]:
+                        s["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    opt.state[p] = s
+                elif kind == "syncfree_adam":
+                    s = {
+                        "step": torch.zeros((), dtype=torch.float32, device=self.device),
+                        "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                        "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
+                        "max_exp_avg_sq": (
+                            torch.zeros_like(p, memory_format=torch.preserve_format)
+                            if group["amsgrad"]
+                            else torch.empty(0, dtype=torch.float32, device=self.device)
+                        ),
+                    }
+                    opt.state[p] = s
+                elif kind in ("sgd", "syncfree_sgd"):
+                    s = {}
+                    if kind == "syncfree_sgd":
+                        s["step"] = torch.zeros((), dtype=torch.float32, device=self.device)
+                    if group["momentum"] != 0:
+                        if group["dampening"] != 0:
+                            raise ExportError(
+                                f"{type(opt).__name__} with momentum={group['momentum']} and "
+                                f"dampening={group['dampening']} starts its momentum buffer "
+                                "from the first gradient, which no steady-state step can "
+                                "replay. Take one optimizer step before exporting, or use "
+                                "dampening=0."
+                            )
+                        # A zero buffer gives exactly the first step's clone(grad) when
+                        # dampening is 0: momentum * 0 + grad.
+                        s["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    if s:
+                        opt.state[p] = s
+                # Other optimizers: if their first step creates state, the tracer notices
+                # and asks the user to step once before exporting.
+
+    def _declare_hyperparameters(self, keys: tuple[str, ...] | list[str] | Any) -> None:
+        groups = self.optimizer.param_groups
+        for key in keys:
+            for i, group in enumerate(groups):
+                if key not in group:
+                    raise ExportError(
+                        f"Hyperparameter {key!r} is not a key of the optimizer's "
+                        f"param_groups[{i}] (keys: {sorted(k for k in group if k != 'params')}). "
+                        "Declare only param_groups keys, for example hyperparameters=('lr',)."
+                    )
+                value = group[key]
+                if isinstance(value, torch.Tensor):
+                    value = float(value.detach().cpu())
+                if not isinstance(value, (int, float)) or isinstance(value, bool):
+                    raise ExportError(
+                        f"Hyperparameter {key!r} of param_groups[{i}] is {value!r}; only real "
+                        "scalars can be exported as hyperparameters."
+                    )
+                name = key if len(groups) == 1 else f"param_groups.{i}.{key}"
+                t = torch.tensor(float(value), dtype=torch.float32, device=self.device)
+                if _optimizer_family(self.optimizer) in ("sgd",) and key == "lr":
+                    # torch's SGD turns a plain tensor lr into a Python number
+                    # (alpha=-lr), which reads it on the host; a tensor that requires
+                    # grad takes its addcmul path, which keeps lr in the graph.
+                    t.requires_grad_(True)
+                group[key] = t
+                self.hyperparameters[name] = t
+
+    # ----------------------------------------------------------------- state
+    def state_tensors(self) -> list[StateTensor]:
+        """Every state tensor under its primary name, in a stable order.
+
+        Order: parameters, buffers (model order), optimizer state (param_groups order,
+        then the optimizer's key order), gradients (model order).
+        """
+        out: list[StateTensor] = []
+        model, opt = self.model, self.optimizer
+        params = dict(model.named_parameters(remove_duplicate=False))
+        for name, aliases in self._param_aliases.items():
+            p = params[name]
+            out.append(
+                StateTensor(name, StateKind.PARAMETER, p, id(p) in self._trainable, aliases)
+            )
+        buffers = dict(model.named_buffers(remove_duplicate=False))
+        for name, aliases in self._buffer_aliases.items():
+            b = buffers.get(name)
+            if b is None:
+                continue
+            out.append(StateTensor(name, StateKind.BUFFER, b, False, aliases))
+        for group in opt.param_groups:
+            for p in group["params"]:
+                pname = self.param_names[id(p)]
+                for key, v in opt.state.get(p, {}).items():
+                    if isinstance(v, torch.Tensor):
+                        out.append(
+                            StateTensor(
+                                f"optimizer.state.{pname}.{key}",
+                                StateKind.OPTIMIZER_STATE,
+                                v,
+                                False,
+                            )
+                        )
+        for name in self._param_aliases:
+            p = params[name]
+            if p.grad is not None:
+                out.append(StateTensor(f"{name}.grad", StateKind.GRADIENT, p.grad, False))
+        return out
+
+    def host_state(self) -> list[str]:
+        """Names of optimizer state tensors that live on the host, not the device."""
+        return [
+            s.name
+            for s in self.state_tensors()
+            if s.tensor.device.type != self.device.type
+        ]
+
+    def optimizer_hints(self) -> list[str]:
+        """Known causes of step-dependent host values in this optimizer's settings."""
+        hints = []
+        opt = self.optimizer
+        fam = _optimizer_family(opt)
+        if fam == "adam" and not all(
+            g.get("capturable", False) or g.get("fused", False) for g in opt.param_groups
+        ):
+            hints.append(
+                f"{type(opt).__name__} was built with capturable=False, so its step count "
+                "lives on the host and its bias correction is baked into the graph as a "
+                "number that changes every step. Build it with capturable=True, "
+                "foreach=False."
+            )
+        return hints
+
+
+def _optimizer_family(opt: torch.optim.Optimizer) -> str:
+    try:
+        import torch_xla.amp.syncfree as syncfree
+    except ImportError:  # pragma: no cover - torch_xla is a dependency of the exporter
+        syncfree = None
+    if syncfree is not None:
+        if isinstance(opt, (syncfree.Adam, syncfree.AdamW)):
+            return "syncfree_adam"
+        if isinstance(opt, syncfree.SGD):
+            return "syncfree_sgd"
+    if isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)):
+        return "adam"
+    if isinstance(opt, torch.optim.SGD):
+        return "sgd"
+    return "other"
+
+
+def _keeps_host_step(opt: torch.optim.Optimizer, group: dict[str, Any]) -> bool:
+    """Whether torch keeps this group's Adam step count on the host (not capturable)."""
+    return _optimizer_family(opt) == "adam" and not (
+        group.get("capturable", False) or group.get("fused", False)
+    )

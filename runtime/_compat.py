@@ -1,0 +1,118 @@
+"""Every jaxlib call whose spelling differs between the versions the runtime supports.
+
+Supported: jax/jaxlib 0.7.1 (the exporter's pin) up to the newest release pip offers
+(0.10.x at the time of writing). Nothing else in the runtime touches jaxlib's client
+API directly, so a new jaxlib means editing this one module.
+
+x64: torch_xla graphs carry f64 and i64 scalars (host constants, the RNG seed). jax,
+with its default ``jax_enable_x64=False``, silently narrows such arrays to 32 bits on
+transfer. The runtime never changes the user's global jax configuration: it enables
+x64 only inside its own transfers, with jax's thread-local scoped switch.
+
+Imports: jax, jaxlib, numpy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import jax
+import jaxlib
+import numpy as np
+from jax.extend.backend import get_backend
+from jaxlib import xla_client
+
+__all__ = [
+    "JAXLIB_VERSION",
+    "compile_options",
+    "compile_program",
+    "deserialize_executable",
+    "get_client",
+    "put",
+    "put_sharded",
+    "serialize_executable",
+    "x64_scope",
+]
+
+JAXLIB_VERSION: str = str(jaxlib.__version__)
+
+Client = Any
+Device = Any
+Executable = Any
+Array = Any
+
+
+def _make_x64_scope() -> Callable[[], contextlib.AbstractContextManager[Any]]:
+    # jax >= 0.8 spells it jax.enable_x64(True) (a context manager when used in `with`);
+    # older releases have jax.experimental.enable_x64(). Remove the fallback when the
+    # exporter's pin moves past jax 0.7.
+    scoped = getattr(jax, "enable_x64", None)
+    if scoped is not None:
+        return lambda: scoped(True)  # type: ignore[no-any-return]
+    from jax.experimental import enable_x64
+
+    return lambda: enable_x64(True)  # type: ignore[no-any-return]
+
+
+x64_scope: Callable[[], contextlib.AbstractContextManager[Any]] = _make_x64_scope()
+
+
+def get_client(platform: str) -> Client:
+    """The PJRT client for ``platform`` ("cpu", "cuda", "rocm", "tpu")."""
+    return get_backend(platform)
+
+
+def put(x: np.ndarray[Any, Any], device: Device) -> Array:
+    """Copy a host array to ``device`` with its exact dtype (no x64 narrowing).
+
+    Always copies: a zero-copy buffer could alias memory the caller reuses, or a
+    read-only mapping of the bundle that a donated buffer would then be written into.
+    """
+    with x64_scope():
+        return jax.device_put(np.array(x, copy=True, order="C"), device)
+
+
+def put_sharded(x: np.ndarray[Any, Any], sharding: Any) -> Array:
+    """Copy a host array into a (possibly multi-device) sharding, exact dtype."""
+    with x64_scope():
+        return jax.device_put(np.array(x, copy=True, order="C"), sharding)
+
+
+def compile_options(num_partitions: int = 1, device_ids: Sequence[int] | None = None) -> Any:
+    """Compile options for one replica over ``num_partitions`` devices (SPMD when > 1)."""
+    opts = xla_client.CompileOptions()
+    build = opts.executable_build_options
+    build.num_replicas = 1
+    build.num_partitions = num_partitions
+    if num_partitions > 1:
+        build.use_spmd_partitioning = True
+        if device_ids is not None:
+            build.device_assignment = xla_client.DeviceAssignment.create(
+                np.asarray(device_ids, dtype=np.int64).reshape(1, num_partitions)
+            )
+    return opts
+
+
+def compile_program(client: Client, bytecode: bytes, devices: Sequence[Device], options: Any) -> Executable:
+    """Compile MLIR bytecode for ``devices`` and load it."""
+    return client.compile_and_load(bytecode, xla_client.DeviceList(tuple(devices)), options)
+
+
+def serialize_executable(client: Client, exe: Executable) -> bytes:
+    data = client.serialize_executable(exe)
+    return bytes(data)
+
+
+def deserialize_executable(client: Client, data: bytes, devices: Sequence[Device], options: Any) -> Executable:
+    return client.deserialize_executable(data, xla_client.DeviceList(tuple(devices)), options)
+
+
+def is_deleted(a: Array) -> bool:
+    return bool(a.is_deleted())
+
+
+def block(arrays: Iterator[Array] | Sequence[Array]) -> None:
+    for a in arrays:
+        a.block_until_ready()

@@ -1,0 +1,37 @@
+"""The runtime's error types.
+
+Imports: stepbundle.schema only.
+"""
+
+from __future__ import annotations
+
+from stepbundle.schema.errors import BundleError
+
+__all__ = ["BindingError", "CheckpointError", "NonFiniteLossError", "PlatformError"]
+
+
+class BindingError(BundleError):
+    """A call's arguments do not match what the bundle's programs expect.
+
+    Raised before anything is dispatched: no state buffer has been donated.
+    """
+
+
+class PlatformError(BundleError):
+    """The bundle cannot run on the requested device or platform."""
+
+
+class CheckpointError(BundleError):
+    """A checkpoint does not match the bundle, or could not be read."""
+
+
+class NonFiniteLossError(BundleError):
+    """A step produced a non-finite loss and the trainer was told to stop on it.
+
+    The trainer's state is the state from before that step.
+    """
+
+    def __init__(self, message: str, *, step: int, metrics: dict[str, float]) -> None:
+        super().__init__(message)
+        self.step = step
+        self.metrics = metrics

@@ -1,0 +1,201 @@
+"""``load(path)``: open a bundle, compile its programs, put its state on the device.
+
+Loading validates the bundle (``stepbundle.schema``), checks each section's digest
+before its first use, compiles every program with donation set from the manifest's
+alias table (through a persistent compile cache keyed by jaxlib version and device),
+and copies the initial state and constants to the device once.
+
+Imports: numpy, jax/jaxlib (through _compat), stepbundle.schema.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from stepbundle.schema import codec
+from stepbundle.schema.manifest import ConstantInput
+
+from . import _compat
+from .dtypes import array_from_section
+from .errors import BindingError, PlatformError
+from .program import compile_program, default_cache_dir
+from .trainer import LoadInfo, Trainer, _Plan, build_plan
+
+__all__ = ["load", "parse_device"]
+
+_PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
+
+
+def parse_device(device: str) -> tuple[str, int]:
+    """``"cuda:1"`` -> ("cuda", 1); ``"cpu"`` -> ("cpu", 0)."""
+    name, _, idx = str(device).partition(":")
+    name = name.strip().lower()
+    if name == "gpu":
+        name = "cuda"
+    if name not in _PLATFORMS:
+        raise PlatformError(
+            f"Unknown device {device!r}. Use one of {', '.join(_PLATFORMS)}, optionally with "
+            "an index (cuda:1)."
+        )
+    try:
+        index = int(idx) if idx else 0
+    except ValueError:
+        raise PlatformError(f"Bad device index in {device!r}; use for example cuda:0.") from None
+    return name, index
+
+
+def _client(platform: str) -> Any:
+    try:
+        return _compat.get_client(platform)
+    except Exception as e:
+        raise PlatformError(
+            f"No {platform} device is available to jax here ({e}). Install jax's plugin "
+            f"for {platform} (for CUDA: pip install 'jax[cuda12]') or run with --device cpu."
+        ) from None
+
+
+def load(
+    path: str | os.PathLike[str],
+    *,
+    device: str = "cpu",
+    entry: str | list[str] | None = None,
+    cache_dir: str | os.PathLike[str] | bool | None = True,
+    expect_digest: str | None = None,
+    stop_on_nonfinite: bool = False,
+    devices: int = 1,
+) -> Trainer:
+    """Load a bundle and return a ``Trainer`` that owns its state on ``device``.
+
+    Args:
+      path: the bundle file.
+      device: platform name, optionally with an index: "cpu", "cuda", "cuda:1", "tpu".
+      entry: entry point(s) to compile; None compiles every entry of the bundle.
+      cache_dir: persistent compilation cache. True (default): ``$STEPBUNDLE_CACHE_DIR``
+        or ``~/.cache/stepbundle``; a path: that folder; False or None: no cache.
+      expect_digest: refuse any bundle whose digest ("sha256:...") differs.
+      stop_on_nonfinite: compile without donation, check every step's loss, and stop
+        before a non-finite loss replaces the state (costs a sync per step and a
+        second copy of the state).
+      devices: run data-parallel over this many devices of the platform (batch split
+        on its first dimension, state replicated, collectives inserted by XLA).
+    """
+    t0 = time.perf_counter()
+    info = LoadInfo()
+    platform, index = parse_device(device)
+    bundle = codec.open_bundle(path)
+    try:
+        if expect_digest is not None and bundle.digest != expect_digest:
+            raise BindingError(
+                f"The bundle {os.fspath(path)!r} has digest {bundle.digest}, not the expected "
+                f"{expect_digest}. Refusing to run a different bundle than the one pinned."
+            )
+        manifest = bundle.manifest
+        wanted = list(manifest.entries) if entry is None else ([entry] if isinstance(entry, str) else list(entry))
+        for name in wanted:
+            if name not in manifest.entries:
+                raise BindingError(
+                    f"The bundle has no entry {name!r}; it has {', '.join(manifest.entries)}."
+                )
+        info.seconds["open"] = time.perf_counter() - t0
+        client = _client(platform)
+        all_devices = [d for d in client.local_devices()]
+        if devices > 1:
+            from .parallel import ParallelContext
+
+            ctx = ParallelContext.create(client, devices)
+            run_devices = ctx.devices
+        else:
+            if index >= len(all_devices):
+                raise PlatformError(
+                    f"Device {platform}:{index} does not exist; this machine has "
+                    f"{len(all_devices)} {platform} device(s)."
+                )
+            ctx = None
+            run_devices = [all_devices[index]]
+        dev = run_devices[0]
+        if cache_dir is True:
+            cache: Path | None = default_cache_dir()
+        elif cache_dir is False or cache_dir is None:
+            cache = None
+        else:
+            cache = Path(cache_dir)
+
+        # ---- programs
+        t1 = time.perf_counter()
+        state_index = {s.name: i for i, s in enumerate(manifest.state)}
+        compiled: dict[str, list[Any]] = {}
+        for name in wanted:
+            ent = manifest.entries[name]
+            progs = []
+            for i, program in enumerate(ent.programs):
+                where = f"entries.{name}.programs[{i}]"
+                shardings = ctx.shardings(program) if ctx is not None else None
+                cp = compile_program(
+                    client,
+                    run_devices,
+                    bundle.section(program.section),
+                    program,
+                    where=where,
+                    donate=ent.updates_state and not stop_on_nonfinite,
+                    cache_dir=cache,
+                    shardings=shardings,
+                )
+                info.cache_hits += int(cp.cache_hit)
+                info.compiled += int(not cp.cache_hit)
+                progs.append(cp)
+            compiled[name] = progs
+        info.seconds["compile"] = time.perf_counter() - t1
+
+        # ---- state and constants on the device
+        t2 = time.perf_counter()
+        if ctx is not None:
+            put_state = ctx.put_replicated
+            put_batch = ctx.put_batch
+            put_scalar = ctx.put_replicated
+        else:
+            def put_state(a: np.ndarray[Any, Any]) -> Any:
+                return _compat.put(a, dev)
+
+            put_batch = put_state
+            put_scalar = put_state
+        state = [put_state(array_from_section(bundle.section(s.section), s.spec)) for s in manifest.state]
+        constants: dict[str, Any] = {}
+        for name in wanted:
+            for program in manifest.entries[name].programs:
+                for inp in program.inputs:
+                    if isinstance(inp, ConstantInput) and inp.section not in constants:
+                        constants[inp.section] = put_state(
+                            array_from_section(bundle.section(inp.section), inp.spec)
+                        )
+        info.seconds["state"] = time.perf_counter() - t2
+        plans: dict[str, list[_Plan]] = {
+            name: [build_plan(name, i, cp, state_index, constants) for i, cp in enumerate(progs)]
+            for name, progs in compiled.items()
+        }
+        digest = bundle.digest
+    finally:
+        bundle.close()
+    info.seconds["total"] = time.perf_counter() - t0
+    trainer = Trainer(
+        manifest=manifest,
+        digest=digest,
+        device=dev,
+        state_names=[s.name for s in manifest.state],
+        state=state,
+        plans=plans,
+        hyperparameters={h.name: h.value for h in manifest.hyperparameters},
+        seed=manifest.rng.seed if manifest.rng is not None else None,
+        put_batch=put_batch,
+        put_scalar=put_scalar,
+        stop_on_nonfinite=stop_on_nonfinite,
+        load_info=info,
+        devices=run_devices,
+    )
+    if ctx is not None:
+        trainer._put_replicated = ctx.put_replicated  # type: ignore[method-assign]
+    return trainer

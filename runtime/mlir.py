@@ -1,0 +1,217 @@
+"""StableHLO handling through jaxlib's MLIR bindings: read, check, re-attribute, write.
+
+Programs are stored as StableHLO portable artifacts. At load the runtime parses the
+artifact, checks ``@main``'s signature against the binding table, refuses custom calls
+that are not on the allowlist, and regenerates the aliasing attributes from the
+manifest's alias table (it never trusts the module's own). The exporter uses the same
+functions to write artifacts, so both sides agree on one implementation.
+
+Imports: jaxlib's MLIR bindings, stepbundle.schema.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from jaxlib.mlir import ir
+from jaxlib.mlir.dialects import stablehlo
+
+__all__ = [
+    "ALLOWED_CUSTOM_CALLS",
+    "MainSignature",
+    "Module",
+    "TARGET_CANDIDATES",
+    "current_stablehlo_version",
+    "parse_artifact",
+]
+
+# Custom calls the exporter can produce from torch_xla graphs, and that every PJRT
+# backend implements. Anything else in a program is refused at load: a bundle is code,
+# and a custom call target is a native function pointer lookup.
+ALLOWED_CUSTOM_CALLS: frozenset[str] = frozenset(
+    {
+        "Sharding",
+        "SPMDFullToShardShape",
+        "SPMDShardToFullShape",
+    }
+)
+
+_ELEMENT_NAMES = {
+    "f64": "f64",
+    "f32": "f32",
+    "bf16": "bf16",
+    "f16": "f16",
+    "i64": "i64",
+    "i32": "i32",
+    "i16": "i16",
+    "i8": "i8",
+    "ui64": "u64",
+    "ui32": "u32",
+    "ui16": "u16",
+    "ui8": "u8",
+    "i1": "bool",
+}
+
+
+def current_stablehlo_version() -> str:
+    """The newest StableHLO version this jaxlib reads and writes."""
+    return str(stablehlo.get_current_version())
+
+
+def _compat_versions() -> list[str]:
+    req = stablehlo.StablehloCompatibilityRequirement
+    out: list[str] = []
+    for name in ("MAX", "WEEK_12", "WEEK_4", "NONE"):
+        level = getattr(req, name, None)
+        if level is not None:
+            v = str(stablehlo.get_version_from_compatibility_requirement(level))
+            if v not in out:
+                out.append(v)
+    return out
+
+
+TARGET_CANDIDATES: tuple[str, ...] = tuple(_compat_versions())
+"""Serialization targets, widest compatibility window first."""
+
+
+def make_context() -> ir.Context:
+    """A fresh MLIR context with the dialects torch_xla's programs use."""
+    from jaxlib.mlir._mlir_libs import _mlirHlo
+
+    ctx = ir.Context()
+    stablehlo.register_dialect(ctx)
+    _mlirHlo.register_mhlo_dialect(ctx)
+    from jaxlib.mlir.dialects import chlo
+
+    chlo.register_dialect(ctx)
+    ctx.load_all_available_dialects()
+    return ctx
+
+
+@dataclass(frozen=True)
+class MainSignature:
+    """``@main``'s argument and result types as (dtype name, shape) pairs."""
+
+    inputs: tuple[tuple[str, tuple[int, ...]], ...]
+    results: tuple[tuple[str, tuple[int, ...]], ...]
+
+
+def _type_spec(t: Any) -> tuple[str, tuple[int, ...]]:
+    rt = ir.RankedTensorType(t)
+    shape = tuple(int(d) for d in rt.shape)
+    elem = str(rt.element_type)
+    return _ELEMENT_NAMES.get(elem, elem), shape
+
+
+class Module:
+    """A parsed StableHLO module with the operations the runtime and exporter need."""
+
+    def __init__(self, ctx: ir.Context, module: ir.Module) -> None:
+        self._ctx = ctx
+        self._module = module
+
+    @property
+    def main(self) -> Any:
+        for op in self._module.body.operations:
+            if op.operation.name == "func.func" and ir.StringAttr(op.attributes["sym_name"]).value == "main":
+                return op
+        raise ValueError("the module has no @main function")
+
+    def signature(self) -> MainSignature:
+        with self._ctx:
+            ft = ir.FunctionType(ir.TypeAttr(self.main.attributes["function_type"]).value)
+            return MainSignature(
+                tuple(_type_spec(t) for t in ft.inputs), tuple(_type_spec(t) for t in ft.results)
+            )
+
+    def custom_call_targets(self) -> set[str]:
+        """Every custom_call target name in the module (all functions)."""
+        text = str(self._module)
+        return set(re.findall(r'call_target_name\s*=\s*"([^"]*)"', text)) | set(
+            re.findall(r'custom_call\s+@([\w.$-]+)', text)
+        )
+
+    def strip_attributes(self) -> None:
+        """Drop module- and argument-level attributes outside StableHLO's guarantee.
+
+        torch_xla writes ``mhlo.*`` module attributes (an empty alias list among them);
+        aliasing is carried by the manifest and regenerated at load.
+        """
+        with self._ctx:
+            op = self._module.operation
+            # Iterating attributes yields NamedAttribute in jaxlib 0.7 and plain names
+            # in newer releases.
+            for name in [a if isinstance(a, str) else a.name for a in op.attributes]:
+                if name.startswith("mhlo.") and name not in ("mhlo.num_partitions", "mhlo.num_replicas"):
+                    del op.attributes[name]
+            main = self.main
+            if "arg_attrs" in main.attributes:
+                del main.attributes["arg_attrs"]
+            if "res_attrs" in main.attributes:
+                del main.attributes["res_attrs"]
+
+    def set_arg_attributes(
+        self,
+        aliases: Sequence[int | None],
+        shardings: Sequence[str | None] | None = None,
+    ) -> None:
+        """Set ``tf.aliasing_output`` (and optionally ``mhlo.sharding``) on every argument.
+
+        ``aliases[i]`` is the result index argument ``i`` is donated to, or None. Any
+        attributes the arguments had before are replaced.
+        """
+        with self._ctx:
+            i32 = ir.IntegerType.get_signless(32)
+            attrs = []
+            for i, out in enumerate(aliases):
+                d: dict[str, Any] = {}
+                if out is not None:
+                    d["tf.aliasing_output"] = ir.IntegerAttr.get(i32, out)
+                if shardings is not None and shardings[i] is not None:
+                    d["mhlo.sharding"] = ir.StringAttr.get(shardings[i])
+                attrs.append(ir.DictAttr.get(d))
+            self.main.attributes["arg_attrs"] = ir.ArrayAttr.get(attrs)
+
+    def set_result_shardings(self, shardings: Sequence[str]) -> None:
+        with self._ctx:
+            self.main.attributes["res_attrs"] = ir.ArrayAttr.get(
+                [ir.DictAttr.get({"mhlo.sharding": ir.StringAttr.get(s)}) for s in shardings]
+            )
+
+    def set_module_attribute_int(self, name: str, value: int) -> None:
+        with self._ctx:
+            i32 = ir.IntegerType.get_signless(32)
+            self._module.operation.attributes[name] = ir.IntegerAttr.get(i32, value)
+
+    def bytecode(self) -> bytes:
+        """The module as MLIR bytecode in this jaxlib's own version (to compile)."""
+        with self._ctx:
+            data = self._module.operation.get_asm(binary=True)
+        assert isinstance(data, bytes)
+        return data
+
+    def text(self) -> str:
+        with self._ctx:
+            return str(self._module)
+
+    def portable_artifact(self, target: str) -> bytes:
+        """Serialize as a StableHLO portable artifact readable from ``target`` on."""
+        with self._ctx:
+            data = stablehlo.serialize_portable_artifact(self._module, target)
+        assert isinstance(data, bytes)
+        return data
+
+
+def parse_artifact(data: bytes | memoryview) -> Module:
+    """Parse a StableHLO portable artifact (or plain MLIR bytecode/text) into a Module."""
+    ctx = make_context()
+    raw = bytes(data)
+    with ctx:
+        try:
+            module = stablehlo.deserialize_portable_artifact(ctx, raw)
+        except Exception:
+            module = ir.Module.parse(raw)
+    return Module(ctx, module)

@@ -1,0 +1,188 @@
+"""Compile one program of a bundle: check it against its tables, set donation, compile.
+
+The module's own aliasing attributes are never trusted: they are stripped and
+regenerated from the manifest's output table (``StateUpdateOutput.donates``). The
+signature of ``@main`` must agree with the binding tables row by row, and every
+custom call must be on the allowlist.
+
+Imports: numpy, jaxlib (through _compat and mlir), stepbundle.schema.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from stepbundle.schema.errors import SchemaValidationError
+from stepbundle.schema.manifest import Program, StateUpdateOutput
+
+from . import _compat, mlir
+from .errors import PlatformError
+
+__all__ = ["CompiledProgram", "compile_program", "default_cache_dir"]
+
+
+def default_cache_dir() -> Path:
+    """``$STEPBUNDLE_CACHE_DIR``, else ``$XDG_CACHE_HOME/stepbundle``, else ~/.cache/stepbundle."""
+    env = os.environ.get("STEPBUNDLE_CACHE_DIR")
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "stepbundle"
+
+
+@dataclass
+class CompiledProgram:
+    """A loaded executable and the facts the trainer needs to feed it."""
+
+    program: Program
+    executable: Any
+    donating: bool
+    cache_hit: bool
+    compile_seconds: float
+
+
+def _check_signature(module: mlir.Module, program: Program, where: str) -> None:
+    sig = module.signature()
+    if len(sig.inputs) != len(program.inputs):
+        raise SchemaValidationError(
+            f"{where}.inputs",
+            f"the program's @main takes {len(sig.inputs)} arguments but the binding table "
+            f"has {len(program.inputs)} rows. The bundle is inconsistent; re-export it.",
+        )
+    if len(sig.results) != len(program.outputs):
+        raise SchemaValidationError(
+            f"{where}.outputs",
+            f"the program's @main returns {len(sig.results)} results but the output table "
+            f"has {len(program.outputs)} rows. The bundle is inconsistent; re-export it.",
+        )
+    for i, ((dt, shape), row) in enumerate(zip(sig.inputs, program.inputs)):
+        if dt != row.spec.dtype.value or shape != row.spec.shape:
+            raise SchemaValidationError(
+                f"{where}.inputs[{i}]",
+                f"the binding table says {row.spec} but @main's argument {i} is "
+                f"{dt}[{','.join(map(str, shape))}]. Re-export the bundle.",
+            )
+    for j, ((dt, shape), out) in enumerate(zip(sig.results, program.outputs)):
+        if dt != out.spec.dtype.value or shape != out.spec.shape:
+            raise SchemaValidationError(
+                f"{where}.outputs[{j}]",
+                f"the output table says {out.spec} but @main's result {j} is "
+                f"{dt}[{','.join(map(str, shape))}]. Re-export the bundle.",
+            )
+
+
+def _aliases(program: Program, donate: bool) -> list[int | None]:
+    aliases: list[int | None] = [None] * len(program.inputs)
+    if donate:
+        for j, out in enumerate(program.outputs):
+            if isinstance(out, StateUpdateOutput) and out.donates is not None:
+                aliases[out.donates] = j
+    return aliases
+
+
+def compile_program(
+    client: Any,
+    devices: list[Any],
+    artifact: bytes | memoryview,
+    program: Program,
+    *,
+    where: str,
+    donate: bool,
+    cache_dir: Path | None,
+    shardings: tuple[list[str | None], list[str]] | None = None,
+) -> CompiledProgram:
+    """Check, re-attribute and compile ``program`` for ``devices``.
+
+    Args:
+      client: the PJRT client.
+      devices: the devices it runs on (one, or several for SPMD data parallelism).
+      artifact: the program section's bytes (digest already checked).
+      program: its manifest record.
+      where: field path of the program, for error messages.
+      donate: whether state inputs are donated to their updates.
+      cache_dir: persistent compile cache folder, or None to always compile.
+      shardings: for multi-device runs, (per-argument, per-result) HLO sharding strings.
+    """
+    import time
+
+    platform = str(client.platform)
+    if program.platforms and platform not in program.platforms:
+        raise PlatformError(
+            f"{where} needs platform {' or '.join(program.platforms)}, but the runtime was "
+            f"asked to run it on {platform}. Run it with --device "
+            f"{program.platforms[0]} on a machine that has one, or re-export for {platform}."
+        )
+    t0 = time.perf_counter()
+    try:
+        module = mlir.parse_artifact(artifact)
+    except Exception as e:
+        raise SchemaValidationError(
+            f"{where}.section", f"the program could not be parsed as StableHLO ({e}). Re-export the bundle."
+        ) from None
+    bad = module.custom_call_targets() - mlir.ALLOWED_CUSTOM_CALLS
+    if bad:
+        raise SchemaValidationError(
+            f"{where}.section",
+            f"the program calls custom call target(s) {sorted(bad)}, which are not on the "
+            "runtime's allowlist. A bundle is code: only bundles from trusted producers "
+            "should be run, and the runtime refuses native calls the exporter never emits.",
+        )
+    _check_signature(module, program, where)
+    module.strip_attributes()
+    n = len(devices)
+    arg_shardings = shardings[0] if shardings else None
+    module.set_arg_attributes(_aliases(program, donate), arg_shardings)
+    if shardings:
+        module.set_result_shardings(shardings[1])
+        module.set_module_attribute_int("mhlo.num_partitions", n)
+        module.set_module_attribute_int("mhlo.num_replicas", 1)
+    bytecode = module.bytecode()
+    options = _compat.compile_options(n, [d.id for d in devices] if n > 1 else None)
+    key = hashlib.sha256()
+    for part in (
+        b"stepbundle-cache-v1",
+        _compat.JAXLIB_VERSION.encode(),
+        platform.encode(),
+        str(getattr(client, "platform_version", "")).encode(),
+        str(devices[0].device_kind).encode(),
+        str(n).encode(),
+        bytecode,
+    ):
+        key.update(len(part).to_bytes(8, "little"))
+        key.update(part)
+    cache_file = cache_dir / f"{key.hexdigest()}.xla" if cache_dir is not None else None
+    if cache_file is not None and cache_file.is_file():
+        try:
+            exe = _compat.deserialize_executable(client, cache_file.read_bytes(), devices, options)
+            return CompiledProgram(program, exe, donate, True, time.perf_counter() - t0)
+        except Exception:
+            # A damaged or foreign cache entry is only a cache miss.
+            pass
+    exe = _compat.compile_program(client, bytecode, devices, options)
+    if cache_file is not None:
+        try:
+            _write_atomic(cache_file, _compat.serialize_executable(client, exe))
+        except Exception:
+            pass  # a read-only or full cache folder must not fail a run
+    return CompiledProgram(program, exe, donate, False, time.perf_counter() - t0)
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise

@@ -1,0 +1,461 @@
+"""The bundle manifest: frozen, typed dataclasses, and nothing else.
+
+This module is the in-memory contract between the exporter (which fills it in) and the
+runtime (which obeys it). The byte encoding lives in ``codec.py``; the rules that tie
+fields together live in ``validate.py``.
+
+Unions are a kind enum plus one dataclass per case: an input binding is exactly one of
+``StateInput``, ``BatchInput``, ``RngSeedInput``, ``HyperparameterInput`` or
+``ConstantInput``, and each carries its ``kind`` as a fixed field. Optional fields are
+``None`` when absent; there are no ``-1`` or ``""`` sentinels.
+
+Imports: standard library only.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import ClassVar, Literal, Union
+
+__all__ = [
+    "BatchInput",
+    "ConstantInput",
+    "DType",
+    "Entry",
+    "Hyperparameter",
+    "HyperparameterInput",
+    "InputBinding",
+    "InputKind",
+    "Manifest",
+    "MetricOutput",
+    "NamedSpec",
+    "OutputBinding",
+    "OutputKind",
+    "Producer",
+    "Program",
+    "Rng",
+    "RngSeedInput",
+    "STATE_INPUT_KINDS",
+    "Section",
+    "SectionKind",
+    "StateEntry",
+    "StateInput",
+    "StateKind",
+    "StateUpdateOutput",
+    "TensorSpec",
+]
+
+
+class DType(str, enum.Enum):
+    """Element type of a tensor. Values are the spellings used in the file."""
+
+    F64 = "f64"
+    F32 = "f32"
+    BF16 = "bf16"
+    F16 = "f16"
+    I64 = "i64"
+    I32 = "i32"
+    I16 = "i16"
+    I8 = "i8"
+    U64 = "u64"
+    U32 = "u32"
+    U16 = "u16"
+    U8 = "u8"
+    BOOL = "bool"
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes per element in a tensor section (bool is one byte, 0 or 1)."""
+        return _ITEMSIZE[self]
+
+
+_ITEMSIZE: dict[DType, int] = {
+    DType.F64: 8,
+    DType.F32: 4,
+    DType.BF16: 2,
+    DType.F16: 2,
+    DType.I64: 8,
+    DType.I32: 4,
+    DType.I16: 2,
+    DType.I8: 1,
+    DType.U64: 8,
+    DType.U32: 4,
+    DType.U16: 2,
+    DType.U8: 1,
+    DType.BOOL: 1,
+}
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Dtype and static shape of one tensor.
+
+    Attributes:
+      dtype: element type.
+      shape: dimensions, outermost first; ``()`` is a scalar. Every dimension is >= 0.
+    """
+
+    dtype: DType
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        """Number of elements (1 for a scalar)."""
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the tensor in C order with no padding."""
+        return self.numel * self.dtype.itemsize
+
+    def __str__(self) -> str:
+        return f"{self.dtype.value}[{','.join(str(d) for d in self.shape)}]"
+
+
+@dataclass(frozen=True)
+class NamedSpec:
+    """A named tensor slot, used for the batch signature of a program.
+
+    Attributes:
+      name: the batch input's name, as in the recipe's example batch.
+      spec: its dtype and shape.
+    """
+
+    name: str
+    spec: TensorSpec
+
+
+class SectionKind(str, enum.Enum):
+    """What a section's bytes are."""
+
+    PROGRAM = "program"  # a StableHLO portable artifact (MLIR bytecode, VHLO)
+    TENSOR = "tensor"  # raw little-endian C-order tensor data
+    TEXT = "text"  # UTF-8 text for people (for example a program's .mlir), never executed
+
+
+@dataclass(frozen=True)
+class Section:
+    """Where one section lies in the file.
+
+    Attributes:
+      name: unique name, referenced from the rest of the manifest.
+      kind: what the bytes are.
+      offset: byte offset from the start of the data area; a multiple of 64.
+      length: number of bytes (padding excluded).
+      sha256: lowercase hex SHA-256 of the section's ``length`` bytes.
+    """
+
+    name: str
+    kind: SectionKind
+    offset: int
+    length: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class Producer:
+    """Versions of what wrote the bundle. Informational: readers do not branch on them.
+
+    Attributes:
+      stepbundle: version of the exporter package.
+      torch: torch version the step was traced with.
+      torch_xla: torch_xla version the step was traced with.
+      jax: jax version whose StableHLO tooling serialized the programs.
+    """
+
+    stepbundle: str
+    torch: str
+    torch_xla: str
+    jax: str
+
+
+class StateKind(str, enum.Enum):
+    """What a piece of training state is, in PyTorch's terms."""
+
+    PARAMETER = "parameter"  # an nn.Parameter, named by its state_dict key
+    BUFFER = "buffer"  # a registered buffer (running_mean, num_batches_tracked, ...)
+    OPTIMIZER_STATE = "optimizer_state"  # optimizer.state.<param name>.<key>
+    GRADIENT = "gradient"  # <param name>.grad, kept when the user zeroes grads in place
+
+
+@dataclass(frozen=True)
+class StateEntry:
+    """One tensor of training state owned by the runtime.
+
+    Attributes:
+      name: the name PyTorch users know: a ``state_dict()`` key for parameters and
+        buffers, ``optimizer.state.<param name>.<key>`` for optimizer state,
+        ``<param name>.grad`` for kept gradients.
+      kind: what it is.
+      spec: dtype and shape.
+      section: the tensor section holding its initial value.
+      trainable: True for parameters the optimizer updates; False for frozen
+        parameters and for everything that is not a parameter.
+      aliases: further names of the same tensor (tied weights); they are bound once,
+        under ``name``, and written under every name in checkpoints.
+    """
+
+    name: str
+    kind: StateKind
+    spec: TensorSpec
+    section: str
+    trainable: bool
+    aliases: tuple[str, ...] = ()
+
+
+class InputKind(str, enum.Enum):
+    """Where the value of one program input comes from on every call."""
+
+    PARAMETER = "parameter"
+    BUFFER = "buffer"
+    OPTIMIZER_STATE = "optimizer_state"
+    GRADIENT = "gradient"
+    BATCH = "batch"
+    RNG_SEED = "rng_seed"
+    HYPERPARAMETER = "hyperparameter"
+    CONSTANT = "constant"
+
+
+STATE_INPUT_KINDS: frozenset[InputKind] = frozenset(
+    {InputKind.PARAMETER, InputKind.BUFFER, InputKind.OPTIMIZER_STATE, InputKind.GRADIENT}
+)
+"""The input kinds that read a ``StateEntry``; ``StateInput.kind`` is one of these."""
+
+
+@dataclass(frozen=True)
+class StateInput:
+    """The current value of a state tensor.
+
+    Attributes:
+      kind: the state's kind (parameter, buffer, optimizer_state or gradient); equal to
+        the kind of the ``StateEntry`` it names.
+      name: the ``StateEntry.name`` it reads.
+      spec: dtype and shape, equal to the state entry's.
+    """
+
+    kind: InputKind
+    name: str
+    spec: TensorSpec
+
+
+@dataclass(frozen=True)
+class BatchInput:
+    """One array of the caller's batch.
+
+    Attributes:
+      name: the batch key.
+      spec: the dtype and shape this program expects.
+    """
+
+    name: str
+    spec: TensorSpec
+    kind: Literal[InputKind.BATCH] = InputKind.BATCH
+
+
+@dataclass(frozen=True)
+class RngSeedInput:
+    """The per-step random seed (torch_xla's device seed), an i64 scalar.
+
+    The runtime derives it from ``Manifest.rng``: step ``k`` receives ``rule^k(seed)``.
+
+    Attributes:
+      spec: dtype and shape (``i64[]``).
+    """
+
+    spec: TensorSpec
+    kind: Literal[InputKind.RNG_SEED] = InputKind.RNG_SEED
+
+
+@dataclass(frozen=True)
+class HyperparameterInput:
+    """A named scalar the runtime sets on every call (learning rate, ...).
+
+    Attributes:
+      name: a ``Hyperparameter.name`` of the manifest.
+      spec: dtype and shape, equal to the hyperparameter's.
+    """
+
+    name: str
+    spec: TensorSpec
+    kind: Literal[InputKind.HYPERPARAMETER] = InputKind.HYPERPARAMETER
+
+
+@dataclass(frozen=True)
+class ConstantInput:
+    """A value captured at export time that was proven not to change between steps.
+
+    Attributes:
+      name: a readable label (``constant.<n>``), unique within the program.
+      spec: dtype and shape.
+      section: the tensor section that holds the value.
+    """
+
+    name: str
+    spec: TensorSpec
+    section: str
+    kind: Literal[InputKind.CONSTANT] = InputKind.CONSTANT
+
+
+InputBinding = Union[StateInput, BatchInput, RngSeedInput, HyperparameterInput, ConstantInput]  # noqa: UP007
+"""One row of a program's input-binding table; row ``i`` is ``@main``'s argument ``i``."""
+
+
+class OutputKind(str, enum.Enum):
+    """What one program output is."""
+
+    METRIC = "metric"
+    STATE_UPDATE = "state_update"
+
+
+@dataclass(frozen=True)
+class MetricOutput:
+    """A value handed back to the caller (``loss``, ``accuracy``, eval outputs).
+
+    Attributes:
+      name: the key in the dict the step returned.
+      spec: dtype and shape.
+    """
+
+    name: str
+    spec: TensorSpec
+    kind: Literal[OutputKind.METRIC] = OutputKind.METRIC
+
+
+@dataclass(frozen=True)
+class StateUpdateOutput:
+    """The new value of a state tensor after the step.
+
+    Attributes:
+      state: the ``StateEntry.name`` it replaces.
+      spec: dtype and shape, equal to the state entry's.
+      donates: index of the input that reads the old value of the same state; that
+        input's buffer is donated and aliased to this output. ``None`` when the step
+        overwrites the state without reading it (nothing to donate).
+    """
+
+    state: str
+    spec: TensorSpec
+    donates: int | None
+    kind: Literal[OutputKind.STATE_UPDATE] = OutputKind.STATE_UPDATE
+
+
+OutputBinding = Union[MetricOutput, StateUpdateOutput]  # noqa: UP007
+"""One row of a program's output table; row ``j`` is ``@main``'s result ``j``."""
+
+
+@dataclass(frozen=True)
+class Program:
+    """One compiled shape of an entry point.
+
+    Attributes:
+      section: the program section (StableHLO portable artifact) of ``@main``.
+      stablehlo_version: the StableHLO target version the artifact was serialized for;
+        any consumer whose StableHLO is at least this version can read it.
+      inputs: the input-binding table, one row per argument of ``@main``, in order.
+      outputs: the output table, one row per result of ``@main``, in order.
+      batch: the full batch signature callers pass (including inputs the program
+        does not read, which were pruned); the runtime picks a program by it.
+      platforms: PJRT platforms the program can run on (``cpu``, ``cuda``, ``rocm``,
+        ``tpu``); empty means any.
+      text_section: optional text section with the program as .mlir, for debugging.
+    """
+
+    section: str
+    stablehlo_version: str
+    inputs: tuple[InputBinding, ...]
+    outputs: tuple[OutputBinding, ...]
+    batch: tuple[NamedSpec, ...]
+    platforms: tuple[str, ...] = ()
+    text_section: str | None = None
+
+
+@dataclass(frozen=True)
+class Entry:
+    """An entry point: ``train``, ``eval`` or another named step.
+
+    Attributes:
+      programs: its shape buckets, at least one; batch signatures differ pairwise.
+      updates_state: True when calling it advances the training state (train);
+        False for read-only entries (eval), which then donate nothing.
+    """
+
+    programs: tuple[Program, ...]
+    updates_state: bool
+
+
+@dataclass(frozen=True)
+class Hyperparameter:
+    """A named scalar input with its value at export time.
+
+    Attributes:
+      name: the name users set it by (``lr``, or ``param_groups.<i>.<key>``).
+      spec: dtype and shape (a scalar).
+      value: the value at export time, which the runtime starts from.
+    """
+
+    name: str
+    spec: TensorSpec
+    value: float
+
+
+@dataclass(frozen=True)
+class Rng:
+    """The random-number state of the training process.
+
+    Attributes:
+      seed: the seed the first step receives, an integer in [0, 2**64).
+      rule: how the seed advances between steps. ``torch_xla.mark_step``:
+        ``next = (1012031 + seed * 7012063) mod 2**64``, the rule torch_xla applies at
+        every ``mark_step``; the seed is passed to the program as the i64 with the same
+        64 bits.
+    """
+
+    seed: int
+    rule: Literal["torch_xla.mark_step"] = "torch_xla.mark_step"
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """Everything a reader needs to know about a bundle, apart from the section bytes.
+
+    Attributes:
+      producer: versions of what wrote it.
+      entries: entry points by name; ``train`` is always present in exported bundles.
+      state: the state table, in a stable order (parameters, buffers, optimizer state,
+        gradients, each in PyTorch's order).
+      hyperparameters: named scalar inputs and their initial values.
+      rng: the random-number state, or ``None`` when no program reads a seed.
+      sections: every section of the file, in file order.
+      required_features: features a reader must understand to use this bundle
+        correctly; a reader refuses a bundle naming a feature it does not know.
+    """
+
+    producer: Producer
+    entries: Mapping[str, Entry]
+    state: tuple[StateEntry, ...]
+    hyperparameters: tuple[Hyperparameter, ...]
+    rng: Rng | None
+    sections: tuple[Section, ...]
+    required_features: tuple[str, ...] = field(default=())
+
+    KNOWN_ENTRY_TRAIN: ClassVar[str] = "train"
+    KNOWN_ENTRY_EVAL: ClassVar[str] = "eval"
+
+    def state_entry(self, name: str) -> StateEntry:
+        """The state entry called ``name`` (its primary name). KeyError if absent."""
+        for s in self.state:
+            if s.name == name:
+                return s
+        raise KeyError(name)
+
+    def section(self, name: str) -> Section:
+        """The section called ``name``. KeyError if absent."""
+        for s in self.sections:
+            if s.name == name:
+                return s
+        raise KeyError(name)

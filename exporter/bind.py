@@ -16,7 +16,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
-
 from stepbundle.schema.manifest import (
     BatchInput,
     ConstantInput,
@@ -115,9 +114,7 @@ def _fmt(t: torch.Tensor) -> str:
     return f"{t.dtype} tensor of shape {tuple(t.shape)} (sum {float(t.double().sum()):.6g})"
 
 
-def _name_the_value(
-    a: InputOrigin, b: InputOrigin, ta: StepTrace, tb: StepTrace
-) -> list[str]:
+def _name_the_value(a: InputOrigin, b: InputOrigin, ta: StepTrace, tb: StepTrace) -> list[str]:
     """Say which optimizer setting a changing host scalar is, when it is one."""
     if a.value is None or b.value is None or a.value.numel() != 1:
         return []
@@ -206,9 +203,12 @@ def bind(
                     f"inside the step ({spec}), and it changed between two consecutive traced "
                     f"steps: {_fmt(a.value)} in step 1, {_fmt(b.value)} in step 2. A bundle "
                     "would freeze it at one value, so the export is refused."
-                    + (f"\nWhat it is and how to fix it:{more}" if more else
-                       "\nMake it a tensor the step reads from the model, the optimizer "
-                       "state or the batch, or declare it as a hyperparameter.")
+                    + (
+                        f"\nWhat it is and how to fix it:{more}"
+                        if more
+                        else "\nMake it a tensor the step reads from the model, the optimizer "
+                        "state or the batch, or declare it as a hyperparameter."
+                    )
                 )
             name = f"{constant_prefix}{len(constants)}"
             constants[name] = b.value

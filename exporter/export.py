@@ -19,8 +19,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-from stepbundle import __version__
 from stepbundle.runtime import mlir
 from stepbundle.schema import codec
 from stepbundle.schema.manifest import (
@@ -40,10 +38,12 @@ from stepbundle.schema.manifest import (
     StateUpdateOutput,
 )
 
+from stepbundle import __version__
+
 from .bind import BoundProgram, bind, spec_of, tensor_bytes
 from .errors import ExportError
 from .recipe import Recipe
-from .trace import StepTrace, sync, trace_eval, trace_train
+from .trace import sync, trace_eval, trace_train
 from .workspace import Workspace, xla_device
 
 __all__ = ["ExportReport", "export"]
@@ -75,11 +75,16 @@ def _versions() -> Producer:
     import torch_xla
 
     return Producer(
-        stepbundle=__version__, torch=str(torch.__version__), torch_xla=str(torch_xla.__version__), jax=str(jax.__version__)
+        stepbundle=__version__,
+        torch=str(torch.__version__),
+        torch_xla=str(torch_xla.__version__),
+        jax=str(jax.__version__),
     )
 
 
-def _to_device(batch: Mapping[str, torch.Tensor], device: torch.device, which: str) -> dict[str, torch.Tensor]:
+def _to_device(
+    batch: Mapping[str, torch.Tensor], device: torch.device, which: str
+) -> dict[str, torch.Tensor]:
     out = {}
     for k, v in batch.items():
         if not isinstance(k, str) or not k:
@@ -151,7 +156,9 @@ def export(
     t0 = time.perf_counter()
     device = xla_device()
     if not isinstance(recipe, Recipe):
-        raise ExportError(f"export() needs a stepbundle.exporter.Recipe, got {type(recipe).__name__}.")
+        raise ExportError(
+            f"export() needs a stepbundle.exporter.Recipe, got {type(recipe).__name__}."
+        )
     sync()
     saved_rng = int(xm.get_rng_state())
     base_seed = saved_rng if recipe.seed is None else int(recipe.seed)
@@ -159,7 +166,9 @@ def export(
         raise ExportError(f"Recipe.seed must be in [0, 2**64), got {base_seed}.")
     try:
         ws = Workspace(recipe, device)
-        batches = [_to_device(b, device, f"example batch {i}") for i, b in enumerate(recipe.all_batches())]
+        batches = [
+            _to_device(b, device, f"example batch {i}") for i, b in enumerate(recipe.all_batches())
+        ]
         sync()
         initial = ws.state_tensors()
         # The bundle's initial state: the state at the moment of export (CPU copies).
@@ -182,7 +191,14 @@ def export(
             what = "training step" + (f" (shape bucket {i})" if len(batches) > 1 else "")
             ta = trace_train(ws, batch, recipe.step, seed=base_seed if i == 0 else None)
             tb = trace_train(ws, batch, recipe.step)
-            bound = bind(ta, tb, what=what, state_kinds=kinds, hints=hints, constant_prefix=f"train.{i}.constant.")
+            bound = bind(
+                ta,
+                tb,
+                what=what,
+                state_kinds=kinds,
+                hints=hints,
+                constant_prefix=f"train.{i}.constant.",
+            )
             train_bound.append((bound, _batch_signature(recipe.all_batches()[i])))
         eval_fns: dict[str, Any] = dict(recipe.entries)
         if recipe.eval_step is not None:
@@ -190,18 +206,30 @@ def export(
         eval_bound: dict[str, list[tuple[BoundProgram, tuple[NamedSpec, ...]]]] = {}
         for name, fn in eval_fns.items():
             if name == "train":
-                raise ExportError('Recipe.entries may not be called "train"; that entry is the training step.')
+                raise ExportError(
+                    'Recipe.entries may not be called "train"; that entry is the training step.'
+                )
             progs = []
             for i, batch in enumerate(batches):
                 what = f"{name} step" + (f" (shape bucket {i})" if len(batches) > 1 else "")
                 ta = trace_eval(ws, batch, fn, what)
                 tb = trace_eval(ws, batch, fn, what)
-                bound = bind(ta, tb, what=what, state_kinds=kinds, hints=[], constant_prefix=f"{name}.{i}.constant.")
+                bound = bind(
+                    ta,
+                    tb,
+                    what=what,
+                    state_kinds=kinds,
+                    hints=[],
+                    constant_prefix=f"{name}.{i}.constant.",
+                )
                 progs.append((bound, _batch_signature(recipe.all_batches()[i])))
             eval_bound[name] = progs
         sync()
         times["trace"] = time.perf_counter() - t1
-        say(f"traced: {2 * len(batches)} training steps" + (f", {len(eval_fns)} read-only entries" if eval_fns else ""))
+        say(
+            f"traced: {2 * len(batches)} training steps"
+            + (f", {len(eval_fns)} read-only entries" if eval_fns else "")
+        )
     finally:
         xm.set_rng_state(saved_rng)
 
@@ -255,7 +283,9 @@ def export(
             for inp in bound.inputs:
                 if isinstance(inp, ConstantInput):
                     payloads.append(
-                        codec.SectionPayload(inp.section, SectionKind.TENSOR, tensor_bytes(bound.constants[inp.name]))
+                        codec.SectionPayload(
+                            inp.section, SectionKind.TENSOR, tensor_bytes(bound.constants[inp.name])
+                        )
                     )
             texts[f"{entry_name}.{i}"] = text
             programs.append(
@@ -302,6 +332,6 @@ def export(
 
 def _batch_signature(batch: Mapping[str, torch.Tensor]) -> tuple[NamedSpec, ...]:
     return tuple(
-        NamedSpec(k, spec_of(v.dtype, tuple(v.shape), f"Batch input {k!r}")) for k, v in batch.items()
+        NamedSpec(k, spec_of(v.dtype, tuple(v.shape), f"Batch input {k!r}"))
+        for k, v in batch.items()
     )
-

@@ -13,7 +13,9 @@ import torch
 
 __all__ = ["Recipe", "StepFn", "EvalFn"]
 
-StepFn = Callable[[torch.nn.Module, torch.optim.Optimizer, dict[str, torch.Tensor]], Mapping[str, Any]]
+StepFn = Callable[
+    [torch.nn.Module, torch.optim.Optimizer, dict[str, torch.Tensor]], Mapping[str, Any]
+]
 """``step(model, optimizer, batch) -> {"loss": tensor, ...}``: forward, backward, optimizer step."""
 
 EvalFn = Callable[[torch.nn.Module, dict[str, torch.Tensor]], Mapping[str, Any]]

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-
 from stepbundle.schema.manifest import StateKind
 
 from .errors import ExportError
@@ -148,7 +147,9 @@ def _metrics(result: Any, what: str, *, need_loss: bool) -> dict[str, torch.Tens
     out: dict[str, torch.Tensor] = {}
     for k, v in result.items():
         if not isinstance(k, str) or not k:
-            raise ExportError(f"The {what} returned a metric key {k!r}; keys must be non-empty strings.")
+            raise ExportError(
+                f"The {what} returned a metric key {k!r}; keys must be non-empty strings."
+            )
         if not isinstance(v, torch.Tensor):
             raise ExportError(
                 f"The {what} returned {k!r} = {v!r} ({type(v).__name__}); metrics must be "
@@ -258,8 +259,7 @@ def trace_train(
     for n in vanished:
         if not n.endswith(".grad"):
             raise ExportError(
-                f"The training step removed state tensor {n!r}. State must persist "
-                "between steps."
+                f"The training step removed state tensor {n!r}. State must persist between steps."
             )
 
     roots: list[torch.Tensor] = []
@@ -281,7 +281,11 @@ def trace_train(
         batch_ids=batch_ids,
         hyper_ids=hyper_ids,
     )
-    missing_hp = [n for n in ws.hyperparameters if n not in {i.name for i in inputs if i.kind == "hyperparameter"}]
+    missing_hp = [
+        n
+        for n in ws.hyperparameters
+        if n not in {i.name for i in inputs if i.kind == "hyperparameter"}
+    ]
     if missing_hp:
         raise ExportError(
             f"Hyperparameter(s) {', '.join(map(repr, missing_hp))} were declared but the "
@@ -296,7 +300,9 @@ def trace_train(
         metric_names=tuple(metrics),
         metric_specs=tuple(metric_specs),
         updated_state=tuple(s.name for s in updated),
-        update_specs=tuple((s.tensor.dtype, tuple(int(d) for d in s.tensor.shape)) for s in updated),
+        update_specs=tuple(
+            (s.tensor.dtype, tuple(int(d) for d in s.tensor.shape)) for s in updated
+        ),
         hyper_values=hvals,
     )
     del roots, metrics, result, values
@@ -305,7 +311,9 @@ def trace_train(
     return trace
 
 
-def trace_eval(ws: Workspace, batch: Mapping[str, torch.Tensor], eval_fn: Any, what: str) -> StepTrace:
+def trace_eval(
+    ws: Workspace, batch: Mapping[str, torch.Tensor], eval_fn: Any, what: str
+) -> StepTrace:
     """Trace a read-only step (model.eval(), no grad). Nothing is executed."""
     sync()
     states = ws.state_tensors()
@@ -319,9 +327,7 @@ def trace_eval(ws: Workspace, batch: Mapping[str, torch.Tensor], eval_fn: Any, w
             result = eval_fn(ws.model, dict(batch))
         _check_no_host_round_trip(counters, _counters(), what)
         metrics = _metrics(result, what, need_loss=False)
-        changed = [
-            s.name for s in ws.state_tensors() if tensor_id(s.tensor) != before.get(s.name)
-        ]
+        changed = [s.name for s in ws.state_tensors() if tensor_id(s.tensor) != before.get(s.name)]
         if changed:
             raise ExportError(
                 f"The {what} changed state ({', '.join(changed[:5])}); read-only entries "

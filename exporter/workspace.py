@@ -18,13 +18,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-
 from stepbundle.schema.manifest import StateKind
 
 from .errors import ExportError
 from .recipe import Recipe
 
-__all__ = ["StateTensor", "Workspace", "xla_device"]
+__all__ = ["StateTensor", "Workspace", "move_to_device", "named_state", "xla_device"]
 
 
 def xla_device() -> torch.device:
@@ -67,100 +66,136 @@ def _group_names(named: Iterator[tuple[str, torch.Tensor]]) -> dict[int, list[st
     return out
 
 
+def _move_value(value: Any, device: torch.device, *, keep_on_host: bool) -> Any:
+    if not isinstance(value, torch.Tensor):
+        return value
+    # State the optimizer deliberately keeps on the host (a non-capturable Adam's step
+    # count) stays there; the tracer then sees it as a changing host value.
+    if keep_on_host:
+        return value.detach().cpu().clone()
+    return value.detach().to(device).clone()
+
+
+def move_to_device(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, device: torch.device
+) -> None:
+    """Move ``model`` and the optimizer built on it to ``device``, in place.
+
+    ``module.to(xla)`` creates new Parameter objects, one module at a time: that unties
+    tied weights and leaves an optimizer built on the CPU pointing at the old
+    parameters. This re-ties them and re-points the optimizer's ``param_groups`` and
+    state at the moved parameters, matching them by name. Gradients move too.
+    """
+    param_groups = _group_names(model.named_parameters(remove_duplicate=False))
+    buffer_groups = _group_names(model.named_buffers(remove_duplicate=False))
+    name_of_param = {pid: names[0] for pid, names in param_groups.items()}
+    grads = {name_of_param[id(p)]: p.grad for p in model.parameters() if p.grad is not None}
+    old_groups = [list(g["params"]) for g in optimizer.param_groups] if optimizer else []
+    old_state = optimizer.state if optimizer else {}
+    model.to(device)
+    for names in param_groups.values():
+        p = model.get_parameter(names[0])
+        for alias in names[1:]:
+            _set_parameter(model, alias, p)
+    for names in buffer_groups.values():
+        b = model.get_buffer(names[0])
+        for alias in names[1:]:
+            _set_buffer(model, alias, b)
+    new_by_name = dict(model.named_parameters(remove_duplicate=False))
+    for name, g in grads.items():
+        new_by_name[name].grad = g.detach().to(device).clone()
+    if optimizer is None:
+        return
+    for group, old_params in zip(optimizer.param_groups, old_groups):
+        moved = []
+        for p in old_params:
+            name = name_of_param.get(id(p))
+            if name is None:
+                raise ExportError(
+                    f"The optimizer ({type(optimizer).__name__}) updates a tensor of shape "
+                    f"{tuple(p.shape)} that is not a parameter of the model. Build the "
+                    "optimizer over model.parameters() (or named subsets of them)."
+                )
+            moved.append(new_by_name[name])
+        group["params"] = moved
+    group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+    new_state: defaultdict[torch.Tensor, dict[str, Any]] = defaultdict(dict)
+    for p, st in old_state.items():
+        name = name_of_param.get(id(p))
+        if name is None:
+            continue
+        newp = new_by_name[name]
+        host_step = _keeps_host_step(optimizer, group_of.get(id(newp), {}))
+        new_state[newp] = {
+            k: _move_value(v, device, keep_on_host=host_step and k == "step") for k, v in st.items()
+        }
+    optimizer.state = new_state
+
+
+def named_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[StateTensor]:
+    """Every state tensor under its primary name, in a stable order.
+
+    Order: parameters, buffers (model order), optimizer state (param_groups order,
+    then the optimizer's key order), gradients (model order). Names: ``state_dict()``
+    keys, ``optimizer.state.<param name>.<key>``, ``<param name>.grad``.
+    """
+    out: list[StateTensor] = []
+    param_groups = _group_names(model.named_parameters(remove_duplicate=False))
+    trainable = {id(p) for g in optimizer.param_groups for p in g["params"] if p.requires_grad}
+    params: dict[int, torch.Tensor] = {id(p): p for p in model.parameters()}
+    name_of: dict[int, str] = {}
+    for pid, names in param_groups.items():
+        name_of[pid] = names[0]
+        out.append(
+            StateTensor(
+                names[0], StateKind.PARAMETER, params[pid], pid in trainable, tuple(names[1:])
+            )
+        )
+    buffers = {id(b): b for _, b in model.named_buffers(remove_duplicate=False) if b is not None}
+    for bid, names in _group_names(model.named_buffers(remove_duplicate=False)).items():
+        out.append(StateTensor(names[0], StateKind.BUFFER, buffers[bid], False, tuple(names[1:])))
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            pname = name_of[id(p)]
+            for key, v in optimizer.state.get(p, {}).items():
+                if isinstance(v, torch.Tensor):
+                    out.append(
+                        StateTensor(
+                            f"optimizer.state.{pname}.{key}", StateKind.OPTIMIZER_STATE, v, False
+                        )
+                    )
+    for pid, names in param_groups.items():
+        g = params[pid].grad
+        if g is not None:
+            out.append(StateTensor(f"{names[0]}.grad", StateKind.GRADIENT, g, False))
+    return out
+
+
 class Workspace:
     """The traced copies: ``model`` and ``optimizer`` on the XLA device.
 
     Attributes:
       model, optimizer: the copies the user's step is run on.
       device: the XLA device.
-      param_names: primary name of every parameter object (by ``id``).
       hyperparameters: declared hyperparameter name -> its device tensor.
     """
 
     def __init__(self, recipe: Recipe, device: torch.device) -> None:
         self.device = device
-        src_model, src_opt = recipe.model, recipe.optimizer
-        model, optimizer = copy.deepcopy((src_model, src_opt))
-        # Names by object identity, read before the move: tied weights are one object
-        # under several names, and the optimizer references parameters by object.
-        param_groups = _group_names(model.named_parameters(remove_duplicate=False))
-        buffer_groups = _group_names(model.named_buffers(remove_duplicate=False))
-        self._param_aliases = {names[0]: tuple(names[1:]) for names in param_groups.values()}
-        self._buffer_aliases = {names[0]: tuple(names[1:]) for names in buffer_groups.values()}
-        name_of_param = {pid: names[0] for pid, names in param_groups.items()}
-        src_grads = {
-            name_of_param[id(p)]: p.grad
-            for p in model.parameters()
-            if id(p) in name_of_param and p.grad is not None
-        }
-        old_state = optimizer.state
-        old_groups = [list(g["params"]) for g in optimizer.param_groups]
-
-        model.to(device)
-        # module.to(xla) creates new Parameter objects one module at a time, which
-        # unties tied weights: tie them again, by name.
-        for primary, aliases in self._param_aliases.items():
-            p = model.get_parameter(primary)
-            for alias in aliases:
-                _set_parameter(model, alias, p)
-        for primary, aliases in self._buffer_aliases.items():
-            b = model.get_buffer(primary)
-            for alias in aliases:
-                _set_buffer(model, alias, b)
-
-        new_by_name = dict(model.named_parameters(remove_duplicate=False))
-        for group, old_params in zip(optimizer.param_groups, old_groups):
-            moved = []
-            for p in old_params:
-                name = name_of_param.get(id(p))
-                if name is None:
-                    raise ExportError(
-                        f"The optimizer ({type(optimizer).__name__}) updates a tensor of shape "
-                        f"{tuple(p.shape)} that is not a parameter of the model. Build the "
-                        "optimizer over model.parameters() (or named subsets of them)."
-                    )
-                moved.append(new_by_name[name])
-            group["params"] = moved
-        group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
-        new_state: defaultdict[torch.Tensor, dict[str, Any]] = defaultdict(dict)
-        for p, s in old_state.items():
-            name = name_of_param.get(id(p))
-            if name is None:
-                continue
-            newp = new_by_name[name]
-            host_step = _keeps_host_step(optimizer, group_of.get(id(newp), {}))
-            new_state[newp] = {
-                k: self._move_state(v, keep_on_host=host_step and k == "step")
-                for k, v in s.items()
-            }
-        optimizer.state = new_state
+        model, optimizer = copy.deepcopy((recipe.model, recipe.optimizer))
+        move_to_device(model, optimizer, device)
         self.model = model
         self.optimizer = optimizer
-        self.param_names: dict[int, str] = {id(new_by_name[n]): n for n in self._param_aliases}
-        self._trainable = {
-            id(p) for g in optimizer.param_groups for p in g["params"] if p.requires_grad
-        }
         self._materialize_optimizer_state()
         # Gradients: the value a parameter's .grad holds between steps is state when
         # the user keeps it. Start every trainable parameter with its grad (zeros
         # when it has none): zeros are what a first backward accumulates into, so the
         # traced step is the steady-state step from the very first call.
-        for name, p in new_by_name.items():
-            if name not in self._param_aliases or not p.requires_grad:
-                continue
-            g = src_grads.get(name)
-            p.grad = g.detach().to(device).clone() if g is not None else torch.zeros_like(p)
+        for p in model.parameters():
+            if p.requires_grad and p.grad is None:
+                p.grad = torch.zeros_like(p)
         self.hyperparameters: dict[str, torch.Tensor] = {}
         self._declare_hyperparameters(recipe.hyperparameters)
-
-    def _move_state(self, value: Any, *, keep_on_host: bool) -> Any:
-        if not isinstance(value, torch.Tensor):
-            return value
-        # State the optimizer deliberately keeps on the host (a non-capturable Adam's
-        # step count) stays there; the tracer then sees it as a changing host value.
-        if keep_on_host:
-            return value.detach().cpu().clone()
-        return value.detach().to(self.device).clone()
 
     def _materialize_optimizer_state(self) -> None:
         """Create the state a fresh optimizer builds on its first step, as the step would."""
@@ -181,7 +216,9 @@ class Workspace:
                     s["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     s["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     if group["amsgrad"]:
-                        s["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                        s["max_exp_avg_sq"] = torch.zeros_like(
+                            p, memory_format=torch.preserve_format
+                        )
                     opt.state[p] = s
                 elif kind == "syncfree_adam":
                     s = {
@@ -210,7 +247,9 @@ class Workspace:
                             )
                         # A zero buffer gives exactly the first step's clone(grad) when
                         # dampening is 0: momentum * 0 + grad.
-                        s["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                        s["momentum_buffer"] = torch.zeros_like(
+                            p, memory_format=torch.preserve_format
+                        )
                     if s:
                         opt.state[p] = s
                 # Other optimizers: if their first step creates state, the tracer notices
@@ -244,53 +283,13 @@ class Workspace:
                 group[key] = t
                 self.hyperparameters[name] = t
 
-    # ----------------------------------------------------------------- state
     def state_tensors(self) -> list[StateTensor]:
-        """Every state tensor under its primary name, in a stable order.
-
-        Order: parameters, buffers (model order), optimizer state (param_groups order,
-        then the optimizer's key order), gradients (model order).
-        """
-        out: list[StateTensor] = []
-        model, opt = self.model, self.optimizer
-        params = dict(model.named_parameters(remove_duplicate=False))
-        for name, aliases in self._param_aliases.items():
-            p = params[name]
-            out.append(
-                StateTensor(name, StateKind.PARAMETER, p, id(p) in self._trainable, aliases)
-            )
-        buffers = dict(model.named_buffers(remove_duplicate=False))
-        for name, aliases in self._buffer_aliases.items():
-            b = buffers.get(name)
-            if b is None:
-                continue
-            out.append(StateTensor(name, StateKind.BUFFER, b, False, aliases))
-        for group in opt.param_groups:
-            for p in group["params"]:
-                pname = self.param_names[id(p)]
-                for key, v in opt.state.get(p, {}).items():
-                    if isinstance(v, torch.Tensor):
-                        out.append(
-                            StateTensor(
-                                f"optimizer.state.{pname}.{key}",
-                                StateKind.OPTIMIZER_STATE,
-                                v,
-                                False,
-                            )
-                        )
-        for name in self._param_aliases:
-            p = params[name]
-            if p.grad is not None:
-                out.append(StateTensor(f"{name}.grad", StateKind.GRADIENT, p.grad, False))
-        return out
+        """Every state tensor of the workspace (see ``named_state``)."""
+        return named_state(self.model, self.optimizer)
 
     def host_state(self) -> list[str]:
         """Names of optimizer state tensors that live on the host, not the device."""
-        return [
-            s.name
-            for s in self.state_tensors()
-            if s.tensor.device.type != self.device.type
-        ]
+        return [s.name for s in self.state_tensors() if s.tensor.device.type != self.device.type]
 
     def optimizer_hints(self) -> list[str]:
         """Known causes of step-dependent host values in this optimizer's settings."""

@@ -36,7 +36,7 @@ __all__ = [
     "x64_scope",
 ]
 
-JAXLIB_VERSION: str = str(jaxlib.__version__)
+JAXLIB_VERSION: str = str(getattr(jaxlib, "__version__", "unknown"))
 
 Client = Any
 Device = Any
@@ -50,10 +50,10 @@ def _make_x64_scope() -> Callable[[], contextlib.AbstractContextManager[Any]]:
     # exporter's pin moves past jax 0.7.
     scoped = getattr(jax, "enable_x64", None)
     if scoped is not None:
-        return lambda: scoped(True)  # type: ignore[no-any-return]
+        return lambda: scoped(True)
     from jax.experimental import enable_x64
 
-    return lambda: enable_x64(True)  # type: ignore[no-any-return]
+    return lambda: enable_x64(True)
 
 
 x64_scope: Callable[[], contextlib.AbstractContextManager[Any]] = _make_x64_scope()
@@ -95,7 +95,9 @@ def compile_options(num_partitions: int = 1, device_ids: Sequence[int] | None = 
     return opts
 
 
-def compile_program(client: Client, bytecode: bytes, devices: Sequence[Device], options: Any) -> Executable:
+def compile_program(
+    client: Client, bytecode: bytes, devices: Sequence[Device], options: Any
+) -> Executable:
     """Compile MLIR bytecode for ``devices`` and load it."""
     return client.compile_and_load(bytecode, xla_client.DeviceList(tuple(devices)), options)
 
@@ -105,7 +107,9 @@ def serialize_executable(client: Client, exe: Executable) -> bytes:
     return bytes(data)
 
 
-def deserialize_executable(client: Client, data: bytes, devices: Sequence[Device], options: Any) -> Executable:
+def deserialize_executable(
+    client: Client, data: bytes, devices: Sequence[Device], options: Any
+) -> Executable:
     return client.deserialize_executable(data, xla_client.DeviceList(tuple(devices)), options)
 
 

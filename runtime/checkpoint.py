@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-
 from stepbundle.schema.manifest import DType, Manifest
 
 from .dtypes import NUMPY_DTYPES
@@ -97,7 +96,9 @@ def write_safetensors(
         a = np.ascontiguousarray(tensors[name])
         dt = _NP_TO_DTYPE.get(a.dtype)
         if dt is None:
-            raise CheckpointError(f"Tensor {name!r} has dtype {a.dtype}, which checkpoints cannot hold.")
+            raise CheckpointError(
+                f"Tensor {name!r} has dtype {a.dtype}, which checkpoints cannot hold."
+            )
         header[name] = {
             "dtype": _ST_DTYPES[dt],
             "shape": [int(d) for d in a.shape],
@@ -114,7 +115,8 @@ def write_safetensors(
             f.write(struct.pack("<Q", len(raw)))
             f.write(raw)
             for a in items:
-                f.write(memoryview(a).cast("B") if a.size else b"")
+                if a.size:
+                    f.write(a.reshape(-1).view(np.uint8).data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, target)
@@ -125,7 +127,9 @@ def write_safetensors(
     _fsync_dir(target.parent)
 
 
-def read_safetensors(path: str | os.PathLike[str]) -> tuple[dict[str, np.ndarray[Any, Any]], dict[str, str]]:
+def read_safetensors(
+    path: str | os.PathLike[str],
+) -> tuple[dict[str, np.ndarray[Any, Any]], dict[str, str]]:
     """Read a safetensors file into numpy arrays (copies) and its metadata."""
     p = Path(path)
     try:
@@ -152,17 +156,32 @@ def read_safetensors(path: str | os.PathLike[str]) -> tuple[dict[str, np.ndarray
                         shape = tuple(int(d) for d in rec["shape"])
                         start, end = (int(x) for x in rec["data_offsets"])
                     except (KeyError, TypeError, ValueError):
-                        raise CheckpointError(f"{p}: bad safetensors record for {name!r}.") from None
+                        raise CheckpointError(
+                            f"{p}: bad safetensors record for {name!r}."
+                        ) from None
                     count = int(np.prod(shape, dtype=np.int64)) if shape else 1
-                    if start < 0 or end < start or base + end > size or end - start != count * dt.itemsize:
-                        raise CheckpointError(f"{p}: tensor {name!r} lies outside the file or has the wrong size.")
-                    out[name] = np.frombuffer(mm, dtype=dt, count=count, offset=base + start).reshape(shape).copy()
+                    if (
+                        start < 0
+                        or end < start
+                        or base + end > size
+                        or end - start != count * dt.itemsize
+                    ):
+                        raise CheckpointError(
+                            f"{p}: tensor {name!r} lies outside the file or has the wrong size."
+                        )
+                    out[name] = (
+                        np.frombuffer(mm, dtype=dt, count=count, offset=base + start)
+                        .reshape(shape)
+                        .copy()
+                    )
                 return out, {str(k): str(v) for k, v in meta.items()}
     except OSError as e:
         raise CheckpointError(f"Cannot read checkpoint {p}: {e}.") from None
 
 
-def check_state_values(manifest: Manifest, values: Mapping[str, np.ndarray[Any, Any]]) -> dict[str, np.ndarray[Any, Any]]:
+def check_state_values(
+    manifest: Manifest, values: Mapping[str, np.ndarray[Any, Any]]
+) -> dict[str, np.ndarray[Any, Any]]:
     """Map ``values`` (which may use alias names) onto the state table, checking specs."""
     out: dict[str, np.ndarray[Any, Any]] = {}
     problems = []
@@ -184,7 +203,8 @@ def check_state_values(manifest: Manifest, values: Mapping[str, np.ndarray[Any, 
         problems.append(f"unknown name(s) {', '.join(map(repr, extra[:5]))}")
     if problems:
         raise CheckpointError(
-            "The state does not match this bundle's state table: " + "; ".join(problems[:8])
+            "The state does not match this bundle's state table: "
+            + "; ".join(problems[:8])
             + ". Load a checkpoint written for this bundle (same model and optimizer)."
         )
     return out
@@ -198,7 +218,11 @@ def save_checkpoint(trainer: Trainer, path: str | os.PathLike[str]) -> None:
         "hyperparameters": trainer.hyperparameters,
         "bundle_digest": trainer.digest,
     }
-    write_safetensors(path, trainer.state_dict(include_aliases=True), {"stepbundle": json.dumps(meta, sort_keys=True)})
+    write_safetensors(
+        path,
+        trainer.state_dict(include_aliases=True),
+        {"stepbundle": json.dumps(meta, sort_keys=True)},
+    )
 
 
 def load_checkpoint(trainer: Trainer, path: str | os.PathLike[str]) -> None:

@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
 from stepbundle.schema import codec
 from stepbundle.schema.manifest import ConstantInput
 
@@ -95,7 +94,11 @@ def load(
                 f"{expect_digest}. Refusing to run a different bundle than the one pinned."
             )
         manifest = bundle.manifest
-        wanted = list(manifest.entries) if entry is None else ([entry] if isinstance(entry, str) else list(entry))
+        wanted = (
+            list(manifest.entries)
+            if entry is None
+            else ([entry] if isinstance(entry, str) else list(entry))
+        )
         for name in wanted:
             if name not in manifest.entries:
                 raise BindingError(
@@ -158,12 +161,15 @@ def load(
             put_batch = ctx.put_batch
             put_scalar = ctx.put_replicated
         else:
+
             def put_state(a: np.ndarray[Any, Any]) -> Any:
                 return _compat.put(a, dev)
 
             put_batch = put_state
             put_scalar = put_state
-        state = [put_state(array_from_section(bundle.section(s.section), s.spec)) for s in manifest.state]
+        state = [
+            put_state(array_from_section(bundle.section(s.section), s.spec)) for s in manifest.state
+        ]
         constants: dict[str, Any] = {}
         for name in wanted:
             for program in manifest.entries[name].programs:

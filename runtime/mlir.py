@@ -17,7 +17,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from jaxlib.mlir import ir
-from jaxlib.mlir.dialects import stablehlo
+from jaxlib.mlir.dialects import stablehlo as _stablehlo
+
+# jaxlib's stubs do not cover the StableHLO dialect's serialization helpers.
+stablehlo: Any = _stablehlo
 
 __all__ = [
     "ALLOWED_CUSTOM_CALLS",
@@ -80,12 +83,12 @@ TARGET_CANDIDATES: tuple[str, ...] = tuple(_compat_versions())
 def make_context() -> ir.Context:
     """A fresh MLIR context with the dialects torch_xla's programs use."""
     from jaxlib.mlir._mlir_libs import _mlirHlo
+    from jaxlib.mlir.dialects import chlo as _chlo
 
+    chlo: Any = _chlo
     ctx = ir.Context()
     stablehlo.register_dialect(ctx)
     _mlirHlo.register_mhlo_dialect(ctx)
-    from jaxlib.mlir.dialects import chlo
-
     chlo.register_dialect(ctx)
     ctx.load_all_available_dialects()
     return ctx
@@ -116,7 +119,10 @@ class Module:
     @property
     def main(self) -> Any:
         for op in self._module.body.operations:
-            if op.operation.name == "func.func" and ir.StringAttr(op.attributes["sym_name"]).value == "main":
+            if (
+                op.operation.name == "func.func"
+                and ir.StringAttr(op.attributes["sym_name"]).value == "main"
+            ):
                 return op
         raise ValueError("the module has no @main function")
 
@@ -131,7 +137,7 @@ class Module:
         """Every custom_call target name in the module (all functions)."""
         text = str(self._module)
         return set(re.findall(r'call_target_name\s*=\s*"([^"]*)"', text)) | set(
-            re.findall(r'custom_call\s+@([\w.$-]+)', text)
+            re.findall(r"custom_call\s+@([\w.$-]+)", text)
         )
 
     def strip_attributes(self) -> None:
@@ -144,8 +150,12 @@ class Module:
             op = self._module.operation
             # Iterating attributes yields NamedAttribute in jaxlib 0.7 and plain names
             # in newer releases.
-            for name in [a if isinstance(a, str) else a.name for a in op.attributes]:
-                if name.startswith("mhlo.") and name not in ("mhlo.num_partitions", "mhlo.num_replicas"):
+            attributes: Any = op.attributes
+            for name in [a if isinstance(a, str) else a.name for a in attributes]:
+                if name.startswith("mhlo.") and name not in (
+                    "mhlo.num_partitions",
+                    "mhlo.num_replicas",
+                ):
                     del op.attributes[name]
             main = self.main
             if "arg_attrs" in main.attributes:
@@ -170,8 +180,9 @@ class Module:
                 d: dict[str, Any] = {}
                 if out is not None:
                     d["tf.aliasing_output"] = ir.IntegerAttr.get(i32, out)
-                if shardings is not None and shardings[i] is not None:
-                    d["mhlo.sharding"] = ir.StringAttr.get(shardings[i])
+                sharding = shardings[i] if shardings is not None else None
+                if sharding is not None:
+                    d["mhlo.sharding"] = ir.StringAttr.get(sharding)
                 attrs.append(ir.DictAttr.get(d))
             self.main.attributes["arg_attrs"] = ir.ArrayAttr.get(attrs)
 

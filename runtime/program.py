@@ -123,7 +123,8 @@ def compile_program(
         module = mlir.parse_artifact(artifact)
     except Exception as e:
         raise SchemaValidationError(
-            f"{where}.section", f"the program could not be parsed as StableHLO ({e}). Re-export the bundle."
+            f"{where}.section",
+            f"the program could not be parsed as StableHLO ({e}). Re-export the bundle.",
         ) from None
     bad = module.custom_call_targets() - mlir.ALLOWED_CUSTOM_CALLS
     if bad:
@@ -166,10 +167,9 @@ def compile_program(
             pass
     exe = _compat.compile_program(client, bytecode, devices, options)
     if cache_file is not None:
-        try:
+        # A read-only or full cache folder must not fail a run.
+        with contextlib.suppress(Exception):
             _write_atomic(cache_file, _compat.serialize_executable(client, exe))
-        except Exception:
-            pass  # a read-only or full cache folder must not fail a run
     return CompiledProgram(program, exe, donate, False, time.perf_counter() - t0)
 
 

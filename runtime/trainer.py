@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-
 from stepbundle.schema.manifest import (
     BatchInput,
     ConstantInput,
@@ -162,7 +161,9 @@ class Trainer:
     def _resolve_hyper(self, name: str) -> list[str]:
         if name in self._hyper:
             return [name]
-        matches = [n for n in self._hyper if n.startswith("param_groups.") and n.rsplit(".", 1)[-1] == name]
+        matches = [
+            n for n in self._hyper if n.startswith("param_groups.") and n.rsplit(".", 1)[-1] == name
+        ]
         if matches:
             return matches
         known = ", ".join(sorted(self._hyper)) or "none"
@@ -259,7 +260,10 @@ class Trainer:
         return self._put_batch(np.asarray(a))
 
     def _mismatch_message(self, entry: str, plans: list[_Plan], arrays: Mapping[str, Any]) -> str:
-        got = ", ".join(f"{k}: {describe(a.dtype, tuple(a.shape))}" for k, a in arrays.items()) or "nothing"
+        got = (
+            ", ".join(f"{k}: {describe(a.dtype, tuple(a.shape))}" for k, a in arrays.items())
+            or "nothing"
+        )
         expected = " | ".join(p.signature_text for p in plans)
         lines = [f"The batch does not match any shape bucket of the {entry!r} entry."]
         lines.append(f"  expected: {expected}")
@@ -273,7 +277,9 @@ class Trainer:
             lines.append(f"Unexpected batch input(s): {', '.join(extra)}; remove them.")
         if not missing and not extra:
             for k, a in arrays.items():
-                want = {(shape, dt) for p in plans for kk, (shape, dt) in p.batch_sig.items() if kk == k}
+                want = {
+                    (shape, dt) for p in plans for kk, (shape, dt) in p.batch_sig.items() if kk == k
+                }
                 if all(np.dtype(a.dtype) != dt for _, dt in want):
                     dts = sorted({describe(dt, s) for s, dt in want})
                     lines.append(
@@ -299,9 +305,7 @@ class Trainer:
             args[pos] = dev_batch[name]
         if plan.seed_slot is not None:
             assert seed is not None
-            args[plan.seed_slot] = self._put_scalar(
-                np.array(seed, dtype=np.uint64).view(np.int64)
-            )
+            args[plan.seed_slot] = self._put_scalar(np.array(seed, dtype=np.uint64).view(np.int64))
         for pos, name in plan.hyper_slots:
             args[pos] = self._hyper_buf(name)
         return args
@@ -335,7 +339,11 @@ class Trainer:
                     "trainer.save_checkpoint(...) and lower the learning rate or inspect "
                     "the batch.",
                     step=self._step,
-                    metrics={k: float(np.asarray(v).reshape(-1)[0]) for k, v in metrics.items() if np.asarray(v).size == 1},
+                    metrics={
+                        k: float(np.asarray(v).reshape(-1)[0])
+                        for k, v in metrics.items()
+                        if np.asarray(v).size == 1
+                    },
                 )
         st = self._state
         for pos, si in plan.update_slots:
@@ -509,8 +517,7 @@ def iter_batches(data: Mapping[str, np.ndarray[Any, Any]]) -> list[dict[str, np.
     if not data or len(sizes) != len(data) or len(set(sizes.values())) != 1:
         raise BindingError(
             "The data file must hold one array per batch input, each shaped (S, *batch "
-            f"shape) with the same S; got {({k: tuple(np.shape(v)) for k, v in data.items()})}."
+            f"shape) with the same S; got { ({k: tuple(np.shape(v)) for k, v in data.items()}) }."
         )
     s = next(iter(sizes.values()))
     return [{k: np.ascontiguousarray(v[i]) for k, v in data.items()} for i in range(s)]
-

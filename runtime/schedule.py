@@ -1,0 +1,81 @@
+"""Hyperparameter schedules the runtime drives, parsed from short specs.
+
+``warmup_cosine:peak=1e-3,warmup=100,total=10000[,min=0]``: linear warmup from 0 to
+``peak`` over ``warmup`` steps, then a half cosine down to ``min`` at ``total``.
+``constant:value=1e-3``. ``linear:start=1e-3,end=0,total=1000``.
+Step ``k`` is the number of steps taken before the one the value is used for.
+
+Imports: standard library only.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+__all__ = ["parse_schedule", "warmup_cosine"]
+
+
+def warmup_cosine(
+    peak: float, warmup: int, total: int, min_value: float = 0.0
+) -> Callable[[int], float]:
+    """Linear warmup to ``peak``, then cosine decay to ``min_value`` at step ``total``."""
+
+    def f(step: int) -> float:
+        if warmup > 0 and step < warmup:
+            return peak * step / warmup
+        span = max(1, total - warmup)
+        t = min(1.0, (step - warmup) / span)
+        return min_value + (peak - min_value) * 0.5 * (1.0 + math.cos(math.pi * t))
+
+    return f
+
+
+def _linear(start: float, end: float, total: int) -> Callable[[int], float]:
+    def f(step: int) -> float:
+        t = min(1.0, step / max(1, total))
+        return start + (end - start) * t
+
+    return f
+
+
+_KINDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "warmup_cosine": (("peak", "warmup", "total"), ("min",)),
+    "constant": (("value",), ()),
+    "linear": (("start", "end", "total"), ()),
+}
+
+
+def parse_schedule(spec: str) -> Callable[[int], float]:
+    """Parse ``kind:key=value,...`` into a function of the step index."""
+    kind, _, rest = spec.partition(":")
+    kind = kind.strip()
+    if kind not in _KINDS:
+        raise ValueError(
+            f"Unknown schedule {kind!r} in {spec!r}; use one of {', '.join(_KINDS)}, e.g. "
+            "warmup_cosine:peak=1e-3,warmup=100,total=10000."
+        )
+    required, optional = _KINDS[kind]
+    params: dict[str, float] = {}
+    for item in filter(None, (p.strip() for p in rest.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq or key not in required + optional:
+            raise ValueError(
+                f"Bad schedule parameter {item!r} in {spec!r}; {kind} takes "
+                f"{', '.join(required + optional)} as key=value."
+            )
+        try:
+            params[key] = float(value)
+        except ValueError:
+            raise ValueError(f"Schedule parameter {key}={value!r} is not a number.") from None
+    missing = [k for k in required if k not in params]
+    if missing:
+        raise ValueError(f"Schedule {spec!r} is missing {', '.join(missing)}.")
+    if kind == "warmup_cosine":
+        return warmup_cosine(
+            params["peak"], int(params["warmup"]), int(params["total"]), params.get("min", 0.0)
+        )
+    if kind == "constant":
+        constant = params["value"]
+        return lambda _step: constant
+    return _linear(params["start"], params["end"], int(params["total"]))

@@ -1,0 +1,86 @@
+"""Version constants of the bundle format and the reader's acceptance rule.
+
+There is one version axis, the container-and-manifest format ``(major, minor)``, written in
+every bundle's header. The acceptance rule is decided here, once, so that old readers never
+freeze the writer:
+
+* a different major is refused;
+* the same major with an older or equal minor is read;
+* the same major with a newer minor is read when every name in the manifest's
+  ``required_features`` is in ``KNOWN_FEATURES``; unknown manifest keys are then ignored;
+* a bundle that requires a feature this reader does not know is refused, whatever its minor.
+
+Imports: standard library only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from .errors import UnsupportedVersionError
+
+__all__ = [
+    "FORMAT_VERSION",
+    "KNOWN_FEATURES",
+    "check_major",
+    "check_version",
+    "format_version_string",
+]
+
+# Changelog of the format version (bump the minor for additions old readers may ignore,
+# the major for anything else; `python -m stepbundle.schema.describe` says which):
+# 2026-11-30: 1.0, first version
+FORMAT_VERSION: tuple[int, int] = (1, 0)
+
+# Features this reader understands. A writer lists in ``Manifest.required_features`` every
+# feature a reader must understand to use the bundle correctly; a reader refuses a bundle
+# naming one that is not here. Empty in 1.0: no optional features exist yet.
+KNOWN_FEATURES: frozenset[str] = frozenset()
+
+
+def format_version_string(version: tuple[int, int]) -> str:
+    """``(1, 0)`` -> ``"1.0"``."""
+    return f"{version[0]}.{version[1]}"
+
+
+def check_major(found: tuple[int, int]) -> None:
+    """Refuse a bundle whose major version differs from this reader's.
+
+    Called as soon as the header is read, before the manifest is trusted: a different
+    major may lay out everything after the version field differently.
+    """
+    if found[0] != FORMAT_VERSION[0]:
+        newer = found[0] > FORMAT_VERSION[0]
+        advice = (
+            "Upgrade stepbundle to a release that reads it."
+            if newer
+            else "Re-export the bundle with this stepbundle release."
+        )
+        raise UnsupportedVersionError(
+            f"The bundle has format version {format_version_string(found)}, but this "
+            f"reader supports format versions {FORMAT_VERSION[0]}.0 to "
+            f"{format_version_string(FORMAT_VERSION)} (and newer {FORMAT_VERSION[0]}.x "
+            f"bundles that need no unknown features). {advice}",
+            found=found,
+        )
+
+
+def check_version(found: tuple[int, int], required_features: Iterable[str]) -> None:
+    """Apply the acceptance rule to a bundle's version and required features.
+
+    Raises:
+      UnsupportedVersionError: the major differs, or a required feature is unknown to
+        this reader. Its ``missing_features`` lists the unknown features.
+    """
+    check_major(found)
+    missing = tuple(sorted({f for f in required_features if f not in KNOWN_FEATURES}))
+    if missing:
+        names = ", ".join(repr(f) for f in missing)
+        raise UnsupportedVersionError(
+            f"The bundle (format version {format_version_string(found)}) requires "
+            f"feature(s) {names} that this reader (format version "
+            f"{format_version_string(FORMAT_VERSION)}) does not know. Upgrade stepbundle "
+            "to a release that supports them, or re-export without them.",
+            found=found,
+            missing_features=missing,
+        )

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Create the two environments this project uses, from nothing, idempotently:
+#   .venv       exporter + tests: torch 2.9.0, torch_xla 2.9.0, jax 0.7.1 (pinned)
+#   .venv-lean  runtime only: the newest jax/jaxlib pip offers, and no torch at all
+# Re-running is cheap: an environment is rebuilt only when pyproject.toml changed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+stamp=$(sha256sum pyproject.toml | cut -c1-16)
+
+make_env() {  # make_env DIR SPEC
+  local dir=$1 spec=$2
+  if [ -f "$dir/.stepbundle-$stamp" ] && "$dir/bin/python" -c "import stepbundle" 2>/dev/null; then
+    return 0
+  fi
+  echo "[setup] creating $dir ($spec)" >&2
+  rm -rf "$dir"
+  "$PY" -m venv "$dir"
+  "$dir/bin/python" -m pip install -q --upgrade pip
+  "$dir/bin/python" -m pip install -q -e "$spec"
+  touch "$dir/.stepbundle-$stamp"
+}
+
+make_env .venv ".[export,test]"
+make_env .venv-lean ".[lean-test]"
+# The lean environment must never have torch: the runtime's promise depends on it.
+if .venv-lean/bin/python -c "import torch" 2>/dev/null; then
+  echo "[setup] .venv-lean has torch installed; it must not" >&2
+  exit 1
+fi

@@ -10,6 +10,7 @@ Imports: torch, torch_xla.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -30,10 +31,16 @@ def _xlac() -> Any:
 
 
 def sync() -> None:
-    """Materialize every pending lazy tensor (torch_xla's mark_step)."""
+    """Materialize every pending lazy tensor (torch_xla's mark_step) and wait for it.
+
+    Waiting matters: torch_xla executes asynchronously, and an execution still running
+    would later tick the counters the tracer reads to detect mid-step round trips.
+    """
     import torch_xla
+    import torch_xla.core.xla_model as xm
 
     torch_xla.sync()
+    xm.wait_device_ops()
 
 
 def tensor_id(t: torch.Tensor) -> int:
@@ -186,11 +193,33 @@ def _hyper_values(ws: Workspace) -> tuple[tuple[str, float], ...]:
 def _lower(roots: list[torch.Tensor]) -> tuple[str, bytes]:
     import torch_xla.core.xla_model as xm
 
-    return xm.get_stablehlo(roots), xm.get_stablehlo_bytecode(roots)
+    # The module's name carries a process-wide counter; it is not part of the graph.
+    text = re.sub(r"^module @[\w.]+", "module @main_module", xm.get_stablehlo(roots), count=1)
+    return text, xm.get_stablehlo_bytecode(roots)
 
 
 def _ids_of(states: list[StateTensor]) -> dict[str, int]:
     return {s.name: tensor_id(s.tensor) for s in states}
+
+
+def _values_of(states: list[StateTensor]) -> dict[str, str]:
+    """What each state tensor currently holds: its device buffer, or its pending IR.
+
+    A tensor id does not tell: in-place updates such as BatchNorm's running statistics
+    keep the id and only replace the IR behind it.
+    """
+    xlac = _xlac()
+    out = {}
+    for s in states:
+        info = str(xlac._get_xla_tensor_debug_info(s.tensor))
+        ir = re.search(r"^IR: (.*)$", info, re.M)
+        handle = re.search(r"Data Handle: (\S+)", info)
+        ir_text = ir.group(1).strip() if ir is not None else "None"
+        if handle is not None and (ir_text == "None" or "xla::device_data" in ir_text):
+            out[s.name] = f"data {handle.group(1)}"
+        else:
+            out[s.name] = f"pending {id(s.tensor)} {ir_text}"
+    return out
 
 
 def trace_train(
@@ -216,6 +245,7 @@ def trace_train(
     before = _ids_of(states)
     state_ids = {tid: name for name, tid in before.items()}
     obj_before = {s.name: s.tensor for s in states}
+    value_before = _values_of(states)
     batch_ids = {tensor_id(t): k for k, t in batch.items()}
     hyper_before = {name: tensor_id(t) for name, t in ws.hyperparameters.items()}
     hyper_ids = {tid: name for name, tid in hyper_before.items()}
@@ -252,7 +282,11 @@ def trace_train(
     for s in after:
         if s.kind is StateKind.GRADIENT and s.name in vanished:
             continue
-        if obj_before.get(s.name) is not s.tensor or tensor_id(s.tensor) != before[s.name]:
+        if (
+            obj_before.get(s.name) is not s.tensor
+            or tensor_id(s.tensor) != before[s.name]
+            or _values_of([s])[s.name] != value_before[s.name]
+        ):
             updated.append(s)
     # Gradients dropped by the step (zero_grad(set_to_none=True) at its end) are not
     # kept between steps: they are not state of the bundle.
@@ -318,6 +352,7 @@ def trace_eval(
     sync()
     states = ws.state_tensors()
     before = _ids_of(states)
+    value_before = _values_of(states)
     state_ids = {tid: name for name, tid in before.items()}
     batch_ids = {tensor_id(t): k for k, t in batch.items()}
     counters = _counters()
@@ -327,7 +362,13 @@ def trace_eval(
             result = eval_fn(ws.model, dict(batch))
         _check_no_host_round_trip(counters, _counters(), what)
         metrics = _metrics(result, what, need_loss=False)
-        changed = [s.name for s in ws.state_tensors() if tensor_id(s.tensor) != before.get(s.name)]
+        after = ws.state_tensors()
+        now = _values_of(after)
+        changed = [
+            s.name
+            for s in after
+            if tensor_id(s.tensor) != before.get(s.name) or now[s.name] != value_before.get(s.name)
+        ]
         if changed:
             raise ExportError(
                 f"The {what} changed state ({', '.join(changed[:5])}); read-only entries "

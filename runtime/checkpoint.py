@@ -93,7 +93,8 @@ def write_safetensors(
     offset = 0
     items = []
     for name in sorted(tensors):
-        a = np.ascontiguousarray(tensors[name])
+        # np.asarray keeps 0-d arrays 0-d (ascontiguousarray would make them 1-d).
+        a = np.asarray(tensors[name], order="C")
         dt = _NP_TO_DTYPE.get(a.dtype)
         if dt is None:
             raise CheckpointError(

@@ -373,11 +373,14 @@ class Trainer:
         batches: Sequence[Mapping[str, Any]],
         steps: int,
         on_step: Callable[[int, dict[str, Any]], None] | None = None,
+        *,
+        offset: int = 0,
     ) -> list[dict[str, Any]]:
-        """Run ``steps`` training steps, step ``i`` on ``batches[i % len(batches)]``.
+        """Run ``steps`` training steps, step ``i`` on ``batches[(offset + i) % len(batches)]``.
 
         The next batch is moved to the device while the current step runs. ``on_step``
-        is called with the step index and its (lazy) metrics.
+        is called with ``i`` and the step's (lazy) metrics. A resumed run passes its
+        step count as ``offset`` to continue through the batches where it left off.
         """
         if not batches:
             raise BindingError("run() needs at least one batch.")
@@ -385,13 +388,13 @@ class Trainer:
         if steps <= 0:
             return out
         n = len(batches)
-        nxt = self._pick("train", batches[0])
+        nxt = self._pick("train", batches[offset % n])
         for i in range(steps):
             plan, dev = nxt
             metrics = self._dispatch(plan, dev)
             if i + 1 < steps:
                 # Dispatch was asynchronous: this transfer overlaps the running step.
-                nxt = self._pick("train", batches[(i + 1) % n])
+                nxt = self._pick("train", batches[(offset + i + 1) % n])
             if on_step is not None:
                 on_step(i, metrics)
             out.append(metrics)
@@ -520,4 +523,4 @@ def iter_batches(data: Mapping[str, np.ndarray[Any, Any]]) -> list[dict[str, np.
             f"shape) with the same S; got { ({k: tuple(np.shape(v)) for k, v in data.items()}) }."
         )
     s = next(iter(sizes.values()))
-    return [{k: np.ascontiguousarray(v[i]) for k, v in data.items()} for i in range(s)]
+    return [{k: np.asarray(v[i], order="C") for k, v in data.items()} for i in range(s)]

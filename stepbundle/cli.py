@@ -181,7 +181,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.entry != "train":
         try:
             for i in range(args.steps):
-                m = trainer.evaluate(batches[i % len(batches)], entry=args.entry)
+                m = trainer.evaluate(
+                    batches[i % len(batches)], entry=args.entry
+                )  # no state: no offset
                 stdout.write(
                     json.dumps({"step": i, **{k: _scalar(v) for k, v in m.items()}}) + "\n"
                 )
@@ -209,7 +211,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     t1 = time.perf_counter()
     code = 0
     try:
-        trainer.run(batches, args.steps, on_step=on_step)
+        trainer.run(batches, args.steps, on_step=on_step, offset=start_step)
     except NonFiniteLossError as e:
         print(f"\n[run] {e}", file=sys.stderr)
         if ckpt_dir is not None:

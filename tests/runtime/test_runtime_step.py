@@ -1,0 +1,152 @@
+"""Trainer.step: batch checks before dispatch, donation, lazy metrics, seeds, run()."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from runtime_helpers import golden_batches, golden_bundle
+from stepbundle.runtime import BindingError, advance_seed, load
+from stepbundle.schema import BundleError
+
+
+@pytest.fixture
+def linear():
+    return load(golden_bundle("linear_adamw"), cache_dir=False)
+
+
+def test_binding_error_is_a_bundle_error() -> None:
+    assert issubclass(BindingError, BundleError)
+
+
+@pytest.mark.parametrize(
+    "mutate, expect",
+    [
+        (lambda b: {**b, "x": b["x"].astype(np.float64)}, "Dtype mismatch for batch input 'x'"),
+        (lambda b: {**b, "x": b["x"][:3]}, "Shape mismatch for batch input 'x'"),
+        (lambda b: {"x": b["x"]}, "Missing batch input(s): y"),
+        (lambda b: {**b, "z": b["x"]}, "Unexpected batch input(s): z"),
+        (lambda b: {**b, "y": b["y"].reshape(-1)}, "Shape mismatch for batch input 'y'"),
+    ],
+)
+def test_rejected_batch_loses_nothing(linear, mutate, expect: str) -> None:
+    batches = golden_batches("linear_adamw")
+    reference = load(golden_bundle("linear_adamw"), cache_dir=False)
+    ref_losses = [float(reference.step(b)["loss"]) for b in batches[:2]]
+
+    linear.step(batches[0])
+    with pytest.raises(BindingError) as err:
+        linear.step(mutate(batches[1]))
+    msg = str(err.value)
+    assert expect in msg
+    assert "expected: {x: f32[8,5], y: f32[8,3]}" in msg  # lists what the bundle takes
+    assert "got:" in msg
+    assert linear.step_count == 1
+    # The next good call gives exactly what it gives when the bad call never happened.
+    assert float(linear.step(batches[1])["loss"]) == ref_losses[1]
+    for k, v in reference.state_dict().items():
+        np.testing.assert_array_equal(linear.state_dict()[k], v, err_msg=k)
+
+
+def test_unknown_entry_and_non_mapping_batch(linear) -> None:
+    with pytest.raises(BindingError, match="has no 'predict' entry"):
+        linear.evaluate(golden_batches("linear_adamw")[0], entry="predict")
+    with pytest.raises(BindingError, match="dict of name -> array"):
+        linear.step([1, 2, 3])  # type: ignore[arg-type]
+
+
+def test_state_buffers_are_donated(linear) -> None:
+    before = list(linear._state)
+    linear.step(golden_batches("linear_adamw")[0])
+    idx = {n: i for i, n in enumerate(linear.state_names)}
+    # Parameters and optimizer state are read and rewritten: their old buffers were
+    # donated to the step's outputs.
+    for name in ("weight", "bias", "optimizer.state.weight.exp_avg", "optimizer.state.weight.step"):
+        assert before[idx[name]].is_deleted(), name
+    # The new buffers are live.
+    assert not any(a.is_deleted() for a in linear._state)
+
+
+def test_evaluate_donates_nothing(linear) -> None:
+    before = list(linear._state)
+    linear.evaluate(golden_batches("linear_adamw")[0])
+    assert not any(a.is_deleted() for a in before)
+
+
+def test_metrics_are_device_arrays_read_on_demand(linear) -> None:
+    m = linear.step(golden_batches("linear_adamw")[0])
+    assert isinstance(m["loss"], jax.Array)
+    assert np.isfinite(float(m["loss"]))
+
+
+def test_device_arrays_are_accepted_as_batches(linear) -> None:
+    batches = golden_batches("linear_adamw")
+    reference = load(golden_bundle("linear_adamw"), cache_dir=False)
+    on_device = {k: jax.device_put(v, linear.device) for k, v in batches[0].items()}
+    assert float(linear.step(on_device)["loss"]) == float(reference.step(batches[0])["loss"])
+
+
+def test_run_equals_stepping_one_by_one() -> None:
+    batches = golden_batches("dropout_sgd")
+    a = load(golden_bundle("dropout_sgd"), cache_dir=False)
+    b = load(golden_bundle("dropout_sgd"), cache_dir=False)
+    seen: list[int] = []
+    run_losses = [float(m["loss"]) for m in a.run(batches, 7, on_step=lambda i, m: seen.append(i))]
+    step_losses = [float(b.step(batches[i % len(batches)])["loss"]) for i in range(7)]
+    assert run_losses == step_losses
+    assert seen == list(range(7))
+    assert a.step_count == b.step_count == 7
+    assert a.seed == b.seed
+
+
+def test_seed_follows_torch_xla_rule() -> None:
+    # Values read from torch_xla 2.9: the default seed 101 becomes 709230394 after one
+    # mark_step, then 4973168205254853; the rule wraps modulo 2**64.
+    assert advance_seed(101) == 709230394
+    assert advance_seed(101, 2) == 4973168205254853
+    s = 2**64 - 1
+    assert advance_seed(s) == (1012031 + s * 7012063) % 2**64
+    t = load(golden_bundle("dropout_sgd"), cache_dir=False)
+    assert t.seed == 12345
+    t.step(golden_batches("dropout_sgd")[0])
+    assert t.seed == advance_seed(12345)
+
+
+def test_setting_the_seed_replays_dropout_masks() -> None:
+    batches = golden_batches("dropout_sgd")
+    a = load(golden_bundle("dropout_sgd"), cache_dir=False)
+    b = load(golden_bundle("dropout_sgd"), cache_dir=False)
+    c = load(golden_bundle("dropout_sgd"), cache_dir=False)
+    c.seed = 999
+    la = [float(a.step(x)["loss"]) for x in batches]
+    lb = [float(b.step(x)["loss"]) for x in batches]
+    lc = [float(c.step(x)["loss"]) for x in batches]
+    assert la == lb
+    assert la != lc  # a different seed draws different dropout masks
+    with pytest.raises(BindingError, match="seed must be an integer"):
+        a.seed = -1
+    with pytest.raises(BindingError, match="no seed to set"):
+        load(golden_bundle("linear_adamw"), cache_dir=False).seed = 3
+
+
+def test_hyperparameters_set_and_schedule(linear) -> None:
+    t = load(golden_bundle("batchnorm_lr"), cache_dir=False)
+    assert t.hyperparameters == {"lr": pytest.approx(0.01)}
+    batches = golden_batches("batchnorm_lr")
+    frozen = load(golden_bundle("batchnorm_lr"), cache_dir=False)
+    frozen.set_hyperparameter("lr", 0.0)
+    w0 = frozen.state_dict()["0.weight"]
+    frozen.step(batches[0])
+    # lr = 0 leaves the weights where they were: the hyperparameter reaches the graph.
+    np.testing.assert_array_equal(frozen.state_dict()["0.weight"], w0)
+    seen = []
+    t.set_schedule("lr", lambda step: seen.append(step) or 0.001 * (step + 1))
+    t.run(batches, 3)
+    assert seen == [0, 1, 2]
+    assert t.hyperparameters["lr"] == pytest.approx(0.003)
+    with pytest.raises(BindingError, match="no hyperparameter 'momentum'"):
+        t.set_hyperparameter("momentum", 0.5)
+    with pytest.raises(BindingError, match="must be finite"):
+        t.set_hyperparameter("lr", float("nan"))
+    with pytest.raises(BindingError, match="no hyperparameter 'lr'"):
+        linear.set_hyperparameter("lr", 0.1)

@@ -198,8 +198,18 @@ def _lower(roots: list[torch.Tensor]) -> tuple[str, bytes]:
     return text, xm.get_stablehlo_bytecode(roots)
 
 
+def _on_device(states: list[StateTensor]) -> list[StateTensor]:
+    """The state tensors on the XLA device.
+
+    State an optimizer keeps on the host (a non-capturable Adam's step count) has no
+    torch_xla id: it enters the graph as a number, which ``bind`` compares between the
+    two traced steps (and refuses, naming it, when it changes).
+    """
+    return [s for s in states if s.tensor.device.type == "xla"]
+
+
 def _ids_of(states: list[StateTensor]) -> dict[str, int]:
-    return {s.name: tensor_id(s.tensor) for s in states}
+    return {s.name: tensor_id(s.tensor) for s in _on_device(states)}
 
 
 def _values_of(states: list[StateTensor]) -> dict[str, str]:
@@ -210,7 +220,7 @@ def _values_of(states: list[StateTensor]) -> dict[str, str]:
     """
     xlac = _xlac()
     out = {}
-    for s in states:
+    for s in _on_device(states):
         info = str(xlac._get_xla_tensor_debug_info(s.tensor))
         ir = re.search(r"^IR: (.*)$", info, re.M)
         handle = re.search(r"Data Handle: (\S+)", info)
@@ -245,6 +255,7 @@ def trace_train(
     before = _ids_of(states)
     state_ids = {tid: name for name, tid in before.items()}
     obj_before = {s.name: s.tensor for s in states}
+    names_before = [s.name for s in states]
     value_before = _values_of(states)
     batch_ids = {tensor_id(t): k for k, t in batch.items()}
     hyper_before = {name: tensor_id(t) for name, t in ws.hyperparameters.items()}
@@ -267,8 +278,8 @@ def trace_train(
             )
     after = ws.state_tensors()
     after_names = {s.name for s in after}
-    vanished = [n for n in before if n not in after_names]
-    new_names = [s.name for s in after if s.name not in before]
+    vanished = [n for n in names_before if n not in after_names]
+    new_names = [s.name for s in after if s.name not in obj_before]
     if new_names:
         raise ExportError(
             "The training step created new state: "
@@ -279,12 +290,12 @@ def trace_train(
             "exists, then export."
         )
     updated: list[StateTensor] = []
-    for s in after:
+    for s in _on_device(after):
         if s.kind is StateKind.GRADIENT and s.name in vanished:
             continue
         if (
             obj_before.get(s.name) is not s.tensor
-            or tensor_id(s.tensor) != before[s.name]
+            or tensor_id(s.tensor) != before.get(s.name)
             or _values_of([s])[s.name] != value_before[s.name]
         ):
             updated.append(s)
@@ -362,7 +373,7 @@ def trace_eval(
             result = eval_fn(ws.model, dict(batch))
         _check_no_host_round_trip(counters, _counters(), what)
         metrics = _metrics(result, what, need_loss=False)
-        after = ws.state_tensors()
+        after = _on_device(ws.state_tensors())
         now = _values_of(after)
         changed = [
             s.name

@@ -180,7 +180,7 @@ class Workspace:
       hyperparameters: declared hyperparameter name -> its device tensor.
     """
 
-    def __init__(self, recipe: Recipe, device: torch.device) -> None:
+    def __init__(self, recipe: Recipe, device: torch.device, *, zero_grads: bool = True) -> None:
         self.device = device
         model, optimizer = copy.deepcopy((recipe.model, recipe.optimizer))
         move_to_device(model, optimizer, device)
@@ -192,7 +192,7 @@ class Workspace:
         # when it has none): zeros are what a first backward accumulates into, so the
         # traced step is the steady-state step from the very first call.
         for p in model.parameters():
-            if p.requires_grad and p.grad is None:
+            if zero_grads and p.requires_grad and p.grad is None:
                 p.grad = torch.zeros_like(p)
         self.hyperparameters: dict[str, torch.Tensor] = {}
         self._declare_hyperparameters(recipe.hyperparameters)

@@ -11,7 +11,6 @@ Imports: jaxlib's MLIR bindings, stepbundle.schema.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -36,9 +35,30 @@ __all__ = [
 # and a custom call target is a native function pointer lookup.
 ALLOWED_CUSTOM_CALLS: frozenset[str] = frozenset(
     {
+        # Sharding annotations of SPMD programs.
         "Sharding",
         "SPMDFullToShardShape",
         "SPMDShardToFullShape",
+        # Math ops StableHLO has no op for; torch_xla emits them as custom calls that
+        # XLA turns back into its own ops on every backend (GELU uses erf).
+        "mhlo.erf",
+        "mhlo.erf_inv",
+        "mhlo.topk",
+        "mhlo.acos",
+        "mhlo.acosh",
+        "mhlo.asin",
+        "mhlo.asinh",
+        "mhlo.atan",
+        "mhlo.atanh",
+        "mhlo.cosh",
+        "mhlo.sinh",
+        "mhlo.tan",
+        "mhlo.lgamma",
+        "mhlo.digamma",
+        "mhlo.polygamma",
+        "mhlo.bessel_i1e",
+        "mhlo.zeta",
+        "mhlo.next_after",
     }
 )
 
@@ -134,11 +154,29 @@ class Module:
             )
 
     def custom_call_targets(self) -> set[str]:
-        """Every custom_call target name in the module (all functions)."""
-        text = str(self._module)
-        return set(re.findall(r'call_target_name\s*=\s*"([^"]*)"', text)) | set(
-            re.findall(r"custom_call\s+@([\w.$-]+)", text)
-        )
+        """Every custom_call target name in the module (all functions, nested regions).
+
+        Read from the operations' ``call_target_name`` attributes, not from the printed
+        text: a target printed quoted (``@"any name"``) or with escapes would slip past a
+        pattern over the text.
+        """
+        targets: set[str] = set()
+        with self._ctx:
+            stack: list[Any] = [self._module.operation]
+            while stack:
+                op = stack.pop()
+                if "call_target_name" in op.attributes:
+                    attr = op.attributes["call_target_name"]
+                    try:
+                        targets.add(ir.StringAttr(attr).value)
+                    except (ValueError, TypeError):
+                        targets.add(str(attr))  # not a string: reported as it prints
+                elif op.name.endswith(".custom_call"):
+                    targets.add(f"<{op.name} without a target>")
+                for region in op.regions:
+                    for block in region.blocks:
+                        stack.extend(child.operation for child in block.operations)
+        return targets
 
     def strip_attributes(self) -> None:
         """Drop module- and argument-level attributes outside StableHLO's guarantee.

@@ -110,7 +110,11 @@ def _first_difference(a: str, b: str) -> str:
 
 def _fmt(t: torch.Tensor) -> str:
     if t.numel() == 1:
-        return repr(t.reshape(()).item())
+        v = t.detach().cpu().reshape(())
+        if v.dtype in (torch.bfloat16, torch.float16):
+            v = v.float()
+        # numpy prints the shortest text that round-trips at the value's own dtype.
+        return str(v.numpy()[()])
     return f"{t.dtype} tensor of shape {tuple(t.shape)} (sum {float(t.double().sum()):.6g})"
 
 

@@ -143,71 +143,71 @@ def _trace_recipe(
     say: Callable[[str], None],
 ) -> tuple[list[Any], dict[str, torch.Tensor], dict[str, float], _Bound, dict[str, _Bound]]:
     """Copy the recipe to the device, trace every entry twice, bind the traces."""
-    ws = Workspace(recipe, device, zero_grads=zero_grads)
-    batches = [
-        _to_device(b, device, f"example batch {i}") for i, b in enumerate(recipe.all_batches())
-    ]
-    sync()
-    initial = ws.state_tensors()
-    # The bundle's initial state: the state at the moment of export (CPU copies).
-    initial_values = {s.name: s.tensor.detach().cpu().clone() for s in initial}
-    initial_hyper = {n: float(t.detach().cpu()) for n, t in ws.hyperparameters.items()}
-    kinds = {s.name: s.kind for s in initial}
-    say(f"prepared: {len(initial)} state tensors on {device}")
+    with Workspace(recipe, device, zero_grads=zero_grads) as ws:
+        batches = [
+            _to_device(b, device, f"example batch {i}") for i, b in enumerate(recipe.all_batches())
+        ]
+        sync()
+        initial = ws.state_tensors()
+        # The bundle's initial state: the state at the moment of export (CPU copies).
+        initial_values = {s.name: s.tensor.detach().cpu().clone() for s in initial}
+        initial_hyper = {n: float(t.detach().cpu()) for n, t in ws.hyperparameters.items()}
+        kinds = {s.name: s.kind for s in initial}
+        say(f"prepared: {len(initial)} state tensors on {device}")
 
-    hints = ws.optimizer_hints()
-    host_state = ws.host_state()
-    if host_state:
-        hints.append(
-            f"{', '.join(host_state[:3])} live(s) on the host, not the XLA device, so "
-            "their values enter the graph as numbers."
-        )
-    train_bound: _Bound = []
-    for i, batch in enumerate(batches):
-        what = "training step" + (f" (shape bucket {i})" if len(batches) > 1 else "")
-        ta = trace_train(ws, batch, recipe.step, seed=base_seed if i == 0 else None)
-        if zero_grads and any(p.grad is None for p in ws.model.parameters() if p.requires_grad):
-            raise _GradientsDropped
-        tb = trace_train(ws, batch, recipe.step)
-        bound = bind(
-            ta,
-            tb,
-            what=what,
-            state_kinds=kinds,
-            hints=hints,
-            constant_prefix=f"train.{i}.constant.",
-        )
-        train_bound.append((bound, _batch_signature(recipe.all_batches()[i])))
-    eval_fns: dict[str, Any] = dict(recipe.entries)
-    if recipe.eval_step is not None:
-        eval_fns = {"eval": recipe.eval_step, **eval_fns}
-    eval_bound: dict[str, _Bound] = {}
-    for name, fn in eval_fns.items():
-        if name == "train":
-            raise ExportError(
-                'Recipe.entries may not be called "train"; that entry is the training step.'
+        hints = ws.optimizer_hints()
+        host_state = ws.host_state()
+        if host_state:
+            hints.append(
+                f"{', '.join(host_state[:3])} live(s) on the host, not the XLA device, so "
+                "their values enter the graph as numbers."
             )
-        progs = []
+        train_bound: _Bound = []
         for i, batch in enumerate(batches):
-            what = f"{name} step" + (f" (shape bucket {i})" if len(batches) > 1 else "")
-            ta = trace_eval(ws, batch, fn, what)
-            tb = trace_eval(ws, batch, fn, what)
+            what = "training step" + (f" (shape bucket {i})" if len(batches) > 1 else "")
+            ta = trace_train(ws, batch, recipe.step, seed=base_seed if i == 0 else None)
+            if zero_grads and any(p.grad is None for p in ws.model.parameters() if p.requires_grad):
+                raise _GradientsDropped
+            tb = trace_train(ws, batch, recipe.step)
             bound = bind(
                 ta,
                 tb,
                 what=what,
                 state_kinds=kinds,
-                hints=[],
-                constant_prefix=f"{name}.{i}.constant.",
+                hints=hints,
+                constant_prefix=f"train.{i}.constant.",
             )
-            progs.append((bound, _batch_signature(recipe.all_batches()[i])))
-        eval_bound[name] = progs
-    sync()
-    say(
-        f"traced: {2 * len(batches)} training steps"
-        + (f", {len(eval_fns)} read-only entries" if eval_fns else "")
-    )
-    return initial, initial_values, initial_hyper, train_bound, eval_bound
+            train_bound.append((bound, _batch_signature(recipe.all_batches()[i])))
+        eval_fns: dict[str, Any] = dict(recipe.entries)
+        if recipe.eval_step is not None:
+            eval_fns = {"eval": recipe.eval_step, **eval_fns}
+        eval_bound: dict[str, _Bound] = {}
+        for name, fn in eval_fns.items():
+            if name == "train":
+                raise ExportError(
+                    'Recipe.entries may not be called "train"; that entry is the training step.'
+                )
+            progs = []
+            for i, batch in enumerate(batches):
+                what = f"{name} step" + (f" (shape bucket {i})" if len(batches) > 1 else "")
+                ta = trace_eval(ws, batch, fn, what)
+                tb = trace_eval(ws, batch, fn, what)
+                bound = bind(
+                    ta,
+                    tb,
+                    what=what,
+                    state_kinds=kinds,
+                    hints=[],
+                    constant_prefix=f"{name}.{i}.constant.",
+                )
+                progs.append((bound, _batch_signature(recipe.all_batches()[i])))
+            eval_bound[name] = progs
+        sync()
+        say(
+            f"traced: {2 * len(batches)} training steps"
+            + (f", {len(eval_fns)} read-only entries" if eval_fns else "")
+        )
+        return initial, initial_values, initial_hyper, train_bound, eval_bound
 
 
 def export(

@@ -11,7 +11,6 @@ Imports: torch, torch_xla.
 
 from __future__ import annotations
 
-import copy
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -172,20 +171,86 @@ def named_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> lis
 
 
 class Workspace:
-    """The traced copies: ``model`` and ``optimizer`` on the XLA device.
+    """The user's model and optimizer, temporarily holding device copies of their state.
+
+    The exporter traces the user's own objects, so that everything their step refers
+    to (a scheduler built on the optimizer, a closure over the model) sees what the
+    traced step does. What is swapped in is a device copy of every parameter, buffer,
+    gradient and optimizer-state tensor, and new ``param_groups`` contents; ``restore``
+    puts the original objects back. The user's tensors are never written to, so
+    after an export the model and optimizer are exactly as they were.
 
     Attributes:
-      model, optimizer: the copies the user's step is run on.
+      model, optimizer: the user's objects (holding device copies until ``restore``).
       device: the XLA device.
       hyperparameters: declared hyperparameter name -> its device tensor.
     """
 
     def __init__(self, recipe: Recipe, device: torch.device, *, zero_grads: bool = True) -> None:
         self.device = device
-        model, optimizer = copy.deepcopy((recipe.model, recipe.optimizer))
-        move_to_device(model, optimizer, device)
-        self.model = model
-        self.optimizer = optimizer
+        self.model = model = recipe.model
+        self.optimizer = optimizer = recipe.optimizer
+        self._modules = list(model.modules())
+        self._saved_params = [dict(m._parameters) for m in self._modules]
+        self._saved_buffers = [dict(m._buffers) for m in self._modules]
+        self._saved_training = [m.training for m in self._modules]
+        self._saved_groups = [dict(g) for g in optimizer.param_groups]
+        self._saved_state = optimizer.state
+        self._hyper_keys = tuple(recipe.hyperparameters)
+        self._restored = False
+        try:
+            self._swap_in(zero_grads)
+        except BaseException:
+            self.restore()
+            raise
+
+    def _swap_in(self, zero_grads: bool) -> None:
+        device, model, optimizer = self.device, self.model, self.optimizer
+        params: dict[int, torch.nn.Parameter] = {}
+        for m, saved in zip(self._modules, self._saved_params):
+            for k, p in saved.items():
+                if p is None:
+                    continue
+                new = params.get(id(p))
+                if new is None:
+                    new = torch.nn.Parameter(
+                        p.detach().to(device).clone(), requires_grad=p.requires_grad
+                    )
+                    if p.grad is not None:
+                        new.grad = p.grad.detach().to(device).clone()
+                    params[id(p)] = new
+                m._parameters[k] = new
+        buffers: dict[int, torch.Tensor] = {}
+        for m, saved_b in zip(self._modules, self._saved_buffers):
+            for k, b in saved_b.items():
+                if b is None:
+                    continue
+                if id(b) not in buffers:
+                    buffers[id(b)] = b.detach().to(device).clone()
+                m._buffers[k] = buffers[id(b)]
+        for group in optimizer.param_groups:
+            moved = []
+            for p in group["params"]:
+                if id(p) not in params:
+                    raise ExportError(
+                        f"The optimizer ({type(optimizer).__name__}) updates a tensor of shape "
+                        f"{tuple(p.shape)} that is not a parameter of the model. Build the "
+                        "optimizer over model.parameters() (or named subsets of them)."
+                    )
+                moved.append(params[id(p)])
+            group["params"] = moved
+        group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+        state: defaultdict[torch.Tensor, dict[str, Any]] = defaultdict(dict)
+        for p, st in self._saved_state.items():
+            newp = params.get(id(p))
+            if newp is None:
+                continue
+            host_step = _keeps_host_step(optimizer, group_of.get(id(newp), {}))
+            state[newp] = {
+                k: _move_value(v, device, keep_on_host=host_step and k == "step")
+                for k, v in st.items()
+            }
+        optimizer.state = state
         self._materialize_optimizer_state()
         # Gradients: the value a parameter's .grad holds between steps is state when
         # the user keeps it. Start every trainable parameter with its grad (zeros
@@ -195,7 +260,31 @@ class Workspace:
             if zero_grads and p.requires_grad and p.grad is None:
                 p.grad = torch.zeros_like(p)
         self.hyperparameters: dict[str, torch.Tensor] = {}
-        self._declare_hyperparameters(recipe.hyperparameters)
+        self._declare_hyperparameters(self._hyper_keys)
+
+    def restore(self) -> None:
+        """Put the user's original parameters, buffers and optimizer contents back."""
+        if self._restored:
+            return
+        self._restored = True
+        for m, ps, bs, tr in zip(
+            self._modules, self._saved_params, self._saved_buffers, self._saved_training
+        ):
+            m._parameters.clear()
+            m._parameters.update(ps)
+            m._buffers.clear()
+            m._buffers.update(bs)
+            m.training = tr
+        for group, saved in zip(self.optimizer.param_groups, self._saved_groups):
+            group.clear()
+            group.update(saved)
+        self.optimizer.state = self._saved_state
+
+    def __enter__(self) -> Workspace:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.restore()
 
     def _materialize_optimizer_state(self) -> None:
         """Create the state a fresh optimizer builds on its first step, as the step would."""

@@ -115,10 +115,14 @@ def _lower(bound: BoundProgram, n_outputs: int, what: str) -> tuple[bytes, str, 
             "allow (they are backend-specific native code). Use ops torch_xla lowers to "
             "plain StableHLO."
         )
+    text = module.text()
     errors = []
     for target in mlir.TARGET_CANDIDATES:
+        # Serializing converts the module to VHLO in place: start from a fresh parse.
+        attempt = mlir.parse_artifact(bound.bytecode)
+        attempt.strip_attributes()
         try:
-            return module.portable_artifact(target), target, module.text()
+            return attempt.portable_artifact(target), target, text
         except Exception as e:  # the program needs a newer StableHLO than this target
             errors.append(f"{target}: {e}")
     raise ExportError(

@@ -64,14 +64,71 @@ def get_client(platform: str) -> Client:
     return get_backend(platform)
 
 
+def _slow_put(x: np.ndarray[Any, Any], device: Device) -> Array:
+    with x64_scope():
+        return jax.device_put(np.array(x, copy=True, order="C"), device)
+
+
+_WIDE = frozenset({np.dtype(np.float64), np.dtype(np.int64), np.dtype(np.uint64)})
+
+
+def _make_fast_put() -> Callable[[np.ndarray[Any, Any], Device], Array] | None:
+    """A transfer that skips jax.device_put's Python dispatch (about 12 us instead of 60).
+
+    It calls jaxlib's batched transfer with an explicit abstract value, the call
+    jax.device_put itself ends in. That entry point is internal to jax, so it is
+    checked once here and the public path is used when it is missing or misbehaves.
+    Remove this when jax offers a public transfer without dtype canonicalization.
+    """
+    try:
+        from jax._src import core
+        from jax._src.lib import _jax as ext  # type: ignore[attr-defined]
+        from jax.sharding import SingleDeviceSharding
+    except ImportError:
+        return None
+    sem = ext.HostBufferSemantics.IMMUTABLE_ONLY_DURING_CALL
+    avals: dict[tuple[tuple[int, ...], np.dtype[Any]], Any] = {}
+    shardings: dict[Any, Any] = {}
+
+    def fast_put(x: np.ndarray[Any, Any], device: Device) -> Array:
+        x = np.asarray(x, order="C")
+        key = (x.shape, x.dtype)
+        aval = avals.get(key)
+        if aval is None:
+            aval = avals[key] = core.ShapedArray(x.shape, x.dtype)
+        sharding = shardings.get(device)
+        if sharding is None:
+            sharding = shardings[device] = SingleDeviceSharding(device)
+        if x.dtype in _WIDE:
+            # Without x64 the transfer narrows 64-bit values; scope it to this call.
+            with x64_scope():
+                return ext.batched_device_put(aval, sharding, [x], [device], True, True, sem)
+        return ext.batched_device_put(aval, sharding, [x], [device], True, True, sem)
+
+    try:
+        dev = jax.devices("cpu")[0]
+        probes = [np.array(2**40 + 3, np.int64), np.array(1 / 3), np.arange(6, dtype=np.float32)]
+        for probe in probes:
+            got = np.asarray(fast_put(probe, dev))
+            if got.dtype != probe.dtype or not np.array_equal(got, probe):
+                return None
+    except Exception:
+        return None
+    return fast_put
+
+
+_FAST_PUT = _make_fast_put()
+
+
 def put(x: np.ndarray[Any, Any], device: Device) -> Array:
     """Copy a host array to ``device`` with its exact dtype (no x64 narrowing).
 
     Always copies: a zero-copy buffer could alias memory the caller reuses, or a
     read-only mapping of the bundle that a donated buffer would then be written into.
     """
-    with x64_scope():
-        return jax.device_put(np.array(x, copy=True, order="C"), device)
+    if _FAST_PUT is not None:
+        return _FAST_PUT(x, device)
+    return _slow_put(x, device)
 
 
 def put_sharded(x: np.ndarray[Any, Any], sharding: Any) -> Array:

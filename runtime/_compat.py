@@ -45,10 +45,17 @@ Array = Any
 
 
 def _make_x64_scope() -> Callable[[], contextlib.AbstractContextManager[Any]]:
-    # jax >= 0.8 spells it jax.enable_x64(True) (a context manager when used in `with`);
-    # older releases have jax.experimental.enable_x64(). Remove the fallback when the
-    # exporter's pin moves past jax 0.7.
+    # jax >= 0.8 exposes the thread-local switch as jax.enable_x64(True). jax 0.7 has
+    # the same State object under jax._src.config (jax.experimental.enable_x64 wraps it
+    # in a slower generator). Remove the fallbacks when the exporter's pin passes 0.7.
     scoped = getattr(jax, "enable_x64", None)
+    if scoped is None:
+        try:
+            from jax._src import config as _config
+
+            scoped = _config.enable_x64
+        except (ImportError, AttributeError):
+            scoped = None
     if scoped is not None:
         return lambda: scoped(True)
     from jax.experimental import enable_x64

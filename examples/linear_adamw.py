@@ -6,6 +6,7 @@ Export it with ``stepbundle export examples/linear_adamw.py:recipe -o linear.ste
 from __future__ import annotations
 
 import torch
+
 from stepbundle.exporter import Recipe
 
 

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
+
 from stepbundle.schema.manifest import (
     BatchInput,
     ConstantInput,

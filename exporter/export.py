@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from stepbundle import __version__
 from stepbundle.runtime import mlir
 from stepbundle.schema import codec
 from stepbundle.schema.manifest import (
@@ -37,8 +39,6 @@ from stepbundle.schema.manifest import (
     StateKind,
     StateUpdateOutput,
 )
-
-from stepbundle import __version__
 
 from .bind import BoundProgram, bind, spec_of, tensor_bytes
 from .errors import ExportError

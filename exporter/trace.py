@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
 from stepbundle.schema.manifest import StateKind
 
 from .errors import ExportError

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
 from stepbundle.schema.manifest import StateKind
 
 from .errors import ExportError
@@ -363,7 +364,10 @@ class Workspace:
                         "scalars can be exported as hyperparameters."
                     )
                 name = key if len(groups) == 1 else f"param_groups.{i}.{key}"
-                t = torch.tensor(float(value), dtype=torch.float32, device=self.device)
+                # Each declared value gets a device buffer of its own: torch_xla hands out
+                # one shared buffer for equal scalars uploaded from the host, so two
+                # groups with the same lr would be one graph input, bound to one name.
+                t = torch.tensor(float(value), dtype=torch.float32).to(self.device).clone()
                 if _optimizer_family(self.optimizer) in ("sgd",) and key == "lr":
                     # torch's SGD turns a plain tensor lr into a Python number
                     # (alpha=-lr), which reads it on the host; a tensor that requires

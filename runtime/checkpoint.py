@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
 from stepbundle.schema.manifest import DType, Manifest
 
 from .dtypes import NUMPY_DTYPES

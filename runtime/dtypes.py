@@ -9,6 +9,7 @@ from typing import Any
 
 import ml_dtypes
 import numpy as np
+
 from stepbundle.schema.manifest import DType, TensorSpec
 
 __all__ = ["NUMPY_DTYPES", "describe", "from_numpy", "to_numpy"]

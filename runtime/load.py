@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
 from stepbundle.schema import codec
 from stepbundle.schema.manifest import ConstantInput
 

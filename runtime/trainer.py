@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
 from stepbundle.schema.manifest import (
     BatchInput,
     ConstantInput,

@@ -743,6 +743,9 @@ class Bundle:
         self._file_size = len(mapping)
         self._digest = "sha256:" + hashlib.sha256(header + manifest_bytes).hexdigest()
         self._verified: set[str] = set()
+        # By name, built once: a runtime asks for every state tensor's section, and a
+        # linear search each time would make loading quadratic in the section count.
+        self._sections = {s.name: s for s in manifest.sections}
 
     @property
     def path(self) -> str:
@@ -787,10 +790,9 @@ class Bundle:
           IntegrityError: the section's bytes do not match its SHA-256 (checked once).
         """
         view = self._bytes()
-        try:
-            sec = self._manifest.section(name)
-        except KeyError:
-            raise KeyError(f"The bundle {self._path!r} has no section named {name!r}.") from None
+        sec = self._sections.get(name)
+        if sec is None:
+            raise KeyError(f"The bundle {self._path!r} has no section named {name!r}.")
         start = self._data_start + sec.offset
         data = view[start : start + sec.length]
         if name not in self._verified:

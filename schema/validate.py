@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 from .codec import (
     ALIGNMENT,
@@ -88,8 +89,17 @@ def validate(manifest: Manifest, file_size: int, *, manifest_length: int | None 
     if manifest.rng is not None and not 0 <= manifest.rng.seed < 2**64:
         raise _fail("rng.seed", f"the seed {manifest.rng.seed} is not in [0, 2**64).")
     _check_required_features(manifest.required_features)
+    # Built once, not per program: a hostile manifest with many programs and many state
+    # entries must cost their sum, not their product.
+    tables = _Tables(
+        sections=sections,
+        states=states,
+        hyperparameters={h.name: h.spec for h in manifest.hyperparameters},
+        aliases={a: s.name for s in manifest.state for a in s.aliases},
+        has_rng=manifest.rng is not None,
+    )
     for name, entry in manifest.entries.items():
-        _check_entry(manifest, name, entry, sections, states)
+        _check_entry(name, entry, tables)
 
 
 def _check_nonempty(value: str, path: str, what: str) -> None:
@@ -268,13 +278,18 @@ def _signature(program: Program) -> tuple[tuple[str, str, tuple[int, ...]], ...]
     return tuple(sorted((b.name, b.spec.dtype.value, b.spec.shape) for b in program.batch))
 
 
-def _check_entry(
-    manifest: Manifest,
-    name: str,
-    entry: Entry,
-    sections: Mapping[str, Section],
-    states: Mapping[str, StateEntry],
-) -> None:
+@dataclass(frozen=True)
+class _Tables:
+    """Lookups by name that every program's checks share."""
+
+    sections: Mapping[str, Section]
+    states: Mapping[str, StateEntry]
+    hyperparameters: Mapping[str, TensorSpec]
+    aliases: Mapping[str, str]  # alias -> the state's primary name
+    has_rng: bool
+
+
+def _check_entry(name: str, entry: Entry, tables: _Tables) -> None:
     path = map_key_path("entries", name)
     _check_nonempty(name, "entries", "an entry name")
     if not entry.programs:
@@ -282,7 +297,7 @@ def _check_entry(
     signatures: dict[tuple[tuple[str, str, tuple[int, ...]], ...], int] = {}
     for p, program in enumerate(entry.programs):
         ppath = f"{path}.programs[{p}]"
-        _check_program(manifest, entry, program, ppath, sections, states)
+        _check_program(entry, program, ppath, tables)
         sig = _signature(program)
         if sig in signatures:
             raise _fail(
@@ -293,14 +308,8 @@ def _check_entry(
         signatures[sig] = p
 
 
-def _check_program(
-    manifest: Manifest,
-    entry: Entry,
-    program: Program,
-    path: str,
-    sections: Mapping[str, Section],
-    states: Mapping[str, StateEntry],
-) -> None:
+def _check_program(entry: Entry, program: Program, path: str, tables: _Tables) -> None:
+    sections = tables.sections
     sec = sections.get(program.section)
     if sec is None:
         raise _fail(f"{path}.section", f"the program section {program.section!r} does not exist.")
@@ -341,20 +350,15 @@ def _check_program(
             raise _fail(f"{path}.batch[{i}].name", f"the batch name {b.name!r} is used twice.")
         _check_spec(b.spec, f"{path}.batch[{i}].spec")
         batch[b.name] = b.spec
-    _check_inputs(manifest, program, path, sections, states, batch)
-    _check_outputs(entry, program, path, states)
+    _check_inputs(program, path, tables, batch)
+    _check_outputs(entry, program, path, tables.states)
 
 
 def _check_inputs(
-    manifest: Manifest,
-    program: Program,
-    path: str,
-    sections: Mapping[str, Section],
-    states: Mapping[str, StateEntry],
-    batch: Mapping[str, TensorSpec],
+    program: Program, path: str, tables: _Tables, batch: Mapping[str, TensorSpec]
 ) -> None:
-    hyper = {h.name: h.spec for h in manifest.hyperparameters}
-    aliases = {a: s.name for s in manifest.state for a in s.aliases}
+    sections, states = tables.sections, tables.states
+    hyper, aliases = tables.hyperparameters, tables.aliases
     bound_state: dict[str, int] = {}
     bound_batch: dict[str, int] = {}
     constants: set[str] = set()
@@ -408,7 +412,7 @@ def _check_inputs(
                 )
             seed_at = i
             _same_spec(b.spec, _SEED_SPEC, f"{ipath}.spec", "the RNG seed")
-            if manifest.rng is None:
+            if not tables.has_rng:
                 raise _fail(ipath, "the program reads an RNG seed, but the manifest's rng is None.")
         elif isinstance(b, HyperparameterInput):
             if b.name not in hyper:

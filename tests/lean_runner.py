@@ -1,7 +1,7 @@
 """Run a bundle in a separate process and save what came out (used by tests).
 
 Usage: python tests/lean_runner.py BUNDLE DATA.npz STEPS OUT.npz [--seed N]
-           [--schedule SPEC] [--eval] [--require-no-torch]
+           [--schedule SPEC [--schedule-offset K]] [--eval] [--require-no-torch]
 
 Writes OUT.npz with ``metric/<name>`` arrays (one value per step), ``state/<name>``
 arrays (final state), and ``info/torch_importable`` (0 or 1).
@@ -13,6 +13,7 @@ import argparse
 import importlib.util
 
 import numpy as np
+
 from stepbundle.runtime import load
 from stepbundle.runtime.schedule import parse_schedule
 from stepbundle.runtime.trainer import iter_batches
@@ -26,6 +27,8 @@ def main() -> None:
     ap.add_argument("out")
     ap.add_argument("--seed", type=int)
     ap.add_argument("--schedule")
+    # Step i uses the schedule's value at i + K (a run that starts K steps in).
+    ap.add_argument("--schedule-offset", type=int, default=0)
     ap.add_argument("--require-no-torch", action="store_true")
     args = ap.parse_args()
     torch_importable = importlib.util.find_spec("torch") is not None
@@ -35,7 +38,9 @@ def main() -> None:
     if args.seed is not None:
         trainer.seed = args.seed
     if args.schedule:
-        trainer.set_schedule("lr", parse_schedule(args.schedule))
+        fn = parse_schedule(args.schedule)
+        offset = args.schedule_offset
+        trainer.set_schedule("lr", (lambda k: fn(k + offset)) if offset else fn)
     with np.load(args.data, allow_pickle=False) as z:
         batches = iter_batches({k: z[k] for k in z.files})
     metrics = trainer.run(batches, args.steps)

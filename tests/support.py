@@ -85,6 +85,7 @@ def train_eager_xla(
     import torch
     import torch_xla
     import torch_xla.core.xla_model as xm
+
     from stepbundle.exporter.workspace import move_to_device, named_state
 
     dev = torch_xla.device()
@@ -117,6 +118,7 @@ def train_eager_cpu(
 ) -> Run:
     """Train with plain PyTorch on the CPU."""
     import torch
+
     from stepbundle.exporter.workspace import named_state
 
     r = recipe_fn()
@@ -144,10 +146,15 @@ def run_bundle_lean(
     *,
     seed: int | None = None,
     schedule: str | None = None,
+    schedule_offset: int = 0,
     require_no_torch: bool = True,
     timeout: float = 300,
 ) -> Run:
-    """Run a bundle in a separate process (normally the lean one, without torch)."""
+    """Run a bundle in a separate process (normally the lean one, without torch).
+
+    ``schedule`` is a runtime schedule spec for ``lr``; with ``schedule_offset`` K,
+    step i uses the schedule's value at step i + K.
+    """
     data = save_batches(batches, workdir / f"{bundle.stem}-data.npz")
     out = workdir / f"{bundle.stem}-out.npz"
     cmd = [python, str(LEAN_RUNNER), str(bundle), str(data), str(steps), str(out)]
@@ -155,6 +162,8 @@ def run_bundle_lean(
         cmd += ["--seed", str(seed)]
     if schedule is not None:
         cmd += ["--schedule", schedule]
+        if schedule_offset:
+            cmd += ["--schedule-offset", str(schedule_offset)]
     if require_no_torch:
         cmd.append("--require-no-torch")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)

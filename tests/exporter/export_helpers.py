@@ -7,9 +7,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from support import assert_runs_close, make_batches, run_bundle_inprocess, train_eager_xla
+
 from stepbundle.exporter import export
 from stepbundle.schema import Manifest, open_bundle
-from support import assert_runs_close, make_batches, run_bundle_inprocess, train_eager_xla
 
 
 def mse_step(model, optimizer, batch):

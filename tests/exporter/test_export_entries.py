@@ -11,10 +11,11 @@ import numpy as np
 import pytest
 import torch
 from export_helpers import check_equivalent, mse_step, regression_batch
+from support import make_batches, run_bundle_inprocess, to_numpy, train_eager_xla
+
 from stepbundle.exporter import ExportError, Recipe, export
 from stepbundle.runtime import load
 from stepbundle.schema import BatchInput, MetricOutput, open_bundle
-from support import make_batches, run_bundle_inprocess, to_numpy, train_eager_xla
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -314,6 +315,7 @@ def test_checkpoint_loads_back_into_the_module_and_optimizer(tmp_path: Path) -> 
     after_runtime = float(t.step(batches[3])["loss"])
     # ... and, separately, in PyTorch (torch_xla) from the checkpoint.
     import torch_xla
+
     from stepbundle.exporter.workspace import move_to_device
 
     r = recipe_fn()

@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 from export_helpers import check_equivalent, mse_step, regression_batch
+from support import make_batches, run_bundle_inprocess
+
 from stepbundle.exporter import ExportError, Recipe, export
 from stepbundle.schema import BundleError, InputKind
-from support import make_batches, run_bundle_inprocess
 
 
 # ------------------------------------------------------------ RNG

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 from export_helpers import check_equivalent, mse_step, regression_batch
+
 from stepbundle.exporter import Recipe, export
 from stepbundle.schema import InputKind, StateInput, StateKind, StateUpdateOutput
 

@@ -69,13 +69,18 @@ def dropout_sgd() -> Recipe:
     """Dropout (an RNG seed input) with SGD momentum, nesterov and weight decay."""
     torch.manual_seed(0)
     model = _DropoutMLP()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-3)
+    opt = torch.optim.SGD(
+        model.parameters(), lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-3
+    )
     g = torch.Generator().manual_seed(2)
     return Recipe(
         model=model,
         optimizer=opt,
         step=_ce_step,
-        example_batch={"x": torch.randn(16, 6, generator=g), "label": torch.randint(0, 4, (16,), generator=g)},
+        example_batch={
+            "x": torch.randn(16, 6, generator=g),
+            "label": torch.randint(0, 4, (16,), generator=g),
+        },
         seed=12345,
     )
 
@@ -86,7 +91,10 @@ def batchnorm_lr() -> Recipe:
     model = torch.nn.Sequential(
         # Tanh before the BatchNorm: a bias right before BatchNorm has a gradient of
         # pure rounding noise, which Adam would amplify into noise-sized updates.
-        torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2)
+        torch.nn.Linear(4, 8),
+        torch.nn.Tanh(),
+        torch.nn.BatchNorm1d(8),
+        torch.nn.Linear(8, 2),
     )
     opt = torch.optim.Adam(model.parameters(), lr=0.01, capturable=True, foreach=False)
     g = torch.Generator().manual_seed(3)

@@ -23,7 +23,7 @@ torch_xla.device()
 
 import numpy as np  # noqa: E402
 from golden_recipes import GOLDEN, RUNS  # noqa: E402
-from support import make_batches, save_batches, train_eager_xla, to_numpy  # noqa: E402
+from support import make_batches, save_batches, to_numpy, train_eager_xla  # noqa: E402
 
 from stepbundle.exporter import export  # noqa: E402
 from stepbundle.runtime.schedule import parse_schedule  # noqa: E402

@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+
 from stepbundle.runtime.trainer import iter_batches
 
 GOLDEN_DIR = Path(__file__).resolve().parent.parent / "golden"

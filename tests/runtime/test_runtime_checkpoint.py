@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from runtime_helpers import golden_batches, golden_bundle
+
 from stepbundle.runtime import CheckpointError, load
 from stepbundle.runtime.checkpoint import read_safetensors, write_safetensors
 

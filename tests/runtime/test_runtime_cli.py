@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from runtime_helpers import GOLDEN_DIR, golden_batches, golden_bundle
+
 from stepbundle.runtime import load
 from stepbundle.runtime.checkpoint import read_safetensors
 from stepbundle.schema import open_bundle

@@ -17,6 +17,7 @@ from runtime_helpers import (
     golden_expected,
     rel,
 )
+
 from stepbundle.runtime import load
 from stepbundle.runtime.schedule import parse_schedule
 from stepbundle.schema import open_bundle

@@ -6,6 +6,7 @@ import jax
 import numpy as np
 import pytest
 from runtime_helpers import golden_batches, golden_bundle
+
 from stepbundle.runtime import BindingError, advance_seed, load
 from stepbundle.schema import BundleError
 

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import msgpack
+
 from stepbundle.schema import (
     BatchInput,
     DType,

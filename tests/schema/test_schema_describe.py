@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from stepbundle.schema import describe as describe_module
 from stepbundle.schema.describe import (
     SCHEMA_JSON,

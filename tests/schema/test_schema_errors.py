@@ -13,6 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from schema_helpers import data_area, pack, raw_bundle, tiny_manifest, wire_of, write_tiny
+
 from stepbundle.schema import (
     BundleError,
     BundleFormatError,

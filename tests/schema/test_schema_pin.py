@@ -13,6 +13,7 @@ import struct
 from pathlib import Path
 
 from schema_helpers import PROGRAM_BYTES, WEIGHT_BYTES, write_tiny
+
 from stepbundle.schema import open_bundle
 
 EXPECTED_FILE_SHA256 = "53f08c20c0ee7dde044d18153d43a3ccba6021caff48890999664b04bcac803f"

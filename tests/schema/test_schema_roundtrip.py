@@ -8,6 +8,7 @@ from typing import Any
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from stepbundle.schema import (
     STATE_INPUT_KINDS,
     BatchInput,

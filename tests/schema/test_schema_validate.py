@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from schema_helpers import spec, tiny_manifest, tiny_payloads
+
 from stepbundle.schema import (
     BatchInput,
     ConstantInput,

@@ -6,6 +6,7 @@ import re
 from pathlib import Path
 
 import pytest
+
 from stepbundle.schema import FORMAT_VERSION, KNOWN_FEATURES, UnsupportedVersionError, version
 from stepbundle.schema.version import check_version
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from schema_helpers import PROGRAM_BYTES, WEIGHT_BYTES, tiny_manifest, tiny_payloads, write_tiny
+
 from stepbundle.schema import (
     BundleError,
     DType,

@@ -81,8 +81,8 @@ def load(
       stop_on_nonfinite: compile without donation, check every step's loss, and stop
         before a non-finite loss replaces the state (costs a sync per step and a
         second copy of the state).
-      devices: run data-parallel over this many devices of the platform (batch split
-        on its first dimension, state replicated, collectives inserted by XLA).
+      devices: number of devices to run on; only 1 is supported in this release
+        (data parallelism through XLA's SPMD partitioner is planned).
     """
     t0 = time.perf_counter()
     info = LoadInfo()
@@ -108,19 +108,20 @@ def load(
         info.seconds["open"] = time.perf_counter() - t0
         client = _client(platform)
         all_devices = [d for d in client.local_devices()]
+        if devices < 1:
+            raise PlatformError(f"devices must be at least 1, got {devices}.")
         if devices > 1:
-            from .parallel import ParallelContext
-
-            ctx = ParallelContext.create(client, devices)
-            run_devices = ctx.devices
-        else:
-            if index >= len(all_devices):
-                raise PlatformError(
-                    f"Device {platform}:{index} does not exist; this machine has "
-                    f"{len(all_devices)} {platform} device(s)."
-                )
-            ctx = None
-            run_devices = [all_devices[index]]
+            # Data-parallel runs through XLA's SPMD partitioner are tracked in issue #9.
+            raise PlatformError(
+                f"Data-parallel runs over {devices} devices are not supported by this "
+                "release yet; run with devices=1 (--devices 1)."
+            )
+        if index >= len(all_devices):
+            raise PlatformError(
+                f"Device {platform}:{index} does not exist; this machine has "
+                f"{len(all_devices)} {platform} device(s)."
+            )
+        run_devices = [all_devices[index]]
         dev = run_devices[0]
         if cache_dir is True:
             cache: Path | None = default_cache_dir()
@@ -138,7 +139,6 @@ def load(
             progs = []
             for i, program in enumerate(ent.programs):
                 where = f"entries.{name}.programs[{i}]"
-                shardings = ctx.shardings(program) if ctx is not None else None
                 cp = compile_program(
                     client,
                     run_devices,
@@ -147,7 +147,6 @@ def load(
                     where=where,
                     donate=ent.updates_state and not stop_on_nonfinite,
                     cache_dir=cache,
-                    shardings=shardings,
                 )
                 info.cache_hits += int(cp.cache_hit)
                 info.compiled += int(not cp.cache_hit)
@@ -157,17 +156,10 @@ def load(
 
         # ---- state and constants on the device
         t2 = time.perf_counter()
-        if ctx is not None:
-            put_state = ctx.put_replicated
-            put_batch = ctx.put_batch
-            put_scalar = ctx.put_replicated
-        else:
 
-            def put_state(a: np.ndarray[Any, Any]) -> Any:
-                return _compat.put(a, dev)
+        def put_state(a: np.ndarray[Any, Any]) -> Any:
+            return _compat.put(a, dev)
 
-            put_batch = put_state
-            put_scalar = put_state
         state = [
             put_state(array_from_section(bundle.section(s.section), s.spec)) for s in manifest.state
         ]
@@ -197,12 +189,10 @@ def load(
         plans=plans,
         hyperparameters={h.name: h.value for h in manifest.hyperparameters},
         seed=manifest.rng.seed if manifest.rng is not None else None,
-        put_batch=put_batch,
-        put_scalar=put_scalar,
+        put_batch=put_state,
+        put_scalar=put_state,
         stop_on_nonfinite=stop_on_nonfinite,
         load_info=info,
         devices=run_devices,
     )
-    if ctx is not None:
-        trainer._put_replicated = ctx.put_replicated  # type: ignore[method-assign]
     return trainer

@@ -437,9 +437,6 @@ class Trainer:
         self._broken = None
 
     def _put_state(self, a: np.ndarray[Any, Any]) -> Any:
-        return self._put_batch(a) if len(self.devices) == 1 else self._put_replicated(a)
-
-    def _put_replicated(self, a: np.ndarray[Any, Any]) -> Any:  # replaced by parallel runs
         return self._put_batch(a)
 
     def block_until_ready(self) -> None:

@@ -121,7 +121,6 @@ def _check_no_host_round_trip(before: dict[str, int], after: dict[str, int], wha
 
 
 def _origins(
-    ws: Workspace,
     ids: list[int],
     values: list[torch.Tensor],
     *,
@@ -309,18 +308,15 @@ def trace_train(
             )
 
     roots: list[torch.Tensor] = []
-    seen: dict[int, int] = {}
     metric_specs = []
     for v in metrics.values():
         metric_specs.append((v.dtype, tuple(int(d) for d in v.shape)))
         roots.append(v)
-        seen.setdefault(id(v), len(roots) - 1)
     for s in updated:
         roots.append(s.tensor)
     text, bytecode = _lower(roots)
     ids, values = _xlac()._get_tensors_xla_device_data_node(roots)
     inputs = _origins(
-        ws,
         list(ids),
         list(values),
         state_ids=state_ids,
@@ -391,7 +387,7 @@ def trace_eval(
         text, bytecode = _lower(roots)
         ids, values = _xlac()._get_tensors_xla_device_data_node(roots)
         inputs = _origins(
-            ws, list(ids), list(values), state_ids=state_ids, batch_ids=batch_ids, hyper_ids={}
+            list(ids), list(values), state_ids=state_ids, batch_ids=batch_ids, hyper_ids={}
         )
         return StepTrace(
             text=text,

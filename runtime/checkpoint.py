@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import mmap
 import os
 import struct
@@ -129,10 +130,40 @@ def write_safetensors(
     _fsync_dir(target.parent)
 
 
+def _record(p: Path, name: str, rec: object) -> tuple[np.dtype[Any], tuple[int, ...], int, int]:
+    """One tensor record of the header, checked: (dtype, shape, start, end).
+
+    Sizes are Python integers: a hostile shape cannot overflow into a small count.
+    """
+
+    def bad(why: str) -> CheckpointError:
+        return CheckpointError(f"{p}: bad safetensors record for {name!r}: {why}.")
+
+    if not isinstance(rec, dict):
+        raise bad("not a JSON object")
+    st_dtype, shape, offsets = rec.get("dtype"), rec.get("shape"), rec.get("data_offsets")
+    if not isinstance(st_dtype, str) or st_dtype not in _FROM_ST:
+        raise bad(f"unknown dtype {st_dtype!r}")
+    if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+        raise bad(f"the shape {shape!r} is not a list of non-negative integers")
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(type(x) is int and x >= 0 for x in offsets)
+        or offsets[0] > offsets[1]
+    ):
+        raise bad(f"data_offsets {offsets!r} are not [start, end] with 0 <= start <= end")
+    return NUMPY_DTYPES[_FROM_ST[st_dtype]], tuple(shape), offsets[0], offsets[1]
+
+
 def read_safetensors(
     path: str | os.PathLike[str],
 ) -> tuple[dict[str, np.ndarray[Any, Any]], dict[str, str]]:
-    """Read a safetensors file into numpy arrays (copies) and its metadata."""
+    """Read a safetensors file into numpy arrays (copies) and its metadata.
+
+    Every size in the header is checked against the file before anything is allocated;
+    every way the file can be malformed raises ``CheckpointError``.
+    """
     p = Path(path)
     try:
         with open(p, "rb") as f:
@@ -145,29 +176,23 @@ def read_safetensors(
                     raise CheckpointError(f"{p} has a corrupt safetensors header length ({n}).")
                 try:
                     header = json.loads(bytes(mm[8 : 8 + n]))
-                except (UnicodeDecodeError, json.JSONDecodeError) as e:
-                    raise CheckpointError(f"{p} has a corrupt safetensors header: {e}.") from None
+                except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+                    raise CheckpointError(
+                        f"{p} has a corrupt safetensors header: {type(e).__name__}: {e}."
+                    ) from None
                 if not isinstance(header, dict):
                     raise CheckpointError(f"{p}: the safetensors header is not a JSON object.")
-                meta = header.pop("__metadata__", {}) or {}
+                meta = header.pop("__metadata__", None) or {}
+                if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+                    raise CheckpointError(
+                        f"{p}: the safetensors __metadata__ is not a map of strings."
+                    )
                 base = 8 + n
+                records = {name: _record(p, name, rec) for name, rec in header.items()}
                 out: dict[str, np.ndarray[Any, Any]] = {}
-                for name, rec in header.items():
-                    try:
-                        dt = NUMPY_DTYPES[_FROM_ST[rec["dtype"]]]
-                        shape = tuple(int(d) for d in rec["shape"])
-                        start, end = (int(x) for x in rec["data_offsets"])
-                    except (KeyError, TypeError, ValueError):
-                        raise CheckpointError(
-                            f"{p}: bad safetensors record for {name!r}."
-                        ) from None
-                    count = int(np.prod(shape, dtype=np.int64)) if shape else 1
-                    if (
-                        start < 0
-                        or end < start
-                        or base + end > size
-                        or end - start != count * dt.itemsize
-                    ):
+                for name, (dt, shape, start, end) in records.items():
+                    count = math.prod(shape)
+                    if base + end > size or end - start != count * dt.itemsize:
                         raise CheckpointError(
                             f"{p}: tensor {name!r} lies outside the file or has the wrong size."
                         )
@@ -176,7 +201,7 @@ def read_safetensors(
                         .reshape(shape)
                         .copy()
                     )
-                return out, {str(k): str(v) for k, v in meta.items()}
+                return out, dict(meta)
     except OSError as e:
         raise CheckpointError(f"Cannot read checkpoint {p}: {e}.") from None
 
@@ -227,7 +252,35 @@ def save_checkpoint(trainer: Trainer, path: str | os.PathLike[str]) -> None:
     )
 
 
+def _metadata(path: str | os.PathLike[str], raw: str) -> tuple[int, int | None, dict[str, float]]:
+    """The step count, seed and hyperparameters of a checkpoint's metadata, checked."""
+
+    def bad(why: str) -> CheckpointError:
+        return CheckpointError(f"{path} has corrupt stepbundle metadata: {why}.")
+
+    try:
+        info = json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        raise bad(f"{type(e).__name__}: {e}") from None
+    if not isinstance(info, dict):
+        raise bad("it is not a JSON object")
+    missing = [k for k in ("step", "seed", "hyperparameters") if k not in info]
+    if missing:
+        raise bad(f"missing {', '.join(missing)}")
+    step, seed, hyper = info["step"], info["seed"], info["hyperparameters"]
+    if type(step) is not int or step < 0:
+        raise bad(f"the step {step!r} is not a non-negative integer")
+    if seed is not None and (type(seed) is not int or not 0 <= seed < 2**64):
+        raise bad(f"the seed {seed!r} is not an integer in [0, 2**64)")
+    if not isinstance(hyper, dict) or not all(
+        type(v) in (int, float) and math.isfinite(v) for v in hyper.values()
+    ):
+        raise bad(f"the hyperparameters {hyper!r:.200} are not a map of finite numbers")
+    return step, seed, {str(k): float(v) for k, v in hyper.items()}
+
+
 def load_checkpoint(trainer: Trainer, path: str | os.PathLike[str]) -> None:
+    """Restore ``trainer`` from ``path``; everything is checked before anything changes."""
     values, meta = read_safetensors(path)
     raw = meta.get("stepbundle")
     if raw is None:
@@ -235,17 +288,12 @@ def load_checkpoint(trainer: Trainer, path: str | os.PathLike[str]) -> None:
             f"{path} has no stepbundle metadata; it was not written by save_checkpoint. "
             "Use trainer.load_state_dict for plain state."
         )
-    try:
-        info = json.loads(raw)
-        step = int(info["step"])
-        seed = info["seed"]
-        hyper = {str(k): float(v) for k, v in info["hyperparameters"].items()}
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
-        raise CheckpointError(f"{path} has corrupt stepbundle metadata ({e}).") from None
+    step, seed, hyper = _metadata(path, raw)
+    check_state_values(trainer.manifest, values)
     trainer.load_state_dict(values)
     trainer._step = step
     if seed is not None and trainer.seed is not None:
-        trainer.seed = int(seed)
+        trainer.seed = seed
     for k, v in hyper.items():
         if k in trainer.hyperparameters:
             trainer.set_hyperparameter(k, v)

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from stepbundle.schema import codec
-from stepbundle.schema.manifest import ConstantInput
+from stepbundle.schema.manifest import ConstantInput, Manifest, MetricOutput
 
 from . import _compat
 from .dtypes import array_from_section
@@ -57,6 +57,32 @@ def _client(platform: str) -> Any:
             f"No {platform} device is available to jax here ({e}). Install jax's plugin "
             f"for {platform} (for CUDA: pip install 'jax[cuda12]') or run with --device cpu."
         ) from None
+
+
+def _check_loss_metrics(manifest: Manifest, entries: list[str]) -> None:
+    """``stop_on_nonfinite`` watches the metric called ``loss``: every program that updates
+    the state must have one, with one element, or there would be nothing to watch."""
+    for name in entries:
+        entry = manifest.entries[name]
+        if not entry.updates_state:
+            continue
+        for i, program in enumerate(entry.programs):
+            metrics = [o for o in program.outputs if isinstance(o, MetricOutput)]
+            loss = next((o for o in metrics if o.name == "loss"), None)
+            where = f"entries.{name}.programs[{i}]"
+            if loss is None:
+                names = ", ".join(repr(o.name) for o in metrics) or "none"
+                raise BindingError(
+                    f"stop_on_nonfinite watches the metric 'loss', but {where} has no metric "
+                    f"of that name (its metrics: {names}). Return the loss as "
+                    "{'loss': loss, ...} from the step and export again, or run without "
+                    "stopping on non-finite losses."
+                )
+            if loss.spec.numel != 1:
+                raise BindingError(
+                    f"stop_on_nonfinite watches the metric 'loss', but in {where} it is "
+                    f"{loss.spec}, not a single number. Return a scalar loss from the step."
+                )
 
 
 def load(
@@ -105,6 +131,8 @@ def load(
                 raise BindingError(
                     f"The bundle has no entry {name!r}; it has {', '.join(manifest.entries)}."
                 )
+        if stop_on_nonfinite:
+            _check_loss_metrics(manifest, wanted)
         info.seconds["open"] = time.perf_counter() - t0
         client = _client(platform)
         all_devices = [d for d in client.local_devices()]

@@ -413,6 +413,7 @@ class Case:
     mutation: str
     description: str
     data: bytes
+    stop_on_nonfinite: bool  # load it in the mode that checks every step's loss
 
 
 def mutate(draw: Draw, goldens: Sequence[Golden]) -> Case:
@@ -420,7 +421,8 @@ def mutate(draw: Draw, goldens: Sequence[Golden]) -> Case:
     golden = choice(draw, goldens)
     name = choice(draw, sorted(MUTATIONS))
     data, what = MUTATIONS[name](draw, golden)
-    return Case(golden.name, name, f"{golden.name}, {name}: {what}", data)
+    stop = bool(draw.integer(0, 1))
+    return Case(golden.name, name, f"{golden.name}, {name}: {what}", data, stop)
 
 
 # ---------------------------------------------------------------------------------------
@@ -469,6 +471,7 @@ def exercise(
     load: bool = True,
     cache_dir: Path | None = None,
     batch: dict[str, Any] | None = None,
+    stop_on_nonfinite: bool = False,
 ) -> Outcome:
     """Open ``path``, read every section, verify, then load it and run ``batch``.
 
@@ -498,12 +501,17 @@ def exercise(
     from stepbundle.runtime import load as runtime_load
 
     try:
-        trainer = runtime_load(path, cache_dir=cache_dir if cache_dir is not None else False)
+        trainer = runtime_load(
+            path,
+            cache_dir=cache_dir if cache_dir is not None else False,
+            stop_on_nonfinite=stop_on_nonfinite,
+        )
     except BundleError as e:
         return Outcome("load", type(e).__name__, peak)
     if batch is not None:
         try:
-            float(trainer.step(batch)["loss"])
+            for value in trainer.step(batch).values():  # whatever the metrics are called
+                value.block_until_ready()
             trainer.state_dict()
         except BundleError as e:
             return Outcome("step", type(e).__name__, peak)

@@ -1,0 +1,162 @@
+"""The program is code: native calls off the allowlist and foreign platforms are refused.
+
+A bundle's StableHLO may name ``custom_call`` targets, which XLA resolves to native
+functions. The runtime refuses any target that is not on ``ALLOWED_CUSTOM_CALLS``,
+wherever the call sits (``@main``, a private function, a loop body) and however its name
+is spelled (quoted or escaped names print differently from plain ones). A program that
+lists the platforms it needs is refused, with a clear message, on any other platform.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+from jaxlib.mlir import ir
+from runtime_helpers import golden_batches, golden_bundle
+
+from stepbundle.runtime import PlatformError, load, mlir
+from stepbundle.schema import (
+    BundleError,
+    Entry,
+    Manifest,
+    SchemaValidationError,
+    SectionPayload,
+    open_bundle,
+    write_bundle,
+)
+
+_MLIR_TYPES = {"bool": "i1", "u8": "ui8", "u16": "ui16", "u32": "ui32", "u64": "ui64"}
+
+
+def _tensor_type(dtype: str, shape: tuple[int, ...]) -> str:
+    element = _MLIR_TYPES.get(dtype, dtype)
+    return f"tensor<{''.join(f'{d}x' for d in shape)}{element}>"
+
+
+def _golden_parts(name: str) -> tuple[Manifest, list[SectionPayload]]:
+    with open_bundle(golden_bundle(name)) as b:
+        payloads = [
+            SectionPayload(s.name, s.kind, bytes(b.section(s.name))) for s in b.manifest.sections
+        ]
+        return b.manifest, payloads
+
+
+def _with_program_text(tmp_path: Path, edit: str | None, helper: str = "") -> Path:
+    """linear_adamw with train program 0 rewritten: ``edit`` is a line inserted before
+    @main's return (``{arg0}`` and ``{t0}`` name @main's first argument and its type),
+    ``helper`` a function inserted before @main. Written with write_bundle, so every
+    digest is right: only the runtime's own checks can refuse it."""
+    manifest, payloads = _golden_parts("linear_adamw")
+    program = manifest.entries["train"].programs[0]
+    index = next(i for i, p in enumerate(payloads) if p.name == program.section)
+    module = mlir.parse_artifact(payloads[index].data)
+    dtype, shape = module.signature().inputs[0]
+    text = module.text()
+    if edit is not None or helper:
+        main_at = text.index("func.func @main")
+        return_at = text.index("\n    return ", main_at)
+        line = (edit or "").format(arg0="%arg0", t0=_tensor_type(dtype, shape))
+        text = (
+            text[:main_at] + helper.format(t0=_tensor_type(dtype, shape)) + text[main_at:return_at]
+            + ("\n    " + line if line else "") + text[return_at:]
+        )  # fmt: skip
+    # The context the artifact was read into has every dialect the text uses loaded.
+    context = module._ctx
+    with context:
+        rewritten = mlir.Module(context, ir.Module.parse(text))
+    artifact = rewritten.portable_artifact(program.stablehlo_version)
+    payloads[index] = SectionPayload(program.section, payloads[index].kind, artifact)
+    path = tmp_path / "rewritten.stepbundle"
+    write_bundle(path, manifest, payloads)
+    return path
+
+
+def test_a_rewritten_program_without_custom_calls_loads_and_trains(tmp_path: Path) -> None:
+    # The control for the tests below: the rewriting itself is harmless.
+    trainer = load(_with_program_text(tmp_path, None))
+    assert float(trainer.step(golden_batches("linear_adamw")[0])["loss"]) > 0
+
+
+EVIL = "%evil = stablehlo.custom_call @{target}({{arg0}}) : ({{t0}}) -> {{t0}}"
+
+
+@pytest.mark.parametrize(
+    ("spelled", "target"),
+    [
+        ("evil_target", "evil_target"),
+        ('"evil target"', "evil target"),  # printed quoted: @"evil target"
+        ('"ev\\22il"', 'ev"il'),  # an escaped quote inside the name
+        ("__cpu_function_pointer", "__cpu_function_pointer"),
+    ],
+)
+def test_a_custom_call_off_the_allowlist_is_refused_at_load(
+    tmp_path: Path, spelled: str, target: str
+) -> None:
+    path = _with_program_text(tmp_path, EVIL.format(target=spelled))
+    with pytest.raises(SchemaValidationError) as info:
+        load(path)
+    assert isinstance(info.value, BundleError)
+    assert repr(target) in str(info.value)
+    assert "allowlist" in str(info.value)
+    assert info.value.path == "entries.train.programs[0].section"
+
+
+def test_a_custom_call_inside_a_private_function_is_refused(tmp_path: Path) -> None:
+    helper = (
+        "func.func private @helper(%a: {t0}) -> {t0} {{\n"
+        "    %0 = stablehlo.custom_call @hidden_target(%a) : ({t0}) -> {t0}\n"
+        "    return %0 : {t0}\n"
+        "  }}\n  "
+    )
+    path = _with_program_text(
+        tmp_path, "%evil = func.call @helper({arg0}) : ({t0}) -> {t0}", helper=helper
+    )
+    with pytest.raises(SchemaValidationError, match="'hidden_target'"):
+        load(path)
+
+
+def test_an_allowed_custom_call_loads_and_trains(tmp_path: Path) -> None:
+    # The check refuses by name, not every custom call: mhlo.erf (GELU) is on the list,
+    # and XLA lowers it on the CPU.
+    assert "mhlo.erf" in mlir.ALLOWED_CUSTOM_CALLS
+    path = _with_program_text(tmp_path, EVIL.format(target='"mhlo.erf"'))
+    trainer = load(path)
+    assert float(trainer.step(golden_batches("linear_adamw")[0])["loss"]) > 0
+
+
+def _with_platforms(tmp_path: Path, platforms: tuple[str, ...]) -> Path:
+    manifest, payloads = _golden_parts("linear_adamw")
+    entries = {
+        name: Entry(
+            tuple(dataclasses.replace(p, platforms=platforms) for p in entry.programs),
+            entry.updates_state,
+        )
+        for name, entry in manifest.entries.items()
+    }
+    path = tmp_path / f"{'-'.join(platforms) or 'any'}.stepbundle"
+    write_bundle(path, dataclasses.replace(manifest, entries=entries), payloads)
+    return path
+
+
+@pytest.mark.parametrize("platforms", [("tpu",), ("cuda", "rocm")])
+def test_a_program_for_another_platform_is_refused_on_cpu(
+    tmp_path: Path, platforms: tuple[str, ...]
+) -> None:
+    path = _with_platforms(tmp_path, platforms)
+    with pytest.raises(PlatformError) as info:
+        load(path, device="cpu")
+    message = str(info.value)
+    assert " or ".join(platforms) in message
+    assert "on cpu" in message
+    assert f"--device {platforms[0]}" in message
+    assert isinstance(info.value, BundleError)
+
+
+@pytest.mark.parametrize("platforms", [("cpu",), ("cpu", "tpu"), ()])
+def test_a_program_that_lists_cpu_or_nothing_runs_on_cpu(
+    tmp_path: Path, platforms: tuple[str, ...]
+) -> None:
+    trainer = load(_with_platforms(tmp_path, platforms), device="cpu")
+    assert float(trainer.step(golden_batches("linear_adamw")[0])["loss"]) > 0

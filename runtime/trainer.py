@@ -376,12 +376,15 @@ class Trainer:
         on_step: Callable[[int, dict[str, Any]], None] | None = None,
         *,
         offset: int = 0,
+        keep_metrics: bool = True,
     ) -> list[dict[str, Any]]:
         """Run ``steps`` training steps, step ``i`` on ``batches[(offset + i) % len(batches)]``.
 
         The next batch is moved to the device while the current step runs. ``on_step``
         is called with ``i`` and the step's (lazy) metrics. A resumed run passes its
         step count as ``offset`` to continue through the batches where it left off.
+        Returns every step's metrics; for long runs pass ``keep_metrics=False`` (and read
+        them in ``on_step``), which returns only the last step's, so memory stays flat.
         """
         if not batches:
             raise BindingError("run() needs at least one batch.")
@@ -398,7 +401,8 @@ class Trainer:
                 nxt = self._pick("train", batches[(offset + i + 1) % n])
             if on_step is not None:
                 on_step(i, metrics)
-            out.append(metrics)
+            if keep_metrics or i + 1 == steps:
+                out.append(metrics)
         return out
 
     def evaluate(self, batch: Mapping[str, Any], entry: str = "eval") -> dict[str, Any]:

@@ -211,7 +211,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     t1 = time.perf_counter()
     code = 0
     try:
-        trainer.run(batches, args.steps, on_step=on_step, offset=start_step)
+        trainer.run(batches, args.steps, on_step=on_step, offset=start_step, keep_metrics=False)
     except NonFiniteLossError as e:
         print(f"\n[run] {e}", file=sys.stderr)
         if ckpt_dir is not None:

@@ -151,3 +151,16 @@ def test_hyperparameters_set_and_schedule(linear) -> None:
         t.set_hyperparameter("lr", float("nan"))
     with pytest.raises(BindingError, match="no hyperparameter 'lr'"):
         linear.set_hyperparameter("lr", 0.1)
+
+
+def test_run_can_drop_metrics_for_long_runs() -> None:
+    t = load(golden_bundle("dropout_sgd"), cache_dir=False)
+    seen: list[float] = []
+    out = t.run(
+        golden_batches("dropout_sgd"),
+        5,
+        on_step=lambda i, m: seen.append(float(m["loss"])),
+        keep_metrics=False,
+    )
+    assert len(out) == 1 and float(out[0]["loss"]) == seen[-1]
+    assert len(seen) == 5 and t.step_count == 5

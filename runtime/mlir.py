@@ -62,6 +62,14 @@ ALLOWED_CUSTOM_CALLS: frozenset[str] = frozenset(
     }
 )
 
+# Operations that exchange data with the host or other programs outside the step's
+# arguments and results. The exporter never emits them; the runtime refuses them.
+HOST_TRANSFER_OPS: frozenset[str] = frozenset(
+    f"{dialect}.{op}"
+    for dialect in ("stablehlo", "mhlo")
+    for op in ("infeed", "outfeed", "send", "recv")
+)
+
 _ELEMENT_NAMES = {
     "f64": "f64",
     "f32": "f32",
@@ -153,6 +161,19 @@ class Module:
                 tuple(_type_spec(t) for t in ft.inputs), tuple(_type_spec(t) for t in ft.results)
             )
 
+    def _operations(self) -> list[Any]:
+        """Every operation in the module, nested regions and private functions included."""
+        ops: list[Any] = []
+        with self._ctx:
+            stack: list[Any] = [self._module.operation]
+            while stack:
+                op = stack.pop()
+                ops.append(op)
+                for region in op.regions:
+                    for block in region.blocks:
+                        stack.extend(child.operation for child in block.operations)
+        return ops
+
     def custom_call_targets(self) -> set[str]:
         """Every custom_call target name in the module (all functions, nested regions).
 
@@ -162,9 +183,7 @@ class Module:
         """
         targets: set[str] = set()
         with self._ctx:
-            stack: list[Any] = [self._module.operation]
-            while stack:
-                op = stack.pop()
+            for op in self._operations():
                 if "call_target_name" in op.attributes:
                     attr = op.attributes["call_target_name"]
                     try:
@@ -173,10 +192,12 @@ class Module:
                         targets.add(str(attr))  # not a string: reported as it prints
                 elif op.name.endswith(".custom_call"):
                     targets.add(f"<{op.name} without a target>")
-                for region in op.regions:
-                    for block in region.blocks:
-                        stack.extend(child.operation for child in block.operations)
         return targets
+
+    def host_transfer_ops(self) -> set[str]:
+        """Operations that move data between the program and the host or other programs."""
+        with self._ctx:
+            return {op.name for op in self._operations() if op.name in HOST_TRANSFER_OPS}
 
     def strip_attributes(self) -> None:
         """Drop module- and argument-level attributes outside StableHLO's guarantee.

@@ -134,6 +134,13 @@ def compile_program(
             "runtime's allowlist. A bundle is code: only bundles from trusted producers "
             "should be run, and the runtime refuses native calls the exporter never emits.",
         )
+    io = module.host_transfer_ops()
+    if io:
+        raise SchemaValidationError(
+            f"{where}.section",
+            f"the program uses {sorted(io)}, which exchange data with the host outside the "
+            "step's inputs and outputs. The exporter never writes them; refusing the bundle.",
+        )
     _check_signature(module, program, where)
     module.strip_attributes()
     n = len(devices)

@@ -126,6 +126,19 @@ def test_an_allowed_custom_call_loads_and_trains(tmp_path: Path) -> None:
     assert float(trainer.step(golden_batches("linear_adamw")[0])["loss"]) > 0
 
 
+def test_host_transfer_ops_are_refused_at_load(tmp_path: Path) -> None:
+    # An outfeed hands data to the host outside the step's results: never emitted by
+    # the exporter, refused by the runtime.
+    edit = (
+        "%tok = stablehlo.create_token : !stablehlo.token\n"
+        '    %out = "stablehlo.outfeed"({arg0}, %tok) : ({t0}, !stablehlo.token) -> !stablehlo.token'
+    )
+    path = _with_program_text(tmp_path, edit)
+    with pytest.raises(SchemaValidationError, match=r"\['stablehlo.outfeed'\]") as info:
+        load(path)
+    assert info.value.path == "entries.train.programs[0].section"
+
+
 def _with_platforms(tmp_path: Path, platforms: tuple[str, ...]) -> Path:
     manifest, payloads = _golden_parts("linear_adamw")
     entries = {

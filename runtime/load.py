@@ -201,7 +201,9 @@ def load(
                         )
         info.seconds["state"] = time.perf_counter() - t2
         plans: dict[str, list[_Plan]] = {
-            name: [build_plan(name, i, cp, state_index, constants) for i, cp in enumerate(progs)]
+            name: [
+                build_plan(name, i, cp, state_index, constants, dev) for i, cp in enumerate(progs)
+            ]
             for name, progs in compiled.items()
         }
         digest = bundle.digest

@@ -65,6 +65,7 @@ class _Plan:
     batch_sig: dict[str, tuple[tuple[int, ...], np.dtype[Any]]]
     loss_slot: int | None = None
     signature_text: str = ""
+    dispatch: Any = None
 
     @property
     def executable(self) -> Any:
@@ -320,7 +321,7 @@ class Trainer:
                     self._hyper_bufs.pop(name, None)
         args = self._args(plan, dev_batch, self._seed)
         try:
-            outs = plan.executable.execute(args)
+            outs = plan.dispatch(args)
         except Exception as e:
             if plan.compiled.donating:
                 self._broken = (
@@ -411,7 +412,7 @@ class Trainer:
         if self._broken is not None:
             raise BindingError(self._broken)
         args = self._args(plan, dev, None)
-        outs = plan.executable.execute(args)
+        outs = plan.dispatch(args)
         return {name: outs[pos] for pos, name in plan.metric_slots}
 
     # ----------------------------------------------------------------- state
@@ -471,6 +472,7 @@ def build_plan(
     compiled: CompiledProgram,
     state_index: Mapping[str, int],
     constants: Mapping[str, Any],
+    device: Any,
 ) -> _Plan:
     """Precompute where each argument comes from and where each result goes."""
     program = compiled.program
@@ -513,6 +515,11 @@ def build_plan(
         batch_sig=sig,
         loss_slot=loss_slot,
         signature_text=text,
+        dispatch=_compat.Dispatcher(
+            compiled.executable,
+            [(o.spec.shape, to_numpy(o.spec.dtype)) for o in program.outputs],
+            device,
+        ),
     )
 
 

@@ -232,6 +232,17 @@ def _values_of(states: list[StateTensor]) -> dict[str, str]:
     return out
 
 
+def _own_buffers(batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Copies of the batch tensors that each get a device buffer of their own (at the
+    next sync).
+
+    torch_xla hands out one shared buffer for equal scalars uploaded from the host, so
+    two 0-dim batch inputs with equal example values would be one graph input, bound
+    to one name, and the other input would be silently ignored at run time.
+    """
+    return {k: v.clone() for k, v in batch.items()}
+
+
 def trace_train(
     ws: Workspace,
     batch: Mapping[str, torch.Tensor],
@@ -246,6 +257,7 @@ def trace_train(
     traced step, as in eager training with one sync per step. ``seed``, when given, is
     the torch_xla RNG seed this step receives (every sync advances it).
     """
+    batch = _own_buffers(batch)
     sync()
     if seed is not None:
         import torch_xla.core.xla_model as xm
@@ -357,6 +369,7 @@ def trace_eval(
     ws: Workspace, batch: Mapping[str, torch.Tensor], eval_fn: Any, what: str
 ) -> StepTrace:
     """Trace a read-only step (model.eval(), no grad). Nothing is executed."""
+    batch = _own_buffers(batch)
     sync()
     states = ws.state_tensors()
     before = _ids_of(states)

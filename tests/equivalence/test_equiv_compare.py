@@ -1,0 +1,56 @@
+"""The equivalence suite's comparison itself: what it catches and what it allows.
+
+Synthetic runs, no training: these run in well under a second.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from equiv_harness import compare
+from equiv_models import FP32_XLA
+from support import Run
+
+
+def _run(losses: list[float], **state: np.ndarray) -> Run:
+    return Run([{"loss": v} for v in losses], {k: np.asarray(v) for k, v in state.items()})
+
+
+def test_a_lost_update_is_caught_where_values_barely_move() -> None:
+    """A weight that moves by 1e-6 of itself per step matches within 1e-5 even with its
+    last update missing; the update comparison still sees a third of it missing."""
+    rng = np.random.default_rng(0)
+    w0 = rng.standard_normal(100)
+    step = 1e-6 * rng.standard_normal(100)
+    ref = _run([1.0], w=w0 + 3 * step)
+    lost = _run([1.0], w=w0 + 2 * step)
+    c = compare(lost, ref, FP32_XLA, "lost update", initial={"w": w0})
+    assert c.worst_state < FP32_XLA.state_rtol  # the values alone would pass
+    assert c.worst_update == pytest.approx(1 / 3, rel=1e-3)
+    assert any("of its movement" in f for f in c.failures)
+
+
+def test_rounding_level_differences_pass() -> None:
+    rng = np.random.default_rng(1)
+    w0 = rng.standard_normal(100)
+    w = w0 + 1e-2 * rng.standard_normal(100)
+    noisy = w * (1 + 1e-7 * rng.standard_normal(100))
+    c = compare(_run([1.0], w=noisy), _run([1.0 + 1e-7], w=w), FP32_XLA, "ok", initial={"w": w0})
+    assert not c.failures, c.failures
+
+
+def test_nan_state_integer_state_and_metrics_fail() -> None:
+    ref = _run([1.0, 0.5], w=np.ones(3), n=np.array(5))
+    got = _run([1.0, 0.6], w=np.array([1.0, np.nan, 1.0]), n=np.array(4))
+    failures = " ".join(compare(got, ref, FP32_XLA, "bad").failures)
+    assert "step 1 metric loss" in failures
+    assert "state w" in failures and "state n" in failures
+
+
+def test_tied_names_are_compared_and_empty_placeholders_ignored() -> None:
+    ref = _run([1.0], emb=np.ones(4))
+    got = _run([1.0], emb=np.ones(4), head=np.ones(4), placeholder=np.zeros(0))
+    assert not compare(got, ref, FP32_XLA, "tied", aliases={"head": "emb"}).failures
+    wrong = _run([1.0], emb=np.ones(4), head=np.zeros(4))
+    assert compare(wrong, ref, FP32_XLA, "untied", aliases={"head": "emb"}).failures
+    assert compare(wrong, ref, FP32_XLA, "unknown name").failures  # head is not known

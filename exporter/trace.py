@@ -319,15 +319,28 @@ def trace_train(
                 f"The training step removed state tensor {n!r}. State must persist between steps."
             )
 
-    roots: list[torch.Tensor] = []
-    metric_specs = []
-    for v in metrics.values():
-        metric_specs.append((v.dtype, tuple(int(d) for d in v.shape)))
-        roots.append(v)
-    for s in updated:
-        roots.append(s.tensor)
+    metric_specs = [(v.dtype, tuple(int(d) for d in v.shape)) for v in metrics.values()]
+    ids, values = _xlac()._get_tensors_xla_device_data_node(
+        list(metrics.values()) + [s.tensor for s in updated]
+    )
+    # A gradient that is a new tensor after the step and whose old value the step did
+    # not read was thrown away and rebuilt (zero_grad(set_to_none=True), then backward):
+    # the next step throws it away again, so it is not state. Gradients zeroed in place
+    # (set_to_none=False) or accumulated across steps stay the same tensor, or are read.
+    read = set(int(i) for i in ids)
+    transient = {
+        s.name
+        for s in updated
+        if s.kind is StateKind.GRADIENT
+        and obj_before.get(s.name) is not s.tensor
+        and before.get(s.name) not in read
+    }
+    if transient:
+        updated = [s for s in updated if s.name not in transient]
+    roots: list[torch.Tensor] = list(metrics.values()) + [s.tensor for s in updated]
     text, bytecode = _lower(roots)
-    ids, values = _xlac()._get_tensors_xla_device_data_node(roots)
+    if transient:
+        ids, values = _xlac()._get_tensors_xla_device_data_node(roots)
     inputs = _origins(
         list(ids),
         list(values),

@@ -1,7 +1,9 @@
 """Hyperparameter schedules the runtime drives, parsed from short specs.
 
-``warmup_cosine:peak=1e-3,warmup=100,total=10000[,min=0]``: linear warmup from 0 to
-``peak`` over ``warmup`` steps, then a half cosine down to ``min`` at ``total``.
+``warmup_cosine:peak=1e-3,warmup=100,total=10000[,min=0]``: linear warmup over the first
+``warmup`` steps, ``peak * (step + 1) / (warmup + 1)`` (never 0: an lr of exactly 0 makes
+torch's capturable Adam write NaN where a second moment is 0), then a half cosine from
+``peak`` at step ``warmup`` down to ``min`` at step ``total``.
 ``constant:value=1e-3``. ``linear:start=1e-3,end=0,total=1000``.
 Step ``k`` is the number of steps taken before the one the value is used for.
 
@@ -19,11 +21,11 @@ __all__ = ["parse_schedule", "warmup_cosine"]
 def warmup_cosine(
     peak: float, warmup: int, total: int, min_value: float = 0.0
 ) -> Callable[[int], float]:
-    """Linear warmup to ``peak``, then cosine decay to ``min_value`` at step ``total``."""
+    """Linear warmup towards ``peak``, then cosine decay from ``peak`` to ``min_value``."""
 
     def f(step: int) -> float:
         if warmup > 0 and step < warmup:
-            return peak * step / warmup
+            return peak * (step + 1) / (warmup + 1)
         span = max(1, total - warmup)
         t = min(1.0, (step - warmup) / span)
         return min_value + (peak - min_value) * 0.5 * (1.0 + math.cos(math.pi * t))

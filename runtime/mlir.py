@@ -154,6 +154,12 @@ class Module:
                 return op
         raise ValueError("the module has no @main function")
 
+    @staticmethod
+    def parse_text(like: Module, text: str) -> Module:
+        """Parse MLIR text in ``like``'s context (which has its dialects loaded)."""
+        with like._ctx:
+            return Module(like._ctx, ir.Module.parse(text))
+
     def signature(self) -> MainSignature:
         with self._ctx:
             ft = ir.FunctionType(ir.TypeAttr(self.main.attributes["function_type"]).value)

@@ -21,7 +21,7 @@ from typing import Any
 from stepbundle.schema.errors import SchemaValidationError
 from stepbundle.schema.manifest import Program, StateUpdateOutput
 
-from . import _compat, mlir
+from . import _compat, mlir, packing
 from .errors import PlatformError
 
 __all__ = ["CompiledProgram", "compile_program", "default_cache_dir"]
@@ -95,6 +95,7 @@ def compile_program(
     where: str,
     donate: bool,
     cache_dir: Path | None,
+    layout: packing.Layout | None = None,
     shardings: tuple[list[str | None], list[str]] | None = None,
 ) -> CompiledProgram:
     """Check, re-attribute and compile ``program`` for ``devices``.
@@ -107,6 +108,9 @@ def compile_program(
       where: field path of the program, for error messages.
       donate: whether state inputs are donated to their updates.
       cache_dir: persistent compile cache folder, or None to always compile.
+      layout: how the trainer holds the state; with packs, the program is compiled
+        behind a wrapper that takes and returns them, and the returned
+        ``CompiledProgram.program`` describes the wrapper's arguments and results.
       shardings: for multi-device runs, (per-argument, per-result) HLO sharding strings.
     """
     import time
@@ -143,6 +147,8 @@ def compile_program(
         )
     _check_signature(module, program, where)
     module.strip_attributes()
+    if layout is not None and layout.packs:
+        module, program = packing.wrap_program(module, program, layout)
     n = len(devices)
     arg_shardings = shardings[0] if shardings else None
     module.set_arg_attributes(_aliases(program, donate), arg_shardings)

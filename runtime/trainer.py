@@ -32,6 +32,7 @@ from stepbundle.schema.manifest import (
 from . import _compat
 from .dtypes import describe, to_numpy
 from .errors import BindingError, NonFiniteLossError
+from .packing import Layout, Pack
 from .program import CompiledProgram
 
 __all__ = ["Trainer", "advance_seed"]
@@ -94,7 +95,7 @@ class Trainer:
         manifest: Manifest,
         digest: str,
         device: Any,
-        state_names: list[str],
+        layout: Layout,
         state: list[Any],
         plans: dict[str, list[_Plan]],
         hyperparameters: dict[str, float],
@@ -110,9 +111,11 @@ class Trainer:
         self.device = device
         self.devices = tuple(devices) or (device,)
         self.load_info = load_info
-        self._names = state_names
-        self._index = {n: i for i, n in enumerate(state_names)}
+        self._names = [e.name for e in manifest.state]
         self._aliases = {e.name: e.aliases for e in manifest.state}
+        # The device buffers, one per entry of the layout: a state tensor held on its
+        # own, or a pack of small ones (see packing.py).
+        self._layout = layout
         self._state = state
         self._plans = plans
         self._hyper = dict(hyperparameters)
@@ -423,13 +426,20 @@ class Trainer:
         """
         if self._broken is not None:
             raise BindingError(self._broken)
+        values: dict[str, np.ndarray[Any, Any]] = {}
+        for entry, buf in zip(self._layout.buffers, self._state):
+            host = np.array(buf, copy=True)  # one transfer per buffer
+            if isinstance(entry, Pack):
+                for m in entry.members:
+                    values[m.state] = host[m.offset : m.offset + m.numel].reshape(m.shape).copy()
+            else:
+                values[entry] = host
         out: dict[str, np.ndarray[Any, Any]] = {}
-        for name, buf in zip(self._names, self._state):
-            arr = np.array(buf, copy=True)
-            out[name] = arr
+        for name in self._names:
+            out[name] = values[name]
             if include_aliases:
                 for alias in self._aliases.get(name, ()):
-                    out[alias] = arr
+                    out[alias] = values[name]
         return out
 
     def load_state_dict(self, values: Mapping[str, np.ndarray[Any, Any]]) -> None:
@@ -437,12 +447,8 @@ class Trainer:
         from .checkpoint import check_state_values
 
         arrays = check_state_values(self.manifest, values)
-        new = [self._put_state(arrays[n]) for n in self._names]
-        self._state = new
+        self._state = [self._put_batch(a) for a in host_buffers(self._layout, arrays)]
         self._broken = None
-
-    def _put_state(self, a: np.ndarray[Any, Any]) -> Any:
-        return self._put_batch(a)
 
     def block_until_ready(self) -> None:
         """Wait until every dispatched step has finished."""
@@ -464,6 +470,21 @@ class Trainer:
         from .checkpoint import load_checkpoint
 
         load_checkpoint(self, path)
+
+
+def host_buffers(
+    layout: Layout, arrays: Mapping[str, np.ndarray[Any, Any]]
+) -> list[np.ndarray[Any, Any]]:
+    """The host arrays of the layout's buffers: packs concatenated, others as they are."""
+    out = []
+    for entry in layout.buffers:
+        if isinstance(entry, Pack):
+            out.append(
+                np.concatenate([np.asarray(arrays[m.state]).reshape(-1) for m in entry.members])
+            )
+        else:
+            out.append(np.asarray(arrays[entry]))
+    return out
 
 
 def build_plan(

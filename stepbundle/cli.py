@@ -147,6 +147,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             expect_digest=args.expect_digest,
             stop_on_nonfinite=args.stop_on_nonfinite,
             devices=args.devices,
+            pack_state=args.pack_state,
         )
         load_s = time.perf_counter() - t0
         batches = iter_batches(data)
@@ -399,6 +400,13 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--expect-digest", metavar="sha256:...", help="refuse any other bundle")
     r.add_argument(
         "--stop-on-nonfinite", action="store_true", help="stop before a non-finite loss is applied"
+    )
+    r.add_argument(
+        "--pack-state",
+        type=int,
+        default=True,
+        metavar="N",
+        help="hold state tensors of up to N elements in one buffer per dtype (default 65536; 0: off)",
     )
     r.add_argument("--cache-dir", help="compilation cache folder (default ~/.cache/stepbundle)")
     r.add_argument("--no-cache", action="store_true", help="do not use the compilation cache")

@@ -56,16 +56,50 @@ def test_unknown_entry_and_non_mapping_batch(linear) -> None:
         linear.step([1, 2, 3])  # type: ignore[arg-type]
 
 
-def test_state_buffers_are_donated(linear) -> None:
-    before = list(linear._state)
-    linear.step(golden_batches("linear_adamw")[0])
-    idx = {n: i for i, n in enumerate(linear.state_names)}
+def test_state_buffers_are_donated() -> None:
+    t = load(golden_bundle("linear_adamw"), cache_dir=False, pack_state=False)
+    before = list(t._state)
+    t.step(golden_batches("linear_adamw")[0])
+    idx = {n: i for i, n in enumerate(t.state_names)}
     # Parameters and optimizer state are read and rewritten: their old buffers were
     # donated to the step's outputs.
     for name in ("weight", "bias", "optimizer.state.weight.exp_avg", "optimizer.state.weight.step"):
         assert before[idx[name]].is_deleted(), name
     # The new buffers are live.
-    assert not any(a.is_deleted() for a in linear._state)
+    assert not any(a.is_deleted() for a in t._state)
+
+
+def test_packed_state_buffers_are_donated(linear) -> None:
+    # Packed (the default): the f32 pack holds every small tensor the step reads; it is
+    # donated to its own update like any state buffer.
+    names = linear._layout.buffer_names
+    assert "pack.f32" in names
+    pack = linear._layout.packs[0]
+    assert {"weight", "bias", "optimizer.state.weight.exp_avg"} <= {m.state for m in pack.members}
+    before = list(linear._state)
+    linear.step(golden_batches("linear_adamw")[0])
+    assert before[names.index("pack.f32")].is_deleted()
+    plan = linear._plans["train"][0]
+    assert len(plan.compiled.program.inputs) < 10  # 1 pack + 2 batch + constants
+
+
+@pytest.mark.parametrize("name", ["linear_adamw", "dropout_sgd", "batchnorm_lr"])
+def test_packing_changes_nothing_but_speed(name: str) -> None:
+    batches = golden_batches(name)
+    packed = load(golden_bundle(name), cache_dir=False)
+    plain = load(golden_bundle(name), cache_dir=False, pack_state=False)
+    assert packed._layout.packs and not plain._layout.packs
+    a = [float(m["loss"]) for m in packed.run(batches, 4)]
+    b = [float(m["loss"]) for m in plain.run(batches, 4)]
+    assert a == b
+    pa, pb = packed.state_dict(), plain.state_dict()
+    assert list(pa) == list(pb)
+    for k in pa:
+        np.testing.assert_array_equal(pa[k], pb[k], err_msg=k)
+    # Loading state back into packed buffers round-trips.
+    packed.load_state_dict(pb)
+    for k, v in packed.state_dict().items():
+        np.testing.assert_array_equal(v, pb[k], err_msg=k)
 
 
 def test_evaluate_donates_nothing(linear) -> None:

@@ -204,13 +204,18 @@ def diagnose(
     only: tuple[str, ...] = (),
     rounds: int | None = None,
 ) -> dict[str, Any]:
-    """Where the time goes beyond the floor: dispatch paths, GC, packing (experiments.py)."""
+    """Where the time goes beyond the floor: dispatch paths, GC, packing (experiments.py).
+
+    These experiments take the bundle's program apart, so they run on a trainer that
+    holds every state tensor in its own buffer (``pack_state=False``): what the runtime
+    did before it packed state, and what the packing experiments start from.
+    """
     import experiments
     from timing import measure
 
     from stepbundle.runtime import load
 
-    trainer = load(bundle, cache_dir=cache)
+    trainer = load(bundle, cache_dir=cache, pack_state=False)
     ms, facts = experiments.make(trainer, bundle, batches)
     if only:
         ms = [m for m in ms if m.name in only]

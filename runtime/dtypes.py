@@ -48,7 +48,10 @@ def describe(dtype: Any, shape: tuple[int, ...]) -> str:
 
 
 def array_from_section(data: memoryview, spec: TensorSpec) -> np.ndarray[Any, Any]:
-    """A read-only numpy view of a tensor section (little-endian, C order)."""
+    """A numpy array of a tensor section (little-endian, C order); large ones are views."""
     # Sections are little-endian; every platform the runtime supports is too.
     dt = NUMPY_DTYPES[spec.dtype]
-    return np.frombuffer(data, dtype=dt, count=spec.numel).reshape(spec.shape)
+    view = np.frombuffer(data, dtype=dt, count=spec.numel).reshape(spec.shape)
+    # Small tensors are copied: the device transfer of a small host array may keep the
+    # array (and with it the whole file mapping) alive after loading.
+    return view.copy() if view.nbytes <= 65536 else view

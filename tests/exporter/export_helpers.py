@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from support import assert_runs_close, make_batches, run_bundle_inprocess, train_eager_xla
 
-from stepbundle.exporter import export
+from stepbundle.exporter import Recipe, export
 from stepbundle.schema import Manifest, open_bundle
 
 
@@ -26,6 +26,18 @@ def regression_batch(
 ) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return {"x": torch.randn(n, d_in, generator=g), "y": torch.randn(n, d_out, generator=g)}
+
+
+def linear_sgd_recipe(step: Callable[..., Any], lr: float = 0.1) -> Recipe:
+    """Linear(5, 3) trained by ``step`` with plain SGD on a regression batch."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(5, 3)
+    return Recipe(
+        model=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=lr),
+        step=step,
+        example_batch=regression_batch(),
+    )
 
 
 def check_equivalent(

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from export_helpers import check_equivalent, mse_step, regression_batch
+from export_helpers import check_equivalent, linear_sgd_recipe, mse_step, regression_batch
 from support import make_batches, run_bundle_inprocess
 
 from stepbundle.exporter import ExportError, Recipe, export
@@ -206,14 +206,7 @@ def test_step_dependent_control_flow_is_refused() -> None:
         optimizer.step()
         return {"loss": loss}
 
-    torch.manual_seed(0)
-    model = torch.nn.Linear(5, 3)
-    r = Recipe(
-        model=model,
-        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-        step=step,
-        example_batch=regression_batch(),
-    )
+    r = linear_sgd_recipe(step)
     with pytest.raises(
         ExportError,
         match="The graph of the training step changed between two consecutive traced steps",
@@ -232,14 +225,7 @@ def test_host_read_inside_the_step_is_refused() -> None:
         optimizer.step()
         return {"loss": loss}
 
-    torch.manual_seed(0)
-    model = torch.nn.Linear(5, 3)
-    r = Recipe(
-        model=model,
-        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-        step=step,
-        example_batch=regression_batch(),
-    )
+    r = linear_sgd_recipe(step)
     with pytest.raises(
         ExportError, match=r"read a device value on the host in the middle of the step \(\.item\(\)"
     ):
@@ -256,14 +242,7 @@ def test_data_dependent_shapes_are_refused() -> None:
         optimizer.step()
         return {"loss": loss}
 
-    torch.manual_seed(0)
-    model = torch.nn.Linear(5, 3)
-    r = Recipe(
-        model=model,
-        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-        step=step,
-        example_batch=regression_batch(),
-    )
+    r = linear_sgd_recipe(step)
     with pytest.raises(ExportError) as err:
         export(r, "/nonexistent/x.stepbundle")
     assert "nonzero" in str(err.value) or "read a device value on the host" in str(err.value)
@@ -289,14 +268,7 @@ def test_bad_step_results_are_refused(result, expect: str) -> None:
         optimizer.step()
         return result(loss)
 
-    torch.manual_seed(0)
-    model = torch.nn.Linear(5, 3)
-    r = Recipe(
-        model=model,
-        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-        step=step,
-        example_batch=regression_batch(),
-    )
+    r = linear_sgd_recipe(step)
     with pytest.raises(ExportError, match=expect):
         export(r, "/nonexistent/x.stepbundle")
 

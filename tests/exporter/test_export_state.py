@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from export_helpers import check_equivalent, mse_step, regression_batch
+from export_helpers import check_equivalent, linear_sgd_recipe, mse_step, regression_batch
 
 from stepbundle.exporter import Recipe, export
 from stepbundle.schema import InputKind, StateInput, StateKind, StateUpdateOutput
@@ -165,14 +165,7 @@ def _kept_grads_recipe() -> Recipe:
         optimizer.step()
         return {"loss": loss}
 
-    torch.manual_seed(0)
-    model = torch.nn.Linear(5, 3)
-    return Recipe(
-        model=model,
-        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-        step=step,
-        example_batch=regression_batch(),
-    )
+    return linear_sgd_recipe(step, lr=0.1)
 
 
 def test_kept_gradients_are_state(tmp_path: Path) -> None:
@@ -190,14 +183,7 @@ def _accumulating_recipe() -> Recipe:
         optimizer.step()
         return {"loss": loss}
 
-    torch.manual_seed(0)
-    model = torch.nn.Linear(5, 3)
-    return Recipe(
-        model=model,
-        optimizer=torch.optim.SGD(model.parameters(), lr=0.01),
-        step=step,
-        example_batch=regression_batch(),
-    )
+    return linear_sgd_recipe(step, lr=0.01)
 
 
 def test_accumulated_gradients_are_read_and_donated(tmp_path: Path) -> None:
@@ -215,14 +201,7 @@ def _grads_dropped_recipe() -> Recipe:
         optimizer.zero_grad(set_to_none=True)
         return {"loss": loss}
 
-    torch.manual_seed(0)
-    model = torch.nn.Linear(5, 3)
-    return Recipe(
-        model=model,
-        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-        step=step,
-        example_batch=regression_batch(),
-    )
+    return linear_sgd_recipe(step, lr=0.1)
 
 
 def test_dropped_gradients_are_not_state(tmp_path: Path) -> None:

@@ -228,12 +228,8 @@ class Module:
             if "res_attrs" in main.attributes:
                 del main.attributes["res_attrs"]
 
-    def set_arg_attributes(
-        self,
-        aliases: Sequence[int | None],
-        shardings: Sequence[str | None] | None = None,
-    ) -> None:
-        """Set ``tf.aliasing_output`` (and optionally ``mhlo.sharding``) on every argument.
+    def set_arg_attributes(self, aliases: Sequence[int | None]) -> None:
+        """Set ``tf.aliasing_output`` on every argument from ``aliases``.
 
         ``aliases[i]`` is the result index argument ``i`` is donated to, or None. Any
         attributes the arguments had before are replaced.
@@ -241,26 +237,12 @@ class Module:
         with self._ctx:
             i32 = ir.IntegerType.get_signless(32)
             attrs = []
-            for i, out in enumerate(aliases):
+            for out in aliases:
                 d: dict[str, Any] = {}
                 if out is not None:
                     d["tf.aliasing_output"] = ir.IntegerAttr.get(i32, out)
-                sharding = shardings[i] if shardings is not None else None
-                if sharding is not None:
-                    d["mhlo.sharding"] = ir.StringAttr.get(sharding)
                 attrs.append(ir.DictAttr.get(d))
             self.main.attributes["arg_attrs"] = ir.ArrayAttr.get(attrs)
-
-    def set_result_shardings(self, shardings: Sequence[str]) -> None:
-        with self._ctx:
-            self.main.attributes["res_attrs"] = ir.ArrayAttr.get(
-                [ir.DictAttr.get({"mhlo.sharding": ir.StringAttr.get(s)}) for s in shardings]
-            )
-
-    def set_module_attribute_int(self, name: str, value: int) -> None:
-        with self._ctx:
-            i32 = ir.IntegerType.get_signless(32)
-            self._module.operation.attributes[name] = ir.IntegerAttr.get(i32, value)
 
     def bytecode(self) -> bytes:
         """The module as MLIR bytecode in this jaxlib's own version (to compile)."""

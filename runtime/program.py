@@ -96,7 +96,6 @@ def compile_program(
     donate: bool,
     cache_dir: Path | None,
     layout: packing.Layout | None = None,
-    shardings: tuple[list[str | None], list[str]] | None = None,
 ) -> CompiledProgram:
     """Check, re-attribute and compile ``program`` for ``devices``.
 
@@ -111,7 +110,6 @@ def compile_program(
       layout: how the trainer holds the state; with packs, the program is compiled
         behind a wrapper that takes and returns them, and the returned
         ``CompiledProgram.program`` describes the wrapper's arguments and results.
-      shardings: for multi-device runs, (per-argument, per-result) HLO sharding strings.
     """
     import time
 
@@ -150,12 +148,7 @@ def compile_program(
     if layout is not None and layout.packs:
         module, program = packing.wrap_program(module, program, layout)
     n = len(devices)
-    arg_shardings = shardings[0] if shardings else None
-    module.set_arg_attributes(_aliases(program, donate), arg_shardings)
-    if shardings:
-        module.set_result_shardings(shardings[1])
-        module.set_module_attribute_int("mhlo.num_partitions", n)
-        module.set_module_attribute_int("mhlo.num_replicas", 1)
+    module.set_arg_attributes(_aliases(program, donate))
     bytecode = module.bytecode()
     options = _compat.compile_options(n, [d.id for d in devices] if n > 1 else None)
     key = hashlib.sha256()

@@ -48,33 +48,26 @@ class CompiledProgram:
 
 
 def _check_signature(module: mlir.Module, program: Program, where: str) -> None:
+    """Every row of the binding and output tables matches @main's signature."""
     sig = module.signature()
-    if len(sig.inputs) != len(program.inputs):
-        raise SchemaValidationError(
-            f"{where}.inputs",
-            f"the program's @main takes {len(sig.inputs)} arguments but the binding table "
-            f"has {len(program.inputs)} rows. The bundle is inconsistent; re-export it.",
-        )
-    if len(sig.results) != len(program.outputs):
-        raise SchemaValidationError(
-            f"{where}.outputs",
-            f"the program's @main returns {len(sig.results)} results but the output table "
-            f"has {len(program.outputs)} rows. The bundle is inconsistent; re-export it.",
-        )
-    for i, ((dt, shape), row) in enumerate(zip(sig.inputs, program.inputs)):
-        if dt != row.spec.dtype.value or shape != row.spec.shape:
+    sides = (
+        ("inputs", "binding table", "argument", sig.inputs, program.inputs),
+        ("outputs", "output table", "result", sig.results, program.outputs),
+    )
+    for field, table, what, types, rows in sides:
+        if len(types) != len(rows):
             raise SchemaValidationError(
-                f"{where}.inputs[{i}]",
-                f"the binding table says {row.spec} but @main's argument {i} is "
-                f"{dt}[{','.join(map(str, shape))}]. Re-export the bundle.",
+                f"{where}.{field}",
+                f"the program's @main has {len(types)} {what}s but the {table} has "
+                f"{len(rows)} rows. The bundle is inconsistent; re-export it.",
             )
-    for j, ((dt, shape), out) in enumerate(zip(sig.results, program.outputs)):
-        if dt != out.spec.dtype.value or shape != out.spec.shape:
-            raise SchemaValidationError(
-                f"{where}.outputs[{j}]",
-                f"the output table says {out.spec} but @main's result {j} is "
-                f"{dt}[{','.join(map(str, shape))}]. Re-export the bundle.",
-            )
+        for i, ((dt, shape), row) in enumerate(zip(types, rows)):
+            if dt != row.spec.dtype.value or shape != row.spec.shape:
+                raise SchemaValidationError(
+                    f"{where}.{field}[{i}]",
+                    f"the {table} says {row.spec} but @main's {what} {i} is "
+                    f"{dt}[{','.join(map(str, shape))}]. Re-export the bundle.",
+                )
 
 
 def _aliases(program: Program, donate: bool) -> list[int | None]:

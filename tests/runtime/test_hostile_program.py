@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Any
 
 import pytest
 from jaxlib.mlir import ir
@@ -173,3 +174,39 @@ def test_a_program_that_lists_cpu_or_nothing_runs_on_cpu(
 ) -> None:
     trainer = load(_with_platforms(tmp_path, platforms), device="cpu")
     assert float(trainer.step(golden_batches("linear_adamw")[0])["loss"]) > 0
+
+
+def test_a_binding_table_that_disagrees_with_the_program_is_refused(tmp_path: Path) -> None:
+    # The manifest says batch input 'x' is f32[8,6]; the program's @main takes f32[8,5].
+    # Every digest is right and validate() passes: only the signature check catches it.
+    from stepbundle.schema import BatchInput, NamedSpec, TensorSpec
+
+    manifest, payloads = _golden_parts("linear_adamw")
+    train = manifest.entries["train"]
+    program = train.programs[0]
+    wrong = TensorSpec(program.batch[0].spec.dtype, (8, 6))
+
+    def fix(row: Any) -> Any:
+        if isinstance(row, BatchInput) and row.name == "x":
+            return dataclasses.replace(row, spec=wrong)
+        return row
+
+    edited = dataclasses.replace(
+        program,
+        inputs=tuple(fix(r) for r in program.inputs),
+        batch=tuple(NamedSpec(b.name, wrong) if b.name == "x" else b for b in program.batch),
+    )
+    entries = {
+        **manifest.entries,
+        "train": Entry((edited, *train.programs[1:]), train.updates_state),
+    }
+    path = tmp_path / "mismatch.stepbundle"
+    write_bundle(path, dataclasses.replace(manifest, entries=entries), payloads)
+    index = next(
+        i for i, r in enumerate(program.inputs) if isinstance(r, BatchInput) and r.name == "x"
+    )
+    with pytest.raises(
+        SchemaValidationError, match=r"the binding table says f32\[8,6\] but @main's argument"
+    ) as info:
+        load(path, cache_dir=False)
+    assert info.value.path == f"entries.train.programs[0].inputs[{index}]"

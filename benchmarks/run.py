@@ -170,27 +170,32 @@ def time_case(case: Any, bundle: Path, cfg: dict[str, Any], cache: Path) -> list
         m.close()
     floor = timings["floor"].median_ms
     lazy = timings["torch_xla_lazy"].median_ms
-    out = []
-    for name, t in timings.items():
-        out.append(
-            {
-                "case": case.name,
-                "depth": case.depth,
-                "method": name,
-                "median_ms": t.median_ms,
-                "p25_ms": t.quantile_ms(0.25),
-                "p75_ms": t.quantile_ms(0.75),
-                "min_ms": t.min_ms,
-                "cpu_median_ms": t.cpu_median_ms,
-                "steps_per_block": t.steps_per_block,
-                "rounds": len(t.samples_ms),
-                "ratio_to_floor": t.median_ms / floor,
-                "ratio_to_torch_xla_lazy": t.median_ms / lazy,
-                "setup_s": extra[name]["setup_s"],
-                "samples_ms": [round(x, 5) for x in t.samples_ms],
-            }
-        )
-    return out
+    return [
+        {
+            **_record(case.name, case.depth, name, t, floor),
+            "rounds": len(t.samples_ms),
+            "ratio_to_torch_xla_lazy": t.median_ms / lazy,
+            "setup_s": extra[name]["setup_s"],
+            "samples_ms": [round(x, 5) for x in t.samples_ms],
+        }
+        for name, t in timings.items()
+    ]
+
+
+def _record(case: str, depth: int, method: str, t: Any, floor: float) -> dict[str, Any]:
+    """The figures every timing record carries: medians, quartiles, ratio to floor."""
+    return {
+        "case": case,
+        "depth": depth,
+        "method": method,
+        "median_ms": t.median_ms,
+        "p25_ms": t.quantile_ms(0.25),
+        "p75_ms": t.quantile_ms(0.75),
+        "min_ms": t.min_ms,
+        "cpu_median_ms": t.cpu_median_ms,
+        "steps_per_block": t.steps_per_block,
+        "ratio_to_floor": t.median_ms / floor,
+    }
 
 
 def diagnose(
@@ -226,21 +231,7 @@ def diagnose(
         warmup_s=cfg["warmup_s"],
     )
     floor = timings["floor"].median_ms
-    records = [
-        {
-            "case": case,
-            "depth": depth,
-            "method": name,
-            "median_ms": t.median_ms,
-            "p25_ms": t.quantile_ms(0.25),
-            "p75_ms": t.quantile_ms(0.75),
-            "min_ms": t.min_ms,
-            "cpu_median_ms": t.cpu_median_ms,
-            "steps_per_block": t.steps_per_block,
-            "ratio_to_floor": t.median_ms / floor,
-        }
-        for name, t in timings.items()
-    ]
+    records = [_record(case, depth, name, t, floor) for name, t in timings.items()]
     profile = experiments.profile_steps(trainer, batches, cfg["profile_steps"]) if not only else []
     return {"case": case, "depth": depth, "facts": facts, "records": records, "profile": profile}
 

@@ -226,21 +226,19 @@ def test_bf16_autocast(tmp_path: Path) -> None:
 
 
 # ------------------------------------------------------------ CLI
-def test_cli_export_reports_stages_counts_and_size(tmp_path: Path) -> None:
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "stepbundle",
-            "export",
-            str(ROOT / "examples" / "linear_adamw.py") + ":recipe",
-            "-o",
-            str(tmp_path / "l.stepbundle"),
-        ],
+def _export_example(python: str, out: Path) -> subprocess.CompletedProcess[str]:
+    """`stepbundle export` of the linear example, run with ``python``."""
+    recipe = str(ROOT / "examples" / "linear_adamw.py") + ":recipe"
+    return subprocess.run(
+        [python, "-m", "stepbundle", "export", recipe, "-o", str(out)],
         capture_output=True,
         text=True,
         timeout=300,
     )
+
+
+def test_cli_export_reports_stages_counts_and_size(tmp_path: Path) -> None:
+    out = _export_example(sys.executable, tmp_path / "l.stepbundle")
     assert out.returncode == 0, out.stderr
     assert "[export] prepared:" in out.stderr and "[export] traced:" in out.stderr
     assert "train inputs: 2 batch, 6 constant, 6 optimizer_state, 2 parameter" in out.stderr
@@ -284,20 +282,7 @@ def test_cli_export_refusal_is_a_clean_error(tmp_path: Path) -> None:
 def test_export_in_the_lean_environment_asks_for_the_extra(
     lean_python: str, tmp_path: Path
 ) -> None:
-    out = subprocess.run(
-        [
-            lean_python,
-            "-m",
-            "stepbundle",
-            "export",
-            str(ROOT / "examples" / "linear_adamw.py") + ":recipe",
-            "-o",
-            str(tmp_path / "x"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    out = _export_example(lean_python, tmp_path / "x")
     assert out.returncode == 2
     assert "needs torch and torch_xla" in out.stderr
     assert "pip install 'stepbundle[export]'" in out.stderr

@@ -33,6 +33,8 @@ __all__ = [
     "put",
     "put_sharded",
     "serialize_executable",
+    "single_device_sharding",
+    "to_host",
     "x64_scope",
 ]
 
@@ -71,21 +73,22 @@ def get_client(platform: str) -> Client:
     return get_backend(platform)
 
 
-def _slow_put(x: np.ndarray[Any, Any], device: Device) -> Array:
+def _slow_put(x: np.ndarray[Any, Any], sharding: Any) -> Array:
     with x64_scope():
-        return jax.device_put(np.array(x, copy=True, order="C"), device)
+        return jax.device_put(np.array(x, copy=True, order="C"), sharding)
 
 
 _WIDE = frozenset({np.dtype(np.float64), np.dtype(np.int64), np.dtype(np.uint64)})
 
 
-def _make_fast_put() -> Callable[[np.ndarray[Any, Any], Device], Array] | None:
+def _make_fast_put() -> Callable[[np.ndarray[Any, Any], Any], Array] | None:
     """A transfer that skips jax.device_put's Python dispatch (about 12 us instead of 60).
 
-    It calls jaxlib's batched transfer with an explicit abstract value, the call
-    jax.device_put itself ends in. That entry point is internal to jax, so it is
-    checked once here and the public path is used when it is missing or misbehaves.
-    Remove this when jax offers a public transfer without dtype canonicalization.
+    It calls jaxlib's batched transfer with an explicit abstract value and the shards
+    this process holds, the call jax.device_put itself ends in. That entry point is
+    internal to jax, so it is checked once here and the public path is used when it is
+    missing or misbehaves. Remove this when jax offers a public transfer without dtype
+    canonicalization.
     """
     try:
         from jax._src import core
@@ -95,36 +98,63 @@ def _make_fast_put() -> Callable[[np.ndarray[Any, Any], Device], Array] | None:
         return None
     sem = ext.HostBufferSemantics.IMMUTABLE_ONLY_DURING_CALL
     avals: dict[tuple[tuple[int, ...], np.dtype[Any]], Any] = {}
-    shardings: dict[Any, Any] = {}
+    # (sharding, shape) -> [(device, index)] for the devices this process holds.
+    pieces: dict[tuple[Any, tuple[int, ...]], list[tuple[Device, Any]]] = {}
 
-    def fast_put(x: np.ndarray[Any, Any], device: Device) -> Array:
+    def fast_put(x: np.ndarray[Any, Any], sharding: Any) -> Array:
         x = np.asarray(x, order="C")
         key = (x.shape, x.dtype)
         aval = avals.get(key)
         if aval is None:
             aval = avals[key] = core.ShapedArray(x.shape, x.dtype)
-        sharding = shardings.get(device)
-        if sharding is None:
-            sharding = shardings[device] = SingleDeviceSharding(device)
+        where = pieces.get((sharding, x.shape))
+        if where is None:
+            where = list(sharding.addressable_devices_indices_map(x.shape).items())
+            pieces[(sharding, x.shape)] = where
+        if len(where) == 1 and isinstance(sharding, SingleDeviceSharding):
+            xs, devs = [x], [where[0][0]]
+        else:
+            xs = [np.ascontiguousarray(x[idx]) for _, idx in where]
+            devs = [d for d, _ in where]
         if x.dtype in _WIDE:
             # Without x64 the transfer narrows 64-bit values; scope it to this call.
             with x64_scope():
-                return ext.batched_device_put(aval, sharding, [x], [device], True, True, sem)
-        return ext.batched_device_put(aval, sharding, [x], [device], True, True, sem)
+                return ext.batched_device_put(aval, sharding, xs, devs, True, True, sem)
+        return ext.batched_device_put(aval, sharding, xs, devs, True, True, sem)
 
     try:
-        dev = jax.devices("cpu")[0]
+        devs = jax.devices("cpu")
+        shardings: list[Any] = [SingleDeviceSharding(devs[0])]
+        if len(devs) > 1:
+            from jax.sharding import Mesh, NamedSharding
+            from jax.sharding import PartitionSpec as _Spec
+
+            spec: Any = _Spec
+            shardings.append(NamedSharding(Mesh(np.array(devs[:2]), ("a",)), spec("a")))
         probes = [np.array(2**40 + 3, np.int64), np.array(1 / 3), np.arange(6, dtype=np.float32)]
-        for probe in probes:
-            got = np.asarray(fast_put(probe, dev))
-            if got.dtype != probe.dtype or not np.array_equal(got, probe):
-                return None
+        for sharding in shardings:
+            for probe in probes:
+                if probe.ndim == 0 and len(shardings) > 1 and sharding is shardings[1]:
+                    continue
+                got = np.asarray(fast_put(probe, sharding))
+                if got.dtype != probe.dtype or not np.array_equal(got, probe):
+                    return None
     except Exception:
         return None
     return fast_put
 
 
 _FAST_PUT = _make_fast_put()
+_SINGLE: dict[Device, Any] = {}
+
+
+def single_device_sharding(device: Device) -> Any:
+    sharding = _SINGLE.get(device)
+    if sharding is None:
+        from jax.sharding import SingleDeviceSharding
+
+        sharding = _SINGLE[device] = SingleDeviceSharding(device)
+    return sharding
 
 
 def put(x: np.ndarray[Any, Any], device: Device) -> Array:
@@ -133,15 +163,33 @@ def put(x: np.ndarray[Any, Any], device: Device) -> Array:
     Always copies: a zero-copy buffer could alias memory the caller reuses, or a
     read-only mapping of the bundle that a donated buffer would then be written into.
     """
-    if _FAST_PUT is not None:
-        return _FAST_PUT(x, device)
-    return _slow_put(x, device)
+    return put_sharded(x, single_device_sharding(device))
 
 
 def put_sharded(x: np.ndarray[Any, Any], sharding: Any) -> Array:
-    """Copy a host array into a (possibly multi-device) sharding, exact dtype."""
-    with x64_scope():
-        return jax.device_put(np.array(x, copy=True, order="C"), sharding)
+    """Copy a host array into ``sharding`` (one device or several), exact dtype.
+
+    ``x`` is the global value; in a multi-process job each process copies only the
+    pieces that belong to its own devices.
+    """
+    if _FAST_PUT is not None:
+        return _FAST_PUT(x, sharding)
+    return _slow_put(x, sharding)
+
+
+def to_host(a: Array) -> np.ndarray[Any, Any]:
+    """The global value of ``a`` as a new numpy array.
+
+    Arrays spread over other processes' devices are gathered (a collective: every
+    process of the job must call this for the same arrays, in the same order).
+    """
+    if a.is_fully_addressable:
+        return np.array(a, copy=True)
+    if a.is_fully_replicated:
+        return np.array(a.addressable_data(0), copy=True)
+    from jax.experimental import multihost_utils
+
+    return np.array(multihost_utils.process_allgather(a, tiled=True), copy=True)
 
 
 def compile_options(num_partitions: int = 1, device_ids: Sequence[int] | None = None) -> Any:
@@ -152,6 +200,9 @@ def compile_options(num_partitions: int = 1, device_ids: Sequence[int] | None = 
     build.num_partitions = num_partitions
     if num_partitions > 1:
         build.use_spmd_partitioning = True
+        # The programs carry Shardy annotations (runtime/sharding.py); GSPMD's
+        # propagation is deprecated in XLA.
+        build.use_shardy_partitioner = True
         if device_ids is not None:
             build.device_assignment = xla_client.DeviceAssignment.create(
                 np.asarray(device_ids, dtype=np.int64).reshape(1, num_partitions)
@@ -189,22 +240,28 @@ class Dispatcher:
     """
 
     def __init__(
-        self, executable: Executable, outputs: Sequence[tuple[tuple[int, ...], Any]], device: Device
+        self,
+        executable: Executable,
+        outputs: Sequence[tuple[tuple[int, ...], Any]],
+        shardings: Sequence[Any],
+        partitioned: bool = False,
     ) -> None:
         self.executable = executable
         self._handlers: list[Any] | None = None
         try:
             from jax._src import core
-            from jax.sharding import SingleDeviceSharding
 
-            sharding = SingleDeviceSharding(device)
             make = xla_client.array_result_handler
             with x64_scope():
                 self._handlers = [
                     make(core.ShapedArray(shape, dtype), sharding, True, True)
-                    for shape, dtype in outputs
+                    for (shape, dtype), sharding in zip(outputs, shardings)
                 ]
         except Exception:
+            if partitioned:
+                # execute() returns one array per device and result; a data-parallel
+                # program needs the handlers to reassemble them.
+                raise
             self._handlers = None
 
     def __call__(self, args: list[Array]) -> list[Array]:

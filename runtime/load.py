@@ -15,8 +15,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from stepbundle.schema import codec
 from stepbundle.schema.manifest import ConstantInput, Manifest, MetricOutput
 
@@ -24,7 +22,8 @@ from . import _compat, packing
 from .dtypes import array_from_section
 from .errors import BindingError, PlatformError
 from .program import compile_program, default_cache_dir
-from .trainer import LoadInfo, Trainer, _Plan, build_plan, host_buffers
+from .sharding import Placement, zero1_split
+from .trainer import LoadInfo, Trainer, _Plan, build_plan, host_buffers, refused_plan
 
 __all__ = ["load", "parse_device"]
 
@@ -57,6 +56,54 @@ def _client(platform: str) -> Any:
             f"No {platform} device is available to jax here ({e}). Install jax's plugin "
             f"for {platform} (for CUDA: pip install 'jax[cuda12]') or run with --device cpu."
         ) from None
+
+
+def _select_devices(client: Any, platform: str, device: str, devices: int | str) -> list[Any]:
+    """The devices a run uses: one local device, or the first N devices of the job."""
+    _, index = parse_device(device)
+    local = list(client.local_devices())
+    if devices == 1:
+        if index >= len(local):
+            raise PlatformError(
+                f"Device {platform}:{index} does not exist; this machine has "
+                f"{len(local)} {platform} device(s)."
+            )
+        return [local[index]]
+    everywhere = list(client.devices())
+    if isinstance(devices, str):
+        if devices != "all":
+            raise PlatformError(f"devices must be a number or 'all', got {devices!r}.")
+        n = len(everywhere)
+    else:
+        n = int(devices)
+        if n < 1:
+            raise PlatformError(f"devices must be at least 1, got {devices}.")
+    if ":" in str(device):
+        raise PlatformError(
+            f"Pick either one device ({device!r}) or a number of devices (devices={devices}), "
+            f"not both: a data-parallel run uses the first N {platform} devices of the job."
+        )
+    if n > len(everywhere):
+        hint = (
+            " On a CPU, set XLA_FLAGS=--xla_force_host_platform_device_count=N (or "
+            "jax.config.update('jax_num_cpu_devices', N)) before jax starts for N virtual "
+            "devices; the CLI does this itself."
+            if platform == "cpu"
+            else " For devices on several hosts, start every host's process with "
+            "jax.distributed (the CLI's --coordinator, --num-processes, --process-id)."
+        )
+        raise PlatformError(
+            f"A data-parallel run over {n} devices needs {n} {platform} devices, but the "
+            f"job has {len(everywhere)}.{hint}"
+        )
+    chosen = everywhere[:n]
+    me = client.process_index()
+    if not any(d.process_index == me for d in chosen):
+        raise PlatformError(
+            f"This process ({me}) holds none of the first {n} {platform} devices of the job; "
+            "use devices='all' or a number that covers every process's devices."
+        )
+    return chosen
 
 
 def _check_loss_metrics(manifest: Manifest, entries: list[str]) -> None:
@@ -93,8 +140,9 @@ def load(
     cache_dir: str | os.PathLike[str] | bool | None = True,
     expect_digest: str | None = None,
     stop_on_nonfinite: bool = False,
-    devices: int = 1,
+    devices: int | str = 1,
     pack_state: bool | int = True,
+    shard_optimizer_state: bool = False,
 ) -> Trainer:
     """Load a bundle and return a ``Trainer`` that owns its state on ``device``.
 
@@ -113,8 +161,15 @@ def load(
         elements, an int sets that limit, False keeps one buffer per tensor. The
         programs compute the same either way; packing removes most of the per-buffer
         cost of a step with hundreds of state tensors.
-      devices: number of devices to run on; only 1 is supported in this release
-        (data parallelism through XLA's SPMD partitioner is planned).
+      devices: number of devices to run on, or "all". With N > 1 the run is data
+        parallel over the first N devices of the job (every process's, when
+        ``jax.distributed`` joined several): each step takes the global batch, split
+        on its first dimension, and the state is replicated. The programs are the
+        bundle's own, compiled with XLA's SPMD partitioner; nothing is re-exported.
+        Only shape buckets whose batch splits evenly over N can run.
+      shard_optimizer_state: with N > 1 devices, split optimizer state (tensors whose
+        first dimension is a multiple of N) over the devices instead of replicating
+        it (ZeRO stage 1); each device then holds 1/N of it.
     """
     t0 = time.perf_counter()
     info = LoadInfo()
@@ -141,22 +196,8 @@ def load(
             _check_loss_metrics(manifest, wanted)
         info.seconds["open"] = time.perf_counter() - t0
         client = _client(platform)
-        all_devices = [d for d in client.local_devices()]
-        if devices < 1:
-            raise PlatformError(f"devices must be at least 1, got {devices}.")
-        if devices > 1:
-            # Data-parallel runs through XLA's SPMD partitioner are tracked in issue #9.
-            raise PlatformError(
-                f"Data-parallel runs over {devices} devices are not supported by this "
-                "release yet; run with devices=1 (--devices 1)."
-            )
-        if index >= len(all_devices):
-            raise PlatformError(
-                f"Device {platform}:{index} does not exist; this machine has "
-                f"{len(all_devices)} {platform} device(s)."
-            )
-        run_devices = [all_devices[index]]
-        dev = run_devices[0]
+        run_devices = _select_devices(client, platform, device, devices)
+        n = len(run_devices)
         if cache_dir is True:
             cache: Path | None = default_cache_dir()
         elif cache_dir is False or cache_dir is None:
@@ -167,17 +208,27 @@ def load(
         # ---- programs
         t1 = time.perf_counter()
         limit = packing.DEFAULT_MAX_ELEMENTS if pack_state is True else int(pack_state)
-        layout = packing.plan_layout(manifest, limit) if limit > 0 else packing.unpacked(manifest)
+        apart: frozenset[str] = frozenset()
+        if shard_optimizer_state and n > 1:
+            apart = zero1_split(manifest, packing.unpacked(manifest), n)
+        layout = (
+            packing.plan_layout(manifest, limit, apart) if limit > 0 else packing.unpacked(manifest)
+        )
+        placement = Placement(run_devices, apart)
         state_index = {name: i for i, name in enumerate(layout.buffer_names)}
         compiled: dict[str, list[Any]] = {}
         for name in wanted:
             ent = manifest.entries[name]
-            progs = []
+            progs: list[Any] = []
             for i, program in enumerate(ent.programs):
                 where = f"entries.{name}.programs[{i}]"
+                why = placement.indivisible(program)
+                if why is not None:
+                    progs.append(_refusal(name, i, program, why, ent.programs, n))
+                    continue
                 cp = compile_program(
                     client,
-                    run_devices,
+                    placement,
                     bundle.section(program.section),
                     program,
                     where=where,
@@ -188,32 +239,37 @@ def load(
                 info.cache_hits += int(cp.cache_hit)
                 info.compiled += int(not cp.cache_hit)
                 progs.append(cp)
+            if progs and all(isinstance(p, _Plan) for p in progs) and ent.updates_state:
+                raise PlatformError(progs[0].refusal or "")
             compiled[name] = progs
         info.seconds["compile"] = time.perf_counter() - t1
 
         # ---- state and constants on the device
         t2 = time.perf_counter()
 
-        def put_state(a: np.ndarray[Any, Any]) -> Any:
-            return _compat.put(a, dev)
-
         initial = {
             s.name: array_from_section(bundle.section(s.section), s.spec) for s in manifest.state
         }
-        state = [put_state(a) for a in host_buffers(layout, initial)]
+        state = [
+            placement.put_state(bname, a)
+            for bname, a in zip(layout.buffer_names, host_buffers(layout, initial))
+        ]
         del initial
         constants: dict[str, Any] = {}
         for name in wanted:
             for program in manifest.entries[name].programs:
                 for inp in program.inputs:
                     if isinstance(inp, ConstantInput) and inp.section not in constants:
-                        constants[inp.section] = put_state(
+                        constants[inp.section] = placement.put_replicated(
                             array_from_section(bundle.section(inp.section), inp.spec)
                         )
         info.seconds["state"] = time.perf_counter() - t2
         plans: dict[str, list[_Plan]] = {
             name: [
-                build_plan(name, i, cp, state_index, constants, dev) for i, cp in enumerate(progs)
+                p
+                if isinstance(p, _Plan)
+                else build_plan(name, i, p, state_index, constants, placement)
+                for i, p in enumerate(progs)
             ]
             for name, progs in compiled.items()
         }
@@ -224,16 +280,32 @@ def load(
     trainer = Trainer(
         manifest=manifest,
         digest=digest,
-        device=dev,
+        placement=placement,
         layout=layout,
         state=state,
         plans=plans,
         hyperparameters={h.name: h.value for h in manifest.hyperparameters},
         seed=manifest.rng.seed if manifest.rng is not None else None,
-        put_batch=put_state,
-        put_scalar=put_state,
         stop_on_nonfinite=stop_on_nonfinite,
         load_info=info,
-        devices=run_devices,
     )
     return trainer
+
+
+def _refusal(entry: str, index: int, program: Any, why: str, programs: Any, n: int) -> _Plan:
+    """A plan for a shape bucket that cannot run on ``n`` devices: it refuses batches."""
+    usable = [
+        "{" + ", ".join(f"{b.name}: {b.spec}" for b in p.batch) + "}"
+        for p in programs
+        if all(not b.spec.shape or b.spec.shape[0] % n == 0 for b in p.batch)
+    ]
+    fix = (
+        f"Use a batch of a bucket that does: {' | '.join(usable)}."
+        if usable
+        else f"Export with a batch size that is a multiple of {n}, or run on fewer devices."
+    )
+    message = (
+        f"The {entry!r} entry's shape bucket {index} cannot run data-parallel over {n} "
+        f"devices: {why}. {fix}"
+    )
+    return refused_plan(entry, index, program, message)

@@ -112,12 +112,15 @@ def make_context() -> ir.Context:
     """A fresh MLIR context with the dialects torch_xla's programs use."""
     from jaxlib.mlir._mlir_libs import _mlirHlo
     from jaxlib.mlir.dialects import chlo as _chlo
+    from jaxlib.mlir.dialects import sdy as _sdy
 
     chlo: Any = _chlo
+    sdy: Any = _sdy
     ctx = ir.Context()
     stablehlo.register_dialect(ctx)
     _mlirHlo.register_mhlo_dialect(ctx)
     chlo.register_dialect(ctx)
+    sdy.register_dialect(ctx)  # Shardy: the sharding annotations of data-parallel runs
     ctx.load_all_available_dialects()
     return ctx
 
@@ -228,21 +231,58 @@ class Module:
             if "res_attrs" in main.attributes:
                 del main.attributes["res_attrs"]
 
-    def set_arg_attributes(self, aliases: Sequence[int | None]) -> None:
+    def set_arg_attributes(
+        self, aliases: Sequence[int | None], shardings: Sequence[str] | None = None
+    ) -> None:
         """Set ``tf.aliasing_output`` on every argument from ``aliases``.
 
-        ``aliases[i]`` is the result index argument ``i`` is donated to, or None. Any
-        attributes the arguments had before are replaced.
+        ``aliases[i]`` is the result index argument ``i`` is donated to, or None.
+        ``shardings[i]``, when given, is argument ``i``'s Shardy sharding as MLIR text
+        (``#sdy.sharding<@mesh, [{"data"}, {}]>``); see ``set_mesh``. Any attributes
+        the arguments had before are replaced.
         """
         with self._ctx:
             i32 = ir.IntegerType.get_signless(32)
             attrs = []
-            for out in aliases:
+            for i, out in enumerate(aliases):
                 d: dict[str, Any] = {}
                 if out is not None:
                     d["tf.aliasing_output"] = ir.IntegerAttr.get(i32, out)
+                if shardings is not None:
+                    d["sdy.sharding"] = ir.Attribute.parse(shardings[i])
                 attrs.append(ir.DictAttr.get(d))
             self.main.attributes["arg_attrs"] = ir.ArrayAttr.get(attrs)
+
+    def set_result_shardings(self, shardings: Sequence[str]) -> None:
+        """Pin every result of ``@main`` to a Shardy sharding (MLIR text, one per result)."""
+        with self._ctx:
+            self.main.attributes["res_attrs"] = ir.ArrayAttr.get(
+                [ir.DictAttr.get({"sdy.sharding": ir.Attribute.parse(s)}) for s in shardings]
+            )
+
+    def set_mesh(self, name: str, axes: Sequence[tuple[str, int]]) -> None:
+        """Declare a Shardy device mesh ``@name`` and the module's partition count.
+
+        The SPMD partitioner reads the shardings of ``@main``'s arguments and results
+        against this mesh and inserts the collectives the program then needs.
+        """
+        from jaxlib.mlir.dialects import sdy as _sdy
+
+        sdy: Any = _sdy
+        partitions = 1
+        for _, size in axes:
+            partitions *= size
+        with self._ctx, ir.Location.unknown():
+            body = self._module.body
+            with ir.InsertionPoint.at_block_begin(body):
+                sdy.MeshOp(
+                    name, sdy.MeshAttr.get([sdy.MeshAxisAttr.get(a, n) for a, n in axes], [])
+                )
+            i32 = ir.IntegerType.get_signless(32)
+            self._module.operation.attributes["mhlo.num_partitions"] = ir.IntegerAttr.get(
+                i32, partitions
+            )
+            self._module.operation.attributes["mhlo.num_replicas"] = ir.IntegerAttr.get(i32, 1)
 
     def bytecode(self) -> bytes:
         """The module as MLIR bytecode in this jaxlib's own version (to compile)."""

@@ -19,7 +19,7 @@ Imports: stepbundle.schema, runtime.mlir.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from stepbundle.schema.manifest import (
@@ -99,10 +99,11 @@ def unpacked(manifest: Manifest) -> Layout:
     return Layout(tuple(s.name for s in manifest.state))
 
 
-def plan_layout(manifest: Manifest, max_elements: int) -> Layout:
+def plan_layout(manifest: Manifest, max_elements: int, keep_apart: Collection[str] = ()) -> Layout:
     """Pack every state tensor of 1..max_elements elements that all training programs read.
 
-    A dtype gets a pack only when it has at least two such tensors.
+    A dtype gets a pack only when it has at least two such tensors. Tensors named in
+    ``keep_apart`` stay buffers of their own (ZeRO-1 splits them over devices).
     """
     train = manifest.entries.get("train")
     if train is None or max_elements <= 0:
@@ -116,7 +117,7 @@ def plan_layout(manifest: Manifest, max_elements: int) -> Layout:
     offsets: dict[DType, int] = {}
     for s in manifest.state:
         n = s.spec.numel
-        if s.name in read and 0 < n <= max_elements:
+        if s.name in read and 0 < n <= max_elements and s.name not in keep_apart:
             off = offsets.get(s.spec.dtype, 0)
             groups.setdefault(s.spec.dtype, []).append(Member(s.name, off, n, s.spec.shape))
             offsets[s.spec.dtype] = off + n

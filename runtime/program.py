@@ -23,6 +23,7 @@ from stepbundle.schema.manifest import Program, StateUpdateOutput
 
 from . import _compat, mlir, packing
 from .errors import PlatformError
+from .sharding import AXIS, MESH, Placement
 
 __all__ = ["CompiledProgram", "compile_program", "default_cache_dir"]
 
@@ -81,7 +82,7 @@ def _aliases(program: Program, donate: bool) -> list[int | None]:
 
 def compile_program(
     client: Any,
-    devices: list[Any],
+    placement: Placement,
     artifact: bytes | memoryview,
     program: Program,
     *,
@@ -94,7 +95,8 @@ def compile_program(
 
     Args:
       client: the PJRT client.
-      devices: the devices it runs on (one, or several for SPMD data parallelism).
+      placement: the devices it runs on (one, or a mesh of several for SPMD data
+        parallelism) and how each argument and result is sharded over them.
       artifact: the program section's bytes (digest already checked).
       program: its manifest record.
       where: field path of the program, for error messages.
@@ -140,18 +142,25 @@ def compile_program(
     module.strip_attributes()
     if layout is not None and layout.packs:
         module, program = packing.wrap_program(module, program, layout)
+    devices = list(placement.devices)
     n = len(devices)
-    module.set_arg_attributes(_aliases(program, donate))
+    if placement.partitioned:
+        module.set_mesh(MESH, [(AXIS, n)])
+        arg_shardings, result_shardings = placement.annotations(program)
+        module.set_arg_attributes(_aliases(program, donate), arg_shardings)
+        module.set_result_shardings(result_shardings)
+    else:
+        module.set_arg_attributes(_aliases(program, donate))
     bytecode = module.bytecode()
     options = _compat.compile_options(n, [d.id for d in devices] if n > 1 else None)
     key = hashlib.sha256()
     for part in (
-        b"stepbundle-cache-v1",
+        b"stepbundle-cache-v2",
         _compat.JAXLIB_VERSION.encode(),
         platform.encode(),
         str(getattr(client, "platform_version", "")).encode(),
         str(devices[0].device_kind).encode(),
-        str(n).encode(),
+        ",".join(str(d.id) for d in devices).encode(),
         bytecode,
     ):
         key.update(len(part).to_bytes(8, "little"))

@@ -24,6 +24,7 @@ from stepbundle.schema.manifest import (
     HyperparameterInput,
     Manifest,
     MetricOutput,
+    Program,
     RngSeedInput,
     StateInput,
     StateUpdateOutput,
@@ -34,6 +35,7 @@ from .dtypes import describe, to_numpy
 from .errors import BindingError, NonFiniteLossError
 from .packing import Layout, Pack
 from .program import CompiledProgram
+from .sharding import Placement
 
 __all__ = ["Trainer", "advance_seed"]
 
@@ -55,7 +57,7 @@ class _Plan:
 
     entry: str
     index: int
-    compiled: CompiledProgram
+    compiled: CompiledProgram | None
     template: list[Any]
     state_slots: list[tuple[int, int]]
     batch_slots: list[tuple[int, str]]
@@ -67,10 +69,13 @@ class _Plan:
     loss_slot: int | None = None
     signature_text: str = ""
     dispatch: Any = None
+    # Set when this shape bucket cannot run where the trainer runs (a batch that does
+    # not split over the data-parallel devices); the program was not compiled.
+    refusal: str | None = None
 
     @property
     def executable(self) -> Any:
-        return self.compiled.executable
+        return self.compiled.executable if self.compiled is not None else None
 
 
 @dataclass
@@ -94,22 +99,20 @@ class Trainer:
         *,
         manifest: Manifest,
         digest: str,
-        device: Any,
+        placement: Placement,
         layout: Layout,
         state: list[Any],
         plans: dict[str, list[_Plan]],
         hyperparameters: dict[str, float],
         seed: int | None,
-        put_batch: Callable[[np.ndarray[Any, Any]], Any],
-        put_scalar: Callable[[np.ndarray[Any, Any]], Any],
         stop_on_nonfinite: bool,
         load_info: LoadInfo,
-        devices: Sequence[Any] = (),
     ) -> None:
         self.manifest = manifest
         self.digest = digest
-        self.device = device
-        self.devices = tuple(devices) or (device,)
+        self.placement = placement
+        self.device = placement.devices[0]
+        self.devices = placement.devices
         self.load_info = load_info
         self._names = [e.name for e in manifest.state]
         self._aliases = {e.name: e.aliases for e in manifest.state}
@@ -123,8 +126,7 @@ class Trainer:
         self._schedules: dict[str, Callable[[int], float]] = {}
         self._seed = seed
         self._step = 0
-        self._put_batch = put_batch
-        self._put_scalar = put_scalar
+        self._put_scalar = placement.put_replicated
         self._stop_on_nonfinite = stop_on_nonfinite
         self._broken: str | None = None
 
@@ -161,6 +163,14 @@ class Trainer:
     @property
     def state_names(self) -> tuple[str, ...]:
         return tuple(self._names)
+
+    def state_bytes_per_device(self) -> dict[str, int]:
+        """Bytes of training state resident on each of this process's devices.
+
+        Replicated state counts in full on every device; with
+        ``shard_optimizer_state`` the split optimizer state counts 1/N per device.
+        """
+        return self.placement.bytes_per_device(self._state)
 
     # ------------------------------------------------------- hyperparameters
     def _resolve_hyper(self, name: str) -> list[str]:
@@ -250,6 +260,8 @@ class Trainer:
                 break
         if chosen is None:
             raise BindingError(self._mismatch_message(entry, plans, arrays))
+        if chosen.refusal is not None:
+            raise BindingError(chosen.refusal)
         dev: dict[str, Any] = {}
         for k in chosen.batch_sig:
             dev[k] = self._to_device(arrays[k])
@@ -257,12 +269,13 @@ class Trainer:
 
     def _to_device(self, a: Any) -> Any:
         if isinstance(a, np.ndarray):
-            return self._put_batch(a)
-        # A device array: use it where it is when it already lives on our device(s).
-        devs = getattr(a, "devices", None)
-        if devs is not None and len(self.devices) == 1 and devs() == {self.device}:
+            return self.placement.put_batch(a)
+        # A device array: use it where it is when it already has the sharding needed.
+        if self.placement.holds(a, split=a.ndim >= 1):
             return a
-        return self._put_batch(np.asarray(a))
+        return self.placement.put_batch(
+            _compat.to_host(a) if hasattr(a, "sharding") else np.asarray(a)
+        )
 
     def _mismatch_message(self, entry: str, plans: list[_Plan], arrays: Mapping[str, Any]) -> str:
         got = (
@@ -326,7 +339,7 @@ class Trainer:
         try:
             outs = plan.dispatch(args)
         except Exception as e:
-            if plan.compiled.donating:
+            if plan.compiled is not None and plan.compiled.donating:
                 self._broken = (
                     f"A step failed inside the device runtime ({e}); its donated state "
                     "buffers may be gone. Load a checkpoint (trainer.load_checkpoint) or "
@@ -428,7 +441,7 @@ class Trainer:
             raise BindingError(self._broken)
         values: dict[str, np.ndarray[Any, Any]] = {}
         for entry, buf in zip(self._layout.buffers, self._state):
-            host = np.array(buf, copy=True)  # one transfer per buffer
+            host = _compat.to_host(buf)  # one transfer per buffer
             if isinstance(entry, Pack):
                 for m in entry.members:
                     values[m.state] = host[m.offset : m.offset + m.numel].reshape(m.shape).copy()
@@ -447,7 +460,10 @@ class Trainer:
         from .checkpoint import check_state_values
 
         arrays = check_state_values(self.manifest, values)
-        self._state = [self._put_batch(a) for a in host_buffers(self._layout, arrays)]
+        self._state = [
+            self.placement.put_state(name, a)
+            for name, a in zip(self._layout.buffer_names, host_buffers(self._layout, arrays))
+        ]
         self._broken = None
 
     def block_until_ready(self) -> None:
@@ -487,13 +503,40 @@ def host_buffers(
     return out
 
 
+def _batch_signature(program: Program) -> tuple[dict[str, Any], str]:
+    sig = {b.name: (tuple(b.spec.shape), to_numpy(b.spec.dtype)) for b in program.batch}
+    text = "{" + ", ".join(f"{b.name}: {b.spec}" for b in program.batch) + "}"
+    return sig, text
+
+
+def refused_plan(entry: str, index: int, program: Program, refusal: str) -> _Plan:
+    """A plan for a shape bucket that cannot run here: batches of its shape are refused
+    with ``refusal`` before anything is dispatched. Its program is not compiled."""
+    sig, text = _batch_signature(program)
+    return _Plan(
+        entry=entry,
+        index=index,
+        compiled=None,
+        template=[],
+        state_slots=[],
+        batch_slots=[],
+        seed_slot=None,
+        hyper_slots=[],
+        metric_slots=[],
+        update_slots=[],
+        batch_sig=sig,
+        signature_text=text,
+        refusal=refusal,
+    )
+
+
 def build_plan(
     entry: str,
     index: int,
     compiled: CompiledProgram,
     state_index: Mapping[str, int],
     constants: Mapping[str, Any],
-    device: Any,
+    placement: Placement,
 ) -> _Plan:
     """Precompute where each argument comes from and where each result goes."""
     program = compiled.program
@@ -520,8 +563,7 @@ def build_plan(
                 loss_slot = j
         elif isinstance(out, StateUpdateOutput):
             update_slots.append((j, state_index[out.state]))
-    sig = {b.name: (tuple(b.spec.shape), to_numpy(b.spec.dtype)) for b in program.batch}
-    text = "{" + ", ".join(f"{b.name}: {b.spec}" for b in program.batch) + "}"
+    sig, text = _batch_signature(program)
     return _Plan(
         entry=entry,
         index=index,
@@ -539,7 +581,8 @@ def build_plan(
         dispatch=_compat.Dispatcher(
             compiled.executable,
             [(o.spec.shape, to_numpy(o.spec.dtype)) for o in program.outputs],
-            device,
+            placement.output_shardings(program),
+            partitioned=placement.partitioned,
         ),
     )
 

@@ -26,6 +26,7 @@ from jaxlib import xla_client
 
 __all__ = [
     "JAXLIB_VERSION",
+    "barrier",
     "compile_options",
     "compile_program",
     "deserialize_executable",
@@ -74,8 +75,14 @@ def get_client(platform: str) -> Client:
 
 
 def _slow_put(x: np.ndarray[Any, Any], sharding: Any) -> Array:
+    x = np.array(x, copy=True, order="C")
     with x64_scope():
-        return jax.device_put(np.array(x, copy=True, order="C"), sharding)
+        if sharding.is_fully_addressable:
+            return jax.device_put(x, sharding)
+        # device_put onto other processes' devices also compares the value across
+        # processes (a collective the other processes are not running): build it from
+        # this process's pieces instead.
+        return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
 
 
 _WIDE = frozenset({np.dtype(np.float64), np.dtype(np.int64), np.dtype(np.uint64)})
@@ -123,7 +130,7 @@ def _make_fast_put() -> Callable[[np.ndarray[Any, Any], Any], Array] | None:
         return ext.batched_device_put(aval, sharding, xs, devs, True, True, sem)
 
     try:
-        devs = jax.devices("cpu")
+        devs = jax.local_devices(backend="cpu")
         shardings: list[Any] = [SingleDeviceSharding(devs[0])]
         if len(devs) > 1:
             from jax.sharding import Mesh, NamedSharding
@@ -144,7 +151,9 @@ def _make_fast_put() -> Callable[[np.ndarray[Any, Any], Any], Array] | None:
     return fast_put
 
 
-_FAST_PUT = _make_fast_put()
+# Built on first use: probing needs jax's CPU backend, and starting it at import would
+# fix the number of CPU devices before a caller could ask for more.
+_FAST_PUT: list[Callable[[np.ndarray[Any, Any], Any], Array] | None] = []
 _SINGLE: dict[Device, Any] = {}
 
 
@@ -172,8 +181,11 @@ def put_sharded(x: np.ndarray[Any, Any], sharding: Any) -> Array:
     ``x`` is the global value; in a multi-process job each process copies only the
     pieces that belong to its own devices.
     """
-    if _FAST_PUT is not None:
-        return _FAST_PUT(x, sharding)
+    if not _FAST_PUT:
+        _FAST_PUT.append(_make_fast_put())
+    fast = _FAST_PUT[0]
+    if fast is not None:
+        return fast(x, sharding)
     return _slow_put(x, sharding)
 
 
@@ -190,6 +202,13 @@ def to_host(a: Array) -> np.ndarray[Any, Any]:
     from jax.experimental import multihost_utils
 
     return np.array(multihost_utils.process_allgather(a, tiled=True), copy=True)
+
+
+def barrier(name: str) -> None:
+    """Wait until every process of a multi-process job reaches this point."""
+    from jax.experimental import multihost_utils
+
+    multihost_utils.sync_global_devices(name)
 
 
 def compile_options(num_partitions: int = 1, device_ids: Sequence[int] | None = None) -> Any:

@@ -245,11 +245,13 @@ def save_checkpoint(trainer: Trainer, path: str | os.PathLike[str]) -> None:
         "hyperparameters": trainer.hyperparameters,
         "bundle_digest": trainer.digest,
     }
-    write_safetensors(
-        path,
-        trainer.state_dict(include_aliases=True),
-        {"stepbundle": json.dumps(meta, sort_keys=True)},
-    )
+    # In a multi-process run every process takes part in gathering the state, process 0
+    # writes it, and the others wait until the file is in place.
+    values = trainer.state_dict(include_aliases=True)
+    placement = trainer.placement
+    if placement.writes_files:
+        write_safetensors(path, values, {"stepbundle": json.dumps(meta, sort_keys=True)})
+    placement.barrier(f"stepbundle checkpoint {os.fspath(path)}")
 
 
 def _metadata(path: str | os.PathLike[str], raw: str) -> tuple[int, int | None, dict[str, float]]:

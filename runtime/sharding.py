@@ -71,7 +71,10 @@ class Placement:
             mesh = Mesh(np.array(self.devices, dtype=object), (AXIS,))
             self.replicated = NamedSharding(mesh, PartitionSpec())
             self.split = NamedSharding(mesh, PartitionSpec(AXIS))
-        self.process_count = len({d.process_index for d in self.devices})
+        processes = {d.process_index for d in self.devices}
+        self.process_count = len(processes)
+        # In a multi-process job one process writes the files everyone would write.
+        self.writes_files = jax.process_index() == min(processes)
 
     @property
     def partitioned(self) -> bool:
@@ -133,12 +136,17 @@ class Placement:
         except Exception:
             return False
 
+    def barrier(self, name: str) -> None:
+        """Wait for the other processes of a multi-process run (no-op otherwise)."""
+        if self.process_count > 1:
+            _compat.barrier(name)
+
     def bytes_per_device(self, buffers: Sequence[Any]) -> dict[str, int]:
         """Bytes of ``buffers`` resident on each of this process's devices."""
         out: dict[str, int] = {}
         for buf in buffers:
             for shard in buf.addressable_shards:
-                key = str(shard.device)
+                key = f"{shard.device.platform}:{shard.device.id}"
                 out[key] = out.get(key, 0) + int(shard.data.nbytes)
         return out
 
@@ -156,7 +164,3 @@ def zero1_split(manifest: Manifest, layout: Layout, n: int) -> frozenset[str]:
         if entry.kind == StateKind.OPTIMIZER_STATE and shape and shape[0] % n == 0:
             out.add(buf)
     return frozenset(out)
-
-
-def process_index() -> int:
-    return int(jax.process_index())

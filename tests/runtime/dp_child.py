@@ -1,0 +1,52 @@
+"""One process of a multi-process data-parallel run (started by test_data_parallel.py).
+
+Usage: dp_child.py PROCESS_ID NUM_PROCESSES PORT DEVICES_PER_PROCESS NAME OUT_DIR
+
+Joins the job through jax.distributed on localhost, loads the golden bundle NAME over
+every device of the job, runs its golden steps, saves a checkpoint (written by process
+0), and writes this process's losses and state to OUT_DIR/process-<id>.npz.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from runtime_helpers import GOLDEN_SCHEDULES, GOLDEN_STEPS, golden_batches, golden_bundle
+
+from stepbundle.runtime import distributed, load
+from stepbundle.runtime.schedule import parse_schedule
+
+
+def main() -> None:
+    pid, nproc, port, per, name, out = sys.argv[1:7]
+    distributed.initialize(
+        f"localhost:{port}", int(nproc), int(pid), cpu_devices=int(per), timeout_s=60
+    )
+    import jax
+
+    assert jax.process_count() == int(nproc)
+    trainer = load(golden_bundle(name), devices="all", cache_dir=False)
+    assert len(trainer.devices) == int(nproc) * int(per)
+    if name in GOLDEN_SCHEDULES:
+        trainer.set_schedule("lr", parse_schedule(GOLDEN_SCHEDULES[name]))
+    metrics = trainer.run(golden_batches(name), GOLDEN_STEPS[name])
+    losses = np.array([float(m["loss"]) for m in metrics])
+    out_dir = Path(out)
+    trainer.save_checkpoint(out_dir / "checkpoint.safetensors")
+    # Every process reads the checkpoint process 0 wrote: the save waited for it.
+    assert (out_dir / "checkpoint.safetensors").is_file()
+    state = trainer.state_dict()
+    np.savez(
+        out_dir / f"process-{pid}.npz",
+        losses=losses,
+        local_devices=np.array([d.id for d in jax.local_devices()]),
+        **{f"state/{k}": v for k, v in state.items()},
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -30,7 +30,8 @@ def set_cpu_devices(n: int) -> None:
     from .errors import PlatformError
 
     try:
-        jax.config.update("jax_num_cpu_devices", int(n))
+        config: Any = jax.config
+        config.update("jax_num_cpu_devices", int(n))
     except Exception as e:
         raise PlatformError(
             f"Cannot give this process {n} CPU devices now ({e}). Set it before the first "

@@ -122,6 +122,39 @@ def _scalar(v: Any) -> Any:
     return a.tolist()
 
 
+def _devices_arg(text: str) -> int | str:
+    if text == "all":
+        return "all"
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or 'all', got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"needs at least 1 device, got {n}")
+    return n
+
+
+def _join_job(args: argparse.Namespace) -> None:
+    """Set up devices before jax starts: virtual CPU devices, and the multi-process job."""
+    from stepbundle.runtime import distributed
+
+    multi = args.distributed or args.coordinator is not None
+    if not multi and (args.num_processes is not None or args.process_id is not None):
+        raise ValueError("--num-processes and --process-id need --coordinator HOST:PORT")
+    cpu_devices = None
+    platform = args.device.partition(":")[0].lower()
+    if platform == "cpu" and isinstance(args.devices, int) and args.devices > 1:
+        if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+            processes = args.num_processes or 1
+            cpu_devices = -(-args.devices // processes)
+    if multi:
+        distributed.initialize(
+            args.coordinator, args.num_processes, args.process_id, cpu_devices=cpu_devices
+        )
+    elif cpu_devices is not None:
+        distributed.set_cpu_devices(cpu_devices)
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     import numpy as np
 
@@ -138,6 +171,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         return _die(f"cannot read --data {args.data!r}: {e}")
     cache: Any = False if args.no_cache else (args.cache_dir or True)
     try:
+        _join_job(args)
         t0 = time.perf_counter()
         trainer = load(
             args.bundle,
@@ -148,6 +182,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             stop_on_nonfinite=args.stop_on_nonfinite,
             devices=args.devices,
             pack_state=args.pack_state,
+            shard_optimizer_state=args.shard_optimizer_state,
         )
         load_s = time.perf_counter() - t0
         batches = iter_batches(data)
@@ -166,11 +201,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     except (BundleError, ValueError) as e:
         return _die(str(e), 1)
     hits = trainer.load_info.cache_hits
+    n_dev = len(trainer.devices)
     print(
         f"[run] loaded {args.bundle} in {load_s:.2f}s ({trainer.load_info.compiled} compiled, "
-        f"{hits} from cache) on {args.device}" + (f" x{args.devices}" if args.devices > 1 else ""),
+        f"{hits} from cache) on {args.device}" + (f" x{n_dev} (data parallel)" if n_dev > 1 else ""),
         file=sys.stderr,
     )
+    # In a multi-process job process 0 reports; every process computes.
+    writer = trainer.placement.writes_files
     json_out = args.json
     progress = _Progress(args.steps) if (not json_out and sys.stderr.isatty()) else None
     start_step = trainer.step_count
@@ -185,16 +223,18 @@ def cmd_run(args: argparse.Namespace) -> int:
                 m = trainer.evaluate(
                     batches[i % len(batches)], entry=args.entry
                 )  # no state: no offset
-                stdout.write(
-                    json.dumps({"step": i, **{k: _scalar(v) for k, v in m.items()}}) + "\n"
-                )
+                line = json.dumps({"step": i, **{k: _scalar(v) for k, v in m.items()}})
+                if writer:
+                    stdout.write(line + "\n")
         except BundleError as e:
             return _die(str(e), 1)
         return 0
 
     def on_step(i: int, metrics: dict[str, Any]) -> None:
         step = start_step + i
-        if json_out:
+        if not writer:
+            pass
+        elif json_out:
             stdout.write(
                 json.dumps({"step": step, **{k: _scalar(v) for k, v in metrics.items()}}) + "\n"
             )
@@ -234,8 +274,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.save_state:
         from stepbundle.runtime.checkpoint import write_safetensors
 
-        write_safetensors(args.save_state, trainer.state_dict())
-        print(f"[run] wrote state to {args.save_state}", file=sys.stderr)
+        state = trainer.state_dict()  # every process takes part in gathering it
+        if writer:
+            write_safetensors(args.save_state, state)
+            print(f"[run] wrote state to {args.save_state}", file=sys.stderr)
     return code
 
 
@@ -396,7 +438,31 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--set", action="append", metavar="NAME=VALUE", help="set a hyperparameter")
     r.add_argument("--seed", type=int, help="RNG seed of the first step")
     r.add_argument("--device", default="cpu", help="cpu, cuda, rocm or tpu (optionally :index)")
-    r.add_argument("--devices", type=int, default=1, help="data-parallel over N devices")
+    r.add_argument(
+        "--devices",
+        type=_devices_arg,
+        default=1,
+        metavar="N|all",
+        help="data-parallel over the first N devices of the job, or all of them (the batch "
+        "is split over them, the state replicated)",
+    )
+    r.add_argument(
+        "--shard-optimizer-state",
+        action="store_true",
+        help="with several devices, split optimizer state over them (ZeRO-1)",
+    )
+    r.add_argument(
+        "--coordinator",
+        metavar="HOST:PORT",
+        help="join a multi-process job whose process 0 listens here (jax.distributed)",
+    )
+    r.add_argument("--num-processes", type=int, metavar="P", help="processes in the job")
+    r.add_argument("--process-id", type=int, metavar="I", help="this process's rank, 0..P-1")
+    r.add_argument(
+        "--distributed",
+        action="store_true",
+        help="join a multi-process job found from the environment (TPU pods, SLURM, Open MPI)",
+    )
     r.add_argument("--expect-digest", metavar="sha256:...", help="refuse any other bundle")
     r.add_argument(
         "--stop-on-nonfinite", action="store_true", help="stop before a non-finite loss is applied"

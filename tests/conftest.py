@@ -23,6 +23,13 @@ try:
 except ImportError:
     HAVE_TORCH = False
 
+# jax's CPU backend gets 4 virtual devices for the data-parallel tests (torch_xla's own
+# client is not affected). Single-device tests use the first.
+CPU_DEVICES = 4
+import jax  # noqa: E402
+
+jax.config.update("jax_num_cpu_devices", CPU_DEVICES)
+
 if HAVE_TORCH:
     os.environ.setdefault("PJRT_DEVICE", "CPU")
     import torch_xla as _txla

@@ -216,7 +216,7 @@ def test_runtime_never_imports_torch(tmp_path: Path) -> None:
 def test_unsupported_device_requests_are_clear_errors() -> None:
     from stepbundle.runtime import PlatformError
 
-    with pytest.raises(PlatformError, match="not supported by this release yet"):
-        load(golden_bundle("linear_adamw"), cache_dir=False, devices=2)
+    with pytest.raises(PlatformError, match="needs 64 cpu devices, but the job has 4"):
+        load(golden_bundle("linear_adamw"), cache_dir=False, devices=64)
     with pytest.raises(PlatformError, match=r"Device cpu:7 does not exist"):
         load(golden_bundle("linear_adamw"), cache_dir=False, device="cpu:7")

@@ -1,0 +1,304 @@
+"""Data-parallel runs: the same bundle over 2 and 4 virtual CPU devices, and over two
+processes joined by jax.distributed.
+
+Tolerance: a data-parallel step computes each device's partial sums over its slice of
+the batch and then adds them across devices, so float32 sums are added in a different
+order than on one device. Losses and every state tensor must agree with the
+one-device run within 1e-5 of the tensor's scale (``rel``); measured differences are
+below 2e-6. Anything else (a wrong shard, a missing all-reduce, a replica that stops
+updating) moves them by orders of magnitude more.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from runtime_helpers import (
+    GOLDEN_SCHEDULES,
+    GOLDEN_STEPS,
+    golden_batches,
+    golden_bundle,
+    rel,
+)
+
+from stepbundle.runtime import BindingError, PlatformError, load
+from stepbundle.runtime.checkpoint import read_safetensors
+from stepbundle.runtime.schedule import parse_schedule
+from stepbundle.schema import open_bundle
+from stepbundle.schema.manifest import StateKind
+
+TOL = 1e-5
+HERE = Path(__file__).resolve().parent
+
+
+def _run(name: str, steps: int | None = None, **kw):
+    trainer = load(golden_bundle(name), cache_dir=False, **kw)
+    if name in GOLDEN_SCHEDULES:
+        trainer.set_schedule("lr", parse_schedule(GOLDEN_SCHEDULES[name]))
+    metrics = trainer.run(golden_batches(name), steps or GOLDEN_STEPS[name])
+    return trainer, np.array([float(m["loss"]) for m in metrics])
+
+
+def _assert_close(state_a, state_b, losses_a=None, losses_b=None) -> None:
+    if losses_a is not None:
+        assert rel(losses_a, losses_b) <= TOL, (losses_a, losses_b)
+    assert set(state_a) == set(state_b)
+    for k in state_a:
+        assert state_a[k].dtype == state_b[k].dtype and state_a[k].shape == state_b[k].shape, k
+        assert rel(state_a[k], state_b[k]) <= TOL, (k, rel(state_a[k], state_b[k]))
+
+
+def test_the_tests_have_four_cpu_devices() -> None:
+    assert len(jax.devices("cpu")) >= 4, "tests/conftest.py sets jax_num_cpu_devices=4"
+
+
+@pytest.mark.parametrize(
+    "name, n, pack",
+    [
+        ("linear_adamw", 4, True),
+        ("linear_adamw", 2, False),
+        ("dropout_sgd", 4, True),
+        ("batchnorm_lr", 2, True),
+    ],
+)
+def test_data_parallel_run_matches_one_device(name: str, n: int, pack: bool) -> None:
+    one, losses_one = _run(name, pack_state=pack)
+    many, losses_many = _run(name, devices=n, pack_state=pack)
+    assert len(many.devices) == n
+    _assert_close(many.state_dict(), one.state_dict(), losses_many, losses_one)
+    # The loss moved, so the replicas really applied their updates.
+    assert losses_many[0] != losses_many[-1]
+    # XLA partitioned the program: each device got its rows, and the partitioner
+    # inserted the cross-device reduction itself.
+    plan, dev = many._pick("train", golden_batches(name)[0])
+    for k, a in dev.items():
+        rows = a.shape[0]
+        assert sorted(s.data.shape[0] for s in a.addressable_shards) == [rows // n] * n, k
+    hlo = plan.executable.hlo_modules()[0].to_string()
+    assert "all-reduce" in hlo
+
+
+def test_dropout_masks_match_one_device_for_the_same_seed() -> None:
+    """Random numbers are generated for the global batch, then split: the masks are the
+    one-device masks, not N copies of one shard's."""
+    one, losses_one = _run("dropout_sgd", steps=3)
+    many, losses_many = _run("dropout_sgd", steps=3, devices=4)
+    assert rel(losses_many, losses_one) <= TOL
+    one.seed = many.seed = 99
+    b = golden_batches("dropout_sgd")[0]
+    assert abs(float(one.step(b)["loss"]) - float(many.step(b)["loss"])) <= TOL
+
+
+def test_state_is_replicated_and_donated_on_every_device() -> None:
+    t = load(golden_bundle("linear_adamw"), cache_dir=False, devices=4, pack_state=False)
+    before = list(t._state)
+    for a in before:
+        assert len(a.addressable_shards) == 4 and a.is_fully_replicated
+    t.step(golden_batches("linear_adamw")[0])
+    t.block_until_ready()
+    donated = [a.is_deleted() for a in before]
+    # Every state tensor the step updates was donated (the rest are read-only).
+    assert sum(donated) >= 6, donated
+    assert all(a.is_fully_replicated for a in t._state)
+
+
+def test_rejected_batch_donates_nothing_on_any_device() -> None:
+    batches = golden_batches("linear_adamw")
+    reference, _ = _run("linear_adamw", steps=2, devices=4)
+    t = load(golden_bundle("linear_adamw"), cache_dir=False, devices=4)
+    t.step(batches[0])
+    held = list(t._state)
+    with pytest.raises(BindingError, match="Shape mismatch for batch input 'x'"):
+        t.step({**batches[1], "x": batches[1]["x"][:4]})
+    assert not any(a.is_deleted() for a in held)
+    assert t.step_count == 1
+    t.step(batches[1])
+    for k, v in reference.state_dict().items():
+        np.testing.assert_array_equal(t.state_dict()[k], v, err_msg=k)
+
+
+def test_batch_already_split_over_the_devices_is_used_in_place() -> None:
+    t = load(golden_bundle("linear_adamw"), cache_dir=False, devices=4)
+    ref = load(golden_bundle("linear_adamw"), cache_dir=False, devices=4)
+    batch = golden_batches("linear_adamw")[0]
+    on_devices = {k: t.placement.put_batch(v) for k, v in batch.items()}
+    _, dev = t._pick("train", on_devices)
+    assert all(dev[k] is on_devices[k] for k in batch)
+    assert float(t.step(on_devices)["loss"]) == float(ref.step(batch)["loss"])
+
+
+def test_bucket_that_does_not_split_is_refused() -> None:
+    with pytest.raises(PlatformError) as err:
+        load(golden_bundle("batchnorm_lr"), cache_dir=False, devices=4)
+    msg = str(err.value)
+    assert "batch input 'x' has 10 rows" in msg and "4 devices" in msg
+    assert "multiple of 4" in msg
+
+
+def test_device_requests_that_cannot_be_met_are_clear_errors() -> None:
+    with pytest.raises(PlatformError, match="needs 64 cpu devices, but the job has 4"):
+        load(golden_bundle("linear_adamw"), cache_dir=False, devices=64)
+    with pytest.raises(PlatformError, match="either one device"):
+        load(golden_bundle("linear_adamw"), cache_dir=False, devices=2, device="cpu:1")
+    with pytest.raises(PlatformError, match="a number or 'all'"):
+        load(golden_bundle("linear_adamw"), cache_dir=False, devices="most")
+    t = load(golden_bundle("linear_adamw"), cache_dir=False, devices="all")
+    assert len(t.devices) == len(jax.devices("cpu"))
+
+
+@pytest.mark.parametrize("first, second", [(4, 1), (1, 4), (2, 4)])
+def test_checkpoints_move_between_device_counts(first: int, second: int, tmp_path: Path) -> None:
+    name = "dropout_sgd"
+    batches = golden_batches(name)
+    straight, losses = _run(name, steps=5)
+    a = load(golden_bundle(name), cache_dir=False, devices=first)
+    a.run(batches, 2)
+    ckpt = tmp_path / "mid.safetensors"
+    a.save_checkpoint(ckpt)
+    b = load(golden_bundle(name), cache_dir=False, devices=second)
+    b.load_checkpoint(ckpt)
+    assert b.step_count == 2 and b.seed == a.seed
+    rest = b.run(batches, 3, offset=2)
+    _assert_close(
+        b.state_dict(),
+        straight.state_dict(),
+        np.array([float(m["loss"]) for m in rest]),
+        losses[2:],
+    )
+
+
+def _optimizer_bytes(name: str, n: int) -> tuple[int, int]:
+    """(all optimizer-state bytes, bytes of those ZeRO-1 can split over n devices)."""
+    with open_bundle(golden_bundle(name)) as b:
+        opt = [s for s in b.manifest.state if s.kind == StateKind.OPTIMIZER_STATE]
+        total = sum(s.spec.nbytes for s in opt)
+        split = sum(s.spec.nbytes for s in opt if s.spec.shape and s.spec.shape[0] % n == 0)
+    return total, split
+
+
+def test_zero1_splits_optimizer_state_and_computes_the_same(tmp_path: Path) -> None:
+    name, n = "dropout_sgd", 4
+    replicated, losses_r = _run(name, devices=n)
+    sharded, losses_s = _run(name, devices=n, shard_optimizer_state=True)
+    _assert_close(sharded.state_dict(), replicated.state_dict(), losses_s, losses_r)
+    full = replicated.state_bytes_per_device()
+    part = sharded.state_bytes_per_device()
+    assert len(part) == n and len(set(part.values())) == 1
+    _, split = _optimizer_bytes(name, n)
+    assert split > 0
+    # Every device holds 1/n of the split optimizer state instead of all of it.
+    for dev, nbytes in part.items():
+        assert full[dev] - nbytes == split - split // n, (full[dev], nbytes, split)
+    # Checkpoints of a ZeRO-1 run are ordinary full-state checkpoints.
+    sharded.save_checkpoint(tmp_path / "z.safetensors")
+    values, _ = read_safetensors(tmp_path / "z.safetensors")
+    for k, v in replicated.state_dict().items():
+        assert values[k].shape == v.shape
+    one = load(golden_bundle(name), cache_dir=False)
+    one.load_checkpoint(tmp_path / "z.safetensors")
+    _assert_close(one.state_dict(), replicated.state_dict())
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.parametrize("name", ["dropout_sgd"])
+def test_two_processes_run_one_data_parallel_job(name: str, tmp_path: Path) -> None:
+    """2 processes x 2 CPU devices, joined through jax.distributed on localhost (gloo)."""
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                str(HERE / "dp_child.py"),
+                str(i),
+                "2",
+                str(port),
+                "2",
+                name,
+                str(tmp_path),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+        )
+        for i in range(2)
+    ]
+    logs = []
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=150)  # the test bounds its own run time
+            logs.append(out)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for p, log in zip(procs, logs):
+        assert p.returncode == 0, log[-3000:]
+    results = [dict(np.load(tmp_path / f"process-{i}.npz")) for i in range(2)]
+    # Each process owns two devices of its own.
+    assert len(set(results[0]["local_devices"]) | set(results[1]["local_devices"])) == 4
+    # The two processes are one job: identical losses and state, bit for bit.
+    for k in results[0]:
+        if k != "local_devices":
+            np.testing.assert_array_equal(results[0][k], results[1][k], err_msg=k)
+    one, losses = _run(name)
+    state = {k[len("state/") :]: v for k, v in results[0].items() if k.startswith("state/")}
+    _assert_close(state, one.state_dict(), results[0]["losses"], losses)
+    # Process 0's checkpoint resumes in a single-device run.
+    single = load(golden_bundle(name), cache_dir=False)
+    single.load_checkpoint(tmp_path / "checkpoint.safetensors")
+    assert single.step_count == GOLDEN_STEPS[name]
+    _assert_close(single.state_dict(), one.state_dict())
+
+
+def test_cli_runs_data_parallel_on_virtual_cpu_devices(tmp_path: Path) -> None:
+    """`--devices 4` on a CPU gives the process 4 virtual devices by itself."""
+    name = "dropout_sgd"
+    outs = {}
+    for n in ("1", "4"):
+        env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+        r = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "stepbundle",
+                "run",
+                str(golden_bundle(name)),
+                "--steps",
+                "5",
+                "--data",
+                str(golden_bundle(name).with_suffix("").with_suffix(".inputs.npz")),
+                "--json",
+                "--no-cache",
+                "--devices",
+                n,
+                "--save-state",
+                str(tmp_path / f"s{n}.safetensors"),
+            ],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=300,
+        )
+        assert r.returncode == 0, r.stderr
+        if n == "4":
+            assert "x4 (data parallel)" in r.stderr
+        outs[n] = [float(line.split('"loss": ')[1].split(",")[0]) for line in r.stdout.splitlines()]
+    assert len(outs["4"]) == 5
+    assert rel(np.array(outs["4"]), np.array(outs["1"])) <= TOL
+    a, _ = read_safetensors(tmp_path / "s4.safetensors")
+    b, _ = read_safetensors(tmp_path / "s1.safetensors")
+    _assert_close(a, b)

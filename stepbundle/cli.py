@@ -143,10 +143,10 @@ def _join_job(args: argparse.Namespace) -> None:
         raise ValueError("--num-processes and --process-id need --coordinator HOST:PORT")
     cpu_devices = None
     platform = args.device.partition(":")[0].lower()
-    if platform == "cpu" and isinstance(args.devices, int) and args.devices > 1:
-        if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-            processes = args.num_processes or 1
-            cpu_devices = -(-args.devices // processes)
+    forced = "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", "")
+    if platform == "cpu" and isinstance(args.devices, int) and args.devices > 1 and not forced:
+        processes = args.num_processes or 1
+        cpu_devices = -(-args.devices // processes)
     if multi:
         distributed.initialize(
             args.coordinator, args.num_processes, args.process_id, cpu_devices=cpu_devices

@@ -204,7 +204,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     n_dev = len(trainer.devices)
     print(
         f"[run] loaded {args.bundle} in {load_s:.2f}s ({trainer.load_info.compiled} compiled, "
-        f"{hits} from cache) on {args.device}" + (f" x{n_dev} (data parallel)" if n_dev > 1 else ""),
+        f"{hits} from cache) on {args.device}"
+        + (f" x{n_dev} (data parallel)" if n_dev > 1 else ""),
         file=sys.stderr,
     )
     # In a multi-process job process 0 reports; every process computes.

@@ -273,6 +273,13 @@ class Trainer:
         # A device array: use it where it is when it already has the sharding needed.
         if self.placement.holds(a, split=a.ndim >= 1):
             return a
+        if getattr(a, "is_fully_addressable", True) is False:
+            # Gathering it would be a collective the other processes are not running.
+            raise BindingError(
+                "A batch array spread over other processes' devices must already have the "
+                f"batch sharding ({self.placement.split}); pass numpy arrays instead, and "
+                "every process copies its own rows."
+            )
         return self.placement.put_batch(
             _compat.to_host(a) if hasattr(a, "sharding") else np.asarray(a)
         )

@@ -28,7 +28,7 @@ from runtime_helpers import (
     rel,
 )
 
-from stepbundle.runtime import BindingError, PlatformError, load
+from stepbundle.runtime import BindingError, NonFiniteLossError, PlatformError, load
 from stepbundle.runtime.checkpoint import read_safetensors
 from stepbundle.runtime.schedule import parse_schedule
 from stepbundle.schema import open_bundle
@@ -132,6 +132,21 @@ def test_batch_already_split_over_the_devices_is_used_in_place() -> None:
     _, dev = t._pick("train", on_devices)
     assert all(dev[k] is on_devices[k] for k in batch)
     assert float(t.step(on_devices)["loss"]) == float(ref.step(batch)["loss"])
+
+
+def test_nonfinite_loss_stops_a_data_parallel_step_and_keeps_the_state() -> None:
+    batches = golden_batches("linear_adamw")
+    t = load(golden_bundle("linear_adamw"), cache_dir=False, devices=4, stop_on_nonfinite=True)
+    t.step(batches[0])
+    before = t.state_dict()
+    bad = {**batches[1], "x": np.full_like(batches[1]["x"], np.inf)}
+    with pytest.raises(NonFiniteLossError):
+        t.step(bad)
+    assert t.step_count == 1
+    for k, v in t.state_dict().items():
+        assert v.tobytes() == before[k].tobytes(), k
+    t.step(batches[1])
+    assert t.step_count == 2
 
 
 def test_bucket_that_does_not_split_is_refused() -> None:

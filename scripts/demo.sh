@@ -11,3 +11,5 @@ echo "== export (torch + torch_xla, traced once) =="
 echo "== run (lean process: jax $(.venv-lean/bin/python -c 'import jax; print(jax.__version__)'), no torch) =="
 .venv-lean/bin/stepbundle run build/linear.stepbundle --steps 40 --data build/linear-data.npz \
   --save-state build/linear-final.safetensors
+echo "== the same bundle, data-parallel over 2 devices (virtual CPU devices here; GPUs or TPUs with --device) =="
+.venv-lean/bin/stepbundle run build/linear.stepbundle --steps 40 --data build/linear-data.npz --devices 2

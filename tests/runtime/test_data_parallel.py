@@ -149,6 +149,17 @@ def test_nonfinite_loss_stops_a_data_parallel_step_and_keeps_the_state() -> None
     assert t.step_count == 2
 
 
+def test_compile_cache_keeps_data_parallel_executables_apart(tmp_path: Path) -> None:
+    batch = golden_batches("dropout_sgd")[0]
+    first = load(golden_bundle("dropout_sgd"), cache_dir=tmp_path, devices=4)
+    again = load(golden_bundle("dropout_sgd"), cache_dir=tmp_path, devices=4)
+    other = load(golden_bundle("dropout_sgd"), cache_dir=tmp_path, devices=2)
+    assert (first.load_info.compiled, first.load_info.cache_hits) == (1, 0)
+    assert (again.load_info.compiled, again.load_info.cache_hits) == (0, 1)
+    assert (other.load_info.compiled, other.load_info.cache_hits) == (1, 0)
+    assert float(again.step(batch)["loss"]) == float(first.step(batch)["loss"])
+
+
 def test_bucket_that_does_not_split_is_refused() -> None:
     with pytest.raises(PlatformError) as err:
         load(golden_bundle("batchnorm_lr"), cache_dir=False, devices=4)

@@ -1,10 +1,11 @@
 """One process of a multi-process data-parallel run (started by test_data_parallel.py).
 
-Usage: dp_child.py PROCESS_ID NUM_PROCESSES PORT DEVICES_PER_PROCESS NAME OUT_DIR
+Usage: dp_child.py PROCESS_ID NUM_PROCESSES PORT DEVICES_PER_PROCESS NAME OUT_DIR [zero1]
 
 Joins the job through jax.distributed on localhost, loads the golden bundle NAME over
 every device of the job, runs its golden steps, saves a checkpoint (written by process
-0), and writes this process's losses and state to OUT_DIR/process-<id>.npz.
+0), and writes this process's losses and state to OUT_DIR/process-<id>.npz. With
+``zero1`` the optimizer state is split over the devices of both processes.
 """
 
 from __future__ import annotations
@@ -23,13 +24,14 @@ from stepbundle.runtime.schedule import parse_schedule
 
 def main() -> None:
     pid, nproc, port, per, name, out = sys.argv[1:7]
+    zero1 = sys.argv[7:] == ["zero1"]
     distributed.initialize(
         f"localhost:{port}", int(nproc), int(pid), cpu_devices=int(per), timeout_s=60
     )
     import jax
 
     assert jax.process_count() == int(nproc)
-    trainer = load(golden_bundle(name), devices="all", cache_dir=False)
+    trainer = load(golden_bundle(name), devices="all", cache_dir=False, shard_optimizer_state=zero1)
     assert len(trainer.devices) == int(nproc) * int(per)
     if name in GOLDEN_SCHEDULES:
         trainer.set_schedule("lr", parse_schedule(GOLDEN_SCHEDULES[name]))
@@ -44,6 +46,7 @@ def main() -> None:
         out_dir / f"process-{pid}.npz",
         losses=losses,
         local_devices=np.array([d.id for d in jax.local_devices()]),
+        state_bytes=np.array(sorted(trainer.state_bytes_per_device().values())),
         **{f"state/{k}": v for k, v in state.items()},
     )
 

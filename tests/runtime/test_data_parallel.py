@@ -238,9 +238,12 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-@pytest.mark.parametrize("name", ["dropout_sgd"])
-def test_two_processes_run_one_data_parallel_job(name: str, tmp_path: Path) -> None:
-    """2 processes x 2 CPU devices, joined through jax.distributed on localhost (gloo)."""
+@pytest.mark.parametrize("name, zero1", [("dropout_sgd", False), ("dropout_sgd", True)])
+def test_two_processes_run_one_data_parallel_job(name: str, zero1: bool, tmp_path: Path) -> None:
+    """2 processes x 2 CPU devices, joined through jax.distributed on localhost (gloo).
+
+    With ZeRO-1 the optimizer state is split over devices of both processes, so reading
+    it back (state_dict, checkpoints) gathers it across the processes."""
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     procs = [
@@ -254,6 +257,7 @@ def test_two_processes_run_one_data_parallel_job(name: str, tmp_path: Path) -> N
                 "2",
                 name,
                 str(tmp_path),
+                *(["zero1"] if zero1 else []),
             ],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -281,6 +285,13 @@ def test_two_processes_run_one_data_parallel_job(name: str, tmp_path: Path) -> N
         if k != "local_devices":
             np.testing.assert_array_equal(results[0][k], results[1][k], err_msg=k)
     one, losses = _run(name)
+    replicated = one.state_bytes_per_device()[f"{one.device.platform}:{one.device.id}"]
+    held = results[0]["state_bytes"]
+    if zero1:
+        _, split = _optimizer_bytes(name, 4)
+        assert list(held) == [replicated - split + split // 4] * 2
+    else:
+        assert list(held) == [replicated] * 2
     state = {k[len("state/") :]: v for k, v in results[0].items() if k.startswith("state/")}
     _assert_close(state, one.state_dict(), results[0]["losses"], losses)
     # Process 0's checkpoint resumes in a single-device run.

@@ -214,6 +214,21 @@ def _trace_recipe(
         return initial, initial_values, initial_hyper, train_bound, eval_bound
 
 
+def _refuse_spmd() -> None:
+    """torch_xla's SPMD mode is not exported: its sharded device data do not keep the
+    tensor identities the binding tables are built from."""
+    import torch_xla.runtime as xr
+
+    if xr.is_spmd():
+        raise ExportError(
+            "torch_xla is in SPMD mode (xr.use_spmd() was called), which the exporter does "
+            "not support: bundles keep no xs.mark_sharding annotations. Export the step "
+            "without SPMD mode, on one device, and run the bundle data-parallel instead: "
+            "load(path, devices=N) or `stepbundle run --devices N` splits the batch over "
+            "N devices with no re-export."
+        )
+
+
 def export(
     recipe: Recipe,
     path: str | os.PathLike[str],
@@ -246,6 +261,7 @@ def export(
         raise ExportError(
             f"export() needs a stepbundle.exporter.Recipe, got {type(recipe).__name__}."
         )
+    _refuse_spmd()
     # Read the RNG state before anything syncs: every sync advances it.
     saved_rng = int(xm.get_rng_state())
     base_seed = saved_rng if recipe.seed is None else int(recipe.seed)

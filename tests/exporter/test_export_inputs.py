@@ -287,3 +287,29 @@ def test_schedule_values_really_reach_the_graph(tmp_path: Path) -> None:
     init = {k: v.numpy() for k, v in r().model.state_dict().items()}
     for k, v in init.items():
         assert math.isclose(float(abs(got.state[k] - v).max()), 0.0, abs_tol=0.0), k
+
+
+def test_spmd_mode_is_refused_with_the_data_parallel_alternative(tmp_path: Path) -> None:
+    """xr.use_spmd() is process-wide and cannot be undone, so this runs in a child."""
+    import subprocess
+    import sys
+
+    code = (
+        "import os, sys\n"
+        "os.environ['PJRT_DEVICE'] = 'CPU'\n"
+        "import torch, torch_xla.runtime as xr\n"
+        "xr.use_spmd()\n"
+        f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+        f"sys.path.insert(0, {str(Path(__file__).parent.parent)!r})\n"
+        "from export_helpers import linear_sgd_recipe, mse_step\n"
+        "from stepbundle.exporter import ExportError, export\n"
+        "try:\n"
+        f"    export(linear_sgd_recipe(mse_step), {str(tmp_path / 'b.stepbundle')!r})\n"
+        "except ExportError as e:\n"
+        "    print('REFUSED', e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "REFUSED" in out.stdout, out.stdout + out.stderr[-2000:]
+    assert "SPMD mode" in out.stdout and "--devices N" in out.stdout
+    assert not (tmp_path / "b.stepbundle").exists()

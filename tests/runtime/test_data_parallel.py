@@ -301,12 +301,18 @@ def test_two_processes_run_one_data_parallel_job(name: str, zero1: bool, tmp_pat
     _assert_close(single.state_dict(), one.state_dict())
 
 
-def test_cli_runs_data_parallel_on_virtual_cpu_devices(tmp_path: Path) -> None:
-    """`--devices 4` on a CPU gives the process 4 virtual devices by itself."""
+@pytest.mark.parametrize("xla_flags", [None, "--xla_force_host_platform_device_count=4"])
+def test_cli_runs_data_parallel_on_virtual_cpu_devices(
+    tmp_path: Path, xla_flags: str | None
+) -> None:
+    """`--devices 4` on a CPU gives the process 4 virtual devices by itself, or uses the
+    ones XLA_FLAGS asks for."""
     name = "dropout_sgd"
     outs = {}
     for n in ("1", "4"):
         env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+        if xla_flags is not None:
+            env["XLA_FLAGS"] = xla_flags
         r = subprocess.run(
             [
                 sys.executable,

@@ -160,6 +160,25 @@ def test_compile_cache_keeps_data_parallel_executables_apart(tmp_path: Path) -> 
     assert float(again.step(batch)["loss"]) == float(first.step(batch)["loss"])
 
 
+def test_eval_entry_and_short_bucket_on_four_devices() -> None:
+    one = load(golden_bundle("linear_adamw"), cache_dir=False)
+    four = load(golden_bundle("linear_adamw"), cache_dir=False, devices=4)
+    batch = golden_batches("linear_adamw")[1]
+    want, got = one.evaluate(batch), four.evaluate(batch)
+    assert set(got) == set(want)
+    for k in want:
+        assert rel(np.asarray(got[k]), np.asarray(want[k])) <= TOL, k
+    # The bundle's short bucket (5 rows) cannot split over 4 devices; the full one can.
+    short = {k: v[:5] for k, v in batch.items()}
+    held = list(four._state)
+    with pytest.raises(BindingError) as err:
+        four.step(short)
+    msg = str(err.value)
+    assert "has 5 rows" in msg and "{x: f32[8,5], y: f32[8,3]}" in msg
+    assert not any(a.is_deleted() for a in held) and four.step_count == 0
+    one.step(short)  # on one device it runs
+
+
 def test_bucket_that_does_not_split_is_refused() -> None:
     with pytest.raises(PlatformError) as err:
         load(golden_bundle("batchnorm_lr"), cache_dir=False, devices=4)

@@ -27,6 +27,7 @@ from jaxlib import xla_client
 __all__ = [
     "JAXLIB_VERSION",
     "barrier",
+    "broadcast_flag",
     "compile_options",
     "compile_program",
     "deserialize_executable",
@@ -116,12 +117,15 @@ def _make_fast_put() -> Callable[[np.ndarray[Any, Any], Any], Array] | None:
             aval = avals[key] = core.ShapedArray(x.shape, x.dtype)
         where = pieces.get((sharding, x.shape))
         if where is None:
+            if len(pieces) > 4096:  # every trainer brings its own shardings
+                pieces.clear()
             where = list(sharding.addressable_devices_indices_map(x.shape).items())
             pieces[(sharding, x.shape)] = where
         if len(where) == 1 and isinstance(sharding, SingleDeviceSharding):
             xs, devs = [x], [where[0][0]]
         else:
-            xs = [np.ascontiguousarray(x[idx]) for _, idx in where]
+            # np.require keeps a 0-d piece 0-d (ascontiguousarray would make it (1,)).
+            xs = [np.require(x[idx], requirements="C") for _, idx in where]
             devs = [d for d, _ in where]
         if x.dtype in _WIDE:
             # Without x64 the transfer narrows 64-bit values; scope it to this call.
@@ -141,10 +145,18 @@ def _make_fast_put() -> Callable[[np.ndarray[Any, Any], Any], Array] | None:
         probes = [np.array(2**40 + 3, np.int64), np.array(1 / 3), np.arange(6, dtype=np.float32)]
         for sharding in shardings:
             for probe in probes:
-                if probe.ndim == 0 and len(shardings) > 1 and sharding is shardings[1]:
-                    continue
-                got = np.asarray(fast_put(probe, sharding))
-                if got.dtype != probe.dtype or not np.array_equal(got, probe):
+                if probe.ndim == 0 and sharding is not shardings[0]:
+                    # A scalar cannot be split: it is replicated.
+                    sharding = NamedSharding(sharding.mesh, spec())
+                got_array = fast_put(probe, sharding)
+                got = np.asarray(got_array)
+                shards = {tuple(s.data.shape) for s in got_array.addressable_shards}
+                if (
+                    got.dtype != probe.dtype
+                    or got.shape != probe.shape
+                    or not np.array_equal(got, probe)
+                    or (probe.ndim == 0 and shards != {()})
+                ):
                     return None
     except Exception:
         return None
@@ -211,6 +223,13 @@ def barrier(name: str) -> None:
     multihost_utils.sync_global_devices(name)
 
 
+def broadcast_flag(flag: bool) -> bool:
+    """Process 0's ``flag``, on every process of the job (a collective: waits for all)."""
+    from jax.experimental import multihost_utils
+
+    return bool(np.asarray(multihost_utils.broadcast_one_to_all(np.array(flag, dtype=np.int32))))
+
+
 def compile_options(num_partitions: int = 1, device_ids: Sequence[int] | None = None) -> Any:
     """Compile options for one replica over ``num_partitions`` devices (SPMD when > 1)."""
     opts = xla_client.CompileOptions()
@@ -222,10 +241,12 @@ def compile_options(num_partitions: int = 1, device_ids: Sequence[int] | None = 
         # The programs carry Shardy annotations (runtime/sharding.py); GSPMD's
         # propagation is deprecated in XLA.
         build.use_shardy_partitioner = True
-        if device_ids is not None:
-            build.device_assignment = xla_client.DeviceAssignment.create(
-                np.asarray(device_ids, dtype=np.int64).reshape(1, num_partitions)
-            )
+    if device_ids is not None:
+        # Without an assignment a one-device program is bound to the client's first
+        # device, whatever device list it is loaded for.
+        build.device_assignment = xla_client.DeviceAssignment.create(
+            np.asarray(device_ids, dtype=np.int64).reshape(1, num_partitions)
+        )
     return opts
 
 

@@ -246,12 +246,22 @@ def save_checkpoint(trainer: Trainer, path: str | os.PathLike[str]) -> None:
         "bundle_digest": trainer.digest,
     }
     # In a multi-process run every process takes part in gathering the state, process 0
-    # writes it, and the others wait until the file is in place.
+    # writes it, and the others wait until it says whether the file is in place.
     values = trainer.state_dict(include_aliases=True)
     placement = trainer.placement
+    failure: Exception | None = None
     if placement.writes_files:
-        write_safetensors(path, values, {"stepbundle": json.dumps(meta, sort_keys=True)})
-    placement.barrier(f"stepbundle checkpoint {os.fspath(path)}")
+        try:
+            write_safetensors(path, values, {"stepbundle": json.dumps(meta, sort_keys=True)})
+        except Exception as e:  # every process must still reach the agreement below
+            failure = e
+    written = placement.agree(failure is None)
+    if failure is not None:
+        raise failure
+    if not written:
+        raise CheckpointError(
+            f"Process 0 could not write the checkpoint {os.fspath(path)!r}; its error says why."
+        )
 
 
 def _metadata(path: str | os.PathLike[str], raw: str) -> tuple[int, int | None, dict[str, float]]:

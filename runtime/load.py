@@ -75,9 +75,9 @@ def _select_devices(client: Any, platform: str, device: str, devices: int | str)
             raise PlatformError(f"devices must be a number or 'all', got {devices!r}.")
         n = len(everywhere)
     else:
-        n = int(devices)
-        if n < 1:
-            raise PlatformError(f"devices must be at least 1, got {devices}.")
+        if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
+            raise PlatformError(f"devices must be a whole number of at least 1, got {devices!r}.")
+        n = devices
     if ":" in str(device):
         raise PlatformError(
             f"Pick either one device ({device!r}) or a number of devices (devices={devices}), "
@@ -85,9 +85,10 @@ def _select_devices(client: Any, platform: str, device: str, devices: int | str)
         )
     if n > len(everywhere):
         hint = (
-            " On a CPU, set XLA_FLAGS=--xla_force_host_platform_device_count=N (or "
-            "jax.config.update('jax_num_cpu_devices', N)) before jax starts for N virtual "
-            "devices; the CLI does this itself."
+            " On a CPU, ask for N virtual devices before jax starts: "
+            "stepbundle.runtime.distributed.set_cpu_devices(N), or "
+            "XLA_FLAGS=--xla_force_host_platform_device_count=N. The CLI sets them itself "
+            "for --devices N unless XLA_FLAGS already sets a count."
             if platform == "cpu"
             else " For devices on several hosts, start every host's process with "
             "jax.distributed (the CLI's --coordinator, --num-processes, --process-id)."
@@ -97,11 +98,15 @@ def _select_devices(client: Any, platform: str, device: str, devices: int | str)
             f"job has {len(everywhere)}.{hint}"
         )
     chosen = everywhere[:n]
-    me = client.process_index()
-    if not any(d.process_index == me for d in chosen):
+    processes = {d.process_index for d in everywhere}
+    missing = processes - {d.process_index for d in chosen}
+    if missing:
+        # Every process would wait for the left-out ones at the first checkpoint.
         raise PlatformError(
-            f"This process ({me}) holds none of the first {n} {platform} devices of the job; "
-            "use devices='all' or a number that covers every process's devices."
+            f"The first {n} {platform} devices of the job leave out process(es) "
+            f"{', '.join(map(str, sorted(missing)))}; every process of a multi-process job "
+            "must take part. Use devices='all' or a number that covers every process's "
+            "devices."
         )
     return chosen
 

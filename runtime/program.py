@@ -152,15 +152,17 @@ def compile_program(
     else:
         module.set_arg_attributes(_aliases(program, donate))
     bytecode = module.bytecode()
-    options = _compat.compile_options(n, [d.id for d in devices] if n > 1 else None)
+    options = _compat.compile_options(n, [d.id for d in devices])
     key = hashlib.sha256()
     for part in (
-        b"stepbundle-cache-v2",
+        b"stepbundle-cache-v3",
         _compat.JAXLIB_VERSION.encode(),
         platform.encode(),
         str(getattr(client, "platform_version", "")).encode(),
         str(devices[0].device_kind).encode(),
-        ",".join(str(d.id) for d in devices).encode(),
+        # A serialized executable stays bound to the devices it was compiled for: one
+        # compiled for cuda:0 and loaded for cuda:1 fails at its first step.
+        ",".join(f"{d.id}@{d.process_index}" for d in devices).encode(),
         bytecode,
     ):
         key.update(len(part).to_bytes(8, "little"))

@@ -136,10 +136,12 @@ class Placement:
         except Exception:
             return False
 
-    def barrier(self, name: str) -> None:
-        """Wait for the other processes of a multi-process run (no-op otherwise)."""
+    def agree(self, ok: bool) -> bool:
+        """Whether the writing process succeeded, known on every process of a
+        multi-process run (which waits for all of them); ``ok`` otherwise."""
         if self.process_count > 1:
-            _compat.barrier(name)
+            return _compat.broadcast_flag(ok)
+        return ok
 
     def bytes_per_device(self, buffers: Sequence[Any]) -> dict[str, int]:
         """Bytes of ``buffers`` resident on each of this process's devices."""

@@ -147,6 +147,11 @@ def _join_job(args: argparse.Namespace) -> None:
     if platform == "cpu" and isinstance(args.devices, int) and args.devices > 1 and not forced:
         processes = args.num_processes or 1
         cpu_devices = -(-args.devices // processes)
+    if multi and args.devices == 1:
+        raise ValueError(
+            "A multi-process job runs one data-parallel program over its devices: pass "
+            "--devices all (or a number that covers every process's devices)."
+        )
     if multi:
         distributed.initialize(
             args.coordinator, args.num_processes, args.process_id, cpu_devices=cpu_devices
@@ -176,7 +181,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         trainer = load(
             args.bundle,
             device=args.device,
-            entry=None,
+            # An evaluation run compiles only its entry (the training buckets need not
+            # split over the devices then).
+            entry=None if args.entry == "train" else args.entry,
             cache_dir=cache,
             expect_digest=args.expect_digest,
             stop_on_nonfinite=args.stop_on_nonfinite,

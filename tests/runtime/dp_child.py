@@ -1,11 +1,15 @@
 """One process of a multi-process data-parallel run (started by test_data_parallel.py).
 
-Usage: dp_child.py PROCESS_ID NUM_PROCESSES PORT DEVICES_PER_PROCESS NAME OUT_DIR [zero1]
+Usage: dp_child.py PROCESS_ID NUM_PROCESSES PORT DEVICES_PER_PROCESS NAME OUT_DIR [MODE]
 
 Joins the job through jax.distributed on localhost, loads the golden bundle NAME over
 every device of the job, runs its golden steps, saves a checkpoint (written by process
-0), and writes this process's losses and state to OUT_DIR/process-<id>.npz. With
-``zero1`` the optimizer state is split over the devices of both processes.
+0), and writes this process's losses and state to OUT_DIR/process-<id>.npz.
+
+MODE ``zero1`` splits the optimizer state over the devices of both processes.
+MODE ``partial`` loads on the first 2 devices only (all of them process 0's) and prints
+what ``load`` raised. MODE ``unwritable`` saves a checkpoint where process 0 cannot
+write, and prints what each process raised.
 """
 
 from __future__ import annotations
@@ -24,14 +28,29 @@ from stepbundle.runtime.schedule import parse_schedule
 
 def main() -> None:
     pid, nproc, port, per, name, out = sys.argv[1:7]
-    zero1 = sys.argv[7:] == ["zero1"]
+    mode = sys.argv[7] if len(sys.argv) > 7 else ""
     distributed.initialize(
         f"localhost:{port}", int(nproc), int(pid), cpu_devices=int(per), timeout_s=60
     )
     import jax
 
     assert jax.process_count() == int(nproc)
-    trainer = load(golden_bundle(name), devices="all", cache_dir=False, shard_optimizer_state=zero1)
+    if mode == "partial":
+        try:
+            load(golden_bundle(name), devices=2, cache_dir=False)
+        except Exception as e:
+            print(f"REFUSED {type(e).__name__}: {e}")
+        return
+    trainer = load(
+        golden_bundle(name), devices="all", cache_dir=False, shard_optimizer_state=mode == "zero1"
+    )
+    if mode == "unwritable":
+        trainer.step(golden_batches(name)[0])
+        try:
+            trainer.save_checkpoint("/proc/stepbundle-cannot-write-here/c.safetensors")
+        except Exception as e:
+            print(f"RAISED {type(e).__name__}: {e}")
+        return
     assert len(trainer.devices) == int(nproc) * int(per)
     if name in GOLDEN_SCHEDULES:
         trainer.set_schedule("lr", parse_schedule(GOLDEN_SCHEDULES[name]))

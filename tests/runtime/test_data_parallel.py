@@ -21,6 +21,7 @@ import jax
 import numpy as np
 import pytest
 from runtime_helpers import (
+    GOLDEN_DIR,
     GOLDEN_SCHEDULES,
     GOLDEN_STEPS,
     golden_batches,
@@ -158,6 +159,13 @@ def test_compile_cache_keeps_data_parallel_executables_apart(tmp_path: Path) -> 
     assert (again.load_info.compiled, again.load_info.cache_hits) == (0, 1)
     assert (other.load_info.compiled, other.load_info.cache_hits) == (1, 0)
     assert float(again.step(batch)["loss"]) == float(first.step(batch)["loss"])
+    # An executable stays bound to its devices: cpu:1 cannot reuse cpu:0's (it would
+    # fail at its first step), so it compiles its own, and runs.
+    on_0 = load(golden_bundle("dropout_sgd"), cache_dir=tmp_path, device="cpu:0")
+    on_1 = load(golden_bundle("dropout_sgd"), cache_dir=tmp_path, device="cpu:1")
+    assert (on_1.load_info.compiled, on_1.load_info.cache_hits) == (1, 0)
+    assert on_1.device != on_0.device
+    assert float(on_1.step(batch)["loss"]) == float(on_0.step(batch)["loss"])
 
 
 def test_eval_entry_and_short_bucket_on_four_devices() -> None:
@@ -219,6 +227,30 @@ def test_checkpoints_move_between_device_counts(first: int, second: int, tmp_pat
     )
 
 
+@pytest.mark.parametrize("zero1", [False, True])
+def test_scalar_state_keeps_its_shape_on_several_devices(zero1: bool, tmp_path: Path) -> None:
+    """0-d state (num_batches_tracked, Adam's step) stays 0-d on every device, so its
+    checkpoints load anywhere."""
+    for name in ("batchnorm_lr", "linear_adamw"):
+        one = load(golden_bundle(name), cache_dir=False, pack_state=False)
+        two = load(
+            golden_bundle(name), cache_dir=False, devices=2, pack_state=False,
+            shard_optimizer_state=zero1,
+        )  # fmt: skip
+        shapes = {k: v.shape for k, v in one.state_dict().items()}
+        assert any(s == () for s in shapes.values())
+        for buf in two._state:
+            assert {tuple(s.data.shape) for s in buf.addressable_shards} <= {
+                tuple(buf.shape),
+                (buf.shape[0] // 2, *buf.shape[1:]) if buf.ndim else (),
+            }
+        assert {k: v.shape for k, v in two.state_dict().items()} == shapes
+        two.save_checkpoint(tmp_path / f"{name}.safetensors")
+        one.load_checkpoint(tmp_path / f"{name}.safetensors")
+        two.load_checkpoint(tmp_path / f"{name}.safetensors")
+        assert {k: v.shape for k, v in two.state_dict().items()} == shapes
+
+
 def _optimizer_bytes(name: str, n: int) -> tuple[int, int]:
     """(all optimizer-state bytes, bytes of those ZeRO-1 can split over n devices)."""
     with open_bundle(golden_bundle(name)) as b:
@@ -251,6 +283,36 @@ def test_zero1_splits_optimizer_state_and_computes_the_same(tmp_path: Path) -> N
     _assert_close(one.state_dict(), replicated.state_dict())
 
 
+def _launch(name: str, tmp_path: Path, mode: str = "", timeout: float = 150) -> list[str]:
+    """Run dp_child.py as 2 processes x 2 CPU devices; return their outputs."""
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(HERE / "dp_child.py"), str(i), "2", str(port), "2", name]
+            + [str(tmp_path)]
+            + ([mode] if mode else []),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+        )
+        for i in range(2)
+    ]
+    logs = []
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=timeout)  # the test bounds its own run time
+            logs.append(out)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for p, log in zip(procs, logs):
+        assert p.returncode == 0, log[-3000:]
+    return logs
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -263,39 +325,7 @@ def test_two_processes_run_one_data_parallel_job(name: str, zero1: bool, tmp_pat
 
     With ZeRO-1 the optimizer state is split over devices of both processes, so reading
     it back (state_dict, checkpoints) gathers it across the processes."""
-    port = _free_port()
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                str(HERE / "dp_child.py"),
-                str(i),
-                "2",
-                str(port),
-                "2",
-                name,
-                str(tmp_path),
-                *(["zero1"] if zero1 else []),
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=env,
-        )
-        for i in range(2)
-    ]
-    logs = []
-    try:
-        for p in procs:
-            out, _ = p.communicate(timeout=150)  # the test bounds its own run time
-            logs.append(out)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for p, log in zip(procs, logs):
-        assert p.returncode == 0, log[-3000:]
+    _launch(name, tmp_path, "zero1" if zero1 else "")
     results = [dict(np.load(tmp_path / f"process-{i}.npz")) for i in range(2)]
     # Each process owns two devices of its own.
     assert len(set(results[0]["local_devices"]) | set(results[1]["local_devices"])) == 4
@@ -318,6 +348,31 @@ def test_two_processes_run_one_data_parallel_job(name: str, zero1: bool, tmp_pat
     single.load_checkpoint(tmp_path / "checkpoint.safetensors")
     assert single.step_count == GOLDEN_STEPS[name]
     _assert_close(single.state_dict(), one.state_dict())
+
+
+def test_a_job_must_use_devices_of_every_process(tmp_path: Path) -> None:
+    """Leaving a process out would hang the others at their first checkpoint."""
+    for log in _launch("dropout_sgd", tmp_path, "partial"):
+        assert "REFUSED PlatformError" in log and "leave out process(es) 1" in log, log[-2000:]
+
+
+def test_a_checkpoint_process_0_cannot_write_fails_on_every_process(tmp_path: Path) -> None:
+    """No process is left waiting for a file that will never come."""
+    logs = _launch("dropout_sgd", tmp_path, "unwritable", timeout=120)
+    assert "RAISED" in logs[0] and "stepbundle-cannot-write-here" in logs[0], logs[0][-2000:]
+    assert "RAISED CheckpointError: Process 0 could not write" in logs[1], logs[1][-2000:]
+
+
+def test_cli_multi_process_job_needs_more_than_one_device() -> None:
+    r = subprocess.run(
+        [sys.executable, "-m", "stepbundle", "run", str(golden_bundle("dropout_sgd"))]
+        + ["--steps", "1", "--data", str(GOLDEN_DIR / "dropout_sgd.inputs.npz")]
+        + ["--coordinator", "localhost:1", "--num-processes", "2", "--process-id", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 1 and "--devices all" in r.stderr, r.stderr
 
 
 @pytest.mark.parametrize("xla_flags", [None, "--xla_force_host_platform_device_count=4"])

@@ -71,10 +71,13 @@ class Placement:
             mesh = Mesh(np.array(self.devices, dtype=object), (AXIS,))
             self.replicated = NamedSharding(mesh, PartitionSpec())
             self.split = NamedSharding(mesh, PartitionSpec(AXIS))
+        me = jax.process_index()
+        # This process's own devices (all of them, outside a multi-process job).
+        self.local_devices = tuple(d for d in self.devices if d.process_index == me)
         processes = {d.process_index for d in self.devices}
         self.process_count = len(processes)
         # In a multi-process job one process writes the files everyone would write.
-        self.writes_files = jax.process_index() == min(processes)
+        self.writes_files = me == min(processes)
 
     @property
     def partitioned(self) -> bool:

@@ -111,7 +111,7 @@ class Trainer:
         self.manifest = manifest
         self.digest = digest
         self.placement = placement
-        self.device = placement.devices[0]
+        self.device = (placement.local_devices or placement.devices)[0]
         self.devices = placement.devices
         self.load_info = load_info
         self._names = [e.name for e in manifest.state]

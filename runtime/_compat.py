@@ -15,6 +15,7 @@ Imports: jax, jaxlib, numpy.
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -26,8 +27,7 @@ from jaxlib import xla_client
 
 __all__ = [
     "JAXLIB_VERSION",
-    "barrier",
-    "broadcast_flag",
+    "job_agree",
     "compile_options",
     "compile_program",
     "deserialize_executable",
@@ -216,18 +216,39 @@ def to_host(a: Array) -> np.ndarray[Any, Any]:
     return np.array(multihost_utils.process_allgather(a, tiled=True), copy=True)
 
 
-def barrier(name: str) -> None:
-    """Wait until every process of a multi-process job reaches this point."""
-    from jax.experimental import multihost_utils
-
-    multihost_utils.sync_global_devices(name)
+_AGREEMENTS = itertools.count()
 
 
-def broadcast_flag(flag: bool) -> bool:
-    """Process 0's ``flag``, on every process of the job (a collective: waits for all)."""
-    from jax.experimental import multihost_utils
+def job_agree(ok: bool, timeout_s: float) -> bool | None:
+    """Whether every process of a multi-process job says ``ok``; None without one.
 
-    return bool(np.asarray(multihost_utils.broadcast_one_to_all(np.array(flag, dtype=np.int32))))
+    Goes through jax.distributed's coordination service (a key-value store), not a
+    device collective: a collective's transport (gloo, NCCL) gives up on peers that
+    are slow to arrive, and one process waiting in it while another failed hangs. Every
+    process must call this the same number of times, in the same order. Raises
+    TimeoutError when a process does not answer within ``timeout_s``.
+    """
+    try:
+        from jax._src import distributed as _distributed
+
+        state = _distributed.global_state
+        client, n, me = state.client, state.num_processes, state.process_id
+    except (ImportError, AttributeError):
+        return None
+    if client is None or not n or n <= 1:
+        return None
+    name = f"stepbundle/agree/{next(_AGREEMENTS)}"
+    client.key_value_set(f"{name}/{me}", "1" if ok else "0")
+    wait_ms = max(1, int(timeout_s * 1000))
+    answers = []
+    for i in range(n):
+        try:
+            answers.append(client.blocking_key_value_get(f"{name}/{i}", wait_ms))
+        except Exception as e:
+            raise TimeoutError(
+                f"process {i} did not answer within {timeout_s:.0f} s ({e})"
+            ) from None
+    return all(a == "1" for a in answers)
 
 
 def compile_options(num_partitions: int = 1, device_ids: Sequence[int] | None = None) -> Any:

@@ -249,12 +249,15 @@ def save_checkpoint(trainer: Trainer, path: str | os.PathLike[str]) -> None:
     # writes it, and the others wait until it says whether the file is in place.
     values = trainer.state_dict(include_aliases=True)
     placement = trainer.placement
-    failure: Exception | None = None
+    failure: CheckpointError | None = None
     if placement.writes_files:
         try:
             write_safetensors(path, values, {"stepbundle": json.dumps(meta, sort_keys=True)})
-        except Exception as e:  # every process must still reach the agreement below
-            failure = e
+        except OSError as e:  # every process must still reach the agreement below
+            failure = CheckpointError(
+                f"Could not write the checkpoint {os.fspath(path)!r}: {e}. The previous "
+                "checkpoint files are untouched; free space or fix the folder and save again."
+            )
     written = placement.agree(failure is None)
     if failure is not None:
         raise failure

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["initialize", "set_cpu_devices"]
+__all__ = ["agree", "initialize", "set_cpu_devices"]
 
 
 def set_cpu_devices(n: int) -> None:
@@ -70,3 +70,20 @@ def initialize(
             "coordinator address (process 0's host:port, reachable from all hosts) and the "
             "same process count, and a distinct process id from 0 to count-1."
         ) from None
+
+
+def agree(ok: bool, *, timeout_s: float = 3600.0) -> bool:
+    """True when every process of the job passes ``ok=True`` (True outside a job).
+
+    Every process calls it at the same point, with whether its own part succeeded, so
+    that one process's failure stops the others instead of leaving them waiting in the
+    next collective. Raises ``PlatformError`` when a process does not answer in time.
+    """
+    from . import _compat
+    from .errors import PlatformError
+
+    try:
+        answer = _compat.job_agree(ok, timeout_s)
+    except TimeoutError as e:
+        raise PlatformError(f"The multi-process job stopped answering: {e}.") from None
+    return ok if answer is None else answer

@@ -62,6 +62,8 @@ def _select_devices(client: Any, platform: str, device: str, devices: int | str)
     """The devices a run uses: one local device, or the first N devices of the job."""
     _, index = parse_device(device)
     local = list(client.local_devices())
+    if isinstance(devices, bool) or not isinstance(devices, (int, str)):
+        raise PlatformError(f"devices must be a whole number or 'all', got {devices!r}.")
     if devices == 1:
         if index >= len(local):
             raise PlatformError(

@@ -140,10 +140,12 @@ class Placement:
             return False
 
     def agree(self, ok: bool) -> bool:
-        """Whether the writing process succeeded, known on every process of a
-        multi-process run (which waits for all of them); ``ok`` otherwise."""
+        """Whether every process of a multi-process run passed ``ok`` (it waits for
+        all of them); ``ok`` otherwise."""
         if self.process_count > 1:
-            return _compat.broadcast_flag(ok)
+            from .distributed import agree
+
+            return agree(ok)
         return ok
 
     def bytes_per_device(self, buffers: Sequence[Any]) -> dict[str, int]:

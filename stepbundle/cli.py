@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import math
@@ -160,23 +161,40 @@ def _join_job(args: argparse.Namespace) -> None:
         distributed.set_cpu_devices(cpu_devices)
 
 
+# How long the processes of a job wait for each other to load (cold compiles included).
+_SETUP_TIMEOUT_S = 1800.0
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     import numpy as np
 
-    from stepbundle.runtime import load
+    from stepbundle.runtime import distributed, load
     from stepbundle.runtime.errors import NonFiniteLossError
     from stepbundle.runtime.schedule import parse_schedule
     from stepbundle.runtime.trainer import iter_batches
     from stepbundle.schema.errors import BundleError
 
+    cache: Any = False if args.no_cache else (args.cache_dir or True)
+    try:
+        _join_job(args)
+    except (BundleError, ValueError) as e:
+        return _die(str(e), 1)
+    joined = args.distributed or args.coordinator is not None
+
+    def fail(message: str, code: int) -> int:
+        # In a job, tell the other processes, which would otherwise wait for this one
+        # in their first step.
+        if joined:
+            with contextlib.suppress(BundleError):
+                distributed.agree(False, timeout_s=_SETUP_TIMEOUT_S)
+        return _die(message, code)
+
     try:
         with np.load(args.data, allow_pickle=False) as npz:
             data = {k: npz[k] for k in npz.files}
     except (OSError, ValueError) as e:
-        return _die(f"cannot read --data {args.data!r}: {e}")
-    cache: Any = False if args.no_cache else (args.cache_dir or True)
+        return fail(f"cannot read --data {args.data!r}: {e}", 2)
     try:
-        _join_job(args)
         t0 = time.perf_counter()
         trainer = load(
             args.bundle,
@@ -206,6 +224,11 @@ def cmd_run(args: argparse.Namespace) -> int:
             name, _, value = spec.partition("=")
             trainer.set_hyperparameter(name, float(value))
     except (BundleError, ValueError) as e:
+        return fail(str(e), 1)
+    try:
+        if joined and not distributed.agree(True, timeout_s=_SETUP_TIMEOUT_S):
+            return _die("another process of the job failed to start; its error says why", 1)
+    except BundleError as e:
         return _die(str(e), 1)
     hits = trainer.load_info.cache_hits
     n_dev = len(trainer.devices)

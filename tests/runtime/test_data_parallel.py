@@ -359,8 +359,44 @@ def test_a_job_must_use_devices_of_every_process(tmp_path: Path) -> None:
 def test_a_checkpoint_process_0_cannot_write_fails_on_every_process(tmp_path: Path) -> None:
     """No process is left waiting for a file that will never come."""
     logs = _launch("dropout_sgd", tmp_path, "unwritable", timeout=120)
-    assert "RAISED" in logs[0] and "stepbundle-cannot-write-here" in logs[0], logs[0][-2000:]
+    assert "RAISED CheckpointError: Could not write the checkpoint" in logs[0], logs[0][-2000:]
+    assert "stepbundle-cannot-write-here" in logs[0]
     assert "RAISED CheckpointError: Process 0 could not write" in logs[1], logs[1][-2000:]
+
+
+def test_cli_process_that_fails_to_start_stops_the_whole_job(tmp_path: Path) -> None:
+    """Process 1 is given a checkpoint that does not exist: both processes exit with a
+    clear error instead of process 0 waiting for it in the first step's collective."""
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    name = "dropout_sgd"
+    procs = []
+    for i in range(2):
+        extra = ["--resume", str(tmp_path / "missing.safetensors")] if i == 1 else []
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "stepbundle", "run", str(golden_bundle(name))]
+                + ["--steps", "2", "--data", str(GOLDEN_DIR / f"{name}.inputs.npz")]
+                + ["--no-cache", "--devices", "4", "--coordinator", f"localhost:{port}"]
+                + ["--num-processes", "2", "--process-id", str(i), *extra],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=env,
+            )
+        )
+    errs = []
+    try:
+        for p in procs:
+            _, err = p.communicate(timeout=60)  # far below gloo's 30 s collective timeout x 2
+            errs.append(err)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert procs[1].returncode == 1 and "missing.safetensors" in errs[1], errs[1][-2000:]
+    assert procs[0].returncode == 1, errs[0][-2000:]
+    assert "another process of the job failed to start" in errs[0], errs[0][-2000:]
 
 
 def test_cli_multi_process_job_needs_more_than_one_device() -> None:

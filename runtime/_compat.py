@@ -32,7 +32,6 @@ __all__ = [
     "compile_program",
     "deserialize_executable",
     "get_client",
-    "put",
     "put_sharded",
     "serialize_executable",
     "single_device_sharding",
@@ -145,10 +144,11 @@ def _make_fast_put() -> Callable[[np.ndarray[Any, Any], Any], Array] | None:
         probes = [np.array(2**40 + 3, np.int64), np.array(1 / 3), np.arange(6, dtype=np.float32)]
         for sharding in shardings:
             for probe in probes:
+                target = sharding
                 if probe.ndim == 0 and sharding is not shardings[0]:
                     # A scalar cannot be split: it is replicated.
-                    sharding = NamedSharding(sharding.mesh, spec())
-                got_array = fast_put(probe, sharding)
+                    target = NamedSharding(sharding.mesh, spec())
+                got_array = fast_put(probe, target)
                 got = np.asarray(got_array)
                 shards = {tuple(s.data.shape) for s in got_array.addressable_shards}
                 if (
@@ -178,17 +178,12 @@ def single_device_sharding(device: Device) -> Any:
     return sharding
 
 
-def put(x: np.ndarray[Any, Any], device: Device) -> Array:
-    """Copy a host array to ``device`` with its exact dtype (no x64 narrowing).
+def put_sharded(x: np.ndarray[Any, Any], sharding: Any) -> Array:
+    """Copy a host array into ``sharding`` (one device or several), exact dtype (no x64
+    narrowing).
 
     Always copies: a zero-copy buffer could alias memory the caller reuses, or a
     read-only mapping of the bundle that a donated buffer would then be written into.
-    """
-    return put_sharded(x, single_device_sharding(device))
-
-
-def put_sharded(x: np.ndarray[Any, Any], sharding: Any) -> Array:
-    """Copy a host array into ``sharding`` (one device or several), exact dtype.
 
     ``x`` is the global value; in a multi-process job each process copies only the
     pieces that belong to its own devices.

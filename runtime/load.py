@@ -23,7 +23,15 @@ from .dtypes import array_from_section
 from .errors import BindingError, PlatformError
 from .program import compile_program, default_cache_dir
 from .sharding import Placement, zero1_split
-from .trainer import LoadInfo, Trainer, _Plan, build_plan, host_buffers, refused_plan
+from .trainer import (
+    LoadInfo,
+    Trainer,
+    _Plan,
+    batch_text,
+    build_plan,
+    host_buffers,
+    refused_plan,
+)
 
 __all__ = ["load", "parse_device"]
 
@@ -77,7 +85,7 @@ def _select_devices(client: Any, platform: str, device: str, devices: int | str)
             raise PlatformError(f"devices must be a number or 'all', got {devices!r}.")
         n = len(everywhere)
     else:
-        if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
+        if devices < 1:
             raise PlatformError(f"devices must be a whole number of at least 1, got {devices!r}.")
         n = devices
     if ":" in str(device):
@@ -231,7 +239,7 @@ def load(
                 where = f"entries.{name}.programs[{i}]"
                 why = placement.indivisible(program)
                 if why is not None:
-                    progs.append(_refusal(name, i, program, why, ent.programs, n))
+                    progs.append(_refusal(name, i, program, why, placement, ent.programs))
                     continue
                 cp = compile_program(
                     client,
@@ -299,13 +307,12 @@ def load(
     return trainer
 
 
-def _refusal(entry: str, index: int, program: Any, why: str, programs: Any, n: int) -> _Plan:
-    """A plan for a shape bucket that cannot run on ``n`` devices: it refuses batches."""
-    usable = [
-        "{" + ", ".join(f"{b.name}: {b.spec}" for b in p.batch) + "}"
-        for p in programs
-        if all(not b.spec.shape or b.spec.shape[0] % n == 0 for b in p.batch)
-    ]
+def _refusal(
+    entry: str, index: int, program: Any, why: str, placement: Placement, programs: Any
+) -> _Plan:
+    """A plan for a shape bucket that cannot run on the placement: it refuses batches."""
+    n = placement.n
+    usable = [batch_text(p) for p in placement.usable_buckets(programs)]
     fix = (
         f"Use a batch of a bucket that does: {' | '.join(usable)}."
         if usable

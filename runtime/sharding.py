@@ -101,6 +101,10 @@ class Placement:
     def output_shardings(self, program: Program) -> list[Any]:
         return [self.split if self._splits_output(r) else self.replicated for r in program.outputs]
 
+    def usable_buckets(self, programs: Sequence[Program]) -> list[Program]:
+        """The shape buckets whose batches split evenly over the devices."""
+        return [p for p in programs if self.indivisible(p) is None]
+
     def indivisible(self, program: Program) -> str | None:
         """Why this shape bucket cannot run on the mesh, or None when it can."""
         if self.n == 1:
@@ -119,9 +123,7 @@ class Placement:
 
     def put_batch(self, x: np.ndarray[Any, Any]) -> Any:
         """A global batch array: split on dim 0 (replicated when it is a scalar)."""
-        if self.n > 1 and x.ndim >= 1:
-            return _compat.put_sharded(x, self.split)
-        return _compat.put_sharded(x, self.replicated)
+        return _compat.put_sharded(x, self.split if x.ndim >= 1 else self.replicated)
 
     def put_state(self, name: str, x: np.ndarray[Any, Any]) -> Any:
         if name in self.split_state:
@@ -133,7 +135,7 @@ class Placement:
         sharding = getattr(a, "sharding", None)
         if sharding is None:
             return False
-        want = self.split if (split and self.n > 1) else self.replicated
+        want = self.split if split else self.replicated  # the same on one device
         try:
             return bool(sharding.is_equivalent_to(want, a.ndim))
         except Exception:

@@ -510,10 +510,14 @@ def host_buffers(
     return out
 
 
+def batch_text(program: Program) -> str:
+    """The shape bucket as users see it in errors: ``{x: f32[8,5], y: f32[8,3]}``."""
+    return "{" + ", ".join(f"{b.name}: {b.spec}" for b in program.batch) + "}"
+
+
 def _batch_signature(program: Program) -> tuple[dict[str, Any], str]:
     sig = {b.name: (tuple(b.spec.shape), to_numpy(b.spec.dtype)) for b in program.batch}
-    text = "{" + ", ".join(f"{b.name}: {b.spec}" for b in program.batch) + "}"
-    return sig, text
+    return sig, batch_text(program)
 
 
 def refused_plan(entry: str, index: int, program: Program, refusal: str) -> _Plan:

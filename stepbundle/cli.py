@@ -135,8 +135,11 @@ def _devices_arg(text: str) -> int | str:
     return n
 
 
-def _join_job(args: argparse.Namespace) -> None:
-    """Set up devices before jax starts: virtual CPU devices, and the multi-process job."""
+def _join_job(args: argparse.Namespace) -> bool:
+    """Set up devices before jax starts: virtual CPU devices, and the multi-process job.
+
+    Returns whether this process joined a multi-process job.
+    """
     from stepbundle.runtime import distributed
 
     multi = args.distributed or args.coordinator is not None
@@ -159,6 +162,7 @@ def _join_job(args: argparse.Namespace) -> None:
         )
     elif cpu_devices is not None:
         distributed.set_cpu_devices(cpu_devices)
+    return multi
 
 
 # How long the processes of a job wait for each other to load (cold compiles included).
@@ -176,10 +180,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     cache: Any = False if args.no_cache else (args.cache_dir or True)
     try:
-        _join_job(args)
+        joined = _join_job(args)
     except (BundleError, ValueError) as e:
         return _die(str(e), 1)
-    joined = args.distributed or args.coordinator is not None
 
     def fail(message: str, code: int) -> int:
         # In a job, tell the other processes, which would otherwise wait for this one
@@ -263,7 +266,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     def on_step(i: int, metrics: dict[str, Any]) -> None:
         step = start_step + i
-        if not writer:
+        if not writer:  # process 0 of a multi-process job reports for all
             pass
         elif json_out:
             stdout.write(

@@ -5,7 +5,7 @@ shape bucket's training step twice and the read-only entries twice (``trace.py``
 prove the two traces agree and build the binding tables (``bind.py``); serialize each
 graph as a StableHLO portable artifact; write the bundle (``stepbundle.schema``).
 
-Imports: torch, torch_xla, jaxlib's MLIR bindings (through stepbundle.runtime.mlir),
+Imports: torch, torch_xla, jaxlib's MLIR bindings (through stepbundle.stablehlo),
 stepbundle.schema.
 """
 
@@ -21,7 +21,6 @@ from typing import Any
 import torch
 
 from stepbundle import __version__
-from stepbundle.runtime import mlir
 from stepbundle.schema import codec
 from stepbundle.schema.manifest import (
     ConstantInput,
@@ -39,6 +38,7 @@ from stepbundle.schema.manifest import (
     StateKind,
     StateUpdateOutput,
 )
+from stepbundle.stablehlo import artifact as mlir
 
 from .bind import BoundProgram, bind, spec_of, tensor_bytes
 from .errors import ExportError

@@ -14,7 +14,7 @@ The bundle's programs are not changed: the wrapper is built at load, from the ma
 tables. The exporter records whether a bundle should be packed (``StatePacking``), and
 ``load(pack_state=...)`` can override it.
 
-Imports: stepbundle.schema, runtime.mlir.
+Imports: stepbundle.schema, stepbundle.stablehlo.
 """
 
 from __future__ import annotations
@@ -33,8 +33,7 @@ from stepbundle.schema.manifest import (
     StateUpdateOutput,
     TensorSpec,
 )
-
-from . import mlir
+from stepbundle.stablehlo import artifact as mlir
 
 __all__ = ["DEFAULT_MAX_ELEMENTS", "Layout", "Member", "Pack", "plan_layout", "wrap_program"]
 

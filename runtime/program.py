@@ -20,8 +20,9 @@ from typing import Any
 
 from stepbundle.schema.errors import SchemaValidationError
 from stepbundle.schema.manifest import Program, StateUpdateOutput
+from stepbundle.stablehlo import artifact as mlir
 
-from . import _compat, mlir, packing
+from . import _compat, packing
 from .errors import PlatformError
 from .sharding import AXIS, MESH, Placement
 

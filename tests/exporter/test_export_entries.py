@@ -121,7 +121,7 @@ def test_eval_entry_matches_torch_xla_eval(bundle: Path) -> None:
 
 
 def test_program_format_and_mlir_text(bundle: Path) -> None:
-    from stepbundle.runtime import mlir
+    from stepbundle.stablehlo import artifact as mlir
 
     with open_bundle(bundle) as b:
         for entry in b.manifest.entries.values():

@@ -17,7 +17,7 @@ import pytest
 from jaxlib.mlir import ir
 from runtime_helpers import golden_batches, golden_bundle
 
-from stepbundle.runtime import PlatformError, load, mlir
+from stepbundle.runtime import PlatformError, load
 from stepbundle.schema import (
     BundleError,
     Entry,
@@ -27,6 +27,7 @@ from stepbundle.schema import (
     open_bundle,
     write_bundle,
 )
+from stepbundle.stablehlo import artifact as mlir
 
 _MLIR_TYPES = {"bool": "i1", "u8": "ui8", "u16": "ui16", "u32": "ui32", "u64": "ui64"}
 

@@ -1,0 +1,16 @@
+"""What every ``stepbundle`` subcommand shares: how an error is reported.
+
+Imports: the standard library only.
+"""
+
+from __future__ import annotations
+
+import sys
+
+__all__ = ["die"]
+
+
+def die(msg: str, code: int = 2) -> int:
+    """Print ``stepbundle: error: MSG`` on stderr and return the exit code to use."""
+    print(f"stepbundle: error: {msg}", file=sys.stderr)
+    return code

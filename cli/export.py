@@ -1,0 +1,77 @@
+"""``stepbundle export``: build a recipe and write its bundle.
+
+Imports the exporter (torch, torch_xla) only when the command runs, so the rest of the
+CLI works in the lean environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from .common import die as _die
+
+__all__ = ["cmd_export"]
+
+
+def _load_recipe(spec: str) -> Any:
+    file, sep, func = spec.rpartition(":")
+    if not sep or not file or not func:
+        raise SystemExit(_die(f"expected FILE.py:FUNC, got {spec!r}"))
+    path = Path(file)
+    if not path.is_file():
+        raise SystemExit(_die(f"recipe file {file!r} does not exist"))
+    module_name = f"_stepbundle_recipe_{path.stem}"
+    mod_spec = importlib.util.spec_from_file_location(module_name, path)
+    assert mod_spec is not None and mod_spec.loader is not None
+    module = importlib.util.module_from_spec(mod_spec)
+    sys.modules[module_name] = module
+    sys.path.insert(0, str(path.parent.resolve()))
+    mod_spec.loader.exec_module(module)
+    fn = getattr(module, func, None)
+    if fn is None or not callable(fn):
+        raise SystemExit(_die(f"{file} has no function {func!r}"))
+    return fn
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    try:
+        import torch  # noqa: F401
+        import torch_xla  # noqa: F401
+    except ImportError as e:
+        return _die(
+            f"`stepbundle export` needs torch and torch_xla ({e}). Install the export extra: "
+            "pip install 'stepbundle[export]'. Running bundles (`stepbundle run`) does not."
+        )
+    from stepbundle.exporter import ExportError, Recipe, export
+    from stepbundle.exporter.workspace import xla_device
+
+    t0 = time.perf_counter()
+    # Create the XLA device before the recipe runs any CPU autograd (torch_xla asserts
+    # in autograd's engine otherwise).
+    xla_device()
+    fn = _load_recipe(args.recipe)
+    recipe = fn()
+    if not isinstance(recipe, Recipe):
+        return _die(
+            f"{args.recipe} returned {type(recipe).__name__}, not a stepbundle.exporter.Recipe"
+        )
+    print(f"[export] recipe built in {time.perf_counter() - t0:.2f}s", file=sys.stderr)
+
+    def progress(msg: str) -> None:
+        print(f"[export] {msg}", file=sys.stderr)
+
+    try:
+        report = export(recipe, args.output, mlir_dir=args.emit_mlir, progress=progress)
+    except ExportError as e:
+        return _die(str(e), 1)
+    counts = ", ".join(f"{v} {k}" for k, v in sorted(report.input_counts.items()))
+    stages = ", ".join(f"{k} {v:.2f}s" for k, v in report.stage_seconds.items())
+    print(f"[export] train inputs: {counts}", file=sys.stderr)
+    print(f"[export] stages: {stages}; total {time.perf_counter() - t0:.2f}s", file=sys.stderr)
+    print(f"{report.path}\t{report.size} bytes\t{report.digest}")
+    return 0

@@ -1,0 +1,132 @@
+"""``stepbundle inspect`` and ``stepbundle verify``: read a bundle without running it.
+
+Imports: stepbundle.schema only (no jax, no torch).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from typing import Any
+
+from .common import die as _die
+
+__all__ = ["cmd_inspect", "cmd_verify"]
+
+
+def _nbytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    return f"{n} B"
+
+
+def _describe(bundle: Any) -> dict[str, Any]:
+    from stepbundle.schema.codec import manifest_to_wire
+
+    m = bundle.manifest
+    wire = manifest_to_wire(m)
+    return {
+        "digest": bundle.digest,
+        "path": os.fspath(bundle.path),
+        "file_size": bundle.file_size,
+        "format_version": list(bundle.version),
+        **wire,
+    }
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from stepbundle.schema import open_bundle
+    from stepbundle.schema.errors import BundleError
+    from stepbundle.schema.manifest import StateUpdateOutput
+
+    try:
+        bundle = open_bundle(args.bundle)
+    except BundleError as e:
+        return _die(str(e), 1)
+    with bundle:
+        if args.json:
+            print(json.dumps(_describe(bundle), indent=2))
+            return 0
+        m = bundle.manifest
+        out = [
+            f"bundle    {bundle.path}",
+            f"digest    {bundle.digest}",
+            f"format    {bundle.version[0]}.{bundle.version[1]}   size {_nbytes(bundle.file_size)}",
+            f"producer  stepbundle {m.producer.stepbundle}, torch {m.producer.torch}, "
+            f"torch_xla {m.producer.torch_xla}, jax {m.producer.jax}",
+        ]
+        if m.required_features:
+            out.append(f"requires  {', '.join(m.required_features)}")
+        if m.rng is not None:
+            out.append(f"rng       seed {m.rng.seed} ({m.rng.rule})")
+        for h in m.hyperparameters:
+            out.append(f"hyper     {h.name} = {h.value!r} ({h.spec})")
+        for name, entry in m.entries.items():
+            out.append("")
+            out.append(
+                f"entry {name!r}: {len(entry.programs)} program(s), "
+                + ("updates state" if entry.updates_state else "read-only")
+            )
+            for i, p in enumerate(entry.programs):
+                batch = ", ".join(f"{b.name}: {b.spec}" for b in p.batch)
+                out.append(
+                    f"  program {i}: batch {{{batch}}}  StableHLO {p.stablehlo_version}  section {p.section}"
+                )
+                out.append(f"    inputs ({len(p.inputs)}):")
+                for j, inp in enumerate(p.inputs):
+                    label = getattr(inp, "name", "rng_seed")
+                    out.append(f"      {j:4d}  {inp.kind.value:16s} {label:48s} {inp.spec}")
+                out.append(f"    outputs ({len(p.outputs)}):")
+                for j, o in enumerate(p.outputs):
+                    if isinstance(o, StateUpdateOutput):
+                        alias = (
+                            f"donates input {o.donates}"
+                            if o.donates is not None
+                            else "no input to donate"
+                        )
+                        out.append(
+                            f"      {j:4d}  state_update     {o.state:48s} {o.spec}  {alias}"
+                        )
+                    else:
+                        out.append(f"      {j:4d}  metric           {o.name:48s} {o.spec}")
+        out.append("")
+        total = 0
+        out.append(f"state ({len(m.state)} tensors):")
+        for s in m.state:
+            total += s.spec.nbytes
+            flag = "trainable" if s.trainable else ""
+            alias = f"  aka {', '.join(s.aliases)}" if s.aliases else ""
+            out.append(
+                f"  {s.kind.value:16s} {s.name:52s} {str(s.spec):20s} {_nbytes(s.spec.nbytes):>10s} {flag}{alias}"
+            )
+        out.append(f"  total {_nbytes(total)}")
+        out.append("")
+        out.append(f"sections ({len(m.sections)}):")
+        for sec in m.sections:
+            out.append(
+                f"  {sec.kind.value:8s} {sec.name:52s} {sec.length:>10d} B  sha256:{sec.sha256[:16]}…"
+            )
+        print("\n".join(out))
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from stepbundle.schema import open_bundle
+    from stepbundle.schema.errors import BundleError
+
+    try:
+        bundle = open_bundle(args.bundle)
+    except BundleError as e:
+        print(f"FAILED {args.bundle}: {e}")
+        return 1
+    with bundle:
+        failures = bundle.verify()
+        if failures:
+            for f in failures:
+                print(f"FAILED {f}")
+            return 1
+        print(f"OK {args.bundle} {bundle.digest} ({len(bundle.manifest.sections)} sections)")
+    return 0

@@ -1,0 +1,115 @@
+"""The ``stepbundle`` command: export, run, inspect, verify.
+
+``run``, ``inspect`` and ``verify`` work without torch; ``export`` imports the exporter
+(torch, torch_xla) only when it is called. Each subcommand lives in its own module; this
+one holds the argument parser and ``main``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from stepbundle import __version__
+
+from .export import cmd_export
+from .inspect import cmd_inspect, cmd_verify
+from .run import cmd_run, devices_arg
+
+__all__ = ["build_parser", "main"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="stepbundle", description=__doc__.splitlines()[0])
+    p.add_argument("--version", action="version", version=f"stepbundle {__version__}")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    e = sub.add_parser(
+        "export", help="trace a recipe's training step and write a bundle (needs torch)"
+    )
+    e.add_argument("recipe", help="FILE.py:FUNC returning a stepbundle.exporter.Recipe")
+    e.add_argument("-o", "--output", required=True, help="bundle file to write")
+    e.add_argument(
+        "--emit-mlir", metavar="DIR", help="also write each program as .mlir text into DIR"
+    )
+    e.set_defaults(fn=cmd_export)
+
+    r = sub.add_parser("run", help="run a bundle's steps (no torch needed)")
+    r.add_argument("bundle")
+    r.add_argument("--steps", type=int, required=True)
+    r.add_argument("--data", required=True, help=".npz with one (S, *shape) array per batch input")
+    r.add_argument(
+        "--entry", default="train", help="entry to run (train, or a read-only entry such as eval)"
+    )
+    r.add_argument("--json", action="store_true", help="one JSON object per step on stdout")
+    r.add_argument("--save-state", metavar="OUT.safetensors", help="write the final state")
+    r.add_argument("--checkpoint-every", type=int, default=0, metavar="K")
+    r.add_argument("--checkpoint-dir", metavar="D")
+    r.add_argument("--resume", metavar="CKPT", help="restore a checkpoint before the first step")
+    r.add_argument(
+        "--lr-schedule",
+        action="append",
+        metavar="[NAME=]SPEC",
+        help="e.g. warmup_cosine:peak=1e-3,warmup=100,total=10000 (NAME defaults to lr)",
+    )
+    r.add_argument("--set", action="append", metavar="NAME=VALUE", help="set a hyperparameter")
+    r.add_argument("--seed", type=int, help="RNG seed of the first step")
+    r.add_argument("--device", default="cpu", help="cpu, cuda, rocm or tpu (optionally :index)")
+    r.add_argument(
+        "--devices",
+        type=devices_arg,
+        default=1,
+        metavar="N|all",
+        help="data-parallel over the first N devices of the job, or all of them (the batch "
+        "is split over them, the state replicated)",
+    )
+    r.add_argument(
+        "--shard-optimizer-state",
+        action="store_true",
+        help="with several devices, split optimizer state over them (ZeRO-1)",
+    )
+    r.add_argument(
+        "--coordinator",
+        metavar="HOST:PORT",
+        help="join a multi-process job whose process 0 listens here (jax.distributed)",
+    )
+    r.add_argument("--num-processes", type=int, metavar="P", help="processes in the job")
+    r.add_argument("--process-id", type=int, metavar="I", help="this process's rank, 0..P-1")
+    r.add_argument(
+        "--distributed",
+        action="store_true",
+        help="join a multi-process job found from the environment (TPU pods, SLURM, Open MPI)",
+    )
+    r.add_argument("--expect-digest", metavar="sha256:...", help="refuse any other bundle")
+    r.add_argument(
+        "--stop-on-nonfinite", action="store_true", help="stop before a non-finite loss is applied"
+    )
+    r.add_argument(
+        "--pack-state",
+        type=int,
+        default=True,
+        metavar="N",
+        help="hold state tensors of up to N elements in one buffer per dtype (default 65536; 0: off)",
+    )
+    r.add_argument("--cache-dir", help="compilation cache folder (default ~/.cache/stepbundle)")
+    r.add_argument("--no-cache", action="store_true", help="do not use the compilation cache")
+    r.set_defaults(fn=cmd_run)
+
+    i = sub.add_parser("inspect", help="show a bundle's entries, bindings, state and digests")
+    i.add_argument("bundle")
+    i.add_argument("--json", action="store_true")
+    i.set_defaults(fn=cmd_inspect)
+
+    v = sub.add_parser("verify", help="check every digest of a bundle")
+    v.add_argument("bundle")
+    v.set_defaults(fn=cmd_verify)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.fn(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,250 @@
+"""``stepbundle run``: run a bundle's steps in a lean process (no torch).
+
+Imports: the runtime (lazily, so ``--help`` stays fast), numpy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from .common import die as _die
+
+__all__ = ["cmd_run", "devices_arg"]
+
+
+# ---------------------------------------------------------------------- run
+class _Progress:
+    """A one-line progress display for terminals: step, rate, loss."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.t0 = time.perf_counter()
+        self.last = 0.0
+
+    def update(self, i: int, metrics: dict[str, Any], force: bool = False) -> None:
+        now = time.perf_counter()
+        if not force and now - self.last < 0.1:
+            return
+        self.last = now
+        rate = (i + 1) / max(now - self.t0, 1e-9)
+        loss = float(metrics["loss"]) if "loss" in metrics else float("nan")
+        width = 30
+        filled = int(width * (i + 1) / max(self.total, 1))
+        bar = "#" * filled + "-" * (width - filled)
+        sys.stderr.write(f"\r[{bar}] {i + 1}/{self.total} {rate:8.1f} steps/s loss {loss:.6g}")
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        sys.stderr.write("\n")
+
+
+def _scalar(v: Any) -> Any:
+    import numpy as np
+
+    a = np.asarray(v)
+    if a.size == 1:
+        x = a.reshape(()).item()
+        if isinstance(x, float) and not math.isfinite(x):
+            return str(x)
+        return x
+    return a.tolist()
+
+
+def devices_arg(text: str) -> int | str:
+    if text == "all":
+        return "all"
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or 'all', got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"needs at least 1 device, got {n}")
+    return n
+
+
+def _join_job(args: argparse.Namespace) -> bool:
+    """Set up devices before jax starts: virtual CPU devices, and the multi-process job.
+
+    Returns whether this process joined a multi-process job.
+    """
+    from stepbundle.runtime import distributed
+
+    multi = args.distributed or args.coordinator is not None
+    if not multi and (args.num_processes is not None or args.process_id is not None):
+        raise ValueError("--num-processes and --process-id need --coordinator HOST:PORT")
+    cpu_devices = None
+    platform = args.device.partition(":")[0].lower()
+    forced = "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", "")
+    if platform == "cpu" and isinstance(args.devices, int) and args.devices > 1 and not forced:
+        processes = args.num_processes or 1
+        cpu_devices = -(-args.devices // processes)
+    if multi and args.devices == 1:
+        raise ValueError(
+            "A multi-process job runs one data-parallel program over its devices: pass "
+            "--devices all (or a number that covers every process's devices)."
+        )
+    if multi:
+        distributed.initialize(
+            args.coordinator, args.num_processes, args.process_id, cpu_devices=cpu_devices
+        )
+    elif cpu_devices is not None:
+        distributed.set_cpu_devices(cpu_devices)
+    return multi
+
+
+# How long the processes of a job wait for each other to load (cold compiles included).
+_SETUP_TIMEOUT_S = 1800.0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from stepbundle.runtime import distributed, load
+    from stepbundle.runtime.errors import NonFiniteLossError
+    from stepbundle.runtime.schedule import parse_schedule
+    from stepbundle.runtime.trainer import iter_batches
+    from stepbundle.schema.errors import BundleError
+
+    cache: Any = False if args.no_cache else (args.cache_dir or True)
+    try:
+        joined = _join_job(args)
+    except (BundleError, ValueError) as e:
+        return _die(str(e), 1)
+
+    def fail(message: str, code: int) -> int:
+        # In a job, tell the other processes, which would otherwise wait for this one
+        # in their first step.
+        if joined:
+            with contextlib.suppress(BundleError):
+                distributed.agree(False, timeout_s=_SETUP_TIMEOUT_S)
+        return _die(message, code)
+
+    try:
+        with np.load(args.data, allow_pickle=False) as npz:
+            data = {k: npz[k] for k in npz.files}
+    except (OSError, ValueError) as e:
+        return fail(f"cannot read --data {args.data!r}: {e}", 2)
+    try:
+        t0 = time.perf_counter()
+        trainer = load(
+            args.bundle,
+            device=args.device,
+            # An evaluation run compiles only its entry (the training buckets need not
+            # split over the devices then).
+            entry=None if args.entry == "train" else args.entry,
+            cache_dir=cache,
+            expect_digest=args.expect_digest,
+            stop_on_nonfinite=args.stop_on_nonfinite,
+            devices=args.devices,
+            pack_state=args.pack_state,
+            shard_optimizer_state=args.shard_optimizer_state,
+        )
+        load_s = time.perf_counter() - t0
+        batches = iter_batches(data)
+        if args.resume:
+            trainer.load_checkpoint(args.resume)
+        if args.seed is not None:
+            trainer.seed = args.seed
+        for spec in args.lr_schedule or []:
+            name, eq, rest = (
+                spec.partition("=") if "=" in spec.split(":", 1)[0] else ("lr", "", spec)
+            )
+            trainer.set_schedule(name, parse_schedule(rest))
+        for spec in args.set or []:
+            name, _, value = spec.partition("=")
+            trainer.set_hyperparameter(name, float(value))
+    except (BundleError, ValueError) as e:
+        return fail(str(e), 1)
+    try:
+        if joined and not distributed.agree(True, timeout_s=_SETUP_TIMEOUT_S):
+            return _die("another process of the job failed to start; its error says why", 1)
+    except BundleError as e:
+        return _die(str(e), 1)
+    hits = trainer.load_info.cache_hits
+    n_dev = len(trainer.devices)
+    print(
+        f"[run] loaded {args.bundle} in {load_s:.2f}s ({trainer.load_info.compiled} compiled, "
+        f"{hits} from cache) on {args.device}"
+        + (f" x{n_dev} (data parallel)" if n_dev > 1 else ""),
+        file=sys.stderr,
+    )
+    # In a multi-process job process 0 reports; every process computes.
+    writer = trainer.placement.writes_files
+    json_out = args.json
+    progress = _Progress(args.steps) if (not json_out and sys.stderr.isatty()) else None
+    start_step = trainer.step_count
+    ckpt_dir = Path(args.checkpoint_dir) if args.checkpoint_dir else None
+    if args.checkpoint_every and ckpt_dir is None:
+        return _die("--checkpoint-every needs --checkpoint-dir")
+    stdout = sys.stdout
+
+    if args.entry != "train":
+        try:
+            for i in range(args.steps):
+                m = trainer.evaluate(
+                    batches[i % len(batches)], entry=args.entry
+                )  # no state: no offset
+                line = json.dumps({"step": i, **{k: _scalar(v) for k, v in m.items()}})
+                if writer:
+                    stdout.write(line + "\n")
+        except BundleError as e:
+            return _die(str(e), 1)
+        return 0
+
+    def on_step(i: int, metrics: dict[str, Any]) -> None:
+        step = start_step + i
+        if not writer:  # process 0 of a multi-process job reports for all
+            pass
+        elif json_out:
+            stdout.write(
+                json.dumps({"step": step, **{k: _scalar(v) for k, v in metrics.items()}}) + "\n"
+            )
+        elif progress is not None:
+            progress.update(i, metrics, force=i + 1 == args.steps)
+        elif (i + 1) % max(1, args.steps // 10) == 0 or i == 0:
+            loss = metrics.get("loss")
+            stdout.write(
+                f"step {step:6d}  loss {float(loss) if loss is not None else float('nan'):.6f}\n"
+            )
+        if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:
+            assert ckpt_dir is not None
+            trainer.save_checkpoint(ckpt_dir / f"step-{step + 1:08d}.safetensors")
+
+    t1 = time.perf_counter()
+    code = 0
+    try:
+        trainer.run(batches, args.steps, on_step=on_step, offset=start_step, keep_metrics=False)
+    except NonFiniteLossError as e:
+        print(f"\n[run] {e}", file=sys.stderr)
+        if ckpt_dir is not None:
+            trainer.save_checkpoint(
+                ckpt_dir / f"step-{trainer.step_count:08d}-before-nonfinite.safetensors"
+            )
+        code = 3
+    except BundleError as e:
+        return _die(str(e), 1)
+    trainer.block_until_ready()
+    elapsed = time.perf_counter() - t1
+    if progress is not None:
+        progress.close()
+    done = trainer.step_count - start_step
+    print(
+        f"[run] {done} steps in {elapsed:.2f}s ({done / max(elapsed, 1e-9):.1f} steps/s)",
+        file=sys.stderr,
+    )
+    if args.save_state:
+        from stepbundle.runtime.checkpoint import write_safetensors
+
+        state = trainer.state_dict()  # every process takes part in gathering it
+        if writer:
+            write_safetensors(args.save_state, state)
+            print(f"[run] wrote state to {args.save_state}", file=sys.stderr)
+    return code

@@ -105,15 +105,10 @@ _SETUP_TIMEOUT_S = 1800.0
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    import numpy as np
-
-    from stepbundle.runtime import distributed, load
-    from stepbundle.runtime.errors import NonFiniteLossError
-    from stepbundle.runtime.schedule import parse_schedule
+    from stepbundle.runtime import distributed
     from stepbundle.runtime.trainer import iter_batches
     from stepbundle.schema.errors import BundleError
 
-    cache: Any = False if args.no_cache else (args.cache_dir or True)
     try:
         joined = _join_job(args)
     except (BundleError, ValueError) as e:
@@ -128,39 +123,14 @@ def cmd_run(args: argparse.Namespace) -> int:
         return _die(message, code)
 
     try:
-        with np.load(args.data, allow_pickle=False) as npz:
-            data = {k: npz[k] for k in npz.files}
+        data = _read_data(args.data)
     except (OSError, ValueError) as e:
         return fail(f"cannot read --data {args.data!r}: {e}", 2)
     try:
         t0 = time.perf_counter()
-        trainer = load(
-            args.bundle,
-            device=args.device,
-            # An evaluation run compiles only its entry (the training buckets need not
-            # split over the devices then).
-            entry=None if args.entry == "train" else args.entry,
-            cache_dir=cache,
-            expect_digest=args.expect_digest,
-            stop_on_nonfinite=args.stop_on_nonfinite,
-            devices=args.devices,
-            pack_state=args.pack_state,
-            shard_optimizer_state=args.shard_optimizer_state,
-        )
+        trainer = _open_trainer(args)
         load_s = time.perf_counter() - t0
         batches = iter_batches(data)
-        if args.resume:
-            trainer.load_checkpoint(args.resume)
-        if args.seed is not None:
-            trainer.seed = args.seed
-        for spec in args.lr_schedule or []:
-            name, eq, rest = (
-                spec.partition("=") if "=" in spec.split(":", 1)[0] else ("lr", "", spec)
-            )
-            trainer.set_schedule(name, parse_schedule(rest))
-        for spec in args.set or []:
-            name, _, value = spec.partition("=")
-            trainer.set_hyperparameter(name, float(value))
     except (BundleError, ValueError) as e:
         return fail(str(e), 1)
     try:
@@ -168,42 +138,92 @@ def cmd_run(args: argparse.Namespace) -> int:
             return _die("another process of the job failed to start; its error says why", 1)
     except BundleError as e:
         return _die(str(e), 1)
-    hits = trainer.load_info.cache_hits
+    _report_load(args, trainer, load_s)
+    if args.checkpoint_every and not args.checkpoint_dir:
+        return _die("--checkpoint-every needs --checkpoint-dir")
+    try:
+        if args.entry != "train":
+            return _run_eval(args, trainer, batches)
+        return _run_train(args, trainer, batches)
+    except BundleError as e:
+        return _die(str(e), 1)
+
+
+def _read_data(path: str) -> dict[str, Any]:
+    import numpy as np
+
+    with np.load(path, allow_pickle=False) as npz:
+        return {k: npz[k] for k in npz.files}
+
+
+def _open_trainer(args: argparse.Namespace) -> Any:
+    """Load the bundle, then restore ``--resume`` and apply ``--seed``, schedules and ``--set``."""
+    from stepbundle.runtime import load
+    from stepbundle.runtime.schedule import parse_schedule
+
+    trainer = load(
+        args.bundle,
+        device=args.device,
+        # An evaluation run compiles only its entry (the training buckets need not
+        # split over the devices then).
+        entry=None if args.entry == "train" else args.entry,
+        cache_dir=False if args.no_cache else (args.cache_dir or True),
+        expect_digest=args.expect_digest,
+        stop_on_nonfinite=args.stop_on_nonfinite,
+        devices=args.devices,
+        pack_state=args.pack_state,
+        shard_optimizer_state=args.shard_optimizer_state,
+    )
+    if args.resume:
+        trainer.load_checkpoint(args.resume)
+    if args.seed is not None:
+        trainer.seed = args.seed
+    for spec in args.lr_schedule or []:
+        name, _, rest = spec.partition("=") if "=" in spec.split(":", 1)[0] else ("lr", "", spec)
+        trainer.set_schedule(name, parse_schedule(rest))
+    for spec in args.set or []:
+        name, _, value = spec.partition("=")
+        trainer.set_hyperparameter(name, float(value))
+    return trainer
+
+
+def _report_load(args: argparse.Namespace, trainer: Any, load_s: float) -> None:
     n_dev = len(trainer.devices)
     print(
         f"[run] loaded {args.bundle} in {load_s:.2f}s ({trainer.load_info.compiled} compiled, "
-        f"{hits} from cache) on {args.device}"
+        f"{trainer.load_info.cache_hits} from cache) on {args.device}"
         + (f" x{n_dev} (data parallel)" if n_dev > 1 else ""),
         file=sys.stderr,
     )
+
+
+def _run_eval(args: argparse.Namespace, trainer: Any, batches: list[Any]) -> int:
+    """One JSON line per batch of a read-only entry (it has no state, so no step offset)."""
+    writer = trainer.placement.writes_files
+    for i in range(args.steps):
+        m = trainer.evaluate(batches[i % len(batches)], entry=args.entry)
+        if writer:
+            sys.stdout.write(
+                json.dumps({"step": i, **{k: _scalar(v) for k, v in m.items()}}) + "\n"
+            )
+    return 0
+
+
+def _run_train(args: argparse.Namespace, trainer: Any, batches: list[Any]) -> int:
+    from stepbundle.runtime.errors import NonFiniteLossError
+
     # In a multi-process job process 0 reports; every process computes.
     writer = trainer.placement.writes_files
-    json_out = args.json
-    progress = _Progress(args.steps) if (not json_out and sys.stderr.isatty()) else None
+    progress = _Progress(args.steps) if (not args.json and sys.stderr.isatty()) else None
     start_step = trainer.step_count
     ckpt_dir = Path(args.checkpoint_dir) if args.checkpoint_dir else None
-    if args.checkpoint_every and ckpt_dir is None:
-        return _die("--checkpoint-every needs --checkpoint-dir")
     stdout = sys.stdout
-
-    if args.entry != "train":
-        try:
-            for i in range(args.steps):
-                m = trainer.evaluate(
-                    batches[i % len(batches)], entry=args.entry
-                )  # no state: no offset
-                line = json.dumps({"step": i, **{k: _scalar(v) for k, v in m.items()}})
-                if writer:
-                    stdout.write(line + "\n")
-        except BundleError as e:
-            return _die(str(e), 1)
-        return 0
 
     def on_step(i: int, metrics: dict[str, Any]) -> None:
         step = start_step + i
         if not writer:  # process 0 of a multi-process job reports for all
             pass
-        elif json_out:
+        elif args.json:
             stdout.write(
                 json.dumps({"step": step, **{k: _scalar(v) for k, v in metrics.items()}}) + "\n"
             )
@@ -229,8 +249,6 @@ def cmd_run(args: argparse.Namespace) -> int:
                 ckpt_dir / f"step-{trainer.step_count:08d}-before-nonfinite.safetensors"
             )
         code = 3
-    except BundleError as e:
-        return _die(str(e), 1)
     trainer.block_until_ready()
     elapsed = time.perf_counter() - t1
     if progress is not None:
@@ -241,10 +259,14 @@ def cmd_run(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     if args.save_state:
-        from stepbundle.runtime.checkpoint import write_safetensors
-
-        state = trainer.state_dict()  # every process takes part in gathering it
-        if writer:
-            write_safetensors(args.save_state, state)
-            print(f"[run] wrote state to {args.save_state}", file=sys.stderr)
+        _save_state(trainer, args.save_state)
     return code
+
+
+def _save_state(trainer: Any, path: str) -> None:
+    from stepbundle.runtime.checkpoint import write_safetensors
+
+    state = trainer.state_dict()  # every process takes part in gathering it
+    if trainer.placement.writes_files:
+        write_safetensors(path, state)
+        print(f"[run] wrote state to {path}", file=sys.stderr)

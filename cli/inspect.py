@@ -24,7 +24,7 @@ def _nbytes(n: int) -> str:
 
 
 def _describe(bundle: Any) -> dict[str, Any]:
-    from stepbundle.schema.codec import manifest_to_wire
+    from stepbundle.schema.wire import manifest_to_wire
 
     m = bundle.manifest
     wire = manifest_to_wire(m)

@@ -8,13 +8,15 @@ one holds the argument parser and ``main``.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from stepbundle import __version__
 
+from . import args as types
 from .export import cmd_export
 from .inspect import cmd_inspect, cmd_verify
-from .run import cmd_run, devices_arg
+from .run import cmd_run
 
 __all__ = ["build_parser", "main"]
 
@@ -36,14 +38,22 @@ def build_parser() -> argparse.ArgumentParser:
 
     r = sub.add_parser("run", help="run a bundle's steps (no torch needed)")
     r.add_argument("bundle")
-    r.add_argument("--steps", type=int, required=True)
+    r.add_argument(
+        "--steps", type=types.at_least(1), required=True, help="steps to run (at least 1)"
+    )
     r.add_argument("--data", required=True, help=".npz with one (S, *shape) array per batch input")
     r.add_argument(
         "--entry", default="train", help="entry to run (train, or a read-only entry such as eval)"
     )
     r.add_argument("--json", action="store_true", help="one JSON object per step on stdout")
     r.add_argument("--save-state", metavar="OUT.safetensors", help="write the final state")
-    r.add_argument("--checkpoint-every", type=int, default=0, metavar="K")
+    r.add_argument(
+        "--checkpoint-every",
+        type=types.at_least(1),
+        default=0,
+        metavar="K",
+        help="write a checkpoint into --checkpoint-dir every K steps",
+    )
     r.add_argument("--checkpoint-dir", metavar="D")
     r.add_argument("--resume", metavar="CKPT", help="restore a checkpoint before the first step")
     r.add_argument(
@@ -52,12 +62,18 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="[NAME=]SPEC",
         help="e.g. warmup_cosine:peak=1e-3,warmup=100,total=10000 (NAME defaults to lr)",
     )
-    r.add_argument("--set", action="append", metavar="NAME=VALUE", help="set a hyperparameter")
-    r.add_argument("--seed", type=int, help="RNG seed of the first step")
+    r.add_argument(
+        "--set",
+        action="append",
+        type=types.hyperparameter,
+        metavar="NAME=VALUE",
+        help="set a declared hyperparameter, e.g. --set lr=3e-4",
+    )
+    r.add_argument("--seed", type=types.at_least(0), help="RNG seed of the first step")
     r.add_argument("--device", default="cpu", help="cpu, cuda, rocm or tpu (optionally :index)")
     r.add_argument(
         "--devices",
-        type=devices_arg,
+        type=types.devices,
         default=1,
         metavar="N|all",
         help="data-parallel over the first N devices of the job, or all of them (the batch "
@@ -73,20 +89,29 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="HOST:PORT",
         help="join a multi-process job whose process 0 listens here (jax.distributed)",
     )
-    r.add_argument("--num-processes", type=int, metavar="P", help="processes in the job")
-    r.add_argument("--process-id", type=int, metavar="I", help="this process's rank, 0..P-1")
+    r.add_argument(
+        "--num-processes", type=types.at_least(1), metavar="P", help="processes in the job"
+    )
+    r.add_argument(
+        "--process-id", type=types.at_least(0), metavar="I", help="this process's rank, 0..P-1"
+    )
     r.add_argument(
         "--distributed",
         action="store_true",
         help="join a multi-process job found from the environment (TPU pods, SLURM, Open MPI)",
     )
-    r.add_argument("--expect-digest", metavar="sha256:...", help="refuse any other bundle")
+    r.add_argument(
+        "--expect-digest",
+        type=types.digest,
+        metavar="sha256:...",
+        help="refuse any other bundle (the digest `stepbundle inspect` prints; sha256: optional)",
+    )
     r.add_argument(
         "--stop-on-nonfinite", action="store_true", help="stop before a non-finite loss is applied"
     )
     r.add_argument(
         "--pack-state",
-        type=int,
+        type=types.at_least(0),
         default=True,
         metavar="N",
         help="hold state tensors of up to N elements in one buffer per dtype (default 65536; 0: off)",
@@ -106,9 +131,24 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# Exit codes (the README lists them too).
+EXIT_OK = 0
+EXIT_FAILED = 1  # the bundle, a checkpoint or a step was refused or failed
+EXIT_USAGE = 2  # a bad argument or input file, found before anything ran
+EXIT_NONFINITE = 3  # --stop-on-nonfinite stopped the run
+EXIT_PIPE_CLOSED = 141  # stdout's reader went away (128 + SIGPIPE, as the shell reports)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return int(args.fn(args))
+    try:
+        return int(args.fn(args))
+    except BrokenPipeError:
+        # `stepbundle inspect X | head`: the reader is gone. End quietly, with stdout
+        # pointed at /dev/null so the interpreter's last flush cannot raise again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_PIPE_CLOSED
 
 
 if __name__ == "__main__":

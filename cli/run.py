@@ -12,12 +12,13 @@ import math
 import os
 import sys
 import time
+import zipfile
 from pathlib import Path
 from typing import Any
 
 from .common import die as _die
 
-__all__ = ["cmd_run", "devices_arg"]
+__all__ = ["cmd_run"]
 
 
 # ---------------------------------------------------------------------- run
@@ -56,18 +57,6 @@ def _scalar(v: Any) -> Any:
             return str(x)
         return x
     return a.tolist()
-
-
-def devices_arg(text: str) -> int | str:
-    if text == "all":
-        return "all"
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number or 'all', got {text!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"needs at least 1 device, got {n}")
-    return n
 
 
 def _join_job(args: argparse.Namespace) -> bool:
@@ -124,7 +113,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     try:
         data = _read_data(args.data)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
         return fail(f"cannot read --data {args.data!r}: {e}", 2)
     try:
         t0 = time.perf_counter()
@@ -149,11 +138,48 @@ def cmd_run(args: argparse.Namespace) -> int:
         return _die(str(e), 1)
 
 
+_NPY_HEADER_READERS: dict[tuple[int, int], Any] = {}
+
+
 def _read_data(path: str) -> dict[str, Any]:
+    """Read an ``.npz`` of stacked batches, refusing what is not one before reading it.
+
+    Every member's header is read first and its declared size compared with what the
+    archive holds, so a damaged or hostile header is an error, not a huge allocation.
+    """
     import numpy as np
 
+    Path(path).stat()  # a missing file is "no such file", not "not an archive"
+    _NPY_HEADER_READERS.setdefault((1, 0), np.lib.format.read_array_header_1_0)
+    _NPY_HEADER_READERS.setdefault((2, 0), np.lib.format.read_array_header_2_0)
+    if not zipfile.is_zipfile(path):
+        raise ValueError(
+            "it is not an .npz archive (write one with numpy.savez(path, x=xs, y=ys), one "
+            "(S, *batch shape) array per batch input)"
+        )
+    with zipfile.ZipFile(path) as archive:
+        for info in archive.infolist():
+            with archive.open(info) as member:
+                version = np.lib.format.read_magic(member)
+                read_header = _NPY_HEADER_READERS.get(version)
+                if read_header is None:  # format 3.0 (utf-8 names): np.load checks it
+                    continue
+                shape, _, dtype = read_header(member)
+                if dtype.hasobject:
+                    raise ValueError(f"{info.filename} holds Python objects, not numbers")
+                declared = int(np.prod(shape, dtype=object)) * dtype.itemsize
+                if declared > info.file_size:
+                    raise ValueError(
+                        f"{info.filename} declares {shape} {dtype} ({declared} bytes) but the "
+                        f"archive holds {info.file_size} bytes for it: the file is damaged"
+                    )
     with np.load(path, allow_pickle=False) as npz:
-        return {k: npz[k] for k in npz.files}
+        data = {k: npz[k] for k in npz.files}
+    if not data:
+        raise ValueError("it holds no arrays")
+    if any(a.ndim >= 1 and a.shape[0] == 0 for a in data.values()):
+        raise ValueError("it holds 0 batches (every array's first dimension is the batch count)")
+    return data
 
 
 def _open_trainer(args: argparse.Namespace) -> Any:
@@ -181,9 +207,8 @@ def _open_trainer(args: argparse.Namespace) -> Any:
     for spec in args.lr_schedule or []:
         name, _, rest = spec.partition("=") if "=" in spec.split(":", 1)[0] else ("lr", "", spec)
         trainer.set_schedule(name, parse_schedule(rest))
-    for spec in args.set or []:
-        name, _, value = spec.partition("=")
-        trainer.set_hyperparameter(name, float(value))
+    for name, value in args.set or []:
+        trainer.set_hyperparameter(name, value)
     return trainer
 
 

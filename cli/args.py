@@ -1,0 +1,71 @@
+"""Argument types of the ``stepbundle`` command: each refuses a bad value while parsing,
+before anything is loaded or compiled, with a message that names the option.
+
+Imports: the standard library only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+from collections.abc import Callable
+
+__all__ = ["at_least", "digest", "devices", "hyperparameter"]
+
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+
+
+def at_least(minimum: int) -> Callable[[str], int]:
+    """An integer type that refuses values below ``minimum``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+
+    parse.__name__ = f"integer >= {minimum}"
+    return parse
+
+
+def devices(text: str) -> int | str:
+    """``--devices``: a count of at least 1, or ``all``."""
+    if text == "all":
+        return "all"
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or 'all', got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"needs at least 1 device, got {n}")
+    return n
+
+
+def hyperparameter(text: str) -> tuple[str, float]:
+    """``--set NAME=VALUE``: a name and a finite number."""
+    name, eq, value = text.partition("=")
+    if not eq or not name:
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
+    try:
+        number = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{name}={value!r}: {value!r} is not a number (write e.g. {name}=0.001)"
+        ) from None
+    if not math.isfinite(number):
+        raise argparse.ArgumentTypeError(f"{name}={value}: a hyperparameter must be finite")
+    return name, number
+
+
+def digest(text: str) -> str:
+    """``--expect-digest``: ``sha256:<64 hex>`` or the bare 64 hex digits."""
+    hexpart = text.lower().removeprefix("sha256:")
+    if not _HEX64.fullmatch(hexpart):
+        raise argparse.ArgumentTypeError(
+            f"expected sha256:<64 hex digits> (as `stepbundle inspect` prints), got {text!r}"
+        )
+    return f"sha256:{hexpart}"

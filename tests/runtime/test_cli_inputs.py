@@ -1,0 +1,134 @@
+"""The CLI refuses bad arguments and bad data files with one line and a documented exit
+code, before it loads or compiles anything; a closed stdout ends quietly."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+from runtime_helpers import GOLDEN_DIR, golden_bundle
+
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "stepbundle", *args], capture_output=True, text=True, timeout=300
+    )
+
+
+def run_args(*extra: str, data: str | None = None) -> list[str]:
+    return [
+        "run",
+        str(golden_bundle("linear_adamw")),
+        "--data",
+        data or str(GOLDEN_DIR / "linear_adamw.inputs.npz"),
+        "--no-cache",
+        *extra,
+    ]
+
+
+def one_line_error(result: subprocess.CompletedProcess[str]) -> str:
+    lines = result.stderr.strip().splitlines()
+    assert "Traceback" not in result.stderr, result.stderr
+    return lines[-1]
+
+
+@pytest.mark.parametrize(
+    ("flags", "needle"),
+    [
+        (["--steps", "0"], "argument --steps: must be at least 1, got 0"),
+        (["--steps", "-1"], "argument --steps: must be at least 1, got -1"),
+        (["--steps", "two"], "argument --steps: expected a whole number, got 'two'"),
+        (["--steps", "2", "--checkpoint-every", "-1"], "--checkpoint-every: must be at least 1"),
+        (["--steps", "2", "--pack-state", "-5"], "--pack-state: must be at least 0, got -5"),
+        (["--steps", "2", "--set", "lr=abc"], "--set: lr='abc': 'abc' is not a number"),
+        (["--steps", "2", "--set", "lr=nan"], "--set: lr=nan: a hyperparameter must be finite"),
+        (["--steps", "2", "--set", "lr"], "--set: expected NAME=VALUE, got 'lr'"),
+        (["--steps", "2", "--devices", "0"], "--devices: needs at least 1 device, got 0"),
+        (["--steps", "2", "--expect-digest", "abc"], "--expect-digest: expected sha256:<64 hex"),
+    ],
+)
+def test_bad_arguments_are_refused_while_parsing(flags: list[str], needle: str) -> None:
+    result = cli(*run_args(*flags))
+    assert result.returncode == 2
+    assert needle in one_line_error(result)
+    assert "[run] loaded" not in result.stderr  # nothing was loaded
+
+
+def test_a_digest_is_accepted_with_or_without_its_prefix() -> None:
+    digest = cli("inspect", str(golden_bundle("linear_adamw"))).stdout.splitlines()[1].split()[1]
+    assert digest.startswith("sha256:")
+    for given in (digest, digest.removeprefix("sha256:"), digest.upper().replace("SHA256:", "")):
+        result = cli(*run_args("--steps", "1", "--expect-digest", given))
+        assert result.returncode == 0, result.stderr
+    other = "sha256:" + "0" * 64
+    result = cli(*run_args("--steps", "1", "--expect-digest", other))
+    assert result.returncode == 1
+    assert other in one_line_error(result)
+
+
+def _npz(path: Path, **arrays: np.ndarray) -> str:
+    np.savez(path, **arrays)
+    return str(path)
+
+
+def test_bad_data_files_are_refused_in_one_line(tmp_path: Path) -> None:
+    good = np.load(GOLDEN_DIR / "linear_adamw.inputs.npz")
+    npy = tmp_path / "x.npy"
+    np.save(npy, good["x"])
+    empty = tmp_path / "empty.npz"
+    empty.write_bytes(b"")
+    whole = (GOLDEN_DIR / "linear_adamw.inputs.npz").read_bytes()
+    truncated = tmp_path / "truncated.npz"
+    truncated.write_bytes(whole[: len(whole) // 2])
+    zero = _npz(tmp_path / "zero.npz", x=good["x"][:0], y=good["y"][:0])
+    cases = {
+        str(tmp_path / "missing.npz"): "No such file",
+        str(npy): "it is not an .npz archive",
+        str(empty): "it is not an .npz archive",
+        str(truncated): "cannot read --data",
+        zero: "it holds 0 batches",
+    }
+    for path, needle in cases.items():
+        result = cli(*run_args("--steps", "1", data=path))
+        assert result.returncode == 2, (path, result.stderr)
+        line = one_line_error(result)
+        assert line.startswith(f"stepbundle: error: cannot read --data {path!r}")
+        assert needle in line, (path, line)
+
+
+def test_a_header_that_declares_more_than_the_file_holds(tmp_path: Path) -> None:
+    # An .npy member whose header claims 343 GB: refused from the header, never allocated.
+    header = np.lib.format.header_data_from_array_1_0(np.zeros((1,), np.float32))
+    header["shape"] = (10_000_000, 8_575)
+    member = tmp_path / "x.npy"
+    with open(member, "wb") as f:
+        np.lib.format.write_array_header_1_0(f, header)
+        f.write(b"\0" * 64)
+    hostile = tmp_path / "hostile.npz"
+    with zipfile.ZipFile(hostile, "w") as z:
+        z.write(member, "x.npy")
+    result = cli(*run_args("--steps", "1", data=str(hostile)))
+    assert result.returncode == 2
+    line = one_line_error(result)
+    assert "x.npy declares (10000000, 8575) float32 (343000000000 bytes)" in line
+    assert "the file is damaged" in line
+
+
+def test_a_closed_stdout_ends_quietly() -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "stepbundle", *run_args("--steps", "400", "--json")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    first = proc.stdout.readline()
+    assert first.startswith('{"step": 0')
+    proc.stdout.close()  # `| head -1`
+    err = proc.stderr.read()
+    assert proc.wait(timeout=300) == 141
+    assert "Traceback" not in err and "BrokenPipeError" not in err

@@ -85,7 +85,7 @@ def load(bundle: str, batch_path: str, cache_dir: str) -> dict[str, object]:
 
 
 def _read_once(bundle: str) -> dict[str, object]:
-    from stepbundle.schema import codec
+    import stepbundle.schema as codec
 
     t0 = time.perf_counter()
     with codec.open_bundle(bundle) as b:

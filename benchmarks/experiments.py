@@ -305,7 +305,7 @@ def make(
     trainer: Any, bundle_path: Any, batches: Sequence[dict[str, np.ndarray]]
 ) -> tuple[list[Method], dict[str, Any]]:
     """The diagnostic methods for one loaded trainer, and facts about their programs."""
-    from stepbundle.schema import codec
+    import stepbundle.schema as codec
 
     prog = trainer._plans["train"][0].compiled.program
     with codec.open_bundle(bundle_path) as b:

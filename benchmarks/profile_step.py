@@ -31,8 +31,8 @@ from typing import Any
 def _batch(path: str) -> dict[str, Any]:
     import numpy as np
 
+    import stepbundle.schema as codec
     from stepbundle.runtime.dtypes import to_numpy
-    from stepbundle.schema import codec
 
     program = codec.read_manifest(path).entries["train"].programs[0]
     rng = np.random.default_rng(0)

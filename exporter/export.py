@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
+import stepbundle.schema as codec
 from stepbundle import __version__
-from stepbundle.schema import codec
 from stepbundle.schema.manifest import (
     ConstantInput,
     Entry,

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from stepbundle.schema import codec
+import stepbundle.schema as codec
 from stepbundle.schema.manifest import ConstantInput, Manifest, MetricOutput
 
 from . import _compat, packing

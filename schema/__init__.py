@@ -1,8 +1,14 @@
 """stepbundle.schema: the bundle format.
 
-The manifest's dataclasses, the container codec (``write_bundle``, ``open_bundle``), the
-version constants and acceptance rule, the one validation function and the typed errors.
+The manifest's dataclasses (``manifest.py``), their wire form (``records.py``,
+``wire.py``), the file layout and size limits (``layout.py``, ``limits.py``), the one
+validation function (``validate.py``), the writer and the reader (``writer.py``,
+``reader.py``), the version constants and acceptance rule (``version.py``), the seed rule
+(``rng.py``), the project's one atomic file write (``atomic.py``) and the typed errors.
 ``FORMAT.md`` beside this file specifies the format on one page.
+
+Modules import each other in one direction only: errors, limits, version, manifest <-
+layout, records <- wire <- validate <- writer, reader.
 
 Imports: the standard library and msgpack only; never torch, jax or numpy, so that every
 side of the project (exporter, runtime, tools in other environments) can depend on it.
@@ -10,20 +16,7 @@ side of the project (exporter, runtime, tools in other environments) can depend 
 
 from __future__ import annotations
 
-from .codec import (
-    ALIGNMENT,
-    HEADER_SIZE,
-    MAGIC,
-    MAX_MANIFEST_BYTES,
-    Bundle,
-    SectionPayload,
-    assemble,
-    decode_manifest,
-    encode_manifest,
-    open_bundle,
-    read_manifest,
-    write_bundle,
-)
+from .atomic import atomic_write
 from .errors import (
     BundleError,
     BundleFormatError,
@@ -31,6 +24,8 @@ from .errors import (
     SchemaValidationError,
     UnsupportedVersionError,
 )
+from .layout import ALIGNMENT, HEADER_SIZE, MAGIC
+from .limits import MAX_MANIFEST_BYTES
 from .manifest import (
     STATE_INPUT_KINDS,
     BatchInput,
@@ -58,8 +53,12 @@ from .manifest import (
     StateUpdateOutput,
     TensorSpec,
 )
+from .reader import Bundle, open_bundle, read_manifest
+from .rng import UnknownSeedRuleError, advance_seed
 from .validate import validate
 from .version import FORMAT_VERSION, KNOWN_FEATURES
+from .wire import decode_manifest, encode_manifest
+from .writer import SectionPayload, assemble, write_bundle
 
 __all__ = [
     "ALIGNMENT",
@@ -99,8 +98,11 @@ __all__ = [
     "StateKind",
     "StateUpdateOutput",
     "TensorSpec",
+    "UnknownSeedRuleError",
     "UnsupportedVersionError",
+    "advance_seed",
     "assemble",
+    "atomic_write",
     "decode_manifest",
     "encode_manifest",
     "open_bundle",

@@ -33,22 +33,12 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, Union
 
-from .codec import (
-    ALIGNMENT,
-    HEADER_FORMAT,
-    HEADER_SIZE,
-    INPUT_CLASSES,
-    MAGIC,
-    MAX_DIM,
-    MAX_MANIFEST_BYTES,
-    MAX_RANK,
-    MAX_SECTIONS,
-    OUTPUT_CLASSES,
-    _encode_value,
-    dataclass_fields,
-)
+from .layout import ALIGNMENT, HEADER_FORMAT, HEADER_SIZE, MAGIC
+from .limits import MAX_DIM, MAX_MANIFEST_BYTES, MAX_RANK, MAX_SECTIONS
 from .manifest import Manifest
+from .records import INPUT_CLASSES, OUTPUT_CLASSES, dataclass_fields
 from .version import FORMAT_VERSION
+from .wire import encode_value
 
 __all__ = ["SCHEMA_JSON", "bump_reasons", "describe", "main", "render", "required_bump"]
 
@@ -125,7 +115,7 @@ def describe() -> dict[str, Any]:
                 "has_default": f.has_default,
             }
             if f.has_default:
-                item["default"] = _encode_value(f.type, f.default, f"{name}.{f.name}")
+                item["default"] = encode_value(f.type, f.default, f"{name}.{f.name}")
             fields.append(item)
         described_records[name] = {"fields": fields}
     return {

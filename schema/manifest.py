@@ -1,7 +1,7 @@
 """The bundle manifest: frozen, typed dataclasses, and nothing else.
 
 This module is the in-memory contract between the exporter (which fills it in) and the
-runtime (which obeys it). The byte encoding lives in ``codec.py``; the rules that tie
+runtime (which obeys it). The byte encoding lives in ``wire.py``; the rules that tie
 fields together live in ``validate.py``.
 
 Unions are a kind enum plus one dataclass per case: an input binding is exactly one of
@@ -17,7 +17,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import ClassVar, Literal, Union
+from typing import Literal, Union
 
 __all__ = [
     "BatchInput",
@@ -412,7 +412,7 @@ class Rng:
       rule: how the seed advances between steps. ``torch_xla.mark_step``:
         ``next = (1012031 + seed * 7012063) mod 2**64``, the rule torch_xla applies at
         every ``mark_step``; the seed is passed to the program as the i64 with the same
-        64 bits.
+        64 bits. ``rng.advance_seed`` applies it.
     """
 
     seed: int
@@ -442,9 +442,6 @@ class Manifest:
     rng: Rng | None
     sections: tuple[Section, ...]
     required_features: tuple[str, ...] = field(default=())
-
-    KNOWN_ENTRY_TRAIN: ClassVar[str] = "train"
-    KNOWN_ENTRY_EVAL: ClassVar[str] = "eval"
 
     def state_entry(self, name: str) -> StateEntry:
         """The state entry called ``name`` (its primary name). KeyError if absent."""

@@ -19,19 +19,9 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from .codec import (
-    ALIGNMENT,
-    HEADER_SIZE,
-    MAX_DIM,
-    MAX_MANIFEST_BYTES,
-    MAX_RANK,
-    MAX_SECTIONS,
-    align,
-    encode_manifest,
-    manifest_to_wire,
-    map_key_path,
-)
 from .errors import SchemaValidationError
+from .layout import ALIGNMENT, HEADER_SIZE, align
+from .limits import MAX_DIM, MAX_MANIFEST_BYTES, MAX_RANK, MAX_SECTIONS
 from .manifest import (
     STATE_INPUT_KINDS,
     BatchInput,
@@ -51,6 +41,8 @@ from .manifest import (
     StateUpdateOutput,
     TensorSpec,
 )
+from .records import map_key_path
+from .wire import encode_manifest, manifest_to_wire
 
 __all__ = ["PLATFORMS", "validate"]
 

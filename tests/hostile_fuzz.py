@@ -30,7 +30,8 @@ from typing import Any, Protocol, TypeVar
 import msgpack
 
 from stepbundle.schema import BundleError, IntegrityError, open_bundle
-from stepbundle.schema.codec import HEADER_FORMAT, HEADER_SIZE, align, manifest_to_wire, pack_header
+from stepbundle.schema.layout import HEADER_FORMAT, HEADER_SIZE, align, pack_header
+from stepbundle.schema.wire import manifest_to_wire
 
 GOLDEN_DIR = Path(__file__).resolve().parent / "golden"
 GOLDEN_NAMES = ("linear_adamw", "dropout_sgd", "batchnorm_lr")

@@ -91,7 +91,8 @@ def write_new_bundle(target: Path, point: str) -> None:
     (so another digest) and, for the data point, a 48 MB extra section."""
     from runtime_helpers import golden_bundle
 
-    from stepbundle.schema import SectionKind, SectionPayload, codec, open_bundle, write_bundle
+    from stepbundle.schema import SectionKind, SectionPayload, open_bundle, write_bundle
+    from stepbundle.schema import atomic as codec
 
     with open_bundle(golden_bundle("linear_adamw")) as b:
         manifest = b.manifest

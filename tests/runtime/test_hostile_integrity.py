@@ -34,8 +34,8 @@ from stepbundle.schema import (
     open_bundle,
     write_bundle,
 )
-from stepbundle.schema import codec as codec_module
-from stepbundle.schema.codec import HEADER_SIZE
+from stepbundle.schema import reader as codec_module
+from stepbundle.schema.layout import HEADER_SIZE
 
 # The modules, not the function ``stepbundle.runtime.load`` that shadows the first.
 LOAD_MODULE = importlib.import_module("stepbundle.runtime.load")

@@ -32,7 +32,8 @@ from stepbundle.schema import (
     TensorSpec,
     write_bundle,
 )
-from stepbundle.schema.codec import HEADER_SIZE, align, manifest_to_wire, pack_header
+from stepbundle.schema.layout import HEADER_SIZE, align, pack_header
+from stepbundle.schema.wire import manifest_to_wire
 
 PROGRAM_BYTES = b"ML\xefR\x01stablehlo-portable-artifact-placeholder"
 WEIGHT_BYTES = bytes(range(16))  # f32[2,2]

@@ -41,7 +41,8 @@ from stepbundle.schema import (
     validate,
     write_bundle,
 )
-from stepbundle.schema.codec import HEADER_SIZE, align, encode_manifest
+from stepbundle.schema.layout import HEADER_SIZE, align
+from stepbundle.schema.wire import encode_manifest
 
 SCHEMA_DIR = str(Path(stepbundle.schema.__file__).resolve().parent)
 

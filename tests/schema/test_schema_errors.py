@@ -26,7 +26,7 @@ from stepbundle.schema import (
     UnsupportedVersionError,
     open_bundle,
 )
-from stepbundle.schema.codec import MAX_MANIFEST_BYTES
+from stepbundle.schema.limits import MAX_MANIFEST_BYTES
 
 
 @pytest.fixture

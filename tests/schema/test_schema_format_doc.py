@@ -6,15 +6,8 @@ from pathlib import Path
 
 import stepbundle.schema as schema
 from stepbundle.schema import DType, InputKind, OutputKind, SectionKind, StateKind
-from stepbundle.schema.codec import (
-    ALIGNMENT,
-    HEADER_FORMAT,
-    HEADER_SIZE,
-    MAGIC,
-    MAX_MANIFEST_BYTES,
-    MAX_RANK,
-    MAX_SECTIONS,
-)
+from stepbundle.schema.layout import ALIGNMENT, HEADER_FORMAT, HEADER_SIZE, MAGIC
+from stepbundle.schema.limits import MAX_MANIFEST_BYTES, MAX_RANK, MAX_SECTIONS
 from stepbundle.schema.validate import PLATFORMS
 from stepbundle.schema.version import FORMAT_VERSION
 

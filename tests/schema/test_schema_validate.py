@@ -29,7 +29,8 @@ from stepbundle.schema import (
     validate,
     write_bundle,
 )
-from stepbundle.schema.codec import assemble, encode_manifest
+from stepbundle.schema.wire import encode_manifest
+from stepbundle.schema.writer import assemble
 
 
 def _valid() -> Manifest:

@@ -20,11 +20,11 @@ from stepbundle.schema import (
     StateEntry,
     StateKind,
     TensorSpec,
-    codec,
     open_bundle,
     read_manifest,
     write_bundle,
 )
+from stepbundle.schema.wire import encode_manifest
 
 
 def test_same_inputs_give_identical_files(tmp_path: Path) -> None:
@@ -40,7 +40,7 @@ def test_same_inputs_give_identical_files(tmp_path: Path) -> None:
     m2 = dataclasses.replace(m, entries={"eval": train, "train": train})
     m3 = dataclasses.replace(m, entries={"train": train, "eval": train})
     assert m2 == m3
-    assert codec.encode_manifest(m2) == codec.encode_manifest(m3)
+    assert encode_manifest(m2) == encode_manifest(m3)
 
 
 def test_returned_manifest_has_the_sections(tmp_path: Path) -> None:
@@ -90,7 +90,7 @@ def test_failure_at_fsync_leaves_no_temp_file(
     def broken_fsync(fd: int) -> None:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(codec.os, "fsync", broken_fsync)
+    monkeypatch.setattr(os, "fsync", broken_fsync)
     with pytest.raises(OSError, match="No space left"):
         write_tiny(target)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.sbnd"]
@@ -125,7 +125,7 @@ def test_temp_file_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None
         seen.append(os.path.basename(src))
         real_replace(src, dst)
 
-    monkeypatch.setattr(codec.os, "replace", spy)
+    monkeypatch.setattr(os, "replace", spy)
     write_tiny(tmp_path / "model.sbnd")
     assert len(seen) == 1
     assert seen[0].startswith(f".model.sbnd.tmp-{os.getpid()}-")

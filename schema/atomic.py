@@ -1,0 +1,105 @@
+"""The project's one atomic file write: a reader sees the old file or the new one, never part.
+
+``atomic_write`` writes to a temporary file in the target's own folder (so the rename
+never crosses file systems), flushes it to disk, renames it onto the target with
+``os.replace`` and flushes the folder, so the rename itself survives a power cut. On any
+error, or an interruption, the temporary file is removed and the target is untouched.
+
+The new file gets the permissions a plain ``open(path, "w")`` would give it (``0o666``
+less the umask), not the ``0o600`` of ``tempfile.mkstemp``: the temporary file is created
+with ``os.open(..., 0o666)``, and the kernel applies the umask (or the folder's default
+ACL) itself. Reading the umask to compute the bits would mean setting it for a moment,
+which is not thread-safe. ``mode`` sets the bits explicitly instead.
+
+The temporary file is opened with ``os.open`` and wrapped with ``os.fdopen``; crash tests
+stop a writer by patching those.
+
+Imports: standard library only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+from collections.abc import Callable, Iterable
+from typing import BinaryIO
+
+__all__ = ["Chunks", "WriteFn", "atomic_write", "fsync_directory"]
+
+WriteFn = Callable[[BinaryIO], object]
+"""A function that writes the whole content to the binary file it is given."""
+
+Chunks = Iterable[bytes | bytearray | memoryview]
+"""The content as byte chunks, written in order."""
+
+_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
+
+
+def atomic_write(
+    path: str | os.PathLike[str], content: WriteFn | Chunks, *, mode: int | None = None
+) -> None:
+    """Replace ``path`` with new content, atomically and durably.
+
+    Args:
+      path: the file to write; its folder must exist.
+      content: either a function that writes to the binary file it is handed (it need not
+        flush or close it), or an iterable of byte chunks (``bytes`` is not accepted as a
+        chunk iterable: pass ``[data]``).
+      mode: permission bits of the new file; ``None`` gives ``0o666`` less the umask.
+
+    Raises:
+      OSError: the file could not be written; ``path`` is untouched.
+      Whatever ``content`` raises, after the temporary file is removed.
+    """
+    if isinstance(content, bytes | bytearray | memoryview):
+        raise TypeError(
+            "atomic_write takes a write function or an iterable of byte chunks, not bytes "
+            "itself (which would be written one integer at a time); pass [data]."
+        )
+    target = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(target))
+    temp = os.path.join(
+        directory, f".{os.path.basename(target)}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    )
+    fd = os.open(temp, _FLAGS, 0o666)
+    try:
+        try:
+            f = os.fdopen(fd, "wb")
+        except BaseException:
+            os.close(fd)
+            raise
+        with f:
+            if mode is not None:
+                os.fchmod(f.fileno(), mode)
+            if callable(content):
+                content(f)
+            else:
+                for chunk in content:
+                    f.write(chunk)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temp)
+        raise
+    fsync_directory(directory)
+
+
+def fsync_directory(directory: str | os.PathLike[str]) -> None:
+    """Flush a folder's entries to disk, so that a rename in it survives a power cut.
+
+    Does nothing where folders cannot be opened or flushed (Windows, some file systems).
+    """
+    flags = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0)
+    try:
+        fd = os.open(directory, flags)
+    except OSError:  # pragma: no cover - platforms that cannot open directories
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # pragma: no cover - file systems without directory fsync
+        pass
+    finally:
+        os.close(fd)

@@ -1,0 +1,68 @@
+"""The schema's seed rule is torch_xla's: checked against torch_xla itself, not a formula.
+
+torch_xla's C++ advances the device seed at every step boundary as
+``1012031 + seed * 7012063`` in uint64 arithmetic; its dynamo bridge's Python writes the
+modulus as 2**64 - 1. The two differ only for seeds that wrap, so those are the ones
+that settle which rule a bundle must name: set such a seed with torch_xla's RNG API,
+run a step that draws random numbers, and read the seed torch_xla holds afterwards.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch_xla
+import torch_xla.core.xla_model as xm
+
+from stepbundle.schema import UnknownSeedRuleError, advance_seed
+from stepbundle.schema.rng import TORCH_XLA_MARK_STEP
+
+# Seeds whose product wraps 2**64 (where mod 2**64 and mod 2**64 - 1 disagree), the top
+# of the range, and small ones that never wrap.
+SEEDS = [2**64 - 1, 2**64 - 2, 2**63, 2**63 + 12345, 0xDEADBEEFCAFEF00D, 0, 1, 12345]
+
+
+def _torch_xla_after_steps(seed: int, steps: int, *, draw: bool) -> int:
+    """The seed torch_xla holds after ``steps`` steps from ``seed``."""
+    device = torch_xla.device()
+    previous = xm.get_rng_state()
+    xm.set_rng_state(seed)
+    try:
+        for _ in range(steps):
+            if draw:  # a step that consumes randomness, as a dropout step does
+                torch.rand(4, device=device).sum().item()
+            torch_xla.sync()
+        return int(xm.get_rng_state())
+    finally:
+        xm.set_rng_state(previous)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_one_step_matches_torch_xla(seed: int) -> None:
+    assert advance_seed(TORCH_XLA_MARK_STEP, seed, 1) == _torch_xla_after_steps(seed, 1, draw=True)
+
+
+def test_the_rule_wraps_modulo_2_64_not_2_64_minus_1() -> None:
+    # The seed where the two moduli disagree: torch_xla's answer decides.
+    seed = 2**64 - 1
+    got = _torch_xla_after_steps(seed, 1, draw=True)
+    assert got == advance_seed(TORCH_XLA_MARK_STEP, seed, 1)
+    assert got != (1012031 + seed * 7012063) % (2**64 - 1)
+
+
+@pytest.mark.parametrize("seed", [2**64 - 1, 2**63 + 7])
+def test_several_steps_match_torch_xla(seed: int) -> None:
+    for steps in (0, 2, 5):
+        want = _torch_xla_after_steps(seed, steps, draw=steps % 2 == 0)
+        assert advance_seed(TORCH_XLA_MARK_STEP, seed, steps) == want, steps
+
+
+def test_a_step_without_random_numbers_advances_the_seed_the_same_way() -> None:
+    seed = 2**64 - 3
+    assert _torch_xla_after_steps(seed, 1, draw=False) == advance_seed(TORCH_XLA_MARK_STEP, seed, 1)
+
+
+def test_an_unknown_rule_is_refused() -> None:
+    with pytest.raises(UnknownSeedRuleError, match="'philox' is unknown") as info:
+        advance_seed("philox", 1, 1)
+    assert info.value.rule == "philox"

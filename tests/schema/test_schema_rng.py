@@ -1,0 +1,54 @@
+"""advance_seed applies the rule the manifest names; unknown rules and bad seeds are refused.
+
+That the rule is torch_xla's own is checked against torch_xla in
+tests/exporter/test_seed_rule.py; here: its fast path agrees with one step at a time.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from stepbundle.schema import BundleError, Rng, UnknownSeedRuleError, advance_seed
+from stepbundle.schema.rng import SEED_RULES, TORCH_XLA_MARK_STEP
+
+
+def test_every_rule_the_manifest_can_name_is_known() -> None:
+    assert Rng(seed=0).rule in SEED_RULES
+    assert TORCH_XLA_MARK_STEP == "torch_xla.mark_step"
+
+
+@given(st.integers(0, 2**64 - 1), st.integers(0, 300))
+def test_many_steps_equal_one_step_at_a_time(seed: int, steps: int) -> None:
+    one_at_a_time = seed
+    for _ in range(steps):
+        one_at_a_time = advance_seed(TORCH_XLA_MARK_STEP, one_at_a_time)
+    assert advance_seed(TORCH_XLA_MARK_STEP, seed, steps) == one_at_a_time
+    assert 0 <= one_at_a_time < 2**64
+
+
+def test_known_values() -> None:
+    # torch_xla reported these (tests/exporter/test_seed_rule.py checks them live).
+    assert advance_seed(TORCH_XLA_MARK_STEP, 0) == 1012031
+    assert advance_seed(TORCH_XLA_MARK_STEP, 2**64 - 1) == 18446744073703551584
+    assert advance_seed(TORCH_XLA_MARK_STEP, 2**63) == 9223372036855787839
+    assert advance_seed(TORCH_XLA_MARK_STEP, 5, 0) == 5
+
+
+def test_a_huge_step_count_is_fast() -> None:
+    assert 0 <= advance_seed(TORCH_XLA_MARK_STEP, 1, 10**18) < 2**64
+
+
+def test_an_unknown_rule_is_a_typed_error() -> None:
+    with pytest.raises(UnknownSeedRuleError) as info:
+        advance_seed("numpy.pcg64", 1)
+    assert isinstance(info.value, BundleError)
+    assert info.value.rule == "numpy.pcg64"
+    assert "'torch_xla.mark_step'" in str(info.value)
+
+
+@pytest.mark.parametrize(("seed", "steps"), [(-1, 1), (2**64, 1), (0, -1)])
+def test_out_of_range_is_refused(seed: int, steps: int) -> None:
+    with pytest.raises(ValueError):
+        advance_seed(TORCH_XLA_MARK_STEP, seed, steps)

@@ -24,7 +24,11 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-GOLDEN = ROOT / "tests" / "golden"
+# The newest format version's golden bundles (one folder per version, v<major>.<minor>).
+GOLDEN = max(
+    (ROOT / "tests" / "golden").glob("v*.*"),
+    key=lambda p: tuple(int(x) for x in p.name[1:].split(".")),
+)
 
 
 def rss_bytes() -> int:

@@ -3,9 +3,10 @@
 ``describe()`` walks the manifest's dataclasses (every record reachable from ``Manifest``)
 and returns plain JSON data: each record's fields in order with a normalized type string
 and whether it has a default, each enum's values, each tagged union's kind table, and the
-container constants. ``schema.json`` beside this file is that description, committed; a
-test regenerates it and, when it differs, reports which bump ``required_bump`` says the
-change needs:
+container constants. ``schema.json`` beside this file is that description, committed,
+with the format version it describes. A test compares it with the code and *refuses* a
+change unless ``FORMAT_VERSION`` moved as ``required_bump`` says the change needs
+(``version_refusal``), and ``--write`` refuses to record such a change:
 
 * major: a record, field, enum or enum value removed; a type changed; a field without a
   default added; a default changed or removed; a container constant changed;
@@ -14,7 +15,7 @@ change needs:
 Usage::
 
     python -m stepbundle.schema.describe            # print the description
-    python -m stepbundle.schema.describe --write    # rewrite schema/schema.json
+    python -m stepbundle.schema.describe --write    # rewrite schema/schema.json, if allowed
     python -m stepbundle.schema.describe --check    # exit 1 if schema.json is stale
 
 Imports: standard library only (and this package).
@@ -37,10 +38,20 @@ from .layout import ALIGNMENT, HEADER_FORMAT, HEADER_SIZE, MAGIC
 from .limits import MAX_DIM, MAX_MANIFEST_BYTES, MAX_RANK, MAX_SECTIONS
 from .manifest import Manifest
 from .records import INPUT_CLASSES, OUTPUT_CLASSES, dataclass_fields
-from .version import FORMAT_VERSION
+from .version import FORMAT_VERSION, format_version_string
 from .wire import encode_value
 
-__all__ = ["SCHEMA_JSON", "bump_reasons", "describe", "main", "render", "required_bump"]
+__all__ = [
+    "SCHEMA_JSON",
+    "WRITE_COMMAND",
+    "allowed_versions",
+    "bump_reasons",
+    "describe",
+    "main",
+    "render",
+    "required_bump",
+    "version_refusal",
+]
 
 SCHEMA_JSON: Path = Path(__file__).with_name("schema.json")
 """The committed description."""
@@ -215,8 +226,59 @@ def required_bump(old: Mapping[str, Any], new: Mapping[str, Any]) -> str | None:
     return None
 
 
+def allowed_versions(old: tuple[int, int], bump: str | None) -> tuple[tuple[int, int], ...]:
+    """The format versions a schema change of kind ``bump`` may move ``old`` to.
+
+    No change may keep the version (or move it, for a change of meaning the description
+    cannot see); a minor change needs the next minor or the next major; a major change
+    needs the next major. Skipping versions is refused, so every version has a
+    description and golden bundles.
+    """
+    next_minor = (old[0], old[1] + 1)
+    next_major = (old[0] + 1, 0)
+    if bump is None:
+        return (old, next_minor, next_major)
+    if bump == "minor":
+        return (next_minor, next_major)
+    return (next_major,)
+
+
+def version_refusal(committed: Mapping[str, Any], current: Mapping[str, Any]) -> str | None:
+    """Why ``current`` may not replace the ``committed`` description, or ``None``.
+
+    Refused when the schema changed but the format version did not move as the change
+    requires (see ``allowed_versions``). The message names the bump, the version to set
+    and the command that then rewrites ``schema.json``.
+    """
+    old = _version(committed)
+    new = _version(current)
+    bump = required_bump(committed, current)
+    allowed = allowed_versions(old, bump)
+    if new in allowed:
+        return None
+    reasons = "; ".join(f"{kind}: {reason}" for kind, reason in bump_reasons(committed, current))
+    change = f"The schema changed ({reasons}), which needs a {bump} format version bump"
+    if bump is None:
+        change = "The schema did not change, so the format version may move by one step at most"
+    wanted = " or ".join(format_version_string(v) for v in allowed)
+    return (
+        f"{change}: FORMAT_VERSION is {format_version_string(new)} and {SCHEMA_JSON.name} "
+        f"records {format_version_string(old)}. Set FORMAT_VERSION in schema/version.py to "
+        f"{wanted} (with a dated changelog line), make that version's golden bundles "
+        f"(python tests/golden/make_golden.py), then run: {WRITE_COMMAND}"
+    )
+
+
+def _version(description: Mapping[str, Any]) -> tuple[int, int]:
+    major, minor = description["format_version"]
+    return (int(major), int(minor))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Command line: print, ``--write`` or ``--check`` the committed description."""
+    """Command line: print, ``--write`` or ``--check`` the committed description.
+
+    ``--write`` refuses (exit 1) a change the format version has not moved for.
+    """
     parser = argparse.ArgumentParser(prog="python -m stepbundle.schema.describe")
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--write", action="store_true", help=f"rewrite {SCHEMA_JSON.name}")
@@ -224,30 +286,40 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--check", action="store_true", help=f"exit 1 if {SCHEMA_JSON.name} is stale"
     )
     args = parser.parse_args(argv)
-    text = render(describe())
+    current = describe()
+    text = render(current)
+    if not (args.write or args.check):
+        sys.stdout.write(text)
+        return 0
+    try:
+        committed_text = SCHEMA_JSON.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        if args.write:
+            SCHEMA_JSON.write_text(text, encoding="utf-8")
+            return 0
+        print(f"{SCHEMA_JSON} is missing; run: {WRITE_COMMAND}", file=sys.stderr)
+        return 1
+    if committed_text == text:
+        return 0
+    committed = json.loads(committed_text)
+    refusal = version_refusal(committed, current)
+    if refusal is not None:
+        print(f"Refused: {refusal}", file=sys.stderr)
+        for kind, reason in bump_reasons(committed, current):
+            print(f"  {kind}: {reason}", file=sys.stderr)
+        return 1
     if args.write:
         SCHEMA_JSON.write_text(text, encoding="utf-8")
         return 0
-    if args.check:
-        try:
-            committed = SCHEMA_JSON.read_text(encoding="utf-8")
-        except FileNotFoundError:
-            print(f"{SCHEMA_JSON} is missing; run: {WRITE_COMMAND}", file=sys.stderr)
-            return 1
-        if committed == text:
-            return 0
-        reasons = bump_reasons(json.loads(committed), describe())
-        bump = required_bump(json.loads(committed), describe())
-        print(
-            f"{SCHEMA_JSON} is stale; the change needs a {bump or 'no'} version bump "
-            f"(see FORMAT_VERSION in version.py). Run: {WRITE_COMMAND}",
-            file=sys.stderr,
-        )
-        for kind, reason in reasons:
-            print(f"  {kind}: {reason}", file=sys.stderr)
-        return 1
-    sys.stdout.write(text)
-    return 0
+    bump = required_bump(committed, current)
+    print(
+        f"{SCHEMA_JSON} is stale; the change needs a {bump or 'no'} version bump and "
+        f"FORMAT_VERSION has moved as needed. Run: {WRITE_COMMAND}",
+        file=sys.stderr,
+    )
+    for kind, reason in bump_reasons(committed, current):
+        print(f"  {kind}: {reason}", file=sys.stderr)
+    return 1
 
 
 if __name__ == "__main__":

@@ -28,12 +28,12 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 import msgpack
+from runtime_helpers import GOLDEN_DIR
 
 from stepbundle.schema import BundleError, IntegrityError, open_bundle
 from stepbundle.schema.layout import HEADER_FORMAT, HEADER_SIZE, align, pack_header
 from stepbundle.schema.wire import manifest_to_wire
 
-GOLDEN_DIR = Path(__file__).resolve().parent / "golden"
 GOLDEN_NAMES = ("linear_adamw", "dropout_sgd", "batchnorm_lr")
 
 T = TypeVar("T")

@@ -5,29 +5,68 @@ No torch here: these tests also run in the lean environment.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
 
 from stepbundle.runtime.trainer import iter_batches
 
-GOLDEN_DIR = Path(__file__).resolve().parent.parent / "golden"
+GOLDEN_ROOT = Path(__file__).resolve().parent.parent / "golden"
+"""Golden files, one folder per format version (``v1.0``, ...): written once by
+tests/golden/make_golden.py when that version is made, never regenerated."""
+
+_GOLDEN_FOLDER = re.compile(r"v(\d+)\.(\d+)\Z")
+
+
+def golden_folder_name(version: tuple[int, int]) -> str:
+    """``(1, 0)`` -> ``"v1.0"``: the folder of that format version's golden files."""
+    return f"v{version[0]}.{version[1]}"
+
+
+def golden_versions() -> tuple[tuple[int, int], ...]:
+    """Every format version that has a golden folder, oldest first."""
+    found = []
+    for p in GOLDEN_ROOT.iterdir():
+        m = _GOLDEN_FOLDER.match(p.name)
+        if m and p.is_dir():
+            found.append((int(m.group(1)), int(m.group(2))))
+    if not found:
+        raise FileNotFoundError(f"{GOLDEN_ROOT} has no golden folder (v<major>.<minor>).")
+    return tuple(sorted(found))
+
+
+def golden_dir(version: tuple[int, int] | None = None) -> Path:
+    """The folder of ``version``'s golden files; the newest version's when None."""
+    return GOLDEN_ROOT / golden_folder_name(version or golden_versions()[-1])
+
+
+def golden_names(version: tuple[int, int] | None = None) -> tuple[str, ...]:
+    """The names of ``version``'s golden bundles (the newest version's when None)."""
+    found = golden_dir(version).glob("*.stepbundle")
+    return tuple(sorted(p.name.removesuffix(".stepbundle") for p in found))
+
+
+GOLDEN_DIR = golden_dir()  # the newest format version's golden files
 GOLDEN_NAMES = ("linear_adamw", "dropout_sgd", "batchnorm_lr")
 GOLDEN_STEPS = {"linear_adamw": 5, "dropout_sgd": 5, "batchnorm_lr": 6}
 GOLDEN_SCHEDULES = {"batchnorm_lr": "warmup_cosine:peak=0.02,warmup=2,total=6,min=0.001"}
 
 
-def golden_bundle(name: str) -> Path:
-    return GOLDEN_DIR / f"{name}.stepbundle"
+def golden_bundle(name: str, version: tuple[int, int] | None = None) -> Path:
+    """Golden bundle ``name`` of format ``version`` (the newest when None)."""
+    return golden_dir(version) / f"{name}.stepbundle"
 
 
-def golden_batches(name: str) -> list[dict[str, np.ndarray]]:
-    with np.load(GOLDEN_DIR / f"{name}.inputs.npz", allow_pickle=False) as z:
+def golden_batches(
+    name: str, version: tuple[int, int] | None = None
+) -> list[dict[str, np.ndarray]]:
+    with np.load(golden_dir(version) / f"{name}.inputs.npz", allow_pickle=False) as z:
         return iter_batches({k: z[k] for k in z.files})
 
 
-def golden_expected(name: str) -> dict[str, np.ndarray]:
-    with np.load(GOLDEN_DIR / f"{name}.expected.npz", allow_pickle=False) as z:
+def golden_expected(name: str, version: tuple[int, int] | None = None) -> dict[str, np.ndarray]:
+    with np.load(golden_dir(version) / f"{name}.expected.npz", allow_pickle=False) as z:
         return {k: z[k] for k in z.files}
 
 

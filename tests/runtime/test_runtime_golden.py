@@ -1,7 +1,9 @@
-"""The committed golden bundles load and reproduce torch_xla eager's numbers.
+"""The golden bundles of every format version load and reproduce torch_xla eager's numbers.
 
-A change that breaks these is a format break: it needs a new major version (and new
-golden files made by tests/golden/make_golden.py).
+Each format version has its own folder (tests/golden/v<major>.<minor>), written once by
+tests/golden/make_golden.py and never regenerated; every folder is tested here, so a
+reader that stops reading an old version's bundles, or reads them wrong, fails. A change
+that breaks these is a format break: it needs a new major version.
 """
 
 from __future__ import annotations
@@ -9,12 +11,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from runtime_helpers import (
-    GOLDEN_NAMES,
     GOLDEN_SCHEDULES,
     GOLDEN_STEPS,
     golden_batches,
     golden_bundle,
     golden_expected,
+    golden_folder_name,
+    golden_names,
+    golden_versions,
     rel,
 )
 
@@ -22,22 +26,34 @@ from stepbundle.runtime import load
 from stepbundle.runtime.schedule import parse_schedule
 from stepbundle.schema import open_bundle
 
+EVERY_GOLDEN = [
+    pytest.param(version, name, id=f"{golden_folder_name(version)}-{name}")
+    for version in golden_versions()
+    for name in golden_names(version)
+]
 
-@pytest.mark.parametrize("name", GOLDEN_NAMES)
-def test_golden_bundle_verifies(name: str) -> None:
-    with open_bundle(golden_bundle(name)) as b:
+
+def test_every_version_folder_has_golden_bundles() -> None:
+    assert golden_versions()[0] == (1, 0)
+    for version in golden_versions():
+        assert golden_names(version), golden_folder_name(version)
+
+
+@pytest.mark.parametrize(("version", "name"), EVERY_GOLDEN)
+def test_golden_bundle_verifies(version: tuple[int, int], name: str) -> None:
+    with open_bundle(golden_bundle(name, version)) as b:
         assert b.verify() == []
-        assert b.version[0] == 1
+        assert b.version == version  # each folder holds its own version's bundles
         assert "train" in b.manifest.entries
 
 
-@pytest.mark.parametrize("name", GOLDEN_NAMES)
-def test_golden_bundle_reproduces_eager_training(name: str) -> None:
-    trainer = load(golden_bundle(name), cache_dir=False)
+@pytest.mark.parametrize(("version", "name"), EVERY_GOLDEN)
+def test_golden_bundle_reproduces_eager_training(version: tuple[int, int], name: str) -> None:
+    trainer = load(golden_bundle(name, version), cache_dir=False)
     if name in GOLDEN_SCHEDULES:
         trainer.set_schedule("lr", parse_schedule(GOLDEN_SCHEDULES[name]))
-    expected = golden_expected(name)
-    metrics = trainer.run(golden_batches(name), GOLDEN_STEPS[name])
+    expected = golden_expected(name, version)
+    metrics = trainer.run(golden_batches(name, version), GOLDEN_STEPS[name])
     names = sorted(k[len("metric/") :] for k in expected if k.startswith("metric/"))
     assert sorted(metrics[0]) == names
     for k in names:

@@ -7,8 +7,9 @@ validation function (``validate.py``), the writer and the reader (``writer.py``,
 (``rng.py``), the project's one atomic file write (``atomic.py``) and the typed errors.
 ``FORMAT.md`` beside this file specifies the format on one page.
 
-Modules import each other in one direction only: errors, limits, version, manifest <-
-layout, records <- wire <- validate <- writer, reader.
+Modules import each other in one direction only, never in a cycle: errors, limits,
+version, manifest, atomic, rng <- layout, records <- wire <- validate <- writer, reader;
+describe reads layout, limits, records and wire.
 
 Imports: the standard library and msgpack only; never torch, jax or numpy, so that every
 side of the project (exporter, runtime, tools in other environments) can depend on it.

@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import sys
 
-__all__ = ["die"]
+__all__ = ["EXIT_PIPE_CLOSED", "die"]
+
+# stdout's reader went away (128 + SIGPIPE, as the shell reports it).
+EXIT_PIPE_CLOSED = 141
 
 
 def die(msg: str, code: int = 2) -> int:

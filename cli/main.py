@@ -14,6 +14,7 @@ import sys
 from stepbundle import __version__
 
 from . import args as types
+from .common import EXIT_PIPE_CLOSED
 from .export import cmd_export
 from .inspect import cmd_inspect, cmd_verify
 from .run import cmd_run
@@ -136,19 +137,29 @@ EXIT_OK = 0
 EXIT_FAILED = 1  # the bundle, a checkpoint or a step was refused or failed
 EXIT_USAGE = 2  # a bad argument or input file, found before anything ran
 EXIT_NONFINITE = 3  # --stop-on-nonfinite stopped the run
-EXIT_PIPE_CLOSED = 141  # stdout's reader went away (128 + SIGPIPE, as the shell reports)
+EXIT_INTERRUPTED = 130  # Ctrl-C before the steps began; during them, 128 + the signal
+
+
+def _detach_stdout() -> None:
+    """Point stdout at /dev/null, so the interpreter's last flush cannot raise again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return int(args.fn(args))
+        code = int(args.fn(args))
+        if code == EXIT_PIPE_CLOSED:
+            _detach_stdout()
+        return code
     except BrokenPipeError:
-        # `stepbundle inspect X | head`: the reader is gone. End quietly, with stdout
-        # pointed at /dev/null so the interpreter's last flush cannot raise again.
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
+        # `stepbundle inspect X | head`: the reader is gone. End quietly.
+        _detach_stdout()
         return EXIT_PIPE_CLOSED
+    except KeyboardInterrupt:
+        print("stepbundle: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -10,12 +10,15 @@ import contextlib
 import json
 import math
 import os
+import signal
 import sys
 import time
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from .common import EXIT_PIPE_CLOSED
 from .common import die as _die
 
 __all__ = ["cmd_run"]
@@ -95,7 +98,7 @@ _SETUP_TIMEOUT_S = 1800.0
 
 def cmd_run(args: argparse.Namespace) -> int:
     from stepbundle.runtime import distributed
-    from stepbundle.runtime.trainer import iter_batches
+    from stepbundle.runtime.batches import iter_batches
     from stepbundle.schema.errors import BundleError
 
     try:
@@ -234,6 +237,50 @@ def _run_eval(args: argparse.Namespace, trainer: Any, batches: list[Any]) -> int
     return 0
 
 
+class _StopRequested(Exception):
+    """Raised from the step callback to end a run at a step boundary."""
+
+
+class _Stopper:
+    """Turns SIGINT and SIGTERM (and a closed stdout) into a stop at the next step boundary.
+
+    A scheduler that preempts a job sends SIGTERM; Ctrl-C sends SIGINT. Either way the
+    step in flight completes, its state replaces the old, and the run then writes its
+    final checkpoint and ``--save-state`` before exiting with 128 + the signal number.
+    A second signal while stopping is left to Python's default handling.
+    """
+
+    def __init__(self) -> None:
+        self.exit_code: int | None = None
+        self.reason = ""
+        self._previous: dict[int, Any] = {}
+
+    def request(self, exit_code: int, reason: str) -> None:
+        if self.exit_code is None:
+            self.exit_code, self.reason = exit_code, reason
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        self.request(128 + signum, signal.Signals(signum).name)
+        for sig, handler in self._previous.items():  # a second signal acts at once
+            signal.signal(sig, handler)
+
+    @contextlib.contextmanager
+    def installed(self, enabled: bool) -> Iterator[_Stopper]:
+        if enabled:
+            for wanted in (signal.SIGINT, signal.SIGTERM):
+                self._previous[wanted] = signal.signal(wanted, self._on_signal)
+        try:
+            yield self
+        finally:
+            for sig, handler in self._previous.items():
+                signal.signal(sig, handler)
+            self._previous.clear()
+
+    def check(self) -> None:
+        if self.exit_code is not None:
+            raise _StopRequested(self.reason)
+
+
 def _run_train(args: argparse.Namespace, trainer: Any, batches: list[Any]) -> int:
     from stepbundle.runtime.errors import NonFiniteLossError
 
@@ -243,9 +290,9 @@ def _run_train(args: argparse.Namespace, trainer: Any, batches: list[Any]) -> in
     start_step = trainer.step_count
     ckpt_dir = Path(args.checkpoint_dir) if args.checkpoint_dir else None
     stdout = sys.stdout
+    stopper = _Stopper()
 
-    def on_step(i: int, metrics: dict[str, Any]) -> None:
-        step = start_step + i
+    def report(i: int, step: int, metrics: dict[str, Any]) -> None:
         if not writer:  # process 0 of a multi-process job reports for all
             pass
         elif args.json:
@@ -259,22 +306,40 @@ def _run_train(args: argparse.Namespace, trainer: Any, batches: list[Any]) -> in
             stdout.write(
                 f"step {step:6d}  loss {float(loss) if loss is not None else float('nan'):.6f}\n"
             )
+
+    def on_step(i: int, metrics: dict[str, Any]) -> None:
+        step = start_step + i
+        try:
+            report(i, step, metrics)
+        except BrokenPipeError:
+            stopper.request(EXIT_PIPE_CLOSED, "stdout was closed")
         if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:
             assert ckpt_dir is not None
             trainer.save_checkpoint(ckpt_dir / f"step-{step + 1:08d}.safetensors")
+        stopper.check()
 
     t1 = time.perf_counter()
     code = 0
-    try:
-        trainer.run(batches, args.steps, on_step=on_step, offset=start_step, keep_metrics=False)
-    except NonFiniteLossError as e:
-        print(f"\n[run] {e}", file=sys.stderr)
-        if ckpt_dir is not None:
-            trainer.save_checkpoint(
-                ckpt_dir / f"step-{trainer.step_count:08d}-before-nonfinite.safetensors"
-            )
-        code = 3
-    trainer.block_until_ready()
+    # Signals stop a single-process run cleanly. A multi-process job keeps the default:
+    # its processes cannot agree on one step boundary without a collective per step.
+    with stopper.installed(enabled=len({d.process_index for d in trainer.devices}) == 1):
+        try:
+            trainer.run(batches, args.steps, on_step=on_step, offset=start_step, keep_metrics=False)
+        except NonFiniteLossError as e:
+            print(f"\n[run] {e}", file=sys.stderr)
+            if ckpt_dir is not None:
+                trainer.save_checkpoint(
+                    ckpt_dir / f"step-{trainer.step_count:08d}-before-nonfinite.safetensors"
+                )
+            code = 3
+        except _StopRequested as stop:
+            code = stopper.exit_code or 1
+            print(f"\n[run] stopping after step {trainer.step_count} ({stop})", file=sys.stderr)
+            if ckpt_dir is not None:
+                final = ckpt_dir / f"step-{trainer.step_count:08d}.safetensors"
+                trainer.save_checkpoint(final)
+                print(f"[run] wrote checkpoint {final}", file=sys.stderr)
+        trainer.block_until_ready()
     elapsed = time.perf_counter() - t1
     if progress is not None:
         progress.close()

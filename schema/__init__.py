@@ -2,13 +2,15 @@
 
 The manifest's dataclasses (``manifest.py``), their wire form (``records.py``,
 ``wire.py``), the file layout and size limits (``layout.py``, ``limits.py``), the one
-validation function (``validate.py``), the writer and the reader (``writer.py``,
+validation function (``validate.py``, with the per-program table checks in
+``validate_programs.py``), the writer and the reader (``writer.py``,
 ``reader.py``), the version constants and acceptance rule (``version.py``), the seed rule
 (``rng.py``), the project's one atomic file write (``atomic.py``) and the typed errors.
 ``FORMAT.md`` beside this file specifies the format on one page.
 
 Modules import each other in one direction only, never in a cycle: errors, limits,
-version, manifest, atomic, rng <- layout, records <- wire <- validate <- writer, reader;
+version, manifest, atomic, rng <- layout, records <- wire, validate_programs <- validate
+<- writer, reader;
 describe reads layout, limits, records and wire.
 
 Imports: the standard library and msgpack only; never torch, jax or numpy, so that every

@@ -1,85 +1,185 @@
-"""Checkpoints: safetensors files that PyTorch loads back, written atomically.
+"""The checkpoint file format: safetensors files that PyTorch loads back, written atomically.
 
 Layout (the safetensors format): an 8-byte little-endian header length, a JSON header
-mapping each tensor name to its dtype, shape and byte range, then the raw bytes. The
-``__metadata__`` entry carries ``stepbundle``: a JSON object with the step count, the
-RNG seed, the hyperparameters and the digest of the bundle the state belongs to. Keeping
-it inside the file (rather than in a second file) makes the write one atomic rename:
-temp file, fsync, rename, fsync of the folder. A crash at any point leaves the previous
-checkpoint intact.
+mapping each tensor name to its dtype, shape and byte range, then the raw bytes, the
+tensors back to back in header order. The ``__metadata__`` entry carries
+``stepbundle``: a JSON object, ``CheckpointMeta`` (format, step count, RNG seed,
+hyperparameters and the digest of the bundle the state belongs to). Keeping it inside
+the file (rather than in a second file) makes the write one atomic rename
+(``stepbundle.schema.atomic``): a crash at any point leaves the previous checkpoint
+intact.
 
-Tensors are streamed to disk one by one; nothing joins the whole state in memory.
-Readers and writers are written here (the format is one page) so that bf16 state works
-without torch; tests cross-check files with the safetensors package itself.
+This module is the format only: what a checkpoint holds and how it is read and
+written. Which state goes in and what a trainer does with it is ``Trainer``'s job
+(``save_checkpoint``/``load_checkpoint``), the check of state against a bundle's state
+table is ``state.py``'s.
+
+Tensors are streamed to disk one by one; nothing joins the whole state in memory. The
+reader and writer are written here (the format is one page) so that bf16 state works
+without torch (``safetensors.numpy`` has no bf16); the reader accepts the layouts the
+safetensors library accepts and no others, and tests cross-check files with it.
 
 Imports: numpy, stepbundle.schema.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import mmap
 import os
 import struct
-import tempfile
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, BinaryIO
 
 import numpy as np
 
-from stepbundle.schema.manifest import DType, Manifest
+from stepbundle.schema.atomic import atomic_write
 
-from .dtypes import NUMPY_DTYPES
+from .dtypes import NUMPY_DTYPES, SAFETENSORS_CODES, from_numpy, from_safetensors
 from .errors import CheckpointError
-
-if TYPE_CHECKING:
-    from .trainer import Trainer
 
 __all__ = [
     "CHECKPOINT_FORMAT",
-    "check_state_values",
-    "load_checkpoint",
+    "CheckpointFormatError",
+    "CheckpointMeta",
+    "OtherBundleError",
+    "check_bundle",
+    "read_checkpoint",
     "read_safetensors",
-    "save_checkpoint",
+    "write_checkpoint",
     "write_safetensors",
 ]
 
+# Changelog of the checkpoint format (the ``format`` field of the stepbundle metadata).
+# The reader accepts exactly the formats in SUPPORTED_FORMATS and refuses any other with
+# CheckpointFormatError; a new format keeps the old numbers there for as long as files
+# written with them must load.
+# 2026-11-30: 1, first version: safetensors, the state under PyTorch's names, metadata
+#   "stepbundle" = JSON {format, step, seed, hyperparameters, bundle_digest}.
+# 2026-12-01: 1, unchanged on disk; readers now refuse unknown formats and, unless told
+#   otherwise, checkpoints written by another bundle.
 CHECKPOINT_FORMAT = 1
-_MAX_HEADER = 100 * 2**20
+SUPPORTED_FORMATS = frozenset({1})
 
-_ST_DTYPES: dict[DType, str] = {
-    DType.F64: "F64",
-    DType.F32: "F32",
-    DType.BF16: "BF16",
-    DType.F16: "F16",
-    DType.I64: "I64",
-    DType.I32: "I32",
-    DType.I16: "I16",
-    DType.I8: "I8",
-    DType.U64: "U64",
-    DType.U32: "U32",
-    DType.U16: "U16",
-    DType.U8: "U8",
-    DType.BOOL: "BOOL",
-}
-_FROM_ST = {v: k for k, v in _ST_DTYPES.items()}
-_NP_TO_DTYPE = {v: k for k, v in NUMPY_DTYPES.items()}
+# The safetensors library's own cap on the JSON header (MAX_HEADER_SIZE).
+_MAX_HEADER = 100_000_000
+_META_KEY = "stepbundle"
 
 
-def _fsync_dir(folder: Path) -> None:
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+class CheckpointFormatError(CheckpointError):
+    """The checkpoint's format number is one this reader does not know."""
+
+
+class OtherBundleError(CheckpointError):
+    """The checkpoint was written by another bundle than the one loaded."""
+
+
+@dataclass(frozen=True)
+class CheckpointMeta:
+    """What a checkpoint holds besides the state: the ``stepbundle`` metadata entry.
+
+    Attributes:
+      format: the checkpoint format number (``CHECKPOINT_FORMAT`` when written here).
+      step: the number of training steps taken when it was saved.
+      seed: the RNG seed the next training step receives; None when the bundle's
+        programs use no random numbers.
+      hyperparameters: every hyperparameter's value by name.
+      bundle_digest: the digest ("sha256:...") of the bundle the state belongs to.
+    """
+
+    format: int
+    step: int
+    seed: int | None
+    hyperparameters: Mapping[str, float]
+    bundle_digest: str
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "format": self.format,
+                "step": self.step,
+                "seed": self.seed,
+                "hyperparameters": dict(self.hyperparameters),
+                "bundle_digest": self.bundle_digest,
+            },
+            sort_keys=True,
+        )
+
+    @classmethod
+    def from_json(cls, path: str | os.PathLike[str], raw: str) -> CheckpointMeta:
+        """Parse and check the metadata of the checkpoint at ``path``.
+
+        Raises:
+          CheckpointFormatError: the format is not one this reader supports.
+          CheckpointError: the metadata is malformed.
+        """
+
+        def bad(why: str) -> CheckpointError:
+            return CheckpointError(f"{os.fspath(path)} has corrupt stepbundle metadata: {why}.")
+
+        try:
+            info = json.loads(raw)
+        except (ValueError, RecursionError) as e:
+            raise bad(f"{type(e).__name__}: {e}") from None
+        if not isinstance(info, dict):
+            raise bad("it is not a JSON object")
+        missing = [
+            k
+            for k in ("format", "step", "seed", "hyperparameters", "bundle_digest")
+            if k not in info
+        ]
+        if missing:
+            raise bad(f"missing {', '.join(missing)}")
+        fmt = info["format"]
+        if type(fmt) is not int or fmt not in SUPPORTED_FORMATS:
+            raise CheckpointFormatError(
+                f"The checkpoint {os.fspath(path)} has format {fmt!r}, but this version of "
+                f"stepbundle reads checkpoint format {CHECKPOINT_FORMAT} only. Load it with "
+                "the stepbundle version that wrote it, or save it again from there."
+            )
+        step, seed, hyper = info["step"], info["seed"], info["hyperparameters"]
+        digest = info["bundle_digest"]
+        if type(step) is not int or step < 0:
+            raise bad(f"the step {step!r} is not a non-negative integer")
+        if seed is not None and (type(seed) is not int or not 0 <= seed < 2**64):
+            raise bad(f"the seed {seed!r} is not an integer in [0, 2**64)")
+        if not isinstance(hyper, dict) or not all(
+            type(v) in (int, float) and math.isfinite(v) for v in hyper.values()
+        ):
+            raise bad(f"the hyperparameters {hyper!r:.200} are not a map of finite numbers")
+        if not isinstance(digest, str):
+            raise bad(f"the bundle digest {digest!r:.100} is not a string")
+        return cls(
+            format=fmt,
+            step=step,
+            seed=seed,
+            hyperparameters={str(k): float(v) for k, v in hyper.items()},
+            bundle_digest=digest,
+        )
+
+
+def check_bundle(
+    meta: CheckpointMeta,
+    path: str | os.PathLike[str],
+    digest: str,
+    *,
+    allow_other_bundle: bool = False,
+) -> None:
+    """Refuse a checkpoint written by another bundle than the one with ``digest``.
+
+    Raises:
+      OtherBundleError: the digests differ and ``allow_other_bundle`` is False.
+    """
+    if meta.bundle_digest != digest and not allow_other_bundle:
+        raise OtherBundleError(
+            f"The checkpoint {os.fspath(path)} was written by the bundle "
+            f"{meta.bundle_digest}, but the loaded bundle is {digest}. Load the bundle that "
+            "wrote it, or pass allow_other_bundle=True to load_checkpoint to restore it "
+            "anyway (the state must still match this bundle's state table)."
+        )
 
 
 def write_safetensors(
@@ -87,7 +187,14 @@ def write_safetensors(
     tensors: Mapping[str, np.ndarray[Any, Any]],
     metadata: Mapping[str, str] | None = None,
 ) -> None:
-    """Write ``tensors`` as a safetensors file, atomically (temp, fsync, rename)."""
+    """Write ``tensors`` as a safetensors file, atomically (temp, fsync, rename).
+
+    The file gets the permissions ``open(path, "w")`` would give it (the umask's).
+
+    Raises:
+      CheckpointError: a tensor has a dtype checkpoints cannot hold (nothing written).
+      OSError: the file could not be written; ``path`` is untouched.
+    """
     target = Path(path)
     header: dict[str, Any] = {}
     if metadata:
@@ -97,13 +204,14 @@ def write_safetensors(
     for name in sorted(tensors):
         # np.asarray keeps 0-d arrays 0-d (ascontiguousarray would make them 1-d).
         a = np.asarray(tensors[name], order="C")
-        dt = _NP_TO_DTYPE.get(a.dtype)
+        dt = from_numpy(a.dtype)
         if dt is None:
             raise CheckpointError(
-                f"Tensor {name!r} has dtype {a.dtype}, which checkpoints cannot hold."
+                f"Tensor {name!r} has dtype {a.dtype}, which checkpoints cannot hold. Cast it "
+                f"to one of {', '.join(sorted(str(d) for d in NUMPY_DTYPES.values()))}."
             )
         header[name] = {
-            "dtype": _ST_DTYPES[dt],
+            "dtype": SAFETENSORS_CODES[dt],
             "shape": [int(d) for d in a.shape],
             "data_offsets": [offset, offset + a.nbytes],
         }
@@ -111,23 +219,16 @@ def write_safetensors(
         items.append(a)
     raw = json.dumps(header, separators=(",", ":"), sort_keys=False).encode()
     raw += b" " * (-len(raw) % 8)  # the spec allows trailing spaces; 8-align the data
+
+    def write(f: BinaryIO) -> None:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for a in items:
+            if a.size:
+                f.write(a.reshape(-1).view(np.uint8).data)
+
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(struct.pack("<Q", len(raw)))
-            f.write(raw)
-            for a in items:
-                if a.size:
-                    f.write(a.reshape(-1).view(np.uint8).data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    _fsync_dir(target.parent)
+    atomic_write(target, write)
 
 
 def _record(p: Path, name: str, rec: object) -> tuple[np.dtype[Any], tuple[int, ...], int, int]:
@@ -141,9 +242,10 @@ def _record(p: Path, name: str, rec: object) -> tuple[np.dtype[Any], tuple[int, 
 
     if not isinstance(rec, dict):
         raise bad("not a JSON object")
-    st_dtype, shape, offsets = rec.get("dtype"), rec.get("shape"), rec.get("data_offsets")
-    if not isinstance(st_dtype, str) or st_dtype not in _FROM_ST:
-        raise bad(f"unknown dtype {st_dtype!r}")
+    code, shape, offsets = rec.get("dtype"), rec.get("shape"), rec.get("data_offsets")
+    dtype = from_safetensors(code) if isinstance(code, str) else None
+    if dtype is None:
+        raise bad(f"unknown dtype {code!r}")
     if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
         raise bad(f"the shape {shape!r} is not a list of non-negative integers")
     if (
@@ -153,7 +255,33 @@ def _record(p: Path, name: str, rec: object) -> tuple[np.dtype[Any], tuple[int, 
         or offsets[0] > offsets[1]
     ):
         raise bad(f"data_offsets {offsets!r} are not [start, end] with 0 <= start <= end")
-    return NUMPY_DTYPES[_FROM_ST[st_dtype]], tuple(shape), offsets[0], offsets[1]
+    return NUMPY_DTYPES[dtype], tuple(shape), offsets[0], offsets[1]
+
+
+def _check_layout(
+    p: Path, records: Mapping[str, tuple[np.dtype[Any], tuple[int, ...], int, int]], data: int
+) -> None:
+    """The byte ranges tile the data exactly, as the safetensors library requires: in
+    order of their offsets, each starts where the previous ended (the first at 0), each
+    is as long as its dtype and shape say, and the last ends at the end of the file."""
+    end = 0
+    for name, (dt, shape, start, stop) in sorted(records.items(), key=lambda kv: kv[1][2:]):
+        if start != end:
+            raise CheckpointError(
+                f"{p}: tensor {name!r} starts at byte {start} of the data, not at {end} "
+                "where the previous one ends; the file is damaged."
+            )
+        if stop - start != math.prod(shape) * dt.itemsize:
+            raise CheckpointError(
+                f"{p}: tensor {name!r} has {stop - start} bytes, but {dt}{list(shape)} takes "
+                f"{math.prod(shape) * dt.itemsize}; the file is damaged."
+            )
+        end = stop
+    if end != data:
+        raise CheckpointError(
+            f"{p}: the tensors take {end} bytes but the file has {data} bytes of data; the "
+            "file is truncated or has bytes appended."
+        )
 
 
 def read_safetensors(
@@ -175,140 +303,57 @@ def read_safetensors(
                 if n > _MAX_HEADER or 8 + n > size:
                     raise CheckpointError(f"{p} has a corrupt safetensors header length ({n}).")
                 try:
-                    header = json.loads(bytes(mm[8 : 8 + n]))
+                    header = json.loads(bytes(mm[8 : 8 + n]).decode("utf-8"))
                 except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
                     raise CheckpointError(
                         f"{p} has a corrupt safetensors header: {type(e).__name__}: {e}."
                     ) from None
                 if not isinstance(header, dict):
                     raise CheckpointError(f"{p}: the safetensors header is not a JSON object.")
-                meta = header.pop("__metadata__", None) or {}
+                meta = header.pop("__metadata__", None)
+                meta = {} if meta is None else meta
                 if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
                     raise CheckpointError(
                         f"{p}: the safetensors __metadata__ is not a map of strings."
                     )
                 base = 8 + n
                 records = {name: _record(p, name, rec) for name, rec in header.items()}
-                out: dict[str, np.ndarray[Any, Any]] = {}
-                for name, (dt, shape, start, end) in records.items():
-                    count = math.prod(shape)
-                    if base + end > size or end - start != count * dt.itemsize:
-                        raise CheckpointError(
-                            f"{p}: tensor {name!r} lies outside the file or has the wrong size."
-                        )
-                    out[name] = (
-                        np.frombuffer(mm, dtype=dt, count=count, offset=base + start)
-                        .reshape(shape)
-                        .copy()
-                    )
-                return out, dict(meta)
+                _check_layout(p, records, size - base)
+                return {
+                    name: np.frombuffer(mm, dtype=dt, count=math.prod(shape), offset=base + start)
+                    .reshape(shape)
+                    .copy()
+                    for name, (dt, shape, start, _) in records.items()
+                }, dict(meta)
     except OSError as e:
         raise CheckpointError(f"Cannot read checkpoint {p}: {e}.") from None
 
 
-def check_state_values(
-    manifest: Manifest, values: Mapping[str, np.ndarray[Any, Any]]
-) -> dict[str, np.ndarray[Any, Any]]:
-    """Map ``values`` (which may use alias names) onto the state table, checking specs."""
-    out: dict[str, np.ndarray[Any, Any]] = {}
-    problems = []
-    for s in manifest.state:
-        names = (s.name, *s.aliases)
-        found = next((values[n] for n in names if n in values), None)
-        if found is None:
-            problems.append(f"missing {s.name!r}")
-            continue
-        a = np.asarray(found)
-        want = NUMPY_DTYPES[s.spec.dtype]
-        if a.dtype != want or tuple(a.shape) != s.spec.shape:
-            problems.append(f"{s.name!r} is {a.dtype}{list(a.shape)}, the bundle has {s.spec}")
-            continue
-        out[s.name] = a
-    known = {n for s in manifest.state for n in (s.name, *s.aliases)}
-    extra = sorted(set(values) - known)
-    if extra:
-        problems.append(f"unknown name(s) {', '.join(map(repr, extra[:5]))}")
-    if problems:
-        raise CheckpointError(
-            "The state does not match this bundle's state table: "
-            + "; ".join(problems[:8])
-            + ". Load a checkpoint written for this bundle (same model and optimizer)."
-        )
-    return out
+def write_checkpoint(
+    path: str | os.PathLike[str], values: Mapping[str, np.ndarray[Any, Any]], meta: CheckpointMeta
+) -> None:
+    """Write a checkpoint: ``values`` as safetensors, ``meta`` in its metadata.
+
+    Raises:
+      OSError: the file could not be written; ``path`` is untouched.
+    """
+    write_safetensors(path, values, {_META_KEY: meta.to_json()})
 
 
-def save_checkpoint(trainer: Trainer, path: str | os.PathLike[str]) -> None:
-    meta = {
-        "format": CHECKPOINT_FORMAT,
-        "step": trainer.step_count,
-        "seed": trainer.seed,
-        "hyperparameters": trainer.hyperparameters,
-        "bundle_digest": trainer.digest,
-    }
-    # In a multi-process run every process takes part in gathering the state, process 0
-    # writes it, and the others wait until it says whether the file is in place.
-    values = trainer.state_dict(include_aliases=True)
-    placement = trainer.placement
-    failure: CheckpointError | None = None
-    if placement.writes_files:
-        try:
-            write_safetensors(path, values, {"stepbundle": json.dumps(meta, sort_keys=True)})
-        except OSError as e:  # every process must still reach the agreement below
-            failure = CheckpointError(
-                f"Could not write the checkpoint {os.fspath(path)!r}: {e}. The previous "
-                "checkpoint files are untouched; free space or fix the folder and save again."
-            )
-    written = placement.agree(failure is None)
-    if failure is not None:
-        raise failure
-    if not written:
-        raise CheckpointError(
-            f"Process 0 could not write the checkpoint {os.fspath(path)!r}; its error says why."
-        )
+def read_checkpoint(
+    path: str | os.PathLike[str],
+) -> tuple[dict[str, np.ndarray[Any, Any]], CheckpointMeta]:
+    """Read a checkpoint's state (under the names it was saved with) and metadata.
 
-
-def _metadata(path: str | os.PathLike[str], raw: str) -> tuple[int, int | None, dict[str, float]]:
-    """The step count, seed and hyperparameters of a checkpoint's metadata, checked."""
-
-    def bad(why: str) -> CheckpointError:
-        return CheckpointError(f"{path} has corrupt stepbundle metadata: {why}.")
-
-    try:
-        info = json.loads(raw)
-    except (ValueError, RecursionError) as e:
-        raise bad(f"{type(e).__name__}: {e}") from None
-    if not isinstance(info, dict):
-        raise bad("it is not a JSON object")
-    missing = [k for k in ("step", "seed", "hyperparameters") if k not in info]
-    if missing:
-        raise bad(f"missing {', '.join(missing)}")
-    step, seed, hyper = info["step"], info["seed"], info["hyperparameters"]
-    if type(step) is not int or step < 0:
-        raise bad(f"the step {step!r} is not a non-negative integer")
-    if seed is not None and (type(seed) is not int or not 0 <= seed < 2**64):
-        raise bad(f"the seed {seed!r} is not an integer in [0, 2**64)")
-    if not isinstance(hyper, dict) or not all(
-        type(v) in (int, float) and math.isfinite(v) for v in hyper.values()
-    ):
-        raise bad(f"the hyperparameters {hyper!r:.200} are not a map of finite numbers")
-    return step, seed, {str(k): float(v) for k, v in hyper.items()}
-
-
-def load_checkpoint(trainer: Trainer, path: str | os.PathLike[str]) -> None:
-    """Restore ``trainer`` from ``path``; everything is checked before anything changes."""
+    Raises:
+      CheckpointFormatError: the checkpoint's format is not one this reader supports.
+      CheckpointError: the file is malformed, or is plain safetensors without metadata.
+    """
     values, meta = read_safetensors(path)
-    raw = meta.get("stepbundle")
+    raw = meta.get(_META_KEY)
     if raw is None:
         raise CheckpointError(
-            f"{path} has no stepbundle metadata; it was not written by save_checkpoint. "
-            "Use trainer.load_state_dict for plain state."
+            f"{os.fspath(path)} has no stepbundle metadata; it was not written by "
+            "save_checkpoint. Use trainer.load_state_dict for plain state."
         )
-    step, seed, hyper = _metadata(path, raw)
-    check_state_values(trainer.manifest, values)
-    trainer.load_state_dict(values)
-    trainer._step = step
-    if seed is not None and trainer.seed is not None:
-        trainer.seed = seed
-    for k, v in hyper.items():
-        if k in trainer.hyperparameters:
-            trainer.set_hyperparameter(k, v)
+    return values, CheckpointMeta.from_json(path, raw)

@@ -21,17 +21,11 @@ from stepbundle.schema.manifest import ConstantInput, Manifest, MetricOutput
 from . import _compat, packing
 from .dtypes import array_from_section
 from .errors import BindingError, PlatformError
+from .plan import Plan, RefusedPlan, batch_text, build_plan, refused_plan
 from .program import compile_program, default_cache_dir
 from .sharding import Placement, zero1_split
-from .trainer import (
-    LoadInfo,
-    Trainer,
-    _Plan,
-    batch_text,
-    build_plan,
-    host_buffers,
-    refused_plan,
-)
+from .state import host_buffers
+from .trainer import LoadInfo, Trainer
 
 __all__ = ["load", "parse_device"]
 
@@ -254,8 +248,9 @@ def load(
                 info.cache_hits += int(cp.cache_hit)
                 info.compiled += int(not cp.cache_hit)
                 progs.append(cp)
-            if progs and all(isinstance(p, _Plan) for p in progs) and ent.updates_state:
-                raise PlatformError(progs[0].refusal or "")
+            refused = [p for p in progs if isinstance(p, RefusedPlan)]
+            if refused and len(refused) == len(progs) and ent.updates_state:
+                raise PlatformError(refused[0].refusal)
             compiled[name] = progs
         info.seconds["compile"] = time.perf_counter() - t1
 
@@ -279,10 +274,10 @@ def load(
                             array_from_section(bundle.section(inp.section), inp.spec)
                         )
         info.seconds["state"] = time.perf_counter() - t2
-        plans: dict[str, list[_Plan]] = {
+        plans: dict[str, list[Plan]] = {
             name: [
                 p
-                if isinstance(p, _Plan)
+                if isinstance(p, RefusedPlan)
                 else build_plan(name, i, p, state_index, constants, placement)
                 for i, p in enumerate(progs)
             ]
@@ -309,7 +304,7 @@ def load(
 
 def _refusal(
     entry: str, index: int, program: Any, why: str, placement: Placement, programs: Any
-) -> _Plan:
+) -> RefusedPlan:
     """A plan for a shape bucket that cannot run on the placement: it refuses batches."""
     n = placement.n
     usable = [batch_text(p) for p in placement.usable_buckets(programs)]

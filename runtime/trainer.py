@@ -1,10 +1,12 @@
 """The lean trainer: owns the training state on the device and runs a bundle's steps.
 
 The hot path (``Trainer.step``) does only what a step needs: check the batch against
-the programs (before anything is dispatched, so a rejected call donates nothing), move
-the batch to the device, assemble the argument list from precomputed slots, execute
-asynchronously, and swap the donated state buffers for their updates. Metrics come
-back as device arrays; reading one (``float(m["loss"])``) is what waits for the step.
+the plans (before anything is dispatched, so a rejected call donates nothing), move
+the batch to the device, assemble the argument list from the plan's precomputed slots,
+execute asynchronously, and swap the donated state buffers for their updates. Metrics
+come back as device arrays; reading one (``float(m["loss"])``) is what waits for the
+step. Checkpoints are orchestrated here (which state, which metadata, the agreement of
+a multi-process job); their file format is ``checkpoint.py``'s.
 
 Imports: numpy, jax/jaxlib (through _compat), stepbundle.schema.
 """
@@ -12,70 +14,39 @@ Imports: numpy, jax/jaxlib (through _compat), stepbundle.schema.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from stepbundle.schema.manifest import (
-    BatchInput,
-    ConstantInput,
-    HyperparameterInput,
-    Manifest,
-    MetricOutput,
-    Program,
-    RngSeedInput,
-    StateInput,
-    StateUpdateOutput,
-)
+from stepbundle.schema.manifest import Manifest
+from stepbundle.schema.rng import TORCH_XLA_MARK_STEP, advance_seed
 
 from . import _compat
-from .dtypes import describe, to_numpy
-from .errors import BindingError, NonFiniteLossError
-from .packing import Layout, Pack
-from .program import CompiledProgram
+from .batches import iter_batches as iter_batches  # see the note at __all__
+from .batches import mismatch_message
+from .checkpoint import (
+    CHECKPOINT_FORMAT,
+    CheckpointMeta,
+    check_bundle,
+    read_checkpoint,
+    write_checkpoint,
+)
+from .errors import BindingError, CheckpointError, NonFiniteLossError
+from .hyper import Hyperparameters
+from .packing import Layout
+from .plan import CompiledPlan, Plan, RefusedPlan
 from .sharding import Placement
+from .state import check_state_values, host_buffers, named_values
 
-__all__ = ["Trainer", "advance_seed"]
+# ``iter_batches`` lives in batches.py; it is imported here only for the callers that
+# still import it from stepbundle.runtime.trainer (tests/lean_runner.py,
+# benchmarks/soak.py). Remove the import once they import stepbundle.runtime.batches.
+__all__ = ["LoadInfo", "Trainer"]
 
 _U64 = 2**64
-SEED_MUL = 7012063
-SEED_ADD = 1012031
-
-
-def advance_seed(seed: int, steps: int = 1) -> int:
-    """torch_xla's per-step seed rule: ``next = (1012031 + seed * 7012063) mod 2**64``."""
-    for _ in range(steps):
-        seed = (SEED_ADD + seed * SEED_MUL) % _U64
-    return seed
-
-
-@dataclass
-class _Plan:
-    """How to feed one compiled program from the trainer's state, precomputed at load."""
-
-    entry: str
-    index: int
-    compiled: CompiledProgram | None
-    template: list[Any]
-    state_slots: list[tuple[int, int]]
-    batch_slots: list[tuple[int, str]]
-    seed_slot: int | None
-    hyper_slots: list[tuple[int, str]]
-    metric_slots: list[tuple[int, str]]
-    update_slots: list[tuple[int, int]]
-    batch_sig: dict[str, tuple[tuple[int, ...], np.dtype[Any]]]
-    loss_slot: int | None = None
-    signature_text: str = ""
-    dispatch: Any = None
-    # Set when this shape bucket cannot run where the trainer runs (a batch that does
-    # not split over the data-parallel devices); the program was not compiled.
-    refusal: str | None = None
-
-    @property
-    def executable(self) -> Any:
-        return self.compiled.executable if self.compiled is not None else None
 
 
 @dataclass
@@ -102,7 +73,7 @@ class Trainer:
         placement: Placement,
         layout: Layout,
         state: list[Any],
-        plans: dict[str, list[_Plan]],
+        plans: dict[str, list[Plan]],
         hyperparameters: dict[str, float],
         seed: int | None,
         stop_on_nonfinite: bool,
@@ -121,10 +92,18 @@ class Trainer:
         self._layout = layout
         self._state = state
         self._plans = plans
-        self._hyper = dict(hyperparameters)
-        self._hyper_bufs: dict[str, Any] = {}
-        self._schedules: dict[str, Callable[[int], float]] = {}
+        self._hp = Hyperparameters(manifest, hyperparameters, placement.put_replicated)
+        # The hot path reads these directly: the same objects as self._hp's.
+        self._hyper = self._hp.values
+        self._hyper_bufs = self._hp.buffers
+        self._schedules = self._hp.schedules
+        self._hyper_buf = self._hp.buffer
         self._seed = seed
+        # The seed advances by the rule the bundle names; an unknown rule fails here,
+        # at load, rather than at the first step.
+        self._seed_rule = manifest.rng.rule if manifest.rng is not None else TORCH_XLA_MARK_STEP
+        if seed is not None:
+            advance_seed(self._seed_rule, seed, 0)
         self._step = 0
         self._put_scalar = placement.put_replicated
         self._stop_on_nonfinite = stop_on_nonfinite
@@ -173,29 +152,9 @@ class Trainer:
         return self.placement.bytes_per_device(self._state)
 
     # ------------------------------------------------------- hyperparameters
-    def _resolve_hyper(self, name: str) -> list[str]:
-        if name in self._hyper:
-            return [name]
-        matches = [
-            n for n in self._hyper if n.startswith("param_groups.") and n.rsplit(".", 1)[-1] == name
-        ]
-        if matches:
-            return matches
-        known = ", ".join(sorted(self._hyper)) or "none"
-        raise BindingError(
-            f"The bundle has no hyperparameter {name!r} (it has: {known}). Declare it at "
-            "export with Recipe(hyperparameters=(...))."
-        )
-
     def set_hyperparameter(self, name: str, value: float) -> None:
         """Set a hyperparameter for the following steps (``lr`` sets every group's lr)."""
-        v = float(value)
-        if not math.isfinite(v):
-            raise BindingError(f"Hyperparameter {name!r} must be finite, got {value!r}.")
-        for n in self._resolve_hyper(name):
-            if self._hyper[n] != v:
-                self._hyper[n] = v
-                self._hyper_bufs.pop(n, None)
+        self._hp.set(name, value)
 
     def set_schedule(self, name: str, schedule: Callable[[int], float] | None) -> None:
         """Call ``schedule(step)`` before every training step and set ``name`` to it.
@@ -203,22 +162,10 @@ class Trainer:
         ``step`` is the number of steps taken so far (0 for the first). ``None`` removes
         the schedule.
         """
-        for n in self._resolve_hyper(name):
-            if schedule is None:
-                self._schedules.pop(n, None)
-            else:
-                self._schedules[n] = schedule
-
-    def _hyper_buf(self, name: str) -> Any:
-        buf = self._hyper_bufs.get(name)
-        if buf is None:
-            spec = next(h.spec for h in self.manifest.hyperparameters if h.name == name)
-            buf = self._put_scalar(np.asarray(self._hyper[name], dtype=to_numpy(spec.dtype)))
-            self._hyper_bufs[name] = buf
-        return buf
+        self._hp.set_schedule(name, schedule)
 
     # ---------------------------------------------------------------- checks
-    def _plans_for(self, entry: str) -> list[_Plan]:
+    def _plans_for(self, entry: str) -> list[Plan]:
         plans = self._plans.get(entry)
         if plans is None:
             raise BindingError(
@@ -227,7 +174,7 @@ class Trainer:
             )
         return plans
 
-    def _pick(self, entry: str, batch: Mapping[str, Any]) -> tuple[_Plan, dict[str, Any]]:
+    def _pick(self, entry: str, batch: Mapping[str, Any]) -> tuple[CompiledPlan, dict[str, Any]]:
         """Choose the shape bucket for ``batch`` and move the batch to the device.
 
         Everything that can be wrong with a batch is found here, before dispatch.
@@ -244,7 +191,7 @@ class Trainer:
             if not hasattr(v, "shape") or not hasattr(v, "dtype"):
                 v = np.asarray(v)
             arrays[k] = v
-        chosen: _Plan | None = None
+        chosen: Plan | None = None
         for plan in plans:
             sig = plan.batch_sig
             if len(sig) != len(arrays):
@@ -259,8 +206,8 @@ class Trainer:
                 chosen = plan
                 break
         if chosen is None:
-            raise BindingError(self._mismatch_message(entry, plans, arrays))
-        if chosen.refusal is not None:
+            raise BindingError(mismatch_message(entry, plans, arrays))
+        if isinstance(chosen, RefusedPlan):  # replaces a None test; no slower
             raise BindingError(chosen.refusal)
         dev: dict[str, Any] = {}
         for k in chosen.batch_sig:
@@ -284,44 +231,10 @@ class Trainer:
             _compat.to_host(a) if hasattr(a, "sharding") else np.asarray(a)
         )
 
-    def _mismatch_message(self, entry: str, plans: list[_Plan], arrays: Mapping[str, Any]) -> str:
-        got = (
-            ", ".join(f"{k}: {describe(a.dtype, tuple(a.shape))}" for k, a in arrays.items())
-            or "nothing"
-        )
-        expected = " | ".join(p.signature_text for p in plans)
-        lines = [f"The batch does not match any shape bucket of the {entry!r} entry."]
-        lines.append(f"  expected: {expected}")
-        lines.append(f"  got:      {got}")
-        names = set(plans[0].batch_sig)
-        missing = sorted(names - set(arrays))
-        extra = sorted(set(arrays) - names)
-        if missing:
-            lines.append(f"Missing batch input(s): {', '.join(missing)}.")
-        if extra:
-            lines.append(f"Unexpected batch input(s): {', '.join(extra)}; remove them.")
-        if not missing and not extra:
-            for k, a in arrays.items():
-                want = {
-                    (shape, dt) for p in plans for kk, (shape, dt) in p.batch_sig.items() if kk == k
-                }
-                if all(np.dtype(a.dtype) != dt for _, dt in want):
-                    dts = sorted({describe(dt, s) for s, dt in want})
-                    lines.append(
-                        f"Dtype mismatch for batch input {k!r}: the bundle expects "
-                        f"{' or '.join(dts)}, got {describe(a.dtype, tuple(a.shape))}. Cast the "
-                        f"array, or re-export with a {np.dtype(a.dtype).name} example batch."
-                    )
-                elif all(tuple(a.shape) != s for s, _ in want):
-                    lines.append(
-                        f"Shape mismatch for batch input {k!r}: got {tuple(a.shape)}, the "
-                        f"bundle has buckets {sorted({s for s, _ in want})}. Pad or split the "
-                        "batch, or re-export with an example batch of this shape."
-                    )
-        return "\n".join(lines)
-
     # -------------------------------------------------------------- stepping
-    def _args(self, plan: _Plan, dev_batch: Mapping[str, Any], seed: int | None) -> list[Any]:
+    def _args(
+        self, plan: CompiledPlan, dev_batch: Mapping[str, Any], seed: int | None
+    ) -> list[Any]:
         args = plan.template.copy()
         st = self._state
         for pos, si in plan.state_slots:
@@ -335,7 +248,7 @@ class Trainer:
             args[pos] = self._hyper_buf(name)
         return args
 
-    def _dispatch(self, plan: _Plan, dev_batch: Mapping[str, Any]) -> dict[str, Any]:
+    def _dispatch(self, plan: CompiledPlan, dev_batch: Mapping[str, Any]) -> dict[str, Any]:
         if self._schedules:
             for name, fn in self._schedules.items():
                 v = float(fn(self._step))
@@ -346,7 +259,7 @@ class Trainer:
         try:
             outs = plan.dispatch(args)
         except Exception as e:
-            if plan.compiled is not None and plan.compiled.donating:
+            if plan.compiled.donating:
                 self._broken = (
                     f"A step failed inside the device runtime ({e}); its donated state "
                     "buffers may be gone. Load a checkpoint (trainer.load_checkpoint) or "
@@ -375,7 +288,7 @@ class Trainer:
             st[si] = outs[pos]
         self._step += 1
         if self._seed is not None:
-            self._seed = (SEED_ADD + self._seed * SEED_MUL) % _U64
+            self._seed = advance_seed(self._seed_rule, self._seed)
         return metrics
 
     def step(self, batch: Mapping[str, Any]) -> dict[str, Any]:
@@ -446,14 +359,8 @@ class Trainer:
         """
         if self._broken is not None:
             raise BindingError(self._broken)
-        values: dict[str, np.ndarray[Any, Any]] = {}
-        for entry, buf in zip(self._layout.buffers, self._state):
-            host = _compat.to_host(buf)  # one transfer per buffer
-            if isinstance(entry, Pack):
-                for m in entry.members:
-                    values[m.state] = host[m.offset : m.offset + m.numel].reshape(m.shape).copy()
-            else:
-                values[entry] = host
+        # One transfer per buffer, each when its turn comes.
+        values = named_values(self._layout, (_compat.to_host(b) for b in self._state))
         out: dict[str, np.ndarray[Any, Any]] = {}
         for name in self._names:
             out[name] = values[name]
@@ -464,9 +371,10 @@ class Trainer:
 
     def load_state_dict(self, values: Mapping[str, np.ndarray[Any, Any]]) -> None:
         """Replace the state with ``values`` (every state name, exact dtypes and shapes)."""
-        from .checkpoint import check_state_values
+        self._put_state(check_state_values(self.manifest, values))
 
-        arrays = check_state_values(self.manifest, values)
+    def _put_state(self, arrays: Mapping[str, np.ndarray[Any, Any]]) -> None:
+        """Replace the state with ``arrays``, already checked against the state table."""
         self._state = [
             self.placement.put_state(name, a)
             for name, a in zip(self._layout.buffer_names, host_buffers(self._layout, arrays))
@@ -477,134 +385,71 @@ class Trainer:
         """Wait until every dispatched step has finished."""
         _compat.block(self._state)
 
-    def save_checkpoint(self, path: str | Any) -> None:
+    # ----------------------------------------------------------- checkpoints
+    def save_checkpoint(self, path: str | os.PathLike[str]) -> None:
         """Write the state, step count, RNG seed and hyperparameters atomically.
 
         The file is safetensors with PyTorch's state names; the step count, seed and
         hyperparameters sit in its metadata (``stepbundle`` key, JSON), so the write is
-        one atomic rename.
+        one atomic rename. In a multi-process job every process calls this: all take
+        part in gathering the state, process 0 writes the file, and every process
+        returns (or raises) once it says whether the file is in place.
+
+        Raises:
+          CheckpointError: the file could not be written (on every process of a job);
+            the previous file at ``path`` is untouched.
         """
-        from .checkpoint import save_checkpoint
-
-        save_checkpoint(self, path)
-
-    def load_checkpoint(self, path: str | Any) -> None:
-        """Restore state, step count, seed and hyperparameters exactly."""
-        from .checkpoint import load_checkpoint
-
-        load_checkpoint(self, path)
-
-
-def host_buffers(
-    layout: Layout, arrays: Mapping[str, np.ndarray[Any, Any]]
-) -> list[np.ndarray[Any, Any]]:
-    """The host arrays of the layout's buffers: packs concatenated, others as they are."""
-    out = []
-    for entry in layout.buffers:
-        if isinstance(entry, Pack):
-            out.append(
-                np.concatenate([np.asarray(arrays[m.state]).reshape(-1) for m in entry.members])
-            )
-        else:
-            out.append(np.asarray(arrays[entry]))
-    return out
-
-
-def batch_text(program: Program) -> str:
-    """The shape bucket as users see it in errors: ``{x: f32[8,5], y: f32[8,3]}``."""
-    return "{" + ", ".join(f"{b.name}: {b.spec}" for b in program.batch) + "}"
-
-
-def _batch_signature(program: Program) -> tuple[dict[str, Any], str]:
-    sig = {b.name: (tuple(b.spec.shape), to_numpy(b.spec.dtype)) for b in program.batch}
-    return sig, batch_text(program)
-
-
-def refused_plan(entry: str, index: int, program: Program, refusal: str) -> _Plan:
-    """A plan for a shape bucket that cannot run here: batches of its shape are refused
-    with ``refusal`` before anything is dispatched. Its program is not compiled."""
-    sig, text = _batch_signature(program)
-    return _Plan(
-        entry=entry,
-        index=index,
-        compiled=None,
-        template=[],
-        state_slots=[],
-        batch_slots=[],
-        seed_slot=None,
-        hyper_slots=[],
-        metric_slots=[],
-        update_slots=[],
-        batch_sig=sig,
-        signature_text=text,
-        refusal=refusal,
-    )
-
-
-def build_plan(
-    entry: str,
-    index: int,
-    compiled: CompiledProgram,
-    state_index: Mapping[str, int],
-    constants: Mapping[str, Any],
-    placement: Placement,
-) -> _Plan:
-    """Precompute where each argument comes from and where each result goes."""
-    program = compiled.program
-    template: list[Any] = [None] * len(program.inputs)
-    state_slots, batch_slots, hyper_slots = [], [], []
-    seed_slot = None
-    for i, inp in enumerate(program.inputs):
-        if isinstance(inp, StateInput):
-            state_slots.append((i, state_index[inp.name]))
-        elif isinstance(inp, BatchInput):
-            batch_slots.append((i, inp.name))
-        elif isinstance(inp, RngSeedInput):
-            seed_slot = i
-        elif isinstance(inp, HyperparameterInput):
-            hyper_slots.append((i, inp.name))
-        elif isinstance(inp, ConstantInput):
-            template[i] = constants[inp.section]
-    metric_slots, update_slots = [], []
-    loss_slot = None
-    for j, out in enumerate(program.outputs):
-        if isinstance(out, MetricOutput):
-            metric_slots.append((j, out.name))
-            if out.name == "loss":
-                loss_slot = j
-        elif isinstance(out, StateUpdateOutput):
-            update_slots.append((j, state_index[out.state]))
-    sig, text = _batch_signature(program)
-    return _Plan(
-        entry=entry,
-        index=index,
-        compiled=compiled,
-        template=template,
-        state_slots=state_slots,
-        batch_slots=batch_slots,
-        seed_slot=seed_slot,
-        hyper_slots=hyper_slots,
-        metric_slots=metric_slots,
-        update_slots=update_slots,
-        batch_sig=sig,
-        loss_slot=loss_slot,
-        signature_text=text,
-        dispatch=_compat.Dispatcher(
-            compiled.executable,
-            [(o.spec.shape, to_numpy(o.spec.dtype)) for o in program.outputs],
-            placement.output_shardings(program),
-            partitioned=placement.partitioned,
-        ),
-    )
-
-
-def iter_batches(data: Mapping[str, np.ndarray[Any, Any]]) -> list[dict[str, np.ndarray[Any, Any]]]:
-    """Split an npz-style dict of stacked arrays ``(S, *shape)`` into S batches."""
-    sizes = {k: int(v.shape[0]) for k, v in data.items() if getattr(v, "ndim", 0) >= 1}
-    if not data or len(sizes) != len(data) or len(set(sizes.values())) != 1:
-        raise BindingError(
-            "The data file must hold one array per batch input, each shaped (S, *batch "
-            f"shape) with the same S; got { ({k: tuple(np.shape(v)) for k, v in data.items()}) }."
+        meta = CheckpointMeta(
+            format=CHECKPOINT_FORMAT,
+            step=self._step,
+            seed=self._seed,
+            hyperparameters=self.hyperparameters,
+            bundle_digest=self.digest,
         )
-    s = next(iter(sizes.values()))
-    return [{k: np.asarray(v[i], order="C") for k, v in data.items()} for i in range(s)]
+        values = self.state_dict(include_aliases=True)
+        failure: CheckpointError | None = None
+        if self.placement.writes_files:
+            try:
+                write_checkpoint(path, values, meta)
+            except OSError as e:  # every process must still reach the agreement below
+                failure = CheckpointError(
+                    f"Could not write the checkpoint {os.fspath(path)!r}: {e}. The previous "
+                    "checkpoint files are untouched; free space or fix the folder and save "
+                    "again."
+                )
+        written = self.placement.agree(failure is None)
+        if failure is not None:
+            raise failure
+        if not written:
+            raise CheckpointError(
+                f"Process 0 could not write the checkpoint {os.fspath(path)!r}; its error says why."
+            )
+
+    def load_checkpoint(
+        self, path: str | os.PathLike[str], *, allow_other_bundle: bool = False
+    ) -> None:
+        """Restore state, step count, seed and hyperparameters exactly.
+
+        Everything is checked before anything changes: a refused checkpoint leaves the
+        trainer as it was.
+
+        Args:
+          path: a checkpoint written by ``save_checkpoint``.
+          allow_other_bundle: restore a checkpoint written by another bundle (another
+            digest) whose state still matches this bundle's state table, e.g. the same
+            model re-exported.
+
+        Raises:
+          CheckpointFormatError: the checkpoint's format is unknown to this version.
+          OtherBundleError: another bundle wrote it and ``allow_other_bundle`` is False.
+          CheckpointError: the file is damaged, or its state does not match.
+        """
+        values, meta = read_checkpoint(path)
+        check_bundle(meta, path, self.digest, allow_other_bundle=allow_other_bundle)
+        self._put_state(check_state_values(self.manifest, values))
+        self._step = meta.step
+        if meta.seed is not None and self._seed is not None:
+            self.seed = meta.seed
+        for k, v in meta.hyperparameters.items():
+            if k in self._hyper:
+                self.set_hyperparameter(k, v)

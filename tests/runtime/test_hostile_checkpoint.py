@@ -70,6 +70,12 @@ def _edit_meta(header: dict[str, Any], **changes: Any) -> None:
     header["__metadata__"]["stepbundle"] = json.dumps(meta)
 
 
+def _drop_meta(header: dict[str, Any], key: str) -> None:
+    meta = json.loads(header["__metadata__"]["stepbundle"])
+    del meta[key]
+    header["__metadata__"]["stepbundle"] = json.dumps(meta)
+
+
 HOSTILE_HEADERS: dict[str, Any] = {
     # Shapes whose element count overflows int64 into 0 used to pass the size check and
     # fail later in reshape (ValueError); huge ones overflowed numpy (OverflowError).
@@ -104,6 +110,18 @@ HOSTILE_HEADERS: dict[str, Any] = {
     "hyperparameters a list": lambda h, t: _edit_meta(h, hyperparameters=[1]),
     "hyperparameter not finite": lambda h, t: _edit_meta(h, hyperparameters={"lr": "NaN"}),
     "a tensor missing": lambda h, t: h.pop(t),
+    # The byte ranges must tile the data exactly, as the safetensors library requires.
+    "offsets shifted into the next tensor": lambda h, t: h[t].update(
+        data_offsets=[x + 4 for x in h[t]["data_offsets"]]
+    ),
+    "metadata null": lambda h, t: h.update(__metadata__=None),
+    "format missing": lambda h, t: _drop_meta(h, "format"),
+    "format unknown": lambda h, t: _edit_meta(h, format=2),
+    "format a string": lambda h, t: _edit_meta(h, format="1"),
+    "format a boolean": lambda h, t: _edit_meta(h, format=True),
+    "bundle digest missing": lambda h, t: _drop_meta(h, "bundle_digest"),
+    "bundle digest not a string": lambda h, t: _edit_meta(h, bundle_digest=1),
+    "bundle digest of another bundle": lambda h, t: _edit_meta(h, bundle_digest="sha256:0"),
 }
 
 
@@ -127,6 +145,38 @@ def test_a_deeply_nested_header_is_refused(tmp_path: Path) -> None:
     path.write_bytes(struct.pack("<Q", len(raw)) + raw)
     with pytest.raises(CheckpointError, match="RecursionError"):
         read_safetensors(path)
+
+
+@pytest.mark.parametrize(
+    "damage",
+    ["a byte appended", "the last byte cut", "a gap between tensors", "UTF-16 header"],
+)
+def test_the_reader_refuses_the_layouts_the_safetensors_library_refuses(
+    saved: bytes, tmp_path: Path, damage: str
+) -> None:
+    header, body = _split(saved)
+    if damage == "a byte appended":
+        data = saved + b"\0"
+    elif damage == "the last byte cut":
+        data = saved[:-1]
+    elif damage == "a gap between tensors":
+        # Every tensor but the first moves 8 bytes on; the file grows by those 8 bytes.
+        first = _first_tensor(header)
+        for name, rec in header.items():
+            if name not in ("__metadata__", first):
+                rec["data_offsets"] = [x + 8 for x in rec["data_offsets"]]
+        end = header[first]["data_offsets"][1]
+        data = _join(header, body[:end] + b"\0" * 8 + body[end:])
+    else:
+        raw = json.dumps(header).encode("utf-16-le")
+        data = struct.pack("<Q", len(raw)) + raw + body
+    path = tmp_path / "damaged.safetensors"
+    path.write_bytes(data)
+    with pytest.raises(CheckpointError):
+        read_safetensors(path)
+    safetensors_numpy = pytest.importorskip("safetensors.numpy")
+    with pytest.raises(Exception):  # noqa: B017 - the library raises its own error types
+        safetensors_numpy.load_file(str(path))
 
 
 @settings(

@@ -153,7 +153,7 @@ def test_a_checkpoint_writer_killed_mid_write_leaves_the_previous_checkpoint(
     assert len(strays) == 1, strays
     stray = strays[0]
     # Hidden and not named *.safetensors: a glob for checkpoints does not pick it up.
-    assert stray.name.startswith(f".{target.name}.") and stray.name.endswith(".tmp")
+    assert stray.name.startswith(f".{target.name}.tmp-")
     assert sorted(folder.glob("*.safetensors")) == [target]
     if point == "data":
         with pytest.raises(CheckpointError):

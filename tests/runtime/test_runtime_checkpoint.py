@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import json
+import os
+import stat
+import struct
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 from runtime_helpers import golden_batches, golden_bundle
 
-from stepbundle.runtime import CheckpointError, load
-from stepbundle.runtime.checkpoint import read_safetensors, write_safetensors
+from stepbundle.runtime import CheckpointError, CheckpointFormatError, OtherBundleError, load
+from stepbundle.runtime.checkpoint import CHECKPOINT_FORMAT, read_safetensors, write_safetensors
 
 
 @pytest.mark.parametrize("name", ["dropout_sgd", "batchnorm_lr"])
@@ -65,10 +69,15 @@ def test_foreign_checkpoint_is_refused_and_state_kept(tmp_path: Path) -> None:
     path = tmp_path / "other.safetensors"
     other.save_checkpoint(path)
     before = linear.state_dict()
-    with pytest.raises(CheckpointError, match="does not match this bundle's state table"):
+    with pytest.raises(OtherBundleError) as refused:
         linear.load_checkpoint(path)
+    assert other.digest in str(refused.value) and linear.digest in str(refused.value)
+    assert "allow_other_bundle=True" in str(refused.value)
+    with pytest.raises(CheckpointError, match="does not match this bundle's state table"):
+        linear.load_checkpoint(path, allow_other_bundle=True)
     for k, v in before.items():
         np.testing.assert_array_equal(linear.state_dict()[k], v)
+    assert linear.step_count == 0
     plain = tmp_path / "plain.safetensors"
     write_safetensors(plain, linear.state_dict())
     with pytest.raises(CheckpointError, match="no stepbundle metadata"):
@@ -84,3 +93,64 @@ def test_wrong_dtype_in_state_is_refused(tmp_path: Path) -> None:
     sd["weight"] = sd["weight"].astype(np.float64)
     with pytest.raises(CheckpointError, match="'weight' is float64"):
         t.load_state_dict(sd)
+
+
+def _with_metadata(src: Path, dst: Path, **changes: Any) -> Path:
+    """A copy of the checkpoint ``src`` with its stepbundle metadata changed."""
+    data = src.read_bytes()
+    (n,) = struct.unpack_from("<Q", data, 0)
+    header = json.loads(data[8 : 8 + n])
+    meta = json.loads(header["__metadata__"]["stepbundle"])
+    meta.update(changes)
+    header["__metadata__"]["stepbundle"] = json.dumps(meta)
+    raw = json.dumps(header).encode()
+    dst.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + n :])
+    return dst
+
+
+def test_a_checkpoint_of_another_bundle_loads_only_when_allowed(tmp_path: Path) -> None:
+    # The same model and optimizer exported again: another digest, the same state table.
+    batches = golden_batches("linear_adamw")
+    first = load(golden_bundle("linear_adamw"), cache_dir=False)
+    first.run(batches, 2)
+    path = tmp_path / "c.safetensors"
+    first.save_checkpoint(path)
+    other = "sha256:" + "0" * 64
+    moved = _with_metadata(path, tmp_path / "moved.safetensors", bundle_digest=other)
+    second = load(golden_bundle("linear_adamw"), cache_dir=False)
+    with pytest.raises(OtherBundleError, match="allow_other_bundle=True") as refused:
+        second.load_checkpoint(moved)
+    assert other in str(refused.value) and second.digest in str(refused.value)
+    assert second.step_count == 0
+    second.load_checkpoint(moved, allow_other_bundle=True)
+    assert second.step_count == 2
+    for k, v in first.state_dict().items():
+        np.testing.assert_array_equal(second.state_dict()[k], v, err_msg=k)
+
+
+@pytest.mark.parametrize("found", [CHECKPOINT_FORMAT + 1, 0, "1", None])
+def test_an_unknown_checkpoint_format_is_refused(tmp_path: Path, found: Any) -> None:
+    t = load(golden_bundle("linear_adamw"), cache_dir=False)
+    path = tmp_path / "c.safetensors"
+    t.save_checkpoint(path)
+    changed = _with_metadata(path, tmp_path / "new.safetensors", format=found)
+    t.step(golden_batches("linear_adamw")[0])
+    with pytest.raises(CheckpointFormatError) as refused:
+        t.load_checkpoint(changed, allow_other_bundle=True)
+    message = str(refused.value)
+    assert f"has format {found!r}" in message
+    assert f"reads checkpoint format {CHECKPOINT_FORMAT} only" in message
+    assert t.step_count == 1
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027, 0o002])
+def test_checkpoint_files_get_the_umasks_permissions(tmp_path: Path, umask: int) -> None:
+    t = load(golden_bundle("linear_adamw"), cache_dir=False)
+    old = os.umask(umask)
+    try:
+        t.save_checkpoint(tmp_path / "c.safetensors")
+        write_safetensors(tmp_path / "plain.safetensors", {"a": np.zeros(3, np.float32)})
+    finally:
+        os.umask(old)
+    for name in ("c.safetensors", "plain.safetensors"):
+        assert stat.S_IMODE((tmp_path / name).stat().st_mode) == 0o666 & ~umask, name

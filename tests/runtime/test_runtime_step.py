@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 from runtime_helpers import golden_batches, golden_bundle
 
-from stepbundle.runtime import BindingError, advance_seed, load
+from stepbundle.runtime import BindingError, load
 from stepbundle.schema import BundleError
+from stepbundle.schema.rng import TORCH_XLA_MARK_STEP, advance_seed
 
 
 @pytest.fixture
@@ -137,14 +138,15 @@ def test_run_equals_stepping_one_by_one() -> None:
 def test_seed_follows_torch_xla_rule() -> None:
     # Values read from torch_xla 2.9: the default seed 101 becomes 709230394 after one
     # mark_step, then 4973168205254853; the rule wraps modulo 2**64.
-    assert advance_seed(101) == 709230394
-    assert advance_seed(101, 2) == 4973168205254853
+    assert advance_seed(TORCH_XLA_MARK_STEP, 101) == 709230394
+    assert advance_seed(TORCH_XLA_MARK_STEP, 101, 2) == 4973168205254853
     s = 2**64 - 1
-    assert advance_seed(s) == (1012031 + s * 7012063) % 2**64
+    assert advance_seed(TORCH_XLA_MARK_STEP, s) == (1012031 + s * 7012063) % 2**64
     t = load(golden_bundle("dropout_sgd"), cache_dir=False)
+    assert t.manifest.rng is not None and t.manifest.rng.rule == TORCH_XLA_MARK_STEP
     assert t.seed == 12345
     t.step(golden_batches("dropout_sgd")[0])
-    assert t.seed == advance_seed(12345)
+    assert t.seed == advance_seed(TORCH_XLA_MARK_STEP, 12345)
 
 
 def test_setting_the_seed_replays_dropout_masks() -> None:

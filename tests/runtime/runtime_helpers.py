@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from stepbundle.runtime.trainer import iter_batches
+from stepbundle.runtime.batches import iter_batches
 
 GOLDEN_ROOT = Path(__file__).resolve().parent.parent / "golden"
 """Golden files, one folder per format version (``v1.0``, ...): written once by

@@ -43,7 +43,7 @@ def rss_bytes() -> int:
 def batches(name: str) -> list[dict[str, Any]]:
     import numpy as np
 
-    from stepbundle.runtime.trainer import iter_batches
+    from stepbundle.runtime.batches import iter_batches
 
     with np.load(GOLDEN / f"{name}.inputs.npz", allow_pickle=False) as z:
         return iter_batches({k: z[k] for k in z.files})

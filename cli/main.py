@@ -58,6 +58,12 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--checkpoint-dir", metavar="D")
     r.add_argument("--resume", metavar="CKPT", help="restore a checkpoint before the first step")
     r.add_argument(
+        "--allow-other-bundle",
+        action="store_true",
+        help="let --resume take a checkpoint written by another bundle (another digest) whose "
+        "state table matches, e.g. the same model re-exported",
+    )
+    r.add_argument(
         "--lr-schedule",
         action="append",
         metavar="[NAME=]SPEC",

@@ -204,7 +204,7 @@ def _open_trainer(args: argparse.Namespace) -> Any:
         shard_optimizer_state=args.shard_optimizer_state,
     )
     if args.resume:
-        trainer.load_checkpoint(args.resume)
+        trainer.load_checkpoint(args.resume, allow_other_bundle=args.allow_other_bundle)
     if args.seed is not None:
         trainer.seed = args.seed
     for spec in args.lr_schedule or []:

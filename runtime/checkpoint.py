@@ -177,8 +177,9 @@ def check_bundle(
         raise OtherBundleError(
             f"The checkpoint {os.fspath(path)} was written by the bundle "
             f"{meta.bundle_digest}, but the loaded bundle is {digest}. Load the bundle that "
-            "wrote it, or pass allow_other_bundle=True to load_checkpoint to restore it "
-            "anyway (the state must still match this bundle's state table)."
+            "wrote it, or pass allow_other_bundle=True to load_checkpoint (on the command "
+            "line: --allow-other-bundle) to restore it anyway (the state must still match "
+            "this bundle's state table)."
         )
 
 

@@ -25,7 +25,6 @@ from stepbundle.schema.manifest import Manifest
 from stepbundle.schema.rng import TORCH_XLA_MARK_STEP, advance_seed
 
 from . import _compat
-from .batches import iter_batches as iter_batches  # see the note at __all__
 from .batches import mismatch_message
 from .checkpoint import (
     CHECKPOINT_FORMAT,
@@ -41,9 +40,6 @@ from .plan import CompiledPlan, Plan, RefusedPlan
 from .sharding import Placement
 from .state import check_state_values, host_buffers, named_values
 
-# ``iter_batches`` lives in batches.py; it is imported here only for the callers that
-# still import it from stepbundle.runtime.trainer (tests/lean_runner.py,
-# benchmarks/soak.py). Remove the import once they import stepbundle.runtime.batches.
 __all__ = ["LoadInfo", "Trainer"]
 
 _U64 = 2**64

@@ -4,6 +4,7 @@ run that was never interrupted. A closed stdout stops the run the same way."""
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -123,3 +124,35 @@ def test_a_closed_stdout_stops_the_run_and_keeps_the_state(tmp_path: Path) -> No
     assert "Traceback" not in err
     assert "stdout was closed" in err
     assert (tmp_path / "s.safetensors").exists()
+
+
+def test_resume_from_another_bundles_checkpoint_needs_the_flag(tmp_path: Path) -> None:
+    from stepbundle.runtime.checkpoint import write_safetensors
+
+    first = subprocess.run(
+        run_cmd("--steps", "3", "--checkpoint-dir", str(tmp_path), "--checkpoint-every", "3"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert first.returncode == 0, first.stderr
+    ckpt = tmp_path / "step-00000003.safetensors"
+    values, meta = read_safetensors(ckpt)
+    info = json.loads(meta["stepbundle"])
+    foreign = "sha256:" + "ab" * 32  # as if the same model had been re-exported
+    info["bundle_digest"] = foreign
+    moved = tmp_path / "moved.safetensors"
+    write_safetensors(moved, values, {**meta, "stepbundle": json.dumps(info)})
+    refused = subprocess.run(
+        run_cmd("--steps", "2", "--resume", str(moved)), capture_output=True, text=True, timeout=300
+    )
+    assert refused.returncode == 1
+    assert foreign in refused.stderr and "--allow-other-bundle" in refused.stderr
+    allowed = subprocess.run(
+        run_cmd("--steps", "2", "--resume", str(moved), "--allow-other-bundle", "--json"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert allowed.returncode == 0, allowed.stderr
+    assert [json.loads(line)["step"] for line in allowed.stdout.splitlines()] == [3, 4]

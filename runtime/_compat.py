@@ -25,6 +25,9 @@ import numpy as np
 from jax.extend.backend import get_backend
 from jaxlib import xla_client
 
+# What jaxlib raises for a failed compile, deserialize or execute.
+JaxRuntimeError = jax.errors.JaxRuntimeError
+
 __all__ = [
     "JAXLIB_VERSION",
     "job_agree",

@@ -247,6 +247,7 @@ def load(
                 )
                 info.cache_hits += int(cp.cache_hit)
                 info.compiled += int(not cp.cache_hit)
+                info.cache[f"{name}[{i}]"] = cp.cache
                 progs.append(cp)
             refused = [p for p in progs if isinstance(p, RefusedPlan)]
             if refused and len(refused) == len(progs) and ent.updates_state:

@@ -10,14 +10,16 @@ Imports: numpy, jaxlib (through _compat and mlir), stepbundle.schema.
 
 from __future__ import annotations
 
-import contextlib
+import enum
 import hashlib
+import hmac
 import os
-import tempfile
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from stepbundle.schema.atomic import atomic_write
 from stepbundle.schema.errors import SchemaValidationError
 from stepbundle.schema.manifest import Program, StateUpdateOutput
 from stepbundle.stablehlo import artifact as mlir
@@ -26,7 +28,46 @@ from . import _compat, packing
 from .errors import PlatformError
 from .sharding import AXIS, MESH, Placement
 
-__all__ = ["CompiledProgram", "compile_program", "default_cache_dir"]
+__all__ = [
+    "CACHE_KEY_VERSION",
+    "CacheEvent",
+    "CacheOutcome",
+    "CacheWarning",
+    "CompiledProgram",
+    "compile_program",
+    "default_cache_dir",
+]
+
+# The compile cache's key and entry layout. Bump it whenever what an executable depends
+# on, or how an entry is stored, changes, so that old entries become misses.
+# v1 (2026-11-30): bytecode, jaxlib version, platform, platform version, device kind.
+# v2 (2026-11-30): data parallelism: the partition count is part of the compile options.
+# v3 (2026-11-30): device ids and process indices (an executable is bound to its devices).
+# v4 (2026-12-01): an entry is a header (magic, its own key, the payload's SHA-256) and
+#   the payload; both are checked before the payload is deserialized.
+CACHE_KEY_VERSION = b"stepbundle-cache-v4"
+_ENTRY_MAGIC = b"SBXC\x00\x04\r\n"
+_ENTRY_HEADER = len(_ENTRY_MAGIC) + 32 + 32
+
+
+class CacheWarning(UserWarning):
+    """The compile cache could not be read or written; the run goes on without it."""
+
+
+class CacheOutcome(enum.Enum):
+    OFF = "off"  # no cache folder
+    HIT = "hit"
+    MISS = "miss"  # compiled; the reason says why the cache had nothing usable
+
+
+@dataclass(frozen=True)
+class CacheEvent:
+    """What the compile cache did for one program, and why."""
+
+    outcome: CacheOutcome
+    reason: str
+    path: Path | None = None
+    write_error: str | None = None  # the entry could not be written (the run goes on)
 
 
 def default_cache_dir() -> Path:
@@ -45,8 +86,11 @@ class CompiledProgram:
     program: Program
     executable: Any
     donating: bool
-    cache_hit: bool
-    compile_seconds: float
+    cache: CacheEvent
+
+    @property
+    def cache_hit(self) -> bool:
+        return self.cache.outcome is CacheOutcome.HIT
 
 
 def _check_signature(module: mlir.Module, program: Program, where: str) -> None:
@@ -107,8 +151,6 @@ def compile_program(
         behind a wrapper that takes and returns them, and the returned
         ``CompiledProgram.program`` describes the wrapper's arguments and results.
     """
-    import time
-
     platform = str(client.platform)
     if program.platforms and platform not in program.platforms:
         raise PlatformError(
@@ -116,7 +158,6 @@ def compile_program(
             f"asked to run it on {platform}. Run it with --device "
             f"{program.platforms[0]} on a machine that has one, or re-export for {platform}."
         )
-    t0 = time.perf_counter()
     try:
         module = mlir.parse_artifact(artifact)
     except Exception as e:
@@ -156,7 +197,7 @@ def compile_program(
     options = _compat.compile_options(n, [d.id for d in devices])
     key = hashlib.sha256()
     for part in (
-        b"stepbundle-cache-v3",
+        CACHE_KEY_VERSION,
         _compat.JAXLIB_VERSION.encode(),
         platform.encode(),
         str(getattr(client, "platform_version", "")).encode(),
@@ -168,32 +209,72 @@ def compile_program(
     ):
         key.update(len(part).to_bytes(8, "little"))
         key.update(part)
-    cache_file = cache_dir / f"{key.hexdigest()}.xla" if cache_dir is not None else None
-    if cache_file is not None and cache_file.is_file():
+    if cache_dir is None:
+        exe = _compat.compile_program(client, bytecode, devices, options)
+        return CompiledProgram(program, exe, donate, CacheEvent(CacheOutcome.OFF, "cache off"))
+    cache_file = cache_dir / f"{key.hexdigest()}.xla"
+    payload, why = read_cache_entry(cache_file, key.digest())
+    if payload is not None:
         try:
-            exe = _compat.deserialize_executable(client, cache_file.read_bytes(), devices, options)
-            return CompiledProgram(program, exe, donate, True, time.perf_counter() - t0)
-        except Exception:
-            # A damaged or foreign cache entry is only a cache miss.
-            pass
+            exe = _compat.deserialize_executable(client, payload, devices, options)
+            return CompiledProgram(
+                program, exe, donate, CacheEvent(CacheOutcome.HIT, "verified entry", cache_file)
+            )
+        except _compat.JaxRuntimeError as e:
+            # The entry is intact and ours, but this jaxlib would not load it.
+            why = f"the entry would not deserialize ({e})"
     exe = _compat.compile_program(client, bytecode, devices, options)
-    if cache_file is not None:
-        # A read-only or full cache folder must not fail a run.
-        with contextlib.suppress(Exception):
-            _write_atomic(cache_file, _compat.serialize_executable(client, exe))
-    return CompiledProgram(program, exe, donate, False, time.perf_counter() - t0)
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    write_error = None
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+        write_cache_entry(cache_file, key.digest(), _compat.serialize_executable(client, exe))
+    except OSError as e:
+        # A read-only or full cache folder must not fail a run; say so once.
+        write_error = f"{type(e).__name__}: {e}"
+        _warn_once(
+            f"cannot write the compile cache in {cache_dir} ({write_error}); "
+            "every load will compile again until it is writable."
+        )
+    return CompiledProgram(
+        program, exe, donate, CacheEvent(CacheOutcome.MISS, why, cache_file, write_error)
+    )
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _WARNED:
+        _WARNED.add(message)
+        warnings.warn(message, CacheWarning, stacklevel=3)
+
+
+def read_cache_entry(path: Path, key: bytes) -> tuple[bytes | None, str]:
+    """The payload of a cache entry if it is intact and is the entry for ``key``.
+
+    Returns ``(None, reason)`` otherwise: no entry, unreadable, not an entry, written for
+    another key (a renamed or copied file), or a payload whose digest does not match. The
+    payload is never handed to XLA unless all of this holds: a damaged executable can
+    crash the process or compute wrong numbers.
+    """
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return None, "no entry"
+    except OSError as e:
+        return None, f"the entry is unreadable ({type(e).__name__}: {e})"
+    if len(data) < _ENTRY_HEADER or not data.startswith(_ENTRY_MAGIC):
+        return None, "the file is not a compile-cache entry of this version"
+    stored_key = data[len(_ENTRY_MAGIC) : len(_ENTRY_MAGIC) + 32]
+    digest = data[len(_ENTRY_MAGIC) + 32 : _ENTRY_HEADER]
+    payload = data[_ENTRY_HEADER:]
+    if not hmac.compare_digest(stored_key, key):
+        return None, "the entry belongs to another program or device set"
+    if not hmac.compare_digest(hashlib.sha256(payload).digest(), digest):
+        return None, "the entry is damaged (its digest does not match)"
+    return payload, "verified entry"
+
+
+def write_cache_entry(path: Path, key: bytes, payload: bytes) -> None:
+    """Write a cache entry atomically: header (magic, key, payload digest), then payload."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(path, [_ENTRY_MAGIC, key, hashlib.sha256(payload).digest(), payload])

@@ -37,6 +37,7 @@ from .errors import BindingError, CheckpointError, NonFiniteLossError
 from .hyper import Hyperparameters
 from .packing import Layout
 from .plan import CompiledPlan, Plan, RefusedPlan
+from .program import CacheEvent
 from .sharding import Placement
 from .state import check_state_values, host_buffers, named_values
 
@@ -47,11 +48,21 @@ _U64 = 2**64
 
 @dataclass
 class LoadInfo:
-    """How loading went: seconds per stage and compile-cache hits."""
+    """How loading went.
+
+    Attributes:
+      seconds: wall seconds per stage (open, compile, state, ...).
+      cache_hits: programs loaded from the compile cache.
+      compiled: programs compiled.
+      cache: per program (``"entry[i]"``), what the compile cache did and why: a hit,
+        a miss with its reason (no entry, damaged, another program's entry, ...), or off;
+        and any error writing the new entry.
+    """
 
     seconds: dict[str, float] = field(default_factory=dict)
     cache_hits: int = 0
     compiled: int = 0
+    cache: dict[str, CacheEvent] = field(default_factory=dict)
 
 
 class Trainer:

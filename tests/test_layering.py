@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import ast
 import sys
-import tomllib
 from collections.abc import Iterable, Mapping
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -97,8 +98,7 @@ def imports_of(module: str, path: Path, known: Iterable[str]) -> set[str]:
 def graph() -> dict[str, set[str]]:
     mods = modules()
     return {
-        name: {i for i in imports_of(name, path, mods) if i in mods}
-        for name, path in mods.items()
+        name: {i for i in imports_of(name, path, mods) if i in mods} for name, path in mods.items()
     }
 
 

@@ -56,7 +56,17 @@ def installed_python(tmp_path_factory: pytest.TempPathFactory, lean_python: str)
     venv.EnvBuilder(with_pip=False).create(env_dir)
     python = env_dir / "bin" / "python"
     subprocess.run(
-        [lean_python, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps", str(wheel)],
+        [
+            lean_python,
+            "-m",
+            "pip",
+            "--python",
+            str(python),
+            "install",
+            "-q",
+            "--no-deps",
+            str(wheel),
+        ],
         check=True,
         capture_output=True,
         timeout=300,
@@ -67,7 +77,9 @@ def installed_python(tmp_path_factory: pytest.TempPathFactory, lean_python: str)
         text=True,
         check=True,
     ).stdout.strip()
-    (Path(purelib) / "borrowed_lean_packages.pth").write_text(_lean_site_packages(lean_python) + "\n")
+    (Path(purelib) / "borrowed_lean_packages.pth").write_text(
+        _lean_site_packages(lean_python) + "\n"
+    )
     return python
 
 
@@ -110,7 +122,11 @@ def test_the_fresh_environment_has_no_editable_stepbundle(installed_python: Path
     # The oracle for the two tests above: without the wheel there is no stepbundle, so
     # they could not have passed through a path leak from the lean environment.
     result = subprocess.run(
-        [str(installed_python), "-c", "import importlib.util as u; print(u.find_spec('stepbundle').origin)"],
+        [
+            str(installed_python),
+            "-c",
+            "import importlib.util as u; print(u.find_spec('stepbundle').origin)",
+        ],
         cwd="/",
         capture_output=True,
         text=True,

@@ -175,6 +175,7 @@ def test_the_reader_refuses_the_layouts_the_safetensors_library_refuses(
     with pytest.raises(CheckpointError):
         read_safetensors(path)
     import safetensors.numpy as safetensors_numpy
+
     with pytest.raises(Exception):  # noqa: B017 - the library raises its own error types
         safetensors_numpy.load_file(str(path))
 

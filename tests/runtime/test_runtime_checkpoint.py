@@ -43,6 +43,7 @@ def test_resume_is_equivalent_to_never_stopping(name: str, tmp_path: Path) -> No
 
 def test_checkpoint_is_plain_safetensors(tmp_path: Path) -> None:
     import safetensors.numpy as safetensors_numpy
+
     t = load(golden_bundle("linear_adamw"), cache_dir=False)
     t.step(golden_batches("linear_adamw")[0])
     path = tmp_path / "c.safetensors"

@@ -329,10 +329,6 @@ class Dispatcher:
         return list(self.executable.execute(args))
 
 
-def is_deleted(a: Array) -> bool:
-    return bool(a.is_deleted())
-
-
 def block(arrays: Iterator[Array] | Sequence[Array]) -> None:
     for a in arrays:
         a.block_until_ready()

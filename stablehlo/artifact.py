@@ -26,7 +26,6 @@ __all__ = [
     "MainSignature",
     "Module",
     "TARGET_CANDIDATES",
-    "current_stablehlo_version",
     "parse_artifact",
 ]
 
@@ -85,11 +84,6 @@ _ELEMENT_NAMES = {
     "ui8": "u8",
     "i1": "bool",
 }
-
-
-def current_stablehlo_version() -> str:
-    """The newest StableHLO version this jaxlib reads and writes."""
-    return str(stablehlo.get_current_version())
 
 
 def _compat_versions() -> list[str]:

@@ -11,7 +11,6 @@ Imports: torch, stepbundle.schema.
 from __future__ import annotations
 
 import difflib
-import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -20,7 +19,6 @@ import torch
 from stepbundle.schema.manifest import (
     BatchInput,
     ConstantInput,
-    DType,
     HyperparameterInput,
     InputBinding,
     InputKind,
@@ -30,29 +28,13 @@ from stepbundle.schema.manifest import (
     StateInput,
     StateKind,
     StateUpdateOutput,
-    TensorSpec,
 )
 
+from .dtypes import spec_of, tensor_bytes
 from .errors import ExportError
 from .trace import InputOrigin, StepTrace
 
-__all__ = ["BoundProgram", "bind", "dtype_of", "tensor_bytes"]
-
-_DTYPES: dict[torch.dtype, DType] = {
-    torch.float64: DType.F64,
-    torch.float32: DType.F32,
-    torch.bfloat16: DType.BF16,
-    torch.float16: DType.F16,
-    torch.int64: DType.I64,
-    torch.int32: DType.I32,
-    torch.int16: DType.I16,
-    torch.int8: DType.I8,
-    torch.uint64: DType.U64,
-    torch.uint32: DType.U32,
-    torch.uint16: DType.U16,
-    torch.uint8: DType.U8,
-    torch.bool: DType.BOOL,
-}
+__all__ = ["BoundProgram", "bind"]
 
 _STATE_INPUT_KIND = {
     StateKind.PARAMETER: InputKind.PARAMETER,
@@ -60,30 +42,6 @@ _STATE_INPUT_KIND = {
     StateKind.OPTIMIZER_STATE: InputKind.OPTIMIZER_STATE,
     StateKind.GRADIENT: InputKind.GRADIENT,
 }
-
-
-def dtype_of(dtype: torch.dtype, what: str) -> DType:
-    try:
-        return _DTYPES[dtype]
-    except KeyError:
-        raise ExportError(
-            f"{what} has dtype {dtype}, which bundles cannot hold (supported: "
-            f"{', '.join(str(d) for d in _DTYPES)}). Cast it to a supported dtype."
-        ) from None
-
-
-def spec_of(dtype: torch.dtype, shape: tuple[int, ...], what: str) -> TensorSpec:
-    return TensorSpec(dtype_of(dtype, what), tuple(int(d) for d in shape))
-
-
-def tensor_bytes(t: torch.Tensor) -> bytes:
-    """Little-endian, C-order bytes of a tensor (the layout of tensor sections)."""
-    if sys.byteorder != "little":  # pragma: no cover - every supported host is little-endian
-        raise ExportError("The exporter runs on little-endian hosts only.")
-    t = t.detach().cpu().contiguous().reshape(-1)
-    if t.dtype == torch.bool:
-        t = t.to(torch.uint8)
-    return t.view(torch.uint8).numpy().tobytes()
 
 
 @dataclass(frozen=True)

@@ -5,8 +5,8 @@ shape bucket's training step twice and the read-only entries twice (``trace.py``
 prove the two traces agree and build the binding tables (``bind.py``); serialize each
 graph as a StableHLO portable artifact; write the bundle (``stepbundle.schema``).
 
-Imports: torch, torch_xla, jaxlib's MLIR bindings (through stepbundle.stablehlo),
-stepbundle.schema.
+Imports: torch, torch_xla (through ``xla.py`` only), jaxlib's MLIR bindings (through
+stepbundle.stablehlo), stepbundle.schema.
 """
 
 from __future__ import annotations
@@ -40,11 +40,13 @@ from stepbundle.schema.manifest import (
 )
 from stepbundle.stablehlo import artifact as mlir
 
-from .bind import BoundProgram, bind, spec_of, tensor_bytes
+from . import xla
+from .bind import BoundProgram, bind
+from .dtypes import HYPERPARAMETER_DTYPE, spec_of, tensor_bytes
 from .errors import ExportError
 from .recipe import Recipe
-from .trace import sync, trace_eval, trace_train
-from .workspace import Workspace, xla_device
+from .trace import trace_eval, trace_train
+from .workspace import Workspace
 
 __all__ = ["ExportReport", "export"]
 
@@ -72,12 +74,11 @@ class ExportReport:
 
 def _versions() -> Producer:
     import jax
-    import torch_xla
 
     return Producer(
         stepbundle=__version__,
         torch=str(torch.__version__),
-        torch_xla=str(torch_xla.__version__),
+        torch_xla=xla.torch_xla_version(),
         jax=str(jax.__version__),
     )
 
@@ -98,9 +99,24 @@ def _to_device(
     return out
 
 
-def _lower(bound: BoundProgram, n_outputs: int, what: str) -> tuple[bytes, str, str]:
-    module = mlir.parse_artifact(bound.bytecode)
+def _parse(bound: BoundProgram, what: str) -> mlir.Module:
+    """torch_xla's graph, as the portable artifact it serializes (never plain MLIR)."""
+    try:
+        module = mlir.parse_artifact(bound.bytecode)
+    except Exception as e:  # whatever jaxlib raises for an artifact it cannot read
+        raise ExportError(
+            f"The {what}'s graph, as torch_xla {xla.torch_xla_version()} serialized it, is "
+            f"not a StableHLO portable artifact this jaxlib can read ({e}). torch_xla and "
+            "jax disagree on the StableHLO version: install the torch_xla and jax versions "
+            "stepbundle's export extra names (pip install 'stepbundle[export]')."
+        ) from e
+    # Serializing converts the module to VHLO in place: every use starts from a fresh parse.
     module.strip_attributes()
+    return module
+
+
+def _lower(bound: BoundProgram, n_outputs: int, what: str) -> tuple[bytes, str, str]:
+    module = _parse(bound, what)
     sig = module.signature()
     if len(sig.inputs) != len(bound.inputs) or len(sig.results) != n_outputs:
         raise ExportError(
@@ -118,9 +134,7 @@ def _lower(bound: BoundProgram, n_outputs: int, what: str) -> tuple[bytes, str, 
     text = module.text()
     errors = []
     for target in mlir.TARGET_CANDIDATES:
-        # Serializing converts the module to VHLO in place: start from a fresh parse.
-        attempt = mlir.parse_artifact(bound.bytecode)
-        attempt.strip_attributes()
+        attempt = _parse(bound, what)
         try:
             return attempt.portable_artifact(target), target, text
         except Exception as e:  # the program needs a newer StableHLO than this target
@@ -151,7 +165,7 @@ def _trace_recipe(
         batches = [
             _to_device(b, device, f"example batch {i}") for i, b in enumerate(recipe.all_batches())
         ]
-        sync()
+        xla.sync()
         initial = ws.state_tensors()
         # The bundle's initial state: the state at the moment of export (CPU copies).
         initial_values = {s.name: s.tensor.detach().cpu().clone() for s in initial}
@@ -206,7 +220,7 @@ def _trace_recipe(
                 )
                 progs.append((bound, _batch_signature(recipe.all_batches()[i])))
             eval_bound[name] = progs
-        sync()
+        xla.sync()
         say(
             f"traced: {2 * len(batches)} training steps"
             + (f", {len(eval_fns)} read-only entries" if eval_fns else "")
@@ -217,9 +231,7 @@ def _trace_recipe(
 def _refuse_spmd() -> None:
     """torch_xla's SPMD mode is not exported: its sharded device data do not keep the
     tensor identities the binding tables are built from."""
-    import torch_xla.runtime as xr
-
-    if xr.is_spmd():
+    if xla.is_spmd():
         raise ExportError(
             "torch_xla is in SPMD mode (xr.use_spmd() was called), which the exporter does "
             "not support: bundles keep no xs.mark_sharding annotations. Export the step "
@@ -251,24 +263,23 @@ def export(
     Raises:
       ExportError: the step cannot be replayed faithfully; the message says why.
     """
-    import torch_xla.core.xla_model as xm
-
     say = progress or (lambda _msg: None)
     times: dict[str, float] = {}
     t0 = time.perf_counter()
-    device = xla_device()
+    xla.check_version()
+    device = xla.device()
     if not isinstance(recipe, Recipe):
         raise ExportError(
             f"export() needs a stepbundle.exporter.Recipe, got {type(recipe).__name__}."
         )
     _refuse_spmd()
     # Read the RNG state before anything syncs: every sync advances it.
-    saved_rng = int(xm.get_rng_state())
+    saved_rng = xla.get_rng_state()
     base_seed = saved_rng if recipe.seed is None else int(recipe.seed)
     if not 0 <= base_seed < 2**64:
         raise ExportError(f"Recipe.seed must be in [0, 2**64), got {base_seed}.")
     try:
-        sync()
+        xla.sync()
         # First assume the step keeps its gradients (they are then state, starting at
         # zero); a step that drops them at its end is traced again without.
         for zero_grads in (True, False):
@@ -278,7 +289,7 @@ def export(
             except _GradientsDropped:
                 continue
     finally:
-        xm.set_rng_state(saved_rng)
+        xla.set_rng_state(saved_rng)
     initial, initial_values, initial_hyper, train_bound, eval_bound = traced
     times["trace"] = time.perf_counter() - t0
 
@@ -348,7 +359,9 @@ def export(
             )
         entries[entry_name] = Entry(programs=tuple(programs), updates_state=updates)
     hypers = tuple(
-        Hyperparameter(name=n, spec=spec_of(torch.float32, (), f"Hyperparameter {n!r}"), value=v)
+        Hyperparameter(
+            name=n, spec=spec_of(HYPERPARAMETER_DTYPE, (), f"Hyperparameter {n!r}"), value=v
+        )
         for n, v in initial_hyper.items()
     )
     manifest = Manifest(
@@ -367,7 +380,7 @@ def export(
         d = Path(mlir_dir)
         d.mkdir(parents=True, exist_ok=True)
         for key, text in texts.items():
-            (d / f"{out.name}.{key}.mlir").write_text(text)
+            codec.atomic_write(d / f"{out.name}.{key}.mlir", [text.encode("utf-8")])
     times["write"] = time.perf_counter() - t3
     with codec.open_bundle(out) as b:
         digest, size = b.digest, b.file_size

@@ -5,12 +5,11 @@ from (by torch_xla tensor id, read after a sync and before the step), and for ev
 output, which metric or state tensor it is. ``bind.py`` turns two consecutive traces
 into a binding table.
 
-Imports: torch, torch_xla.
+Imports: torch; torch_xla through ``xla.py`` only.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -19,33 +18,11 @@ import torch
 
 from stepbundle.schema.manifest import StateKind
 
+from . import xla
 from .errors import ExportError
 from .workspace import StateTensor, Workspace
 
-__all__ = ["InputOrigin", "StepTrace", "trace_eval", "trace_train", "sync"]
-
-
-def _xlac() -> Any:
-    import torch_xla
-
-    return torch_xla._XLAC
-
-
-def sync() -> None:
-    """Materialize every pending lazy tensor (torch_xla's mark_step) and wait for it.
-
-    Waiting matters: torch_xla executes asynchronously, and an execution still running
-    would later tick the counters the tracer reads to detect mid-step round trips.
-    """
-    import torch_xla
-    import torch_xla.core.xla_model as xm
-
-    torch_xla.sync()
-    xm.wait_device_ops()
-
-
-def tensor_id(t: torch.Tensor) -> int:
-    return int(_xlac()._xla_get_tensor_id(t))
+__all__ = ["InputOrigin", "StepTrace", "trace_eval", "trace_train"]
 
 
 @dataclass(frozen=True)
@@ -89,27 +66,18 @@ class StepTrace:
     hyper_values: tuple[tuple[str, float], ...]
 
 
-def _counters() -> dict[str, int]:
-    import torch_xla.debug.metrics as met
-
-    return {n: int(met.counter_value(n) or 0) for n in met.counter_names()}
-
-
 def _check_no_host_round_trip(before: dict[str, int], after: dict[str, int], what: str) -> None:
     """Refuse a step that ran part of itself eagerly: it cannot be captured as one graph."""
-    grew = {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
-    fallbacks = sorted(
-        k for k in grew if k.startswith("aten::") and k != "aten::_local_scalar_dense"
-    )
-    if fallbacks:
-        ops = ", ".join(k.removeprefix("aten::") for k in fallbacks)
+    trips = xla.round_trips(before, after)
+    if trips.cpu_ops:
+        ops = ", ".join(trips.cpu_ops)
         raise ExportError(
             f"The {what} ran op(s) {ops} on the CPU: torch_xla has no XLA lowering for "
             "them (data-dependent output shapes, such as nonzero or boolean masking, are "
             "the usual cause). A graph with a CPU round trip cannot be replayed. Replace "
             "them with static-shape ops (torch.where, masked sums) and export again."
         )
-    if grew.get("aten::_local_scalar_dense", 0) or grew.get("ExecuteComputation", 0):
+    if trips.host_reads:
         raise ExportError(
             f"The {what} read a device value on the host in the middle of the step "
             "(.item(), float(t), print(t), a Python `if` on a tensor, or a tensor "
@@ -128,7 +96,7 @@ def _origins(
     batch_ids: Mapping[int, str],
     hyper_ids: Mapping[int, str],
 ) -> tuple[InputOrigin, ...]:
-    seed_id = int(_xlac()._get_seed_info_id())
+    seed_id = xla.seed_input_id()
     out = []
     for tid, v in zip(ids, values):
         dtype, shape = v.dtype, tuple(int(d) for d in v.shape)
@@ -190,14 +158,6 @@ def _hyper_values(ws: Workspace) -> tuple[tuple[str, float], ...]:
     return tuple(vals)
 
 
-def _lower(roots: list[torch.Tensor]) -> tuple[str, bytes]:
-    import torch_xla.core.xla_model as xm
-
-    # The module's name carries a process-wide counter; it is not part of the graph.
-    text = re.sub(r"^module @[\w.]+", "module @main_module", xm.get_stablehlo(roots), count=1)
-    return text, xm.get_stablehlo_bytecode(roots)
-
-
 def _on_device(states: list[StateTensor]) -> list[StateTensor]:
     """The state tensors on the XLA device.
 
@@ -209,27 +169,17 @@ def _on_device(states: list[StateTensor]) -> list[StateTensor]:
 
 
 def _ids_of(states: list[StateTensor]) -> dict[str, int]:
-    return {s.name: tensor_id(s.tensor) for s in _on_device(states)}
+    return {s.name: xla.tensor_id(s.tensor) for s in _on_device(states)}
 
 
-def _values_of(states: list[StateTensor]) -> dict[str, str]:
-    """What each state tensor currently holds: its device buffer, or its pending IR.
+def _values_of(states: list[StateTensor]) -> dict[str, xla.TensorValue]:
+    """What each state tensor on the device holds: its device buffer or its pending node.
 
     A tensor id does not tell: in-place updates such as BatchNorm's running statistics
-    keep the id and only replace the IR behind it.
+    keep the id and only replace the graph node behind it.
     """
-    xlac = _xlac()
-    out = {}
-    for s in _on_device(states):
-        info = str(xlac._get_xla_tensor_debug_info(s.tensor))
-        ir = re.search(r"^IR: (.*)$", info, re.M)
-        handle = re.search(r"Data Handle: (\S+)", info)
-        ir_text = ir.group(1).strip() if ir is not None else "None"
-        if handle is not None and (ir_text == "None" or "xla::device_data" in ir_text):
-            out[s.name] = f"data {handle.group(1)}"
-        else:
-            out[s.name] = f"pending {id(s.tensor)} {ir_text}"
-    return out
+    on_device = _on_device(states)
+    return dict(zip((s.name for s in on_device), xla.tensor_values([s.tensor for s in on_device])))
 
 
 def _own_buffers(batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -258,29 +208,27 @@ def trace_train(
     the torch_xla RNG seed this step receives (every sync advances it).
     """
     batch = _own_buffers(batch)
-    sync()
+    xla.sync()
     if seed is not None:
-        import torch_xla.core.xla_model as xm
-
-        xm.set_rng_state(seed)
+        xla.set_rng_state(seed)
     states = ws.state_tensors()
     before = _ids_of(states)
     state_ids = {tid: name for name, tid in before.items()}
     obj_before = {s.name: s.tensor for s in states}
     names_before = [s.name for s in states]
     value_before = _values_of(states)
-    batch_ids = {tensor_id(t): k for k, t in batch.items()}
-    hyper_before = {name: tensor_id(t) for name, t in ws.hyperparameters.items()}
+    batch_ids = {xla.tensor_id(t): k for k, t in batch.items()}
+    hyper_before = {name: xla.tensor_id(t) for name, t in ws.hyperparameters.items()}
     hyper_ids = {tid: name for name, tid in hyper_before.items()}
     hvals = _hyper_values(ws)
-    counters = _counters()
+    counters = xla.counters()
     ws.model.train()
     result = step_fn(ws.model, ws.optimizer, dict(batch))
-    _check_no_host_round_trip(counters, _counters(), "training step")
+    _check_no_host_round_trip(counters, xla.counters(), "training step")
     metrics = _metrics(result, "training step", need_loss=True)
 
     for name, t in ws.hyperparameters.items():
-        if tensor_id(t) != hyper_before[name]:
+        if xla.tensor_id(t) != hyper_before[name]:
             raise ExportError(
                 f"The training step changed hyperparameter {name!r} itself (a "
                 "scheduler.step() inside the step?). A declared hyperparameter is set by "
@@ -302,13 +250,14 @@ def trace_train(
             "exists, then export."
         )
     updated: list[StateTensor] = []
+    value_after = _values_of(after)
     for s in _on_device(after):
         if s.kind is StateKind.GRADIENT and s.name in vanished:
             continue
         if (
             obj_before.get(s.name) is not s.tensor
-            or tensor_id(s.tensor) != before.get(s.name)
-            or _values_of([s])[s.name] != value_before[s.name]
+            or xla.tensor_id(s.tensor) != before.get(s.name)
+            or value_after[s.name] != value_before[s.name]
         ):
             updated.append(s)
     # Gradients dropped by the step (zero_grad(set_to_none=True) at its end) are not
@@ -320,9 +269,7 @@ def trace_train(
             )
 
     metric_specs = [(v.dtype, tuple(int(d) for d in v.shape)) for v in metrics.values()]
-    ids, values = _xlac()._get_tensors_xla_device_data_node(
-        list(metrics.values()) + [s.tensor for s in updated]
-    )
+    ids, values = xla.graph_inputs(list(metrics.values()) + [s.tensor for s in updated])
     # A gradient that is a new tensor after the step and whose old value the step did
     # not read was thrown away and rebuilt (zero_grad(set_to_none=True), then backward):
     # the next step throws it away again, so it is not state. Gradients zeroed in place
@@ -338,9 +285,9 @@ def trace_train(
     if transient:
         updated = [s for s in updated if s.name not in transient]
     roots: list[torch.Tensor] = list(metrics.values()) + [s.tensor for s in updated]
-    text, bytecode = _lower(roots)
+    text, bytecode = xla.lower(roots)
     if transient:
-        ids, values = _xlac()._get_tensors_xla_device_data_node(roots)
+        ids, values = xla.graph_inputs(roots)
     inputs = _origins(
         list(ids),
         list(values),
@@ -374,7 +321,7 @@ def trace_train(
     )
     del roots, metrics, result, values
     if execute:
-        sync()
+        xla.sync()
     return trace
 
 
@@ -383,25 +330,26 @@ def trace_eval(
 ) -> StepTrace:
     """Trace a read-only step (model.eval(), no grad). Nothing is executed."""
     batch = _own_buffers(batch)
-    sync()
+    xla.sync()
     states = ws.state_tensors()
     before = _ids_of(states)
     value_before = _values_of(states)
     state_ids = {tid: name for name, tid in before.items()}
-    batch_ids = {tensor_id(t): k for k, t in batch.items()}
-    counters = _counters()
+    batch_ids = {xla.tensor_id(t): k for k, t in batch.items()}
+    counters = xla.counters()
     ws.model.eval()
     try:
         with torch.no_grad():
             result = eval_fn(ws.model, dict(batch))
-        _check_no_host_round_trip(counters, _counters(), what)
+        _check_no_host_round_trip(counters, xla.counters(), what)
         metrics = _metrics(result, what, need_loss=False)
         after = _on_device(ws.state_tensors())
         now = _values_of(after)
         changed = [
             s.name
             for s in after
-            if tensor_id(s.tensor) != before.get(s.name) or now[s.name] != value_before.get(s.name)
+            if xla.tensor_id(s.tensor) != before.get(s.name)
+            or now[s.name] != value_before.get(s.name)
         ]
         if changed:
             raise ExportError(
@@ -410,8 +358,8 @@ def trace_eval(
                 "training step."
             )
         roots = list(metrics.values())
-        text, bytecode = _lower(roots)
-        ids, values = _xlac()._get_tensors_xla_device_data_node(roots)
+        text, bytecode = xla.lower(roots)
+        ids, values = xla.graph_inputs(roots)
         inputs = _origins(
             list(ids), list(values), state_ids=state_ids, batch_ids=batch_ids, hyper_ids={}
         )

@@ -6,7 +6,7 @@ copies to the XLA device, re-points the optimizer at the moved parameters by nam
 materializes the optimizer state a fresh optimizer would create on its first step. The
 user's objects are therefore exactly as they were after an export.
 
-Imports: torch, torch_xla.
+Imports: torch; torch_xla through ``xla.py`` only.
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ import torch
 
 from stepbundle.schema.manifest import StateKind
 
+from . import xla
+from .dtypes import HYPERPARAMETER_DTYPE
 from .errors import ExportError
 from .recipe import Recipe
 
@@ -28,9 +30,7 @@ __all__ = ["StateTensor", "Workspace", "move_to_device", "named_state", "xla_dev
 
 def xla_device() -> torch.device:
     """The default XLA device (created on first use, before any autograd runs)."""
-    import torch_xla
-
-    return torch_xla.device()
+    return xla.device()
 
 
 @dataclass(frozen=True)
@@ -367,7 +367,7 @@ class Workspace:
                 # Each declared value gets a device buffer of its own: torch_xla hands out
                 # one shared buffer for equal scalars uploaded from the host, so two
                 # groups with the same lr would be one graph input, bound to one name.
-                t = torch.tensor(float(value), dtype=torch.float32).to(self.device).clone()
+                t = torch.tensor(float(value), dtype=HYPERPARAMETER_DTYPE).to(self.device).clone()
                 if _optimizer_family(self.optimizer) in ("sgd",) and key == "lr":
                     # torch's SGD turns a plain tensor lr into a Python number
                     # (alpha=-lr), which reads it on the host; a tensor that requires
@@ -402,15 +402,9 @@ class Workspace:
 
 
 def _optimizer_family(opt: torch.optim.Optimizer) -> str:
-    try:
-        import torch_xla.amp.syncfree as syncfree
-    except ImportError:  # pragma: no cover - torch_xla is a dependency of the exporter
-        syncfree = None
+    syncfree = xla.syncfree_family(opt)
     if syncfree is not None:
-        if isinstance(opt, (syncfree.Adam, syncfree.AdamW)):
-            return "syncfree_adam"
-        if isinstance(opt, syncfree.SGD):
-            return "syncfree_sgd"
+        return syncfree
     if isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)):
         return "adam"
     if isinstance(opt, torch.optim.SGD):

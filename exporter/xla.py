@@ -1,0 +1,316 @@
+"""The exporter's one door to torch_xla: every private call, counter name and RNG call.
+
+The tracer reads torch_xla internals that have no public API: tensor ids, the inputs of
+a pending graph, whether a tensor was updated in place, metric counters, the RNG seed
+graph input. torch_xla changes its private ``_XLAC`` functions between releases without
+notice, so every use of them lives here, behind typed functions that check the shape of
+what comes back and raise ``ExportError`` (never a wrong answer) when it is not what
+the tested release returns. Upgrading torch_xla means reading this file and running
+``tests/exporter/test_xla_api.py``, which calls each function against real torch_xla.
+
+The rest of the exporter imports torch_xla only through this module.
+
+Imports: torch, torch_xla, stepbundle.exporter.errors.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .errors import ExportError
+
+__all__ = [
+    "ALLOW_UNTESTED_ENV",
+    "TESTED_TORCH_XLA",
+    "RoundTrips",
+    "TensorValue",
+    "check_version",
+    "counters",
+    "device",
+    "get_rng_state",
+    "graph_inputs",
+    "is_spmd",
+    "lower",
+    "round_trips",
+    "seed_input_id",
+    "set_rng_state",
+    "sync",
+    "syncfree_family",
+    "tensor_id",
+    "tensor_values",
+    "torch_xla_version",
+]
+
+# The torch_xla release (major, minor) whose private API this module is written and
+# tested against; any patch release of it is accepted.
+# 2026-12: (2, 9), with torch 2.9. The debug-string parse of in-place updates was
+#   replaced by _check_tensor_need_materialization and _unique_id_for_ir_and_data.
+TESTED_TORCH_XLA: tuple[int, int] = (2, 9)
+
+ALLOW_UNTESTED_ENV = "STEPBUNDLE_ALLOW_UNTESTED_TORCH_XLA"
+"""Set to 1 to export with an untested torch_xla release anyway (the opt-out of the check)."""
+
+# torch_xla's metric counters the tracer reads to find a step that left the graph.
+# Each CPU fallback op ticks a counter named "aten::<op>"; reading a device value on the
+# host ticks aten::_local_scalar_dense, and running a graph ticks ExecuteComputation.
+_FALLBACK_PREFIX = "aten::"
+_HOST_READ_COUNTER = "aten::_local_scalar_dense"
+_EXECUTE_COUNTER = "ExecuteComputation"
+
+_version_checked = False
+
+
+def torch_xla_version() -> str:
+    """The installed torch_xla's version string (``torch_xla.__version__``)."""
+    import torch_xla
+
+    return str(torch_xla.__version__)
+
+
+def check_version(version: str | None = None) -> None:
+    """Refuse a torch_xla release outside the tested one (``TESTED_TORCH_XLA``).
+
+    ``version`` defaults to the installed one; setting ``STEPBUNDLE_ALLOW_UNTESTED_TORCH_XLA=1``
+    skips the check.
+
+    Raises:
+      ExportError: the version is not the tested release, or cannot be read.
+    """
+    found = torch_xla_version() if version is None else version
+    if os.environ.get(ALLOW_UNTESTED_ENV) == "1":
+        return
+    m = re.match(r"(\d+)\.(\d+)(?:\.|$|\+|rc|a|b|dev)", found)
+    if m is not None and (int(m.group(1)), int(m.group(2))) == TESTED_TORCH_XLA:
+        return
+    major, minor = TESTED_TORCH_XLA
+    raise ExportError(
+        f"This stepbundle exporter is tested with torch_xla {major}.{minor}.x, and torch_xla "
+        f"{found} is installed. The exporter reads torch_xla's private API to bind every "
+        "graph input, and that API changes between releases, so another release could "
+        f"write a wrong bundle. Install the tested release (pip install "
+        f"'torch_xla~={major}.{minor}.0' 'torch~={major}.{minor}.0'), or set "
+        f"{ALLOW_UNTESTED_ENV}=1 to try this one at your own risk."
+    )
+
+
+def _xlac() -> Any:
+    """torch_xla's private C++ bindings, after the version check (done once)."""
+    global _version_checked
+    if not _version_checked:
+        check_version()
+        _version_checked = True
+    import torch_xla
+
+    return torch_xla._XLAC
+
+
+def _api_changed(function: str, got: object, expected: str) -> ExportError:
+    major, minor = TESTED_TORCH_XLA
+    return ExportError(
+        f"torch_xla's private function {function} returned {got!r} ({type(got).__name__}), "
+        f"not {expected} as in torch_xla {major}.{minor}: torch_xla {torch_xla_version()} "
+        "changed its API, and the exporter cannot tell which tensors the step reads and "
+        f"writes. Install torch_xla {major}.{minor}.x, or update stepbundle/exporter/xla.py "
+        "for this release."
+    )
+
+
+def device() -> torch.device:
+    """The default XLA device (created on first use, before any autograd runs)."""
+    import torch_xla
+
+    return torch_xla.device()
+
+
+def sync() -> None:
+    """Materialize every pending lazy tensor (torch_xla's mark_step) and wait for it.
+
+    Waiting matters: torch_xla executes asynchronously, and an execution still running
+    would later tick the counters the tracer reads to detect mid-step round trips.
+    """
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+
+    torch_xla.sync()
+    xm.wait_device_ops()
+
+
+def get_rng_state() -> int:
+    """torch_xla's current device RNG seed (every sync advances it)."""
+    import torch_xla.core.xla_model as xm
+
+    return int(xm.get_rng_state())
+
+
+def set_rng_state(seed: int) -> None:
+    """Set torch_xla's device RNG seed."""
+    import torch_xla.core.xla_model as xm
+
+    xm.set_rng_state(seed)
+
+
+def is_spmd() -> bool:
+    """Whether torch_xla is in SPMD mode (``xr.use_spmd()`` was called)."""
+    import torch_xla.runtime as xr
+
+    return bool(xr.is_spmd())
+
+
+def syncfree_family(opt: torch.optim.Optimizer) -> str | None:
+    """``"syncfree_adam"`` or ``"syncfree_sgd"`` for torch_xla's syncfree optimizers, else None."""
+    import torch_xla.amp.syncfree as syncfree
+
+    if isinstance(opt, (syncfree.Adam, syncfree.AdamW)):
+        return "syncfree_adam"
+    if isinstance(opt, syncfree.SGD):
+        return "syncfree_sgd"
+    return None
+
+
+def lower(roots: Sequence[torch.Tensor]) -> tuple[str, bytes]:
+    """The pending graph that computes ``roots``: StableHLO text and portable artifact.
+
+    The text's module name carries a process-wide counter that is not part of the graph;
+    it is replaced by ``@main_module`` so that two traces of one step compare equal.
+    """
+    import torch_xla.core.xla_model as xm
+
+    text = xm.get_stablehlo(list(roots))
+    data = xm.get_stablehlo_bytecode(list(roots))
+    if not isinstance(text, str) or not text.lstrip().startswith("module"):
+        shown = text[:60] if isinstance(text, str) else text
+        raise _api_changed("xla_model.get_stablehlo", shown, "StableHLO module text")
+    if not isinstance(data, bytes):
+        raise _api_changed("xla_model.get_stablehlo_bytecode", type(data), "bytes")
+    return re.sub(r"^module @[\w.]+", "module @main_module", text, count=1), data
+
+
+def tensor_id(t: torch.Tensor) -> int:
+    """torch_xla's id of an XLA tensor (``_XLAC._xla_get_tensor_id``); graph inputs name it."""
+    got = _xlac()._xla_get_tensor_id(t)
+    if not isinstance(got, int):
+        raise _api_changed("_XLAC._xla_get_tensor_id", got, "an int")
+    return got
+
+
+def seed_input_id() -> int:
+    """The id ``graph_inputs`` gives the RNG seed input (``_XLAC._get_seed_info_id``)."""
+    got = _xlac()._get_seed_info_id()
+    if not isinstance(got, int):
+        raise _api_changed("_XLAC._get_seed_info_id", got, "an int")
+    return got
+
+
+def graph_inputs(roots: Sequence[torch.Tensor]) -> tuple[list[int], list[torch.Tensor]]:
+    """The inputs of the pending graph that computes ``roots``, in parameter order.
+
+    Returns each input's torch_xla tensor id (``seed_input_id()`` for the RNG seed) and
+    its current value (``_XLAC._get_tensors_xla_device_data_node``).
+    """
+    got = _xlac()._get_tensors_xla_device_data_node(list(roots))
+    ok = isinstance(got, tuple) and len(got) == 2
+    ids, values = (list(got[0]), list(got[1])) if ok else ([], [])
+    if (
+        not ok
+        or len(ids) != len(values)
+        or not all(isinstance(i, int) for i in ids)
+        or not all(isinstance(v, torch.Tensor) for v in values)
+    ):
+        raise _api_changed(
+            "_XLAC._get_tensors_xla_device_data_node", got, "(list of ids, list of tensors)"
+        )
+    return ids, values
+
+
+@dataclass(frozen=True)
+class TensorValue:
+    """What an XLA tensor holds at one moment, to tell whether a step wrote to it.
+
+    A tensor id does not tell: in-place updates such as BatchNorm's running statistics
+    keep the id and only replace the graph node behind it. Two ``TensorValue`` of the
+    same tensor are equal exactly when it holds the same device buffer, or the same
+    pending graph node. (A graph that merely reads a tensor gives it a device-data node
+    for the same buffer: that is no change.)
+
+    Attributes:
+      pending: a computation must run to produce the value (torch_xla's
+        ``_check_tensor_need_materialization``); false for a tensor holding device data.
+      identity: for a pending tensor, its graph node (``_unique_id_for_ir_and_data``,
+        which torch_xla's dynamo bridge dedups inputs by); otherwise its device buffer's
+        handle (``_get_tensors_handle``).
+    """
+
+    pending: bool
+    identity: str
+
+
+def tensor_values(tensors: Sequence[torch.Tensor]) -> list[TensorValue]:
+    """The ``TensorValue`` of each XLA tensor, in order."""
+    xlac = _xlac()
+    tensors = list(tensors)
+    pending = xlac._check_tensor_need_materialization(tensors)
+    if (
+        not isinstance(pending, list)
+        or len(pending) != len(tensors)
+        or not all(isinstance(p, bool) for p in pending)
+    ):
+        raise _api_changed(
+            "_XLAC._check_tensor_need_materialization", pending, "one bool per tensor"
+        )
+    held = [t for t, p in zip(tensors, pending) if not p]
+    handles = xlac._get_tensors_handle(held) if held else []
+    if (
+        not isinstance(handles, list)
+        or len(handles) != len(held)
+        or not all(isinstance(h, int) for h in handles)
+    ):
+        raise _api_changed("_XLAC._get_tensors_handle", handles, "one int per tensor")
+    buffers = iter(handles)
+    out = []
+    for t, p in zip(tensors, pending):
+        if not p:
+            out.append(TensorValue(False, f"buffer {next(buffers)}"))
+            continue
+        node = xlac._unique_id_for_ir_and_data(t)
+        if not isinstance(node, str) or not node:
+            raise _api_changed("_XLAC._unique_id_for_ir_and_data", node, "a non-empty str")
+        out.append(TensorValue(True, f"node {node}"))
+    return out
+
+
+def counters() -> dict[str, int]:
+    """A snapshot of every torch_xla metric counter."""
+    import torch_xla.debug.metrics as met
+
+    return {n: int(met.counter_value(n) or 0) for n in met.counter_names()}
+
+
+@dataclass(frozen=True)
+class RoundTrips:
+    """How a step left the graph between two ``counters()`` snapshots.
+
+    Attributes:
+      cpu_ops: aten ops torch_xla ran on the CPU (it has no XLA lowering for them).
+      host_reads: a device value was read on the host, or a graph was executed, in the
+        middle of the step.
+    """
+
+    cpu_ops: tuple[str, ...]
+    host_reads: bool
+
+
+def round_trips(before: Mapping[str, int], after: Mapping[str, int]) -> RoundTrips:
+    """What ticked between two ``counters()`` snapshots taken around a step."""
+    grew = {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
+    ops = tuple(
+        k.removeprefix(_FALLBACK_PREFIX)
+        for k in sorted(grew)
+        if k.startswith(_FALLBACK_PREFIX) and k != _HOST_READ_COUNTER
+    )
+    return RoundTrips(ops, bool(grew.get(_HOST_READ_COUNTER, 0) or grew.get(_EXECUTE_COUNTER, 0)))

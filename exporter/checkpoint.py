@@ -72,7 +72,7 @@ def load_into(
             else:
                 missing.append(name)
     if optimizer is not None:
-        name_of = {}
+        name_of: dict[int, str] = {}
         for name, p in params.items():
             name_of.setdefault(id(p), name)
         prefix = "optimizer.state."
@@ -102,11 +102,11 @@ def load_into(
                 targets = [(optimizer.param_groups[int(parts[1])], parts[2])]
             else:
                 targets = [(g, hname) for g in optimizer.param_groups]
-            for g, key in targets:
-                if isinstance(g.get(key), torch.Tensor):
-                    g[key].fill_(float(value))
+            for target, key in targets:
+                if isinstance(target.get(key), torch.Tensor):
+                    target[key].fill_(float(value))
                 else:
-                    g[key] = float(value)
+                    target[key] = float(value)
     unknown = sorted(set(tensors) - used)
     if strict and (missing or unknown):
         raise ExportError(

@@ -103,7 +103,7 @@ def _parse(bound: BoundProgram, what: str) -> mlir.Module:
     """torch_xla's graph, as the portable artifact it serializes (never plain MLIR)."""
     try:
         module = mlir.parse_artifact(bound.bytecode)
-    except Exception as e:  # whatever jaxlib raises for an artifact it cannot read
+    except ValueError as e:  # stablehlo's ArtifactError, or jaxlib's own read failure
         raise ExportError(
             f"The {what}'s graph, as torch_xla {xla.torch_xla_version()} serialized it, is "
             f"not a StableHLO portable artifact this jaxlib can read ({e}). torch_xla and "
@@ -374,22 +374,22 @@ def export(
     )
     times["lower"] = time.perf_counter() - t2
     t3 = time.perf_counter()
-    out = Path(path)
-    manifest = codec.write_bundle(out, manifest, payloads)
+    bundle_path = Path(path)
+    manifest = codec.write_bundle(bundle_path, manifest, payloads)
     if mlir_dir is not None:
         d = Path(mlir_dir)
         d.mkdir(parents=True, exist_ok=True)
         for key, text in texts.items():
-            codec.atomic_write(d / f"{out.name}.{key}.mlir", [text.encode("utf-8")])
+            codec.atomic_write(d / f"{bundle_path.name}.{key}.mlir", [text.encode("utf-8")])
     times["write"] = time.perf_counter() - t3
-    with codec.open_bundle(out) as b:
+    with codec.open_bundle(bundle_path) as b:
         digest, size = b.digest, b.file_size
     counts: dict[str, int] = {}
     for prog in manifest.entries["train"].programs:
         for inp in prog.inputs:
             counts[inp.kind.value] = counts.get(inp.kind.value, 0) + 1
-    say(f"wrote {out} ({size / 1e6:.2f} MB, {digest})")
-    return ExportReport(out, manifest, digest, size, times, counts)
+    say(f"wrote {bundle_path} ({size / 1e6:.2f} MB, {digest})")
+    return ExportReport(bundle_path, manifest, digest, size, times, counts)
 
 
 def _batch_signature(batch: Mapping[str, torch.Tensor]) -> tuple[NamedSpec, ...]:

@@ -108,23 +108,23 @@ def move_to_device(
         return
     for group, old_params in zip(optimizer.param_groups, old_groups):
         moved = []
-        for p in old_params:
-            name = name_of_param.get(id(p))
-            if name is None:
+        for old_p in old_params:
+            pname = name_of_param.get(id(old_p))
+            if pname is None:
                 raise ExportError(
                     f"The optimizer ({type(optimizer).__name__}) updates a tensor of shape "
-                    f"{tuple(p.shape)} that is not a parameter of the model. Build the "
+                    f"{tuple(old_p.shape)} that is not a parameter of the model. Build the "
                     "optimizer over model.parameters() (or named subsets of them)."
                 )
-            moved.append(new_by_name[name])
+            moved.append(new_by_name[pname])
         group["params"] = moved
     group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
     new_state: defaultdict[torch.Tensor, dict[str, Any]] = defaultdict(dict)
-    for p, st in old_state.items():
-        name = name_of_param.get(id(p))
-        if name is None:
+    for old_p, st in old_state.items():
+        pname = name_of_param.get(id(old_p))
+        if pname is None:
             continue
-        newp = new_by_name[name]
+        newp = new_by_name[pname]
         host_step = _keeps_host_step(optimizer, group_of.get(id(newp), {}))
         new_state[newp] = {
             k: _move_value(v, device, keep_on_host=host_step and k == "step") for k, v in st.items()
@@ -242,8 +242,8 @@ class Workspace:
             group["params"] = moved
         group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
         state: defaultdict[torch.Tensor, dict[str, Any]] = defaultdict(dict)
-        for p, st in self._saved_state.items():
-            newp = params.get(id(p))
+        for old_p, st in self._saved_state.items():
+            newp = params.get(id(old_p))
             if newp is None:
                 continue
             host_step = _keeps_host_step(optimizer, group_of.get(id(newp), {}))

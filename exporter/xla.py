@@ -15,6 +15,7 @@ Imports: torch, torch_xla, stepbundle.exporter.errors.
 
 from __future__ import annotations
 
+import importlib
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -66,11 +67,14 @@ _EXECUTE_COUNTER = "ExecuteComputation"
 _version_checked = False
 
 
+def _module(name: str) -> Any:
+    """A torch_xla module, untyped: torch_xla ships no type information for these."""
+    return importlib.import_module(name)
+
+
 def torch_xla_version() -> str:
     """The installed torch_xla's version string (``torch_xla.__version__``)."""
-    import torch_xla
-
-    return str(torch_xla.__version__)
+    return str(_module("torch_xla").__version__)
 
 
 def check_version(version: str | None = None) -> None:
@@ -105,9 +109,7 @@ def _xlac() -> Any:
     if not _version_checked:
         check_version()
         _version_checked = True
-    import torch_xla
-
-    return torch_xla._XLAC
+    return _module("torch_xla")._XLAC
 
 
 def _api_changed(function: str, got: object, expected: str) -> ExportError:
@@ -123,9 +125,8 @@ def _api_changed(function: str, got: object, expected: str) -> ExportError:
 
 def device() -> torch.device:
     """The default XLA device (created on first use, before any autograd runs)."""
-    import torch_xla
-
-    return torch_xla.device()
+    device: torch.device = _module("torch_xla").device()
+    return device
 
 
 def sync() -> None:
@@ -134,37 +135,28 @@ def sync() -> None:
     Waiting matters: torch_xla executes asynchronously, and an execution still running
     would later tick the counters the tracer reads to detect mid-step round trips.
     """
-    import torch_xla
-    import torch_xla.core.xla_model as xm
-
-    torch_xla.sync()
-    xm.wait_device_ops()
+    _module("torch_xla").sync()
+    _module("torch_xla.core.xla_model").wait_device_ops()
 
 
 def get_rng_state() -> int:
     """torch_xla's current device RNG seed (every sync advances it)."""
-    import torch_xla.core.xla_model as xm
-
-    return int(xm.get_rng_state())
+    return int(_module("torch_xla.core.xla_model").get_rng_state())
 
 
 def set_rng_state(seed: int) -> None:
     """Set torch_xla's device RNG seed."""
-    import torch_xla.core.xla_model as xm
-
-    xm.set_rng_state(seed)
+    _module("torch_xla.core.xla_model").set_rng_state(seed)
 
 
 def is_spmd() -> bool:
     """Whether torch_xla is in SPMD mode (``xr.use_spmd()`` was called)."""
-    import torch_xla.runtime as xr
-
-    return bool(xr.is_spmd())
+    return bool(_module("torch_xla.runtime").is_spmd())
 
 
 def syncfree_family(opt: torch.optim.Optimizer) -> str | None:
     """``"syncfree_adam"`` or ``"syncfree_sgd"`` for torch_xla's syncfree optimizers, else None."""
-    import torch_xla.amp.syncfree as syncfree
+    syncfree = _module("torch_xla.amp.syncfree")
 
     if isinstance(opt, (syncfree.Adam, syncfree.AdamW)):
         return "syncfree_adam"
@@ -179,8 +171,7 @@ def lower(roots: Sequence[torch.Tensor]) -> tuple[str, bytes]:
     The text's module name carries a process-wide counter that is not part of the graph;
     it is replaced by ``@main_module`` so that two traces of one step compare equal.
     """
-    import torch_xla.core.xla_model as xm
-
+    xm = _module("torch_xla.core.xla_model")
     text = xm.get_stablehlo(list(roots))
     data = xm.get_stablehlo_bytecode(list(roots))
     if not isinstance(text, str) or not text.lstrip().startswith("module"):
@@ -286,8 +277,7 @@ def tensor_values(tensors: Sequence[torch.Tensor]) -> list[TensorValue]:
 
 def counters() -> dict[str, int]:
     """A snapshot of every torch_xla metric counter."""
-    import torch_xla.debug.metrics as met
-
+    met = _module("torch_xla.debug.metrics")
     return {n: int(met.counter_value(n) or 0) for n in met.counter_names()}
 
 

@@ -9,6 +9,7 @@ bindings to return another shape and expect a loud ExportError.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -121,6 +122,16 @@ def test_lower_gives_text_and_a_portable_artifact() -> None:
     # The module name's process-wide counter is gone: two lowerings compare equal.
     assert xla.lower([(a * 2).sum()])[0] == text
     xla.sync()
+
+
+def test_plain_mlir_from_torch_xla_would_be_an_export_error() -> None:
+    """The exporter reads torch_xla's graph strictly as a portable artifact: no fallback."""
+    from stepbundle.exporter.bind import BoundProgram
+    from stepbundle.exporter.export import _parse
+
+    bound = BoundProgram((), (), {}, b"module {}", "module {}")
+    with pytest.raises(ExportError, match="training step's graph, as torch_xla .* is not a"):
+        _parse(bound, "training step")
 
 
 # Private API (_XLAC).
@@ -258,6 +269,8 @@ def _torch_xla_uses(path: Path) -> list[str]:
             found.append(node.module or "")
         elif isinstance(node, ast.Attribute) and node.attr == "_XLAC":
             found.append("_XLAC")
+        elif isinstance(node, ast.Constant) and re.fullmatch(r"torch_xla(\.\w+)*", str(node.value)):
+            found.append(str(node.value))  # importlib.import_module("torch_xla...")
     return found
 
 

@@ -77,6 +77,12 @@ class OtherBundleError(CheckpointError):
     """The checkpoint was written by another bundle than the one loaded."""
 
 
+def _finite_number(v: object) -> bool:
+    if type(v) is int:
+        return -(2**53) <= v <= 2**53  # exact as a float (10**400 would overflow)
+    return type(v) is float and math.isfinite(v)
+
+
 @dataclass(frozen=True)
 class CheckpointMeta:
     """What a checkpoint holds besides the state: the ``stepbundle`` metadata entry.
@@ -97,6 +103,12 @@ class CheckpointMeta:
     bundle_digest: str
 
     def to_json(self) -> str:
+        bad = {k: v for k, v in self.hyperparameters.items() if not math.isfinite(v)}
+        if bad:
+            raise CheckpointError(
+                f"Cannot write a checkpoint whose hyperparameters are not finite: {bad}. Set "
+                "them to finite values first (a reader refuses such a checkpoint)."
+            )
         return json.dumps(
             {
                 "format": self.format,
@@ -146,9 +158,7 @@ class CheckpointMeta:
             raise bad(f"the step {step!r} is not a non-negative integer")
         if seed is not None and (type(seed) is not int or not 0 <= seed < 2**64):
             raise bad(f"the seed {seed!r} is not an integer in [0, 2**64)")
-        if not isinstance(hyper, dict) or not all(
-            type(v) in (int, float) and math.isfinite(v) for v in hyper.values()
-        ):
+        if not isinstance(hyper, dict) or not all(map(_finite_number, hyper.values())):
             raise bad(f"the hyperparameters {hyper!r:.200} are not a map of finite numbers")
         if not isinstance(digest, str):
             raise bad(f"the bundle digest {digest!r:.100} is not a string")

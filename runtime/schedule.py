@@ -48,6 +48,9 @@ _KINDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
 }
 
 
+_STEP_COUNTS = frozenset({"warmup", "total"})
+
+
 def parse_schedule(spec: str) -> Callable[[int], float]:
     """Parse ``kind:key=value,...`` into a function of the step index."""
     kind, _, rest = spec.partition(":")
@@ -70,6 +73,13 @@ def parse_schedule(spec: str) -> Callable[[int], float]:
             params[key] = float(value)
         except ValueError:
             raise ValueError(f"Schedule parameter {key}={value!r} is not a number.") from None
+        if not math.isfinite(params[key]):
+            raise ValueError(f"Schedule parameter {key}={value!r} in {spec!r} must be finite.")
+        if key in _STEP_COUNTS and (params[key] < 0 or params[key] != int(params[key])):
+            raise ValueError(
+                f"Schedule parameter {key}={value!r} in {spec!r} is a step count: a whole "
+                "number >= 0."
+            )
     missing = [k for k in required if k not in params]
     if missing:
         raise ValueError(f"Schedule {spec!r} is missing {', '.join(missing)}.")

@@ -34,6 +34,7 @@ from .checkpoint import (
     write_checkpoint,
 )
 from .errors import BindingError, CheckpointError, NonFiniteLossError
+from .fallback import PathChoice
 from .hyper import Hyperparameters
 from .packing import Layout
 from .plan import CompiledPlan, Plan, RefusedPlan
@@ -57,12 +58,18 @@ class LoadInfo:
       cache: per program (``"entry[i]"``), what the compile cache did and why: a hit,
         a miss with its reason (no entry, damaged, another program's entry, ...), or off;
         and any error writing the new entry.
+      transfer: how arrays are copied to the device (jaxlib's fast transfer, or the
+        ``jax.device_put`` fallback and why); None until load() has placed the state.
+      dispatch: per compiled program (``"entry[i]"``), how its steps are dispatched
+        (result handlers, or the ``execute`` fallback and why).
     """
 
     seconds: dict[str, float] = field(default_factory=dict)
     cache_hits: int = 0
     compiled: int = 0
     cache: dict[str, CacheEvent] = field(default_factory=dict)
+    transfer: PathChoice | None = None
+    dispatch: dict[str, PathChoice] = field(default_factory=dict)
 
 
 class Trainer:
@@ -260,6 +267,13 @@ class Trainer:
             for name, fn in self._schedules.items():
                 v = float(fn(self._step))
                 if self._hyper[name] != v:
+                    if not math.isfinite(v):
+                        # Checked before dispatch: nothing has been donated yet.
+                        raise BindingError(
+                            f"The schedule of hyperparameter {name!r} gave {v!r} for step "
+                            f"{self._step}; a hyperparameter must be finite. Fix the "
+                            "schedule (or set_schedule(name, None)) and step again."
+                        )
                     self._hyper[name] = v
                     self._hyper_bufs.pop(name, None)
         args = self._args(plan, dev_batch, self._seed)
@@ -350,7 +364,20 @@ class Trainer:
         return out
 
     def evaluate(self, batch: Mapping[str, Any], entry: str = "eval") -> dict[str, Any]:
-        """Run a read-only entry on the current state. Nothing is donated or changed."""
+        """Run a read-only entry on the current state. Nothing is donated or changed.
+
+        Raises:
+          BindingError: ``entry`` updates state (such as ``"train"``): run it with
+            ``step``, which takes its results back; ``evaluate`` would lose the state.
+        """
+        found = self.manifest.entries.get(entry)
+        if found is not None and found.updates_state:
+            read_only = [n for n, e in self.manifest.entries.items() if not e.updates_state]
+            raise BindingError(
+                f"evaluate() runs read-only entries, and {entry!r} updates the state: its "
+                "state buffers would be donated and lost. Use step() to train, or evaluate "
+                f"one of the read-only entries: {', '.join(map(repr, read_only)) or 'none'}."
+            )
         plan, dev = self._pick(entry, batch)
         if self._broken is not None:
             raise BindingError(self._broken)

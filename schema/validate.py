@@ -15,6 +15,7 @@ Imports: standard library only (and this package).
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping
 
@@ -204,6 +205,12 @@ def _check_hyperparameters(manifest: Manifest) -> None:
             raise fail(
                 f"{path}.spec.shape",
                 f"hyperparameter {h.name!r} must be a scalar, got shape {list(h.spec.shape)}.",
+            )
+        if not math.isfinite(h.value):
+            raise fail(
+                f"{path}.value",
+                f"hyperparameter {h.name!r} has the value {h.value!r}; a hyperparameter must be "
+                "finite (a NaN or infinite lr would turn the whole state into NaN).",
             )
 
 

@@ -109,6 +109,11 @@ HOSTILE_HEADERS: dict[str, Any] = {
     "seed negative": lambda h, t: _edit_meta(h, seed=-1),
     "hyperparameters a list": lambda h, t: _edit_meta(h, hyperparameters=[1]),
     "hyperparameter not finite": lambda h, t: _edit_meta(h, hyperparameters={"lr": "NaN"}),
+    "hyperparameter an enormous integer": lambda h, t: _edit_meta(
+        h, hyperparameters={"lr": 10**400}
+    ),
+    "shape with a zero and a huge dimension": lambda h, t: h[t].update(shape=[0, 2**70]),
+    "rank 100": lambda h, t: h[t].update(shape=[1] * 100),
     "a tensor missing": lambda h, t: h.pop(t),
     # The byte ranges must tile the data exactly, as the safetensors library requires.
     "offsets shifted into the next tensor": lambda h, t: h[t].update(

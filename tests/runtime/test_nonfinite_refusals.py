@@ -1,0 +1,109 @@
+"""Non-finite hyperparameters never get in, and evaluate() never loses the state.
+
+A NaN or infinite hyperparameter (from a bundle, --set, a schedule spec or a schedule
+function, or checkpoint metadata) is refused with the name of the value before anything
+is dispatched; an entry that updates state is refused by evaluate() before dispatch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from runtime_helpers import GOLDEN_DIR, golden_batches, golden_bundle
+
+from stepbundle.runtime import BindingError, CheckpointError, load
+from stepbundle.runtime.checkpoint import CheckpointMeta
+from stepbundle.runtime.schedule import parse_schedule
+from stepbundle.schema import SchemaValidationError, open_bundle, validate
+
+
+def test_evaluate_refuses_an_entry_that_updates_state_and_keeps_it() -> None:
+    t = load(golden_bundle("linear_adamw"), cache_dir=False)
+    batch = golden_batches("linear_adamw")[0]
+    before = t.state_dict()
+    with pytest.raises(BindingError, match="'train' updates the state") as refused:
+        t.evaluate(batch, entry="train")
+    assert "'eval'" in str(refused.value)  # it names the read-only entries
+    after = t.state_dict()
+    for k, v in before.items():
+        np.testing.assert_array_equal(after[k], v)
+    assert math.isfinite(float(t.step(batch)["loss"]))  # nothing was donated
+
+
+@pytest.mark.parametrize(
+    ("spec", "needle"),
+    [
+        ("constant:value=nan", "value='nan' in 'constant:value=nan' must be finite"),
+        ("constant:value=inf", "must be finite"),
+        ("warmup_cosine:peak=1e-3,warmup=10,total=1e400", "total='1e400'"),
+        ("warmup_cosine:peak=1e-3,warmup=-1,total=100", "warmup='-1'"),
+        ("linear:start=1,end=0,total=2.5", "is a step count"),
+    ],
+)
+def test_schedule_specs_with_bad_numbers_are_refused(spec: str, needle: str) -> None:
+    with pytest.raises(ValueError) as refused:
+        parse_schedule(spec)
+    assert needle in str(refused.value)
+
+
+def test_a_schedule_function_that_returns_nan_is_refused_before_dispatch() -> None:
+    t = load(golden_bundle("batchnorm_lr"), cache_dir=False)
+    batches = golden_batches("batchnorm_lr")
+    t.step(batches[0])
+    t.set_schedule("lr", lambda step: float("nan") if step == 1 else 0.01)
+    before = t.state_dict()
+    with pytest.raises(BindingError, match="schedule of hyperparameter 'lr' gave nan for step 1"):
+        t.step(batches[1])
+    assert t.step_count == 1
+    for k, v in t.state_dict().items():
+        np.testing.assert_array_equal(v, before[k])
+    t.set_schedule("lr", None)
+    assert math.isfinite(float(t.step(batches[1])["loss"]))
+
+
+def test_cli_refuses_a_nan_schedule_in_one_line() -> None:
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "stepbundle",
+            "run",
+            str(golden_bundle("linear_adamw")),
+            "--data",
+            str(GOLDEN_DIR / "linear_adamw.inputs.npz"),
+            "--steps",
+            "2",
+            "--no-cache",
+            "--lr-schedule",
+            "constant:value=nan",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 1
+    assert "Traceback" not in out.stderr
+    assert out.stderr.strip().splitlines()[-1].endswith("must be finite.")
+
+
+def test_a_bundle_with_a_nan_hyperparameter_is_refused() -> None:
+    with open_bundle(golden_bundle("batchnorm_lr")) as b:
+        m, size = b.manifest, b.file_size
+    h = m.hyperparameters[0]
+    bad = dataclasses.replace(m, hyperparameters=(dataclasses.replace(h, value=math.nan),))
+    with pytest.raises(SchemaValidationError) as refused:
+        validate(bad, size)
+    assert refused.value.path == "hyperparameters[0].value"
+    assert f"hyperparameter {h.name!r} has the value nan" in str(refused.value)
+
+
+def test_checkpoint_metadata_with_a_nan_hyperparameter_is_never_written(tmp_path: Path) -> None:
+    meta = CheckpointMeta(1, 3, None, {"lr": math.inf}, "sha256:" + "0" * 64)
+    with pytest.raises(CheckpointError, match=r"not finite: \{'lr': inf\}"):
+        meta.to_json()

@@ -24,10 +24,13 @@ Imports: numpy, stepbundle.schema.
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import math
 import mmap
 import os
+import re
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -49,6 +52,7 @@ __all__ = [
     "check_bundle",
     "read_checkpoint",
     "read_safetensors",
+    "tensors_digest",
     "write_checkpoint",
     "write_safetensors",
 ]
@@ -61,8 +65,11 @@ __all__ = [
 #   "stepbundle" = JSON {format, step, seed, hyperparameters, bundle_digest}.
 # 2026-12-01: 1, unchanged on disk; readers now refuse unknown formats and, unless told
 #   otherwise, checkpoints written by another bundle.
-CHECKPOINT_FORMAT = 1
-SUPPORTED_FORMATS = frozenset({1})
+# 2026-12-01: 2, adds "tensors_sha256": the SHA-256 of every tensor's bytes (C order,
+#   tensors sorted by name), checked on read, so a flipped byte is refused. Format 1
+#   files (no digest) still load.
+CHECKPOINT_FORMAT = 2
+SUPPORTED_FORMATS = frozenset({1, 2})
 
 # The safetensors library's own cap on the JSON header (MAX_HEADER_SIZE).
 _MAX_HEADER = 100_000_000
@@ -75,6 +82,19 @@ class CheckpointFormatError(CheckpointError):
 
 class OtherBundleError(CheckpointError):
     """The checkpoint was written by another bundle than the one loaded."""
+
+
+_SHA256_HEX = re.compile(r"[0-9a-f]{64}")
+
+
+def tensors_digest(values: Mapping[str, np.ndarray[Any, Any]]) -> str:
+    """Hex SHA-256 of the tensors' bytes, C order, tensors sorted by name."""
+    h = hashlib.sha256()
+    for name in sorted(values):
+        a = np.asarray(values[name], order="C")
+        if a.size:
+            h.update(a.reshape(-1).view(np.uint8).data)
+    return h.hexdigest()
 
 
 def _finite_number(v: object) -> bool:
@@ -94,6 +114,8 @@ class CheckpointMeta:
         programs use no random numbers.
       hyperparameters: every hyperparameter's value by name.
       bundle_digest: the digest ("sha256:...") of the bundle the state belongs to.
+      tensors_sha256: hex SHA-256 of the tensors' bytes (``tensors_digest``); format 2
+        on, None in format 1 files.
     """
 
     format: int
@@ -101,6 +123,7 @@ class CheckpointMeta:
     seed: int | None
     hyperparameters: Mapping[str, float]
     bundle_digest: str
+    tensors_sha256: str | None = None
 
     def to_json(self) -> str:
         bad = {k: v for k, v in self.hyperparameters.items() if not math.isfinite(v)}
@@ -116,6 +139,7 @@ class CheckpointMeta:
                 "seed": self.seed,
                 "hyperparameters": dict(self.hyperparameters),
                 "bundle_digest": self.bundle_digest,
+                **({} if self.tensors_sha256 is None else {"tensors_sha256": self.tensors_sha256}),
             },
             sort_keys=True,
         )
@@ -149,7 +173,8 @@ class CheckpointMeta:
         if type(fmt) is not int or fmt not in SUPPORTED_FORMATS:
             raise CheckpointFormatError(
                 f"The checkpoint {os.fspath(path)} has format {fmt!r}, but this version of "
-                f"stepbundle reads checkpoint format {CHECKPOINT_FORMAT} only. Load it with "
+                "stepbundle reads checkpoint formats "
+                f"{', '.join(map(str, sorted(SUPPORTED_FORMATS)))} only. Load it with "
                 "the stepbundle version that wrote it, or save it again from there."
             )
         step, seed, hyper = info["step"], info["seed"], info["hyperparameters"]
@@ -162,12 +187,16 @@ class CheckpointMeta:
             raise bad(f"the hyperparameters {hyper!r:.200} are not a map of finite numbers")
         if not isinstance(digest, str):
             raise bad(f"the bundle digest {digest!r:.100} is not a string")
+        tensors = info.get("tensors_sha256")
+        if fmt >= 2 and not (isinstance(tensors, str) and _SHA256_HEX.fullmatch(tensors)):
+            raise bad(f"the tensors' digest {tensors!r:.100} is not 64 hex digits")
         return cls(
             format=fmt,
             step=step,
             seed=seed,
             hyperparameters={str(k): float(v) for k, v in hyper.items()},
             bundle_digest=digest,
+            tensors_sha256=tensors if fmt >= 2 else None,
         )
 
 
@@ -348,6 +377,9 @@ def write_checkpoint(
     Raises:
       OSError: the file could not be written; ``path`` is untouched.
     """
+    meta = dataclasses.replace(
+        meta, format=CHECKPOINT_FORMAT, tensors_sha256=tensors_digest(values)
+    )
     write_safetensors(path, values, {_META_KEY: meta.to_json()})
 
 
@@ -367,4 +399,10 @@ def read_checkpoint(
             f"{os.fspath(path)} has no stepbundle metadata; it was not written by "
             "save_checkpoint. Use trainer.load_state_dict for plain state."
         )
-    return values, CheckpointMeta.from_json(path, raw)
+    checked = CheckpointMeta.from_json(path, raw)
+    if checked.tensors_sha256 is not None and tensors_digest(values) != checked.tensors_sha256:
+        raise CheckpointError(
+            f"{os.fspath(path)} is damaged: its tensors' bytes do not match the digest it "
+            "was written with. Resume from an earlier checkpoint."
+        )
+    return values, checked

@@ -121,7 +121,7 @@ HOSTILE_HEADERS: dict[str, Any] = {
     ),
     "metadata null": lambda h, t: h.update(__metadata__=None),
     "format missing": lambda h, t: _drop_meta(h, "format"),
-    "format unknown": lambda h, t: _edit_meta(h, format=2),
+    "format unknown": lambda h, t: _edit_meta(h, format=99),
     "format a string": lambda h, t: _edit_meta(h, format="1"),
     "format a boolean": lambda h, t: _edit_meta(h, format=True),
     "bundle digest missing": lambda h, t: _drop_meta(h, "bundle_digest"),

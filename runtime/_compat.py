@@ -9,7 +9,7 @@ with its default ``jax_enable_x64=False``, silently narrows such arrays to 32 bi
 transfer. The runtime never changes the user's global jax configuration: it enables
 x64 only inside its own transfers, with jax's thread-local scoped switch.
 
-Imports: jax, jaxlib, numpy.
+Imports: jax, jaxlib, numpy, and .fallback (to report which path it took).
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ import numpy as np
 from jax.extend.backend import get_backend
 from jaxlib import xla_client
 
+from .fallback import PathChoice, PathKind, warn_once
+
 # What jaxlib raises for a failed compile, deserialize or execute.
 JaxRuntimeError = jax.errors.JaxRuntimeError
 
@@ -39,6 +41,7 @@ __all__ = [
     "serialize_executable",
     "single_device_sharding",
     "to_host",
+    "transfer_path",
     "x64_scope",
 ]
 
@@ -91,21 +94,24 @@ def _slow_put(x: np.ndarray[Any, Any], sharding: Any) -> Array:
 _WIDE = frozenset({np.dtype(np.float64), np.dtype(np.int64), np.dtype(np.uint64)})
 
 
-def _make_fast_put() -> Callable[[np.ndarray[Any, Any], Any], Array] | None:
+_Put = Callable[[np.ndarray[Any, Any], Any], Array]
+
+
+def _make_fast_put() -> tuple[_Put | None, str]:
     """A transfer that skips jax.device_put's Python dispatch (about 12 us instead of 60).
 
     It calls jaxlib's batched transfer with an explicit abstract value and the shards
     this process holds, the call jax.device_put itself ends in. That entry point is
     internal to jax, so it is checked once here and the public path is used when it is
-    missing or misbehaves. Remove this when jax offers a public transfer without dtype
-    canonicalization.
+    missing or misbehaves; the second value says which and why. Remove this when jax
+    offers a public transfer without dtype canonicalization.
     """
     try:
         from jax._src import core
         from jax._src.lib import _jax as ext  # type: ignore[attr-defined]
         from jax.sharding import SingleDeviceSharding
-    except ImportError:
-        return None
+    except ImportError as e:
+        return None, f"jaxlib's internal transfer API is not importable ({e})"
     sem = ext.HostBufferSemantics.IMMUTABLE_ONLY_DURING_CALL
     avals: dict[tuple[tuple[int, ...], np.dtype[Any]], Any] = {}
     # (sharding, shape) -> [(device, index)] for the devices this process holds.
@@ -160,15 +166,21 @@ def _make_fast_put() -> Callable[[np.ndarray[Any, Any], Any], Array] | None:
                     or not np.array_equal(got, probe)
                     or (probe.ndim == 0 and shards != {()})
                 ):
-                    return None
-    except Exception:
-        return None
-    return fast_put
+                    return None, (
+                        f"jaxlib's internal transfer returned {got.dtype}{list(got.shape)} "
+                        f"for the probe {probe.dtype}{list(probe.shape)} on {target}"
+                    )
+    # The signature or behaviour of the internal API changed: a missing attribute, other
+    # arguments, or jaxlib refusing the call (JaxRuntimeError is a RuntimeError).
+    except (AttributeError, TypeError, ValueError, RuntimeError) as e:
+        return None, f"jaxlib's internal transfer failed its probe ({type(e).__name__}: {e})"
+    return fast_put, "jaxlib's batched transfer (probed: exact dtypes, shapes and shards)"
 
 
 # Built on first use: probing needs jax's CPU backend, and starting it at import would
 # fix the number of CPU devices before a caller could ask for more.
-_FAST_PUT: list[Callable[[np.ndarray[Any, Any], Any], Array] | None] = []
+_FAST_PUT: list[_Put | None] = []
+_TRANSFER: list[PathChoice] = []
 _SINGLE: dict[Device, Any] = {}
 
 
@@ -192,11 +204,33 @@ def put_sharded(x: np.ndarray[Any, Any], sharding: Any) -> Array:
     pieces that belong to its own devices.
     """
     if not _FAST_PUT:
-        _FAST_PUT.append(_make_fast_put())
+        _choose_transfer()
     fast = _FAST_PUT[0]
     if fast is not None:
         return fast(x, sharding)
     return _slow_put(x, sharding)
+
+
+def _choose_transfer() -> None:
+    fast, reason = _make_fast_put()
+    kind = PathKind.FAST if fast is not None else PathKind.FALLBACK
+    _TRANSFER.append(PathChoice("transfer", kind, reason))
+    _FAST_PUT.append(fast)
+    if fast is None:
+        warn_once(
+            "transfer",
+            f"stepbundle copies arrays to the device through jax.device_put, about 5x "
+            f"slower per array than its fast path: {reason}. Steps are correct but slower; "
+            f"please report this with your jax version ({jax.__version__}).",
+            stacklevel=4,
+        )
+
+
+def transfer_path() -> PathChoice:
+    """How ``put_sharded`` copies arrays in this process (probed on first use)."""
+    if not _FAST_PUT:
+        _choose_transfer()
+    return _TRANSFER[0]
 
 
 def to_host(a: Array) -> np.ndarray[Any, Any]:
@@ -242,7 +276,9 @@ def job_agree(ok: bool, timeout_s: float) -> bool | None:
     for i in range(n):
         try:
             answers.append(client.blocking_key_value_get(f"{name}/{i}", wait_ms))
-        except Exception as e:
+        # jaxlib raises JaxRuntimeError (a RuntimeError) for DEADLINE_EXCEEDED or a
+        # coordination service that went away; other bindings raise plain RuntimeError.
+        except RuntimeError as e:
             raise TimeoutError(
                 f"process {i} did not answer within {timeout_s:.0f} s ({e})"
             ) from None
@@ -294,8 +330,9 @@ class Dispatcher:
     again per result); with hundreds of results that is most of a small step's host
     time. When jaxlib offers them, this dispatches through ``execute_sharded`` and
     turns the results into arrays once, with one precomputed result handler per
-    output: the path jax's own compiled calls take. It falls back to ``execute``.
-    Remove the fallback when the oldest supported jaxlib has the handler API.
+    output: the path jax's own compiled calls take. It falls back to ``execute``, and
+    says so in ``path`` (and with a warning, once per process). Remove the fallback when
+    the oldest supported jaxlib has the handler API.
     """
 
     def __init__(
@@ -307,6 +344,9 @@ class Dispatcher:
     ) -> None:
         self.executable = executable
         self._handlers: list[Any] | None = None
+        self.path = PathChoice(
+            "dispatch", PathKind.FAST, "execute_sharded with one result handler per output"
+        )
         try:
             from jax._src import core
 
@@ -316,12 +356,23 @@ class Dispatcher:
                     make(core.ShapedArray(shape, dtype), sharding, True, True)
                     for (shape, dtype), sharding in zip(outputs, shardings)
                 ]
-        except Exception:
+        # The handler API is internal to jax: missing (ImportError, AttributeError) or
+        # with other arguments (TypeError). Anything else is a real error and propagates.
+        except (ImportError, AttributeError, TypeError) as e:
             if partitioned:
                 # execute() returns one array per device and result; a data-parallel
                 # program needs the handlers to reassemble them.
                 raise
             self._handlers = None
+            reason = f"jaxlib's result handlers are unavailable ({type(e).__name__}: {e})"
+            self.path = PathChoice("dispatch", PathKind.FALLBACK, reason)
+            warn_once(
+                "dispatch",
+                "stepbundle runs steps through LoadedExecutable.execute, which builds "
+                f"every result twice: {reason}. Steps are correct but slower; please "
+                f"report this with your jax version ({jax.__version__}).",
+                stacklevel=4,
+            )
 
     def __call__(self, args: list[Array]) -> list[Array]:
         if self._handlers is not None:

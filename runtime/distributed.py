@@ -32,7 +32,9 @@ def set_cpu_devices(n: int) -> None:
     try:
         config: Any = jax.config
         config.update("jax_num_cpu_devices", int(n))
-    except Exception as e:
+    # RuntimeError: jax's backends already started. AttributeError: this jax has no such
+    # option. ValueError, TypeError: ``n`` is not a count.
+    except (RuntimeError, AttributeError, ValueError, TypeError) as e:
         raise PlatformError(
             f"Cannot give this process {n} CPU devices now ({e}). Set it before the first "
             f"jax call, or start Python with XLA_FLAGS=--xla_force_host_platform_device_count={n}."
@@ -64,7 +66,9 @@ def initialize(
         kwargs["initialization_timeout"] = int(timeout_s)
     try:
         jax.distributed.initialize(coordinator_address, num_processes, process_id, **kwargs)
-    except Exception as e:
+    # RuntimeError (JaxRuntimeError among them): called too late or twice, or the
+    # coordinator was unreachable. ValueError: arguments jax could not complete itself.
+    except (RuntimeError, ValueError) as e:
         raise PlatformError(
             f"Could not join the multi-process job ({e}). Every process needs the same "
             "coordinator address (process 0's host:port, reachable from all hosts) and the "

@@ -53,7 +53,7 @@ def parse_device(device: str) -> tuple[str, int]:
 def _client(platform: str) -> Any:
     try:
         return _compat.get_client(platform)
-    except Exception as e:
+    except RuntimeError as e:  # jax: "Unknown backend cuda", "Backend 'tpu' failed to initialize"
         raise PlatformError(
             f"No {platform} device is available to jax here ({e}). Install jax's plugin "
             f"for {platform} (for CUDA: pip install 'jax[cuda12]') or run with --device cpu."
@@ -275,6 +275,7 @@ def load(
                             array_from_section(bundle.section(inp.section), inp.spec)
                         )
         info.seconds["state"] = time.perf_counter() - t2
+        info.transfer = _compat.transfer_path()
         plans: dict[str, list[Plan]] = {
             name: [
                 p
@@ -287,6 +288,12 @@ def load(
         digest = bundle.digest
     finally:
         bundle.close()
+    info.dispatch = {
+        f"{name}[{i}]": p.dispatch.path
+        for name, entry_plans in plans.items()
+        for i, p in enumerate(entry_plans)
+        if not isinstance(p, RefusedPlan)
+    }
     info.seconds["total"] = time.perf_counter() - t0
     trainer = Trainer(
         manifest=manifest,

@@ -14,7 +14,6 @@ import enum
 import hashlib
 import hmac
 import os
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +25,7 @@ from stepbundle.stablehlo import artifact as mlir
 
 from . import _compat, packing
 from .errors import PlatformError
+from .fallback import StepbundleFallbackWarning, warn_once
 from .sharding import AXIS, MESH, Placement
 
 __all__ = [
@@ -48,9 +48,10 @@ __all__ = [
 CACHE_KEY_VERSION = b"stepbundle-cache-v4"
 _ENTRY_MAGIC = b"SBXC\x00\x04\r\n"
 _ENTRY_HEADER = len(_ENTRY_MAGIC) + 32 + 32
+_NO_ENTRY = "no entry"
 
 
-class CacheWarning(UserWarning):
+class CacheWarning(StepbundleFallbackWarning):
     """The compile cache could not be read or written; the run goes on without it."""
 
 
@@ -160,10 +161,11 @@ def compile_program(
         )
     try:
         module = mlir.parse_artifact(artifact)
-    except Exception as e:
+    except mlir.ArtifactError as e:
         raise SchemaValidationError(
             f"{where}.section",
-            f"the program could not be parsed as StableHLO ({e}). Re-export the bundle.",
+            f"{e}. A program section must be a StableHLO portable artifact (FORMAT.md); "
+            "re-export the bundle with this version of stepbundle's exporter.",
         ) from None
     bad = module.custom_call_targets() - mlir.ALLOWED_CUSTOM_CALLS
     if bad:
@@ -223,6 +225,15 @@ def compile_program(
         except _compat.JaxRuntimeError as e:
             # The entry is intact and ours, but this jaxlib would not load it.
             why = f"the entry would not deserialize ({e})"
+    if why != _NO_ENTRY:
+        warn_once(
+            "cache-read",
+            f"a compile-cache entry in {cache_dir} was not used: {why}. The program is "
+            "compiled again and the entry replaced; load_info.cache lists every program's "
+            "outcome.",
+            CacheWarning,
+            stacklevel=4,  # load()'s caller
+        )
     exe = _compat.compile_program(client, bytecode, devices, options)
     write_error = None
     try:
@@ -230,22 +241,16 @@ def compile_program(
     except OSError as e:
         # A read-only or full cache folder must not fail a run; say so once.
         write_error = f"{type(e).__name__}: {e}"
-        _warn_once(
+        warn_once(
+            "cache-write",
             f"cannot write the compile cache in {cache_dir} ({write_error}); "
-            "every load will compile again until it is writable."
+            "every load will compile again until it is writable.",
+            CacheWarning,
+            stacklevel=4,  # load()'s caller
         )
     return CompiledProgram(
         program, exe, donate, CacheEvent(CacheOutcome.MISS, why, cache_file, write_error)
     )
-
-
-_WARNED: set[str] = set()
-
-
-def _warn_once(message: str) -> None:
-    if message not in _WARNED:
-        _WARNED.add(message)
-        warnings.warn(message, CacheWarning, stacklevel=3)
 
 
 def read_cache_entry(path: Path, key: bytes) -> tuple[bytes | None, str]:
@@ -259,7 +264,7 @@ def read_cache_entry(path: Path, key: bytes) -> tuple[bytes | None, str]:
     try:
         data = path.read_bytes()
     except FileNotFoundError:
-        return None, "no entry"
+        return None, _NO_ENTRY
     except OSError as e:
         return None, f"the entry is unreadable ({type(e).__name__}: {e})"
     if len(data) < _ENTRY_HEADER or not data.startswith(_ENTRY_MAGIC):

@@ -23,6 +23,7 @@ stablehlo: Any = _stablehlo
 
 __all__ = [
     "ALLOWED_CUSTOM_CALLS",
+    "ArtifactError",
     "MainSignature",
     "Module",
     "TARGET_CANDIDATES",
@@ -141,15 +142,21 @@ class Module:
         self._ctx = ctx
         self._module = module
 
-    @property
-    def main(self) -> Any:
+    def _find_main(self) -> Any | None:
         for op in self._module.body.operations:
             if (
                 op.operation.name == "func.func"
                 and ir.StringAttr(op.attributes["sym_name"]).value == "main"
             ):
                 return op
-        raise ValueError("the module has no @main function")
+        return None
+
+    @property
+    def main(self) -> Any:
+        op = self._find_main()
+        if op is None:
+            raise ValueError("the module has no @main function")
+        return op
 
     @staticmethod
     def parse_text(like: Module, text: str) -> Module:
@@ -297,13 +304,81 @@ class Module:
         return data
 
 
+class ArtifactError(ValueError):
+    """The bytes are not a StableHLO portable artifact this jaxlib can read.
+
+    The message says what was found instead (plain MLIR bytecode, MLIR text, something
+    else, or an artifact this jaxlib could not read) as a clause; callers wrap it in
+    their own error with the fix.
+    """
+
+
+_BYTECODE_MAGIC = b"ML\xefR"
+_PORTABLE_PRODUCER = "StableHLO_v"
+
+
+def _bytecode_producer(raw: bytes) -> str | None:
+    """The producer string of MLIR bytecode (``StableHLO_v1.2.3`` for a portable
+    artifact), or None when ``raw`` is not MLIR bytecode.
+
+    The header is the magic, the bytecode version as MLIR's prefix varint (the count of
+    trailing zero bits of its first byte is the number of bytes that follow; 0 means 8),
+    then the producer, NUL-terminated.
+    """
+    if not raw.startswith(_BYTECODE_MAGIC) or len(raw) <= len(_BYTECODE_MAGIC):
+        return None
+    first = raw[len(_BYTECODE_MAGIC)]
+    extra = 8 if first == 0 else (first & -first).bit_length() - 1
+    start = len(_BYTECODE_MAGIC) + 1 + extra
+    end = raw.find(b"\0", start, start + 256)
+    if end < 0:
+        return None
+    return raw[start:end].decode("utf-8", errors="replace")
+
+
+def _describe(raw: bytes) -> str:
+    """What ``raw`` is, when it is not a portable artifact: a clause for a message."""
+    if not raw:
+        return "it is empty"
+    producer = _bytecode_producer(raw)
+    if producer is not None:
+        return f"it is plain MLIR bytecode (producer {producer!r}), not a portable artifact"
+    head = raw[:4096].lstrip()
+    if head.startswith((b"module", b"func.func", b"#", b"//")) or b"func.func @main" in head:
+        return "it is MLIR text, not a portable artifact"
+    return f"it is not MLIR at all (it starts with {raw[:8].hex()})"
+
+
 def parse_artifact(data: bytes | memoryview) -> Module:
-    """Parse a StableHLO portable artifact (or plain MLIR bytecode/text) into a Module."""
-    ctx = make_context()
+    """Parse a StableHLO portable artifact into a Module.
+
+    Only portable artifacts are accepted (``schema/FORMAT.md``: a program section is one):
+    plain MLIR bytecode or text is tied to the MLIR version that wrote it and is refused
+    rather than parsed on a best-effort basis.
+
+    Raises:
+      ArtifactError: the bytes are not a portable artifact, this jaxlib could not read
+        it (damaged, or written for a newer StableHLO), or it has no ``@main``.
+    """
     raw = bytes(data)
+    producer = _bytecode_producer(raw)
+    if producer is None or not producer.startswith(_PORTABLE_PRODUCER):
+        raise ArtifactError(f"the section is not a StableHLO portable artifact: {_describe(raw)}")
+    ctx = make_context()
     with ctx:
         try:
             module = stablehlo.deserialize_portable_artifact(ctx, raw)
-        except Exception:
-            module = ir.Module.parse(raw)
-    return Module(ctx, module)
+        # jaxlib reports every failure to read an artifact as ValueError ("failed to
+        # deserialize module"); its diagnostics went to stderr.
+        except ValueError as e:
+            newest = stablehlo.get_current_version()
+            raise ArtifactError(
+                f"the portable artifact ({producer}) could not be read by this jaxlib, "
+                f"which reads StableHLO up to {newest} ({e}): it is damaged, or was written "
+                "for a newer StableHLO"
+            ) from None
+    parsed = Module(ctx, module)
+    with ctx:
+        if parsed._find_main() is None:
+            raise ArtifactError("the portable artifact has no @main function")
+    return parsed

@@ -10,6 +10,7 @@ lists the platforms it needs is refused, with a clear message, on any other plat
 from __future__ import annotations
 
 import dataclasses
+import io
 from pathlib import Path
 from typing import Any
 
@@ -211,3 +212,65 @@ def test_a_binding_table_that_disagrees_with_the_program_is_refused(tmp_path: Pa
     ) as info:
         load(path, cache_dir=False)
     assert info.value.path == f"entries.train.programs[0].inputs[{index}]"
+
+
+def _with_program_bytes(tmp_path: Path, make: str) -> Path:
+    """linear_adamw with train program 0's section replaced by another encoding of the
+    same module (or by damaged bytes); every digest is right."""
+    manifest, payloads = _golden_parts("linear_adamw")
+    program = manifest.entries["train"].programs[0]
+    index = next(i for i, p in enumerate(payloads) if p.name == program.section)
+    portable = payloads[index].data
+    module = mlir.parse_artifact(portable)
+    if make == "text":
+        data = module.text().encode()
+    elif make == "bytecode":
+        out = io.BytesIO()
+        with module._ctx:
+            module._module.operation.write_bytecode(out)
+        data = out.getvalue()
+    elif make == "truncated":
+        data = bytes(portable[: len(portable) // 2])
+    else:
+        data = b"\x00\x01 not a program at all"
+    payloads[index] = SectionPayload(program.section, payloads[index].kind, data)
+    path = tmp_path / f"{make}.stepbundle"
+    write_bundle(path, manifest, payloads)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("make", "found"),
+    [
+        ("text", "it is MLIR text, not a portable artifact"),
+        ("bytecode", "it is plain MLIR bytecode (producer 'MLIR"),
+        ("garbage", "it is not MLIR at all (it starts with 0001"),
+        ("truncated", "could not be read by this jaxlib"),
+    ],
+)
+def test_a_program_section_that_is_not_a_portable_artifact_is_refused(
+    tmp_path: Path, make: str, found: str
+) -> None:
+    # FORMAT.md: a program section is a StableHLO portable artifact. Plain MLIR is tied
+    # to the MLIR version that wrote it; it is refused, never parsed on a best effort.
+    with pytest.raises(SchemaValidationError) as info:
+        load(_with_program_bytes(tmp_path, make), cache_dir=False)
+    assert isinstance(info.value, BundleError)
+    assert info.value.path == "entries.train.programs[0].section"
+    message = str(info.value)
+    assert found in message
+    assert "must be a StableHLO portable artifact" in message
+    assert "re-export the bundle" in message
+
+
+def test_parse_artifact_refuses_plain_mlir_directly() -> None:
+    # The exporter calls the same function on torch_xla's output: no silent fallback
+    # there either.
+    manifest, payloads = _golden_parts("linear_adamw")
+    section = manifest.entries["train"].programs[0].section
+    portable = next(p.data for p in payloads if p.name == section)
+    module = mlir.parse_artifact(portable)
+    with pytest.raises(mlir.ArtifactError, match="MLIR text"):
+        mlir.parse_artifact(module.text().encode())
+    with pytest.raises(mlir.ArtifactError, match="it is empty"):
+        mlir.parse_artifact(b"")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import sys
 import time
 from pathlib import Path
@@ -47,6 +48,15 @@ def cmd_export(args: argparse.Namespace) -> int:
             f"`stepbundle export` needs torch and torch_xla ({e}). Install the export extra: "
             "pip install 'stepbundle[export]'. Running bundles (`stepbundle run`) does not."
         )
+    recipe_file = args.recipe.rpartition(":")[0]
+    outputs_exist = Path(recipe_file).exists() and Path(args.output).exists()
+    if recipe_file and outputs_exist and os.path.samefile(recipe_file, args.output):
+        return _die(f"-o {args.output!r} is the recipe file; writing it would destroy it.")
+    if Path(args.output).is_dir():
+        return _die(f"-o {args.output!r} is a folder; give the bundle a file name.")
+    folder = Path(args.output).parent
+    if not os.access(folder if str(folder) else ".", os.W_OK) or not folder.is_dir():
+        return _die(f"-o {args.output!r}: the folder {str(folder)!r} is missing or not writable.")
     from stepbundle.exporter import ExportError, Recipe, export
     from stepbundle.exporter.workspace import xla_device
 

@@ -12,6 +12,7 @@ import math
 import os
 import signal
 import sys
+import tempfile
 import time
 import zipfile
 from collections.abc import Iterator
@@ -101,6 +102,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     from stepbundle.runtime.batches import iter_batches
     from stepbundle.schema.errors import BundleError
 
+    try:
+        _check_outputs(args)
+    except (OSError, ValueError) as e:
+        return _die(str(e), 2)
     try:
         joined = _join_job(args)
     except (BundleError, ValueError) as e:
@@ -354,9 +359,58 @@ def _run_train(args: argparse.Namespace, trainer: Any, batches: list[Any]) -> in
 
 
 def _save_state(trainer: Any, path: str) -> None:
-    from stepbundle.runtime.checkpoint import write_safetensors
-
-    state = trainer.state_dict()  # every process takes part in gathering it
+    # A full checkpoint: --resume takes it, and PyTorch loads it back (load_into).
+    trainer.save_checkpoint(path)  # every process takes part; process 0 writes
     if trainer.placement.writes_files:
-        write_safetensors(path, state)
         print(f"[run] wrote state to {path}", file=sys.stderr)
+
+
+def _same_file(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def _check_writable_folder(folder: Path, what: str) -> None:
+    """Create ``folder`` if needed and prove a file can be made in it, before any work."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        raise OSError(f"{what}: cannot write into {str(folder)!r} ({e.strerror or e})") from None
+
+
+def _check_outputs(args: argparse.Namespace) -> None:
+    """Refuse, before anything is loaded, outputs that could not be written or that would
+    overwrite an input or earlier checkpoints."""
+    from stepbundle.schema.atomic import stale_temp_files
+
+    if args.save_state:
+        target = Path(args.save_state)
+        for name, source in (("the bundle", args.bundle), ("--data", args.data)):
+            if _same_file(args.save_state, source):
+                raise ValueError(
+                    f"--save-state {args.save_state!r} is {name}; writing it would destroy an "
+                    "input. Choose another file."
+                )
+        if target.is_dir():
+            raise ValueError(f"--save-state {args.save_state!r} is a folder; give a file name.")
+        _check_writable_folder(target.parent if str(target.parent) else Path("."), "--save-state")
+    if args.checkpoint_dir:
+        folder = Path(args.checkpoint_dir)
+        if folder.exists() and not folder.is_dir():
+            raise ValueError(f"--checkpoint-dir {args.checkpoint_dir!r} is a file, not a folder.")
+        earlier = sorted(folder.glob("step-*.safetensors")) if folder.is_dir() else []
+        if earlier and not args.resume:
+            raise ValueError(
+                f"--checkpoint-dir {args.checkpoint_dir!r} already holds checkpoints "
+                f"({earlier[-1].name} and {len(earlier) - 1} more); a new run would overwrite "
+                f"them. Continue with --resume {earlier[-1]}, or choose an empty folder."
+            )
+        _check_writable_folder(folder, "--checkpoint-dir")
+        for stale in stale_temp_files(folder):  # left by a killed writer
+            with contextlib.suppress(OSError):
+                os.unlink(stale)
+                print(f"[run] removed {stale}, left by an interrupted write", file=sys.stderr)

@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import secrets
 from collections.abc import Callable, Iterable
 from typing import BinaryIO
 
-__all__ = ["Chunks", "WriteFn", "atomic_write", "fsync_directory"]
+__all__ = ["stale_temp_files", "Chunks", "WriteFn", "atomic_write", "fsync_directory"]
 
 WriteFn = Callable[[BinaryIO], object]
 """A function that writes the whole content to the binary file it is given."""
@@ -103,3 +104,34 @@ def fsync_directory(directory: str | os.PathLike[str]) -> None:
         pass
     finally:
         os.close(fd)
+
+
+_TEMP_NAME = re.compile(r"\.(?P<name>.+)\.tmp-(?P<pid>[0-9]+)-[0-9a-f]{8}\Z")
+
+
+def stale_temp_files(directory: str | os.PathLike[str]) -> list[str]:
+    """Temp files ``atomic_write`` left in ``directory`` when its process was killed.
+
+    A temp file belongs to the process whose id is in its name; one whose process no
+    longer exists will never be renamed into place and only takes space. Files of live
+    processes (another writer at work) are not listed.
+    """
+    found = []
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return []
+    for entry in names:
+        m = _TEMP_NAME.fullmatch(entry)
+        if m is None:
+            continue
+        pid = int(m.group("pid"))
+        if pid == os.getpid():
+            continue
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            found.append(os.path.join(directory, entry))
+        except PermissionError:  # alive, another user's
+            continue
+    return sorted(found)

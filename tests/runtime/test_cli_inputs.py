@@ -3,6 +3,7 @@ code, before it loads or compiles anything; a closed stdout ends quietly."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import zipfile
@@ -132,3 +133,71 @@ def test_a_closed_stdout_ends_quietly() -> None:
     err = proc.stderr.read()
     assert proc.wait(timeout=300) == 141
     assert "Traceback" not in err and "BrokenPipeError" not in err
+
+
+def test_outputs_that_would_destroy_an_input_are_refused_before_loading(tmp_path: Path) -> None:
+    bundle = tmp_path / "b.stepbundle"
+    bundle.write_bytes(golden_bundle("linear_adamw").read_bytes())
+    data = tmp_path / "d.npz"
+    data.write_bytes((GOLDEN_DIR / "linear_adamw.inputs.npz").read_bytes())
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    cases = {
+        str(bundle): "is the bundle; writing it would destroy an input",
+        str(data): "is --data; writing it would destroy an input",
+        str(tmp_path): "is a folder; give a file name",
+        str(blocker / "state.safetensors"): "--save-state: cannot write into",
+    }
+    for target, needle in cases.items():
+        before = bundle.read_bytes(), data.read_bytes()
+        result = cli(
+            "run", str(bundle), "--data", str(data), "--steps", "1", "--save-state", target
+        )
+        assert result.returncode == 2, (target, result.stderr)
+        assert needle in one_line_error(result), target
+        assert "[run] loaded" not in result.stderr
+        assert (bundle.read_bytes(), data.read_bytes()) == before
+
+
+def test_a_checkpoint_folder_with_checkpoints_needs_resume(tmp_path: Path) -> None:
+    ck = tmp_path / "ck"
+    first = cli(*run_args("--steps", "2", "--checkpoint-dir", str(ck), "--checkpoint-every", "2"))
+    assert first.returncode == 0, first.stderr
+    written = (ck / "step-00000002.safetensors").read_bytes()
+    again = cli(*run_args("--steps", "2", "--checkpoint-dir", str(ck), "--checkpoint-every", "2"))
+    assert again.returncode == 2
+    line = one_line_error(again)
+    assert "already holds checkpoints (step-00000002.safetensors and 0 more)" in line
+    assert f"--resume {ck / 'step-00000002.safetensors'}" in line
+    assert (ck / "step-00000002.safetensors").read_bytes() == written
+    resumed = cli(
+        *run_args(
+            "--steps",
+            "2",
+            "--checkpoint-dir",
+            str(ck),
+            "--checkpoint-every",
+            "2",
+            "--resume",
+            str(ck / "step-00000002.safetensors"),
+        )
+    )
+    assert resumed.returncode == 0, resumed.stderr
+    assert (ck / "step-00000004.safetensors").exists()
+
+
+def test_temp_files_of_killed_writers_are_cleaned_at_start(tmp_path: Path) -> None:
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    gone = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    dead_pid = int(gone.stdout)  # that process has exited
+    stale = ck / f".step-00000040.safetensors.tmp-{dead_pid}-0123abcd"
+    stale.write_bytes(b"\0" * 1000)
+    live = ck / f".step-00000040.safetensors.tmp-{os.getpid()}-0123abcd"  # a live writer's
+    live.write_bytes(b"\0" * 10)
+    result = cli(*run_args("--steps", "1", "--checkpoint-dir", str(ck)))
+    assert result.returncode == 0, result.stderr
+    assert not stale.exists() and live.exists()
+    assert f"removed {stale}" in result.stderr

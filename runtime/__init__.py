@@ -7,7 +7,7 @@ Modules: ``load.py`` (opening, compiling, placing), ``trainer.py`` (the hot path
 checkpoint orchestration), ``plan.py`` (compiled and refused shape buckets),
 ``hyper.py`` (hyperparameters and schedules), ``batches.py`` (batch refusals, data
 files), ``state.py`` (named state <-> device buffers), ``checkpoint.py`` (the checkpoint
-file format), ``dtypes.py`` (the dtype table).
+file format), ``dtypes.py`` (the dtype table), ``fallback.py`` (slower paths taken, and why).
 
 Imports: numpy, jax/jaxlib, msgpack (through stepbundle.schema). Never torch.
 """
@@ -15,17 +15,27 @@ Imports: numpy, jax/jaxlib, msgpack (through stepbundle.schema). Never torch.
 from __future__ import annotations
 
 from .checkpoint import CheckpointFormatError, OtherBundleError
-from .errors import BindingError, CheckpointError, NonFiniteLossError, PlatformError
+from .errors import BindingError, CheckpointError, DeviceError, NonFiniteLossError, PlatformError
+from .fallback import PathChoice, PathKind, StepbundleFallbackWarning
 from .load import load
-from .trainer import Trainer
+from .program import CacheEvent, CacheOutcome, CacheWarning
+from .trainer import LoadInfo, Trainer
 
 __all__ = [
     "BindingError",
+    "CacheEvent",
+    "CacheOutcome",
+    "CacheWarning",
     "CheckpointError",
     "CheckpointFormatError",
+    "DeviceError",
+    "LoadInfo",
     "NonFiniteLossError",
     "OtherBundleError",
+    "PathChoice",
+    "PathKind",
     "PlatformError",
+    "StepbundleFallbackWarning",
     "Trainer",
     "load",
 ]

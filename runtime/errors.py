@@ -7,7 +7,13 @@ from __future__ import annotations
 
 from stepbundle.schema.errors import BundleError
 
-__all__ = ["BindingError", "CheckpointError", "NonFiniteLossError", "PlatformError"]
+__all__ = [
+    "BindingError",
+    "CheckpointError",
+    "DeviceError",
+    "NonFiniteLossError",
+    "PlatformError",
+]
 
 
 class BindingError(BundleError):
@@ -19,6 +25,14 @@ class BindingError(BundleError):
 
 class PlatformError(BundleError):
     """The bundle cannot run on the requested device or platform."""
+
+
+class DeviceError(BundleError):
+    """The device runtime failed while running a step (out of memory, a lost device).
+
+    If the step donated its state, the trainer refuses further use until a checkpoint
+    or the bundle is loaded again; the message says which.
+    """
 
 
 class CheckpointError(BundleError):

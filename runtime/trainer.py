@@ -33,7 +33,7 @@ from .checkpoint import (
     read_checkpoint,
     write_checkpoint,
 )
-from .errors import BindingError, CheckpointError, NonFiniteLossError
+from .errors import BindingError, CheckpointError, DeviceError, NonFiniteLossError
 from .fallback import PathChoice
 from .hyper import Hyperparameters
 from .packing import Layout
@@ -279,14 +279,20 @@ class Trainer:
         args = self._args(plan, dev_batch, self._seed)
         try:
             outs = plan.dispatch(args)
-        except Exception as e:
+        except _compat.JaxRuntimeError as e:
+            # Everything about the arguments was checked before this call, so what fails
+            # here failed inside XLA or the device, possibly after donation.
             if plan.compiled.donating:
                 self._broken = (
                     f"A step failed inside the device runtime ({e}); its donated state "
                     "buffers may be gone. Load a checkpoint (trainer.load_checkpoint) or "
                     "the bundle again to continue."
                 )
-            raise
+                raise DeviceError(self._broken) from e
+            raise DeviceError(
+                f"A step failed inside the device runtime ({e}); it donated nothing, so the "
+                "state is as it was before the step."
+            ) from e
         metrics = {name: outs[pos] for pos, name in plan.metric_slots}
         if self._stop_on_nonfinite and plan.loss_slot is not None:
             loss = float(np.asarray(outs[plan.loss_slot]))

@@ -17,6 +17,7 @@ import sys
 import warnings
 from pathlib import Path
 
+import pytest
 from runtime_helpers import golden_batches, golden_bundle
 
 from stepbundle.runtime import load
@@ -43,6 +44,7 @@ def test_hits_are_verified_and_reported(tmp_path: Path) -> None:
     assert {e.outcome for e in off.load_info.cache.values()} == {CacheOutcome.OFF}
 
 
+@pytest.mark.filterwarnings("ignore::stepbundle.runtime.CacheWarning")
 def test_a_foreign_entry_renamed_into_place_is_a_miss(tmp_path: Path) -> None:
     cache = tmp_path / "cache"
     load(golden_bundle("linear_adamw"), cache_dir=cache)
@@ -79,6 +81,7 @@ FUZZ_CHILD = r"""
 import random, sys
 from pathlib import Path
 sys.path.insert(0, sys.argv[3])
+import pytest
 from runtime_helpers import golden_batches, golden_bundle
 from test_cache_integrity import _damage
 from stepbundle.runtime import load

@@ -47,6 +47,28 @@ def build_parser() -> argparse.ArgumentParser:
         "--entry", default="train", help="entry to run (train, or a read-only entry such as eval)"
     )
     r.add_argument("--json", action="store_true", help="one JSON object per step on stdout")
+    r.add_argument(
+        "--log-every",
+        type=types.at_least(1),
+        metavar="N",
+        help="report every N-th step (and the last) in --json and plain lines, "
+        "--metrics-file and --tensorboard, e.g. --log-every 100. Default: every step, plain "
+        "lines about ten per run. A reported step waits for the device to finish it",
+    )
+    r.add_argument(
+        "--metrics-file",
+        metavar="PATH",
+        help="append one JSON object per reported step to PATH: global step, seconds since "
+        'start, lr and every metric, e.g. --metrics-file runs/a/metrics.jsonl ("NaN", '
+        '"Infinity" as strings)',
+    )
+    r.add_argument(
+        "--tensorboard",
+        metavar="DIR",
+        help="write TensorBoard scalars (train/<metric>, hyperparameters/<name>) for each "
+        "reported step into DIR, e.g. --tensorboard runs/a (needs pip install "
+        "'stepbundle[tensorboard]')",
+    )
     r.add_argument("--save-state", metavar="OUT.safetensors", help="write the final state")
     r.add_argument(
         "--checkpoint-every",

@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
 import os
 import signal
 import sys
@@ -26,41 +25,12 @@ __all__ = ["cmd_run"]
 
 
 # ---------------------------------------------------------------------- run
-class _Progress:
-    """A one-line progress display for terminals: step, rate, loss."""
-
-    def __init__(self, total: int) -> None:
-        self.total = total
-        self.t0 = time.perf_counter()
-        self.last = 0.0
-
-    def update(self, i: int, metrics: dict[str, Any], force: bool = False) -> None:
-        now = time.perf_counter()
-        if not force and now - self.last < 0.1:
-            return
-        self.last = now
-        rate = (i + 1) / max(now - self.t0, 1e-9)
-        loss = float(metrics["loss"]) if "loss" in metrics else float("nan")
-        width = 30
-        filled = int(width * (i + 1) / max(self.total, 1))
-        bar = "#" * filled + "-" * (width - filled)
-        sys.stderr.write(f"\r[{bar}] {i + 1}/{self.total} {rate:8.1f} steps/s loss {loss:.6g}")
-        sys.stderr.flush()
-
-    def close(self) -> None:
-        sys.stderr.write("\n")
-
-
 def _scalar(v: Any) -> Any:
-    import numpy as np
+    """One metric for a JSON line: a float, or a list of floats for a metric with several
+    elements; non-finite values as the strings "NaN", "Infinity", "-Infinity"."""
+    from stepbundle.runtime.metrics import to_json_floats
 
-    a = np.asarray(v)
-    if a.size == 1:
-        x = a.reshape(()).item()
-        if isinstance(x, float) and not math.isfinite(x):
-            return str(x)
-        return x
-    return a.tolist()
+    return to_json_floats({"value": v})["value"]
 
 
 def _join_job(args: argparse.Namespace) -> bool:
@@ -289,35 +259,36 @@ class _Stopper:
 def _run_train(args: argparse.Namespace, trainer: Any, batches: list[Any]) -> int:
     from stepbundle.runtime.errors import NonFiniteLossError
 
-    # In a multi-process job process 0 reports; every process computes.
-    writer = trainer.placement.writes_files
-    progress = _Progress(args.steps) if (not args.json and sys.stderr.isatty()) else None
+    from .report import Reporter
+
     start_step = trainer.step_count
     ckpt_dir = Path(args.checkpoint_dir) if args.checkpoint_dir else None
     stdout = sys.stdout
     stopper = _Stopper()
 
-    def report(i: int, step: int, metrics: dict[str, Any]) -> None:
-        if not writer:  # process 0 of a multi-process job reports for all
-            pass
-        elif args.json:
-            stdout.write(
-                json.dumps({"step": step, **{k: _scalar(v) for k, v in metrics.items()}}) + "\n"
-            )
-        elif progress is not None:
-            progress.update(i, metrics, force=i + 1 == args.steps)
-        elif (i + 1) % max(1, args.steps // 10) == 0 or i == 0:
-            loss = metrics.get("loss")
-            stdout.write(
-                f"step {step:6d}  loss {float(loss) if loss is not None else float('nan'):.6f}\n"
-            )
+    # In a multi-process job process 0 reports; every process computes.
+    reporter = Reporter(
+        first_step=start_step,
+        steps=args.steps,
+        json_lines=args.json,
+        log_every=args.log_every,
+        metrics_file=args.metrics_file,
+        tensorboard=args.tensorboard,
+        writes_files=trainer.placement.writes_files,
+        hyperparameters=lambda: trainer.hyperparameters,
+        stdout=stdout,
+        stderr=sys.stderr,
+    )
 
     def on_step(i: int, metrics: dict[str, Any]) -> None:
         step = start_step + i
+        last = i + 1 == args.steps or stopper.exit_code is not None
         try:
-            report(i, step, metrics)
+            reporter.step(i, step, metrics, last=last)
         except BrokenPipeError:
             stopper.request(EXIT_PIPE_CLOSED, "stdout was closed")
+        if stopper.exit_code is not None:
+            reporter.close()  # end the bar's line before the stop is reported
         if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:
             assert ckpt_dir is not None
             trainer.save_checkpoint(ckpt_dir / f"step-{step + 1:08d}.safetensors")
@@ -327,10 +298,11 @@ def _run_train(args: argparse.Namespace, trainer: Any, batches: list[Any]) -> in
     code = 0
     # Signals stop a single-process run cleanly. A multi-process job keeps the default:
     # its processes cannot agree on one step boundary without a collective per step.
-    with stopper.installed(enabled=len({d.process_index for d in trainer.devices}) == 1):
+    with stopper.installed(enabled=len({d.process_index for d in trainer.devices}) == 1), reporter:
         try:
             trainer.run(batches, args.steps, on_step=on_step, offset=start_step, keep_metrics=False)
         except NonFiniteLossError as e:
+            reporter.close()
             print(f"\n[run] {e}", file=sys.stderr)
             if ckpt_dir is not None:
                 trainer.save_checkpoint(
@@ -346,8 +318,6 @@ def _run_train(args: argparse.Namespace, trainer: Any, batches: list[Any]) -> in
                 print(f"[run] wrote checkpoint {final}", file=sys.stderr)
         trainer.block_until_ready()
     elapsed = time.perf_counter() - t1
-    if progress is not None:
-        progress.close()
     done = trainer.step_count - start_step
     print(
         f"[run] {done} steps in {elapsed:.2f}s ({done / max(elapsed, 1e-9):.1f} steps/s)",
@@ -387,6 +357,9 @@ def _check_outputs(args: argparse.Namespace) -> None:
     overwrite an input or earlier checkpoints."""
     from stepbundle.schema.atomic import stale_temp_files
 
+    from .sinks import check_sink_outputs
+
+    check_sink_outputs(args.metrics_file, args.tensorboard)
     if args.save_state:
         target = Path(args.save_state)
         for name, source in (("the bundle", args.bundle), ("--data", args.data)):

@@ -1,0 +1,171 @@
+"""What ``stepbundle run`` reports per training step, and when it reads the metrics.
+
+One :class:`Reporter` per run fans each step out to ``--json`` lines, plain lines or the
+terminal's progress bar, ``--metrics-file`` and ``--tensorboard``. Reading a step's
+metrics waits for that step (dispatch is asynchronous), so a step's metrics are read
+only if something reports it, and at most once.
+
+Which steps are reported:
+
+- ``--json``: every step, or with ``--log-every N`` every step whose count ``step + 1``
+  is a multiple of N, and the run's last step.
+- plain lines (no ``--json``, stdout not a terminal-with-bar): about ten per run (the
+  first step, then every ``steps // 10``), or the ``--log-every`` steps as above.
+- the progress bar (stderr a terminal, no ``--json``): about ten refreshes a second and
+  the last step; with ``--log-every``, the plain lines are printed above it.
+- ``--metrics-file`` and ``--tensorboard``: every step, or the ``--log-every`` steps.
+
+Only the process that writes files (process 0 of a multi-process job) reports.
+
+Imports: the standard library, ``stepbundle.runtime.metrics`` (numpy), the CLI's
+``progress`` (tqdm) and ``sinks`` modules; tensorboardX through ``sinks``, lazily.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from collections.abc import Callable, Mapping
+from types import TracebackType
+from typing import Any, TextIO
+
+from stepbundle.runtime.metrics import json_safe, to_floats
+
+from .progress import ProgressBar, format_value
+from .sinks import LogRecord, MetricsFile, Sink, TensorBoard, lr_name
+
+__all__ = ["Reporter", "plain_line"]
+
+
+def plain_line(step: int, metrics: Mapping[str, float | list[float]], lr: float | None) -> str:
+    """``step     41  loss 1.829600  accuracy 0.53125  lr 0.001`` (scalar metrics only)."""
+    parts = [f"step {step:6d}"]
+    if isinstance(loss := metrics.get("loss"), float):
+        parts.append(f"loss {loss:.6f}")
+    parts += [
+        f"{k} {format_value(v)}" for k, v in metrics.items() if k != "loss" and isinstance(v, float)
+    ]
+    if lr is not None:
+        parts.append(f"lr {lr:.6g}")
+    return "  ".join(parts)
+
+
+class Reporter:
+    """Reports the steps of one training run; use as a context manager, or call
+    :meth:`close` on every way out (it closes the bar and the sinks, idempotently).
+
+    Args:
+      first_step: the trainer's step count before the run (a resumed run's checkpoint).
+      steps: how many steps this run dispatches.
+      json_lines: ``--json``: one JSON object per reported step on ``stdout``.
+      log_every: ``--log-every``, or None for each output's default.
+      metrics_file, tensorboard: ``--metrics-file`` and ``--tensorboard``, or None.
+      writes_files: False in every process of a multi-process job but process 0: then
+        nothing is read, printed or opened.
+      hyperparameters: returns the current hyperparameters (``trainer.hyperparameters``);
+        called right after a step is dispatched, when they are that step's.
+      stdout, stderr: where lines and the bar go; the bar only if ``stderr`` is a
+        terminal and ``json_lines`` is off.
+    """
+
+    def __init__(
+        self,
+        *,
+        first_step: int,
+        steps: int,
+        json_lines: bool,
+        log_every: int | None,
+        metrics_file: str | None,
+        tensorboard: str | None,
+        writes_files: bool,
+        hyperparameters: Callable[[], Mapping[str, float]],
+        stdout: TextIO,
+        stderr: TextIO,
+    ) -> None:
+        self._steps = steps
+        self._json = json_lines
+        self._every = log_every
+        self._writes = writes_files
+        self._hyper = hyperparameters
+        self._stdout = stdout
+        self._t0 = time.perf_counter()
+        self._sinks: list[Sink] = []
+        self._bar: ProgressBar | None = None
+        if not writes_files:
+            return
+        try:
+            if metrics_file is not None:
+                self._sinks.append(MetricsFile(metrics_file))
+            if tensorboard is not None:
+                self._sinks.append(TensorBoard(tensorboard))
+        except BaseException:
+            self.close()
+            raise
+        if not json_lines and stderr.isatty():
+            self._bar = ProgressBar(first_step, first_step + steps, stderr)
+
+    def __enter__(self) -> Reporter:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def _logged(self, step: int, last: bool) -> bool:
+        """Whether ``--log-every`` selects this step (True for every step without it)."""
+        return self._every is None or last or (step + 1) % self._every == 0
+
+    def step(self, i: int, step: int, metrics: Mapping[str, Any], *, last: bool) -> None:
+        """Report the ``i``-th step of this run (global ``step``), just dispatched.
+
+        ``last``: no step follows in this run (its end, or a stop), so the bar and the
+        ``--log-every`` outputs take this one whatever their schedule.
+        """
+        if not self._writes:
+            return
+        logged = self._logged(step, last)
+        if self._json:
+            plain = False
+        elif self._every is not None:
+            plain = logged
+        else:  # the default plain lines, when there is no bar: about ten a run
+            plain = self._bar is None and ((i + 1) % max(1, self._steps // 10) == 0 or i == 0)
+        bar = self._bar is not None and (last or self._bar.due())
+        sinks = bool(self._sinks) and logged
+        if not ((self._json and logged) or plain or bar or sinks):
+            return  # nothing reads this step's metrics: the loop runs on without waiting
+        floats = to_floats(metrics)  # waits for this step to finish
+        hyper = self._hyper() if (plain or bar or sinks) else {}
+        name = lr_name(hyper)
+        lr = None if name is None else hyper[name]
+        if self._json and logged:
+            self._stdout.write(json.dumps({"step": step, **json_safe(floats)}) + "\n")
+        if plain:
+            line = plain_line(step, floats, lr)
+            if self._bar is not None:
+                self._bar.write(line, self._stdout)
+            else:
+                self._stdout.write(line + "\n")
+        if bar:
+            assert self._bar is not None
+            scalars = {k: v for k, v in floats.items() if isinstance(v, float)}
+            self._bar.update(step + 1, scalars, lr)
+        if sinks:
+            record = LogRecord(step, time.perf_counter() - self._t0, dict(hyper), floats)
+            for sink in self._sinks:
+                sink.write(record)
+
+    def close(self) -> None:
+        """End the bar's line, then flush and close every sink (each exactly once)."""
+        bar, self._bar = self._bar, None
+        sinks, self._sinks = self._sinks, []
+        with contextlib.ExitStack() as stack:
+            for sink in sinks:
+                stack.callback(sink.close)
+            if bar is not None:
+                bar.close()

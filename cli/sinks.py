@@ -1,0 +1,182 @@
+"""Where ``stepbundle run`` writes logged steps besides the terminal: a JSON-lines file
+(``--metrics-file``) and TensorBoard event files (``--tensorboard``).
+
+Each sink takes :class:`LogRecord` values (plain floats, already read from the device)
+and is closed once at the end of the run, whatever ended it. TensorBoard goes through
+tensorboardX (no torch), the ``tensorboard`` extra, imported only when asked for.
+
+Imports: the standard library; ``stepbundle.runtime.metrics`` (numpy only); tensorboardX
+lazily.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any, Protocol
+
+from stepbundle.runtime.metrics import json_float, json_safe
+
+__all__ = [
+    "TENSORBOARD_MISSING",
+    "LogRecord",
+    "MetricsFile",
+    "Sink",
+    "TensorBoard",
+    "check_sink_outputs",
+    "lr_name",
+]
+
+TENSORBOARD_MISSING = (
+    "--tensorboard needs tensorboardX, which is not installed: "
+    "pip install 'stepbundle[tensorboard]'"
+)
+
+
+def lr_name(hyperparameters: Mapping[str, float]) -> str | None:
+    """The hyperparameter reported as the learning rate: ``lr``, else the first ``*.lr``
+    (``param_groups.0.lr``); None if the bundle has neither."""
+    if "lr" in hyperparameters:
+        return "lr"
+    return next((n for n in hyperparameters if n.endswith(".lr")), None)
+
+
+@dataclass(frozen=True)
+class LogRecord:
+    """One logged training step.
+
+    Attributes:
+      step: the global index of the step (0-based; a resumed run continues from its
+        checkpoint's step count), the ``step`` of ``--json``'s lines.
+      time_s: seconds from the start of this process's training loop to the moment
+        the step's metrics were read (so, once the step had finished).
+      hyperparameters: every hyperparameter's value for this step, by full name.
+      metrics: the step's metrics as plain floats (``runtime.metrics.to_floats``).
+    """
+
+    step: int
+    time_s: float
+    hyperparameters: Mapping[str, float]
+    metrics: Mapping[str, float | list[float]]
+
+    @property
+    def lr(self) -> float | None:
+        name = lr_name(self.hyperparameters)
+        return None if name is None else self.hyperparameters[name]
+
+
+class Sink(Protocol):
+    def write(self, record: LogRecord) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class MetricsFile:
+    """``--metrics-file``: one JSON object per logged step, appended to a file.
+
+    Each line is ``{"step": ..., "time": ..., "lr": ..., <metric>: ...}`` (``lr`` only
+    when the bundle has one; a metric named ``step``, ``time`` or ``lr`` is written as
+    ``metric.<name>``). Non-finite values are the strings ``"NaN"``, ``"Infinity"``,
+    ``"-Infinity"``, so every line is strict JSON. The file is appended to (a resumed
+    run continues it) and flushed after every line, so a killed run loses at most the
+    line being written and ``tail -f`` follows it.
+    """
+
+    _RESERVED = frozenset({"step", "time", "lr"})
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self._file: IO[str] | None = open(path, "a", encoding="utf-8")  # noqa: SIM115
+
+    def write(self, record: LogRecord) -> None:
+        assert self._file is not None, "the metrics file is closed"
+        line: dict[str, Any] = {"step": record.step, "time": round(record.time_s, 6)}
+        lr = record.lr
+        if lr is not None:
+            line["lr"] = json_float(lr)
+        for name, v in json_safe(record.metrics).items():
+            line[f"metric.{name}" if name in self._RESERVED else name] = v
+        self._file.write(json.dumps(line, allow_nan=False) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+class TensorBoard:
+    """``--tensorboard DIR``: scalar summaries through tensorboardX's ``SummaryWriter``.
+
+    Tags: ``train/<metric>`` for every scalar metric (a metric with several elements
+    gets ``train/<metric>/<i>`` per element) and ``hyperparameters/<name>`` for every
+    hyperparameter, each at the record's global step.
+    """
+
+    def __init__(self, logdir: str | os.PathLike[str]) -> None:
+        try:
+            from tensorboardX import SummaryWriter
+        except ImportError:
+            raise ImportError(TENSORBOARD_MISSING) from None
+        self._writer: Any = SummaryWriter(logdir=str(logdir))
+
+    def write(self, record: LogRecord) -> None:
+        assert self._writer is not None, "the TensorBoard writer is closed"
+        add = self._writer.add_scalar
+        for name, v in record.metrics.items():
+            if isinstance(v, list):
+                for i, x in enumerate(v):
+                    add(f"train/{name}/{i}", x, record.step)
+            else:
+                add(f"train/{name}", v, record.step)
+        for name, h in record.hyperparameters.items():
+            add(f"hyperparameters/{name}", h, record.step)
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()  # flushes the queue and the event file
+            self._writer = None
+
+
+def check_sink_outputs(metrics_file: str | None, tensorboard: str | None) -> None:
+    """Refuse, before anything is loaded, a ``--metrics-file`` or ``--tensorboard`` that
+    could not be written, and ``--tensorboard`` without tensorboardX.
+
+    Raises:
+      ValueError: a path is of the wrong kind, or tensorboardX is missing.
+      OSError: a folder cannot be created or written into.
+    """
+    if metrics_file is not None:
+        target = Path(metrics_file)
+        if target.is_dir():
+            raise ValueError(
+                f"--metrics-file {metrics_file!r} is a folder; give a file name, e.g. "
+                f"{str(target / 'metrics.jsonl')!r}."
+            )
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with open(target, "a", encoding="utf-8"):
+                pass
+        except OSError as e:
+            raise OSError(
+                f"--metrics-file: cannot append to {metrics_file!r} ({e.strerror or e})"
+            ) from None
+    if tensorboard is not None:
+        try:
+            import tensorboardX  # noqa: F401
+        except ImportError:
+            raise ValueError(TENSORBOARD_MISSING) from None
+        folder = Path(tensorboard)
+        if folder.exists() and not folder.is_dir():
+            raise ValueError(f"--tensorboard {tensorboard!r} is a file, not a folder.")
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            probe = folder / f".stepbundle-probe-{os.getpid()}"
+            probe.touch()
+            probe.unlink()
+        except OSError as e:
+            raise OSError(
+                f"--tensorboard: cannot write into {tensorboard!r} ({e.strerror or e})"
+            ) from None

@@ -66,8 +66,10 @@ __all__ = [
 # 2026-12-01: 1, unchanged on disk; readers now refuse unknown formats and, unless told
 #   otherwise, checkpoints written by another bundle.
 # 2026-12-01: 2, adds "tensors_sha256": the SHA-256 of every tensor's bytes (C order,
-#   tensors sorted by name), checked on read, so a flipped byte is refused. Format 1
-#   files (no digest) still load.
+#   tensors sorted by name), checked on read, so a flipped byte is refused; and, both
+#   optional, "schedules" (hyperparameter name -> schedule spec, or null for a Python
+#   function) and "data" (the input pipeline's position, a JSON object), so a resume
+#   continues both. Format 1 files (none of these) still load.
 CHECKPOINT_FORMAT = 2
 SUPPORTED_FORMATS = frozenset({1, 2})
 
@@ -116,6 +118,10 @@ class CheckpointMeta:
       bundle_digest: the digest ("sha256:...") of the bundle the state belongs to.
       tensors_sha256: hex SHA-256 of the tensors' bytes (``tensors_digest``); format 2
         on, None in format 1 files.
+      schedules: each scheduled hyperparameter's schedule spec, or None where the
+        schedule was a Python function (which a resume must set again).
+      data: the input pipeline's position for the next step (a loader's ``state()``),
+        or None.
     """
 
     format: int
@@ -124,6 +130,8 @@ class CheckpointMeta:
     hyperparameters: Mapping[str, float]
     bundle_digest: str
     tensors_sha256: str | None = None
+    schedules: Mapping[str, str | None] = dataclasses.field(default_factory=dict)
+    data: Mapping[str, Any] | None = None
 
     def to_json(self) -> str:
         bad = {k: v for k, v in self.hyperparameters.items() if not math.isfinite(v)}
@@ -140,6 +148,8 @@ class CheckpointMeta:
                 "hyperparameters": dict(self.hyperparameters),
                 "bundle_digest": self.bundle_digest,
                 **({} if self.tensors_sha256 is None else {"tensors_sha256": self.tensors_sha256}),
+                **({"schedules": dict(self.schedules)} if self.schedules else {}),
+                **({} if self.data is None else {"data": dict(self.data)}),
             },
             sort_keys=True,
         )
@@ -190,6 +200,14 @@ class CheckpointMeta:
         tensors = info.get("tensors_sha256")
         if fmt >= 2 and not (isinstance(tensors, str) and _SHA256_HEX.fullmatch(tensors)):
             raise bad(f"the tensors' digest {tensors!r:.100} is not 64 hex digits")
+        schedules = info.get("schedules", {}) if fmt >= 2 else {}
+        if not isinstance(schedules, dict) or not all(
+            isinstance(v, str) or v is None for v in schedules.values()
+        ):
+            raise bad(f"the schedules {schedules!r:.200} are not a map of specs (or null)")
+        data = info.get("data") if fmt >= 2 else None
+        if data is not None and not isinstance(data, dict):
+            raise bad(f"the data position {data!r:.200} is not a JSON object")
         return cls(
             format=fmt,
             step=step,
@@ -197,6 +215,8 @@ class CheckpointMeta:
             hyperparameters={str(k): float(v) for k, v in hyper.items()},
             bundle_digest=digest,
             tensors_sha256=tensors if fmt >= 2 else None,
+            schedules={str(k): v for k, v in schedules.items()},
+            data=data,
         )
 
 

@@ -23,6 +23,7 @@ from stepbundle.schema.manifest import Manifest
 
 from .dtypes import to_numpy
 from .errors import BindingError
+from .schedule import parse_schedule, schedule_extremes
 
 __all__ = ["Hyperparameters", "Schedule"]
 
@@ -48,8 +49,12 @@ class Hyperparameters:
         self.values: dict[str, float] = dict(values)
         self.buffers: dict[str, Any] = {}
         self.schedules: dict[str, Schedule] = {}
+        # The spec each schedule was made from (``warmup_cosine:...``), or None for a
+        # Python function: specs go into checkpoints, so a resume continues them.
+        self.specs: dict[str, str | None] = {}
         self._dtypes = {h.name: to_numpy(h.spec.dtype) for h in manifest.hyperparameters}
         self._put_scalar = put_scalar
+        self._zero_lr_refused = _has_capturable_adam(manifest)
 
     def resolve(self, name: str) -> list[str]:
         """The full names ``name`` stands for: itself, or every group's ``<name>``."""
@@ -66,23 +71,48 @@ class Hyperparameters:
             "export with Recipe(hyperparameters=(...))."
         )
 
+    def check(self, name: str, value: float, *, source: str) -> None:
+        """Refuse a value no step may receive: not finite, or an lr of exactly 0 for
+        capturable Adam/AdamW (whose update then divides 0 by 0 where a second moment
+        is 0, turning those parameters into NaN in one step)."""
+        if not math.isfinite(value):
+            raise BindingError(
+                f"Hyperparameter {name!r} must be finite, but {source} gave {value!r}."
+            )
+        if value == 0.0 and self._zero_lr_refused and name.rsplit(".", 1)[-1] == "lr":
+            raise BindingError(
+                f"{source.capitalize()} gave {name!r} = 0. This bundle's optimizer is "
+                "capturable Adam/AdamW, whose update with an lr of exactly 0 computes 0/0 "
+                "and turns parameters into NaN. Use a small positive lr (e.g. 1e-12), or "
+                "stop training instead."
+            )
+
     def set(self, name: str, value: float) -> None:
         """Set ``name`` (every group's, for a short name) to a finite ``value``."""
         v = float(value)
-        if not math.isfinite(v):
-            raise BindingError(f"Hyperparameter {name!r} must be finite, got {value!r}.")
+        self.check(name, v, source="set_hyperparameter")
         for n in self.resolve(name):
             if self.values[n] != v:
                 self.values[n] = v
                 self.buffers.pop(n, None)
 
-    def set_schedule(self, name: str, schedule: Schedule | None) -> None:
-        """Drive ``name`` by ``schedule``; ``None`` removes its schedule."""
+    def set_schedule(self, name: str, schedule: Schedule | str | None) -> None:
+        """Drive ``name`` by ``schedule``: a function of the step, a spec string such as
+        ``warmup_cosine:peak=1e-3,warmup=100,total=10000`` (stored in checkpoints), or
+        ``None`` to remove it."""
+        spec: str | None = None
+        if isinstance(schedule, str):
+            spec = schedule
+            schedule = parse_schedule(spec)
+            for extreme in schedule_extremes(spec):
+                self.check(name, extreme, source=f"the schedule {spec!r}")
         for n in self.resolve(name):
             if schedule is None:
                 self.schedules.pop(n, None)
+                self.specs.pop(n, None)
             else:
                 self.schedules[n] = schedule
+                self.specs[n] = spec
 
     def buffer(self, name: str) -> Any:
         """The device copy of ``name``'s current value (made once per value)."""
@@ -91,3 +121,16 @@ class Hyperparameters:
             buf = self._put_scalar(np.asarray(self.values[name], dtype=self._dtypes[name]))
             self.buffers[name] = buf
         return buf
+
+
+def _has_capturable_adam(manifest: Manifest) -> bool:
+    """Whether the optimizer state is Adam/AdamW's with its step count on the device.
+
+    The bundle does not name its optimizer; its state does: ``exp_avg_sq`` moments with
+    a tensor ``step`` beside them are torch's capturable Adam/AdamW (the only Adam
+    family the exporter takes from a fresh optimizer).
+    """
+    names = {e.name for e in manifest.state}
+    return any(
+        n.endswith(".exp_avg_sq") and n[: -len("exp_avg_sq")] + "step" in names for n in names
+    )

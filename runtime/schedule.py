@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-__all__ = ["parse_schedule", "warmup_cosine"]
+__all__ = ["parse_schedule", "schedule_extremes", "warmup_cosine"]
 
 
 def warmup_cosine(
@@ -91,3 +91,17 @@ def parse_schedule(spec: str) -> Callable[[int], float]:
         constant = params["value"]
         return lambda _step: constant
     return _linear(params["start"], params["end"], int(params["total"]))
+
+
+def schedule_extremes(spec: str) -> list[float]:
+    """The values a schedule spec starts from and settles at: ``peak`` and ``min`` of
+    warmup_cosine, ``start`` and ``end`` of linear, ``value`` of constant. Every value
+    the schedule gives lies between them (``parse_schedule`` has checked the spec)."""
+    kind, _, rest = spec.partition(":")
+    params = {k.strip(): v for k, _, v in (p.partition("=") for p in rest.split(",") if p.strip())}
+    keys = {
+        "warmup_cosine": (("peak", "0"), ("min", "0")),
+        "linear": (("start", "0"), ("end", "0")),
+        "constant": (("value", "0"),),
+    }.get(kind.strip(), ())
+    return [float(params.get(k, default)) for k, default in keys]

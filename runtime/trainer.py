@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +43,8 @@ from .sharding import Placement
 from .state import check_state_values, host_buffers, named_values
 
 __all__ = ["LoadInfo", "Trainer"]
+
+_END: Any = object()  # what next() returns from an exhausted batch iterator
 
 _U64 = 2**64
 
@@ -122,6 +124,10 @@ class Trainer:
         self._put_scalar = placement.put_replicated
         self._stop_on_nonfinite = stop_on_nonfinite
         self._broken: str | None = None
+        self._stop_requested = False
+        self._pending_schedules: set[str] = set()
+        self.data_position: Any = None
+        """Where the data stands for the next step (a loader's ``state()``), or None."""
 
     # ------------------------------------------------------------ properties
     @property
@@ -170,13 +176,30 @@ class Trainer:
         """Set a hyperparameter for the following steps (``lr`` sets every group's lr)."""
         self._hp.set(name, value)
 
-    def set_schedule(self, name: str, schedule: Callable[[int], float] | None) -> None:
-        """Call ``schedule(step)`` before every training step and set ``name`` to it.
+    def set_schedule(self, name: str, schedule: Callable[[int], float] | str | None) -> None:
+        """Set ``name`` before every training step from a schedule.
 
-        ``step`` is the number of steps taken so far (0 for the first). ``None`` removes
-        the schedule.
+        ``schedule`` is a function of ``step`` (the number of steps taken so far, 0 for
+        the first), or a spec such as ``warmup_cosine:peak=1e-3,warmup=100,total=10000``
+        (see ``stepbundle.runtime.schedule``), which checkpoints store so a resume
+        continues it. ``None`` removes the schedule.
         """
         self._hp.set_schedule(name, schedule)
+        self._pending_schedules.difference_update(self._hp.resolve(name))
+
+    @property
+    def schedules(self) -> dict[str, str | None]:
+        """The spec of each scheduled hyperparameter (None for a Python function)."""
+        return dict(self._hp.specs)
+
+    def _check_schedules_set(self) -> None:
+        if self._pending_schedules:
+            names = ", ".join(sorted(self._pending_schedules))
+            raise BindingError(
+                f"The checkpoint was saved while {names} followed a Python schedule, which "
+                "checkpoints cannot store. Call set_schedule(name, fn) again before "
+                "stepping (or set_schedule(name, None) to keep the checkpoint's value)."
+            )
 
     # ---------------------------------------------------------------- checks
     def _plans_for(self, entry: str) -> list[Plan]:
@@ -267,13 +290,8 @@ class Trainer:
             for name, fn in self._schedules.items():
                 v = float(fn(self._step))
                 if self._hyper[name] != v:
-                    if not math.isfinite(v):
-                        # Checked before dispatch: nothing has been donated yet.
-                        raise BindingError(
-                            f"The schedule of hyperparameter {name!r} gave {v!r} for step "
-                            f"{self._step}; a hyperparameter must be finite. Fix the "
-                            "schedule (or set_schedule(name, None)) and step again."
-                        )
+                    # Checked before dispatch: nothing has been donated yet.
+                    self._hp.check(name, v, source=f"the schedule of {name!r} at step {self._step}")
                     self._hyper[name] = v
                     self._hyper_bufs.pop(name, None)
         args = self._args(plan, dev_batch, self._seed)
@@ -330,44 +348,80 @@ class Trainer:
           NonFiniteLossError: with ``stop_on_nonfinite``, the loss was not finite; the
             state is the state from before the step.
         """
+        self._check_schedules_set()
         plan, dev = self._pick("train", batch)
         return self._dispatch(plan, dev)
 
     def run(
         self,
-        batches: Sequence[Mapping[str, Any]],
+        batches: Iterable[Mapping[str, Any]],
         steps: int,
-        on_step: Callable[[int, dict[str, Any]], None] | None = None,
+        on_step: Callable[[int, dict[str, Any]], object] | None = None,
         *,
         offset: int = 0,
         keep_metrics: bool = True,
     ) -> list[dict[str, Any]]:
-        """Run ``steps`` training steps, step ``i`` on ``batches[(offset + i) % len(batches)]``.
+        """Run up to ``steps`` training steps on ``batches``.
 
-        The next batch is moved to the device while the current step runs. ``on_step``
-        is called with ``i`` and the step's (lazy) metrics. A resumed run passes its
-        step count as ``offset`` to continue through the batches where it left off.
+        ``batches`` is a sequence (step ``i`` uses ``batches[(offset + i) % len]``, so a
+        resumed run passes its step count as ``offset``) or any iterable, such as a
+        ``stepbundle.runtime.loader.Loader``, read until it ends. The next batch is moved
+        to the device while the current step runs. If the iterable has a ``state()``
+        method, ``data_position`` follows it: after each step it is the position of the
+        next batch to train on, and checkpoints store it.
+
+        ``on_step(i, metrics)`` is called after step ``i`` of this call with its (lazy)
+        metrics; ``trainer.step_count`` is then the global number of steps taken. It
+        may call ``request_stop()`` to end the run after this step (early stopping).
         Returns every step's metrics; for long runs pass ``keep_metrics=False`` (and read
         them in ``on_step``), which returns only the last step's, so memory stays flat.
         """
-        if not batches:
-            raise BindingError("run() needs at least one batch.")
         out: list[dict[str, Any]] = []
+        self._stop_requested = False
+        self._check_schedules_set()
+        if isinstance(batches, Sequence):
+            if not batches:
+                raise BindingError("run() needs at least one batch.")
+            n = len(batches)
+            source: Iterator[Mapping[str, Any]] = (batches[(offset + i) % n] for i in range(steps))
+            position: Callable[[], Any] | None = None
+        else:
+            source = iter(batches)
+            position = getattr(source, "state", None)
         if steps <= 0:
             return out
-        n = len(batches)
-        nxt = self._pick("train", batches[offset % n])
+        if position is not None:
+            self.data_position = position()
+        first = next(source, _END)
+        if first is _END:
+            return out
+        nxt = self._pick("train", first)
         for i in range(steps):
             plan, dev = nxt
             metrics = self._dispatch(plan, dev)
-            if i + 1 < steps:
+            more = i + 1 < steps
+            if more:
                 # Dispatch was asynchronous: this transfer overlaps the running step.
-                nxt = self._pick("train", batches[(offset + i + 1) % n])
+                pos = position() if position is not None else None
+                following = next(source, _END)
+                more = following is not _END
+                if more:
+                    nxt = self._pick("train", following)
+                if pos is not None:
+                    self.data_position = pos
+            elif position is not None:
+                self.data_position = position()
             if on_step is not None:
                 on_step(i, metrics)
-            if keep_metrics or i + 1 == steps:
+            if keep_metrics or not more or self._stop_requested:
                 out.append(metrics)
+            if not more or self._stop_requested:
+                break
         return out
+
+    def request_stop(self) -> None:
+        """End the ``run`` in progress after the current step (call it from ``on_step``)."""
+        self._stop_requested = True
 
     def evaluate(self, batch: Mapping[str, Any], entry: str = "eval") -> dict[str, Any]:
         """Run a read-only entry on the current state. Nothing is donated or changed.
@@ -445,6 +499,8 @@ class Trainer:
             seed=self._seed,
             hyperparameters=self.hyperparameters,
             bundle_digest=self.digest,
+            schedules=dict(self._hp.specs),
+            data=self.data_position,
         )
         values = self.state_dict(include_aliases=True)
         failure: CheckpointError | None = None
@@ -493,3 +549,14 @@ class Trainer:
         for k, v in meta.hyperparameters.items():
             if k in self._hyper:
                 self.set_hyperparameter(k, v)
+        # Schedules continue: a spec is set again; a Python function cannot be stored,
+        # so the next step refuses to run until the caller sets it again (or removes it),
+        # rather than silently keeping its last value.
+        for name, spec in meta.schedules.items():
+            if name not in self._hyper:
+                continue
+            if spec is not None:
+                self._hp.set_schedule(name, spec)
+            elif self._hp.specs.get(name, "") is not None:
+                self._pending_schedules.add(name)
+        self.data_position = dict(meta.data) if meta.data is not None else None

@@ -58,9 +58,13 @@ def interrupted_run(tmp_path: Path, sig: signal.Signals) -> tuple[int, int, str]
     for _ in range(11):
         assert proc.stdout.readline().startswith('{"step": ')
     proc.send_signal(sig)
-    out, err = proc.communicate(timeout=300)
+    # Read the rest through the same buffered reader: communicate() reads the pipe's
+    # file descriptor directly and would miss lines readline() already buffered.
+    out = proc.stdout.read()
+    assert proc.stderr is not None
+    err = proc.stderr.read()
     steps_reported = 11 + len(out.splitlines())
-    return proc.returncode, steps_reported, err
+    return proc.wait(timeout=300), steps_reported, err
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])

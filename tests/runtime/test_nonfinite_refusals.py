@@ -58,7 +58,9 @@ def test_a_schedule_function_that_returns_nan_is_refused_before_dispatch() -> No
     t.step(batches[0])
     t.set_schedule("lr", lambda step: float("nan") if step == 1 else 0.01)
     before = t.state_dict()
-    with pytest.raises(BindingError, match="schedule of hyperparameter 'lr' gave nan for step 1"):
+    with pytest.raises(
+        BindingError, match="'lr' must be finite, but the schedule of 'lr' at step 1 gave nan"
+    ):
         t.step(batches[1])
     assert t.step_count == 1
     for k, v in t.state_dict().items():

@@ -40,6 +40,7 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from stepbundle.schema.atomic import atomic_write
+from stepbundle.schema.limits import MAX_DIM, MAX_RANK
 
 from .dtypes import NUMPY_DTYPES, SAFETENSORS_CODES, from_numpy, from_safetensors
 from .errors import CheckpointError
@@ -52,7 +53,7 @@ __all__ = [
     "check_bundle",
     "read_checkpoint",
     "read_safetensors",
-    "tensors_digest",
+    "checkpoint_digest",
     "write_checkpoint",
     "write_safetensors",
 ]
@@ -65,8 +66,9 @@ __all__ = [
 #   "stepbundle" = JSON {format, step, seed, hyperparameters, bundle_digest}.
 # 2026-12-01: 1, unchanged on disk; readers now refuse unknown formats and, unless told
 #   otherwise, checkpoints written by another bundle.
-# 2026-12-01: 2, adds "tensors_sha256": the SHA-256 of every tensor's bytes (C order,
-#   tensors sorted by name), checked on read, so a flipped byte is refused; and, both
+# 2026-12-01: 2, adds "sha256": the SHA-256 of the metadata (its canonical JSON without
+#   this field) and of every tensor's name, dtype, shape and bytes (``checkpoint_digest``),
+#   checked on read, so a flipped byte anywhere is refused; and, both
 #   optional, "schedules" (hyperparameter name -> schedule spec, or null for a Python
 #   function) and "data" (the input pipeline's position, a JSON object), so a resume
 #   continues both. Format 1 files (none of these) still load.
@@ -89,11 +91,22 @@ class OtherBundleError(CheckpointError):
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 
 
-def tensors_digest(values: Mapping[str, np.ndarray[Any, Any]]) -> str:
-    """Hex SHA-256 of the tensors' bytes, C order, tensors sorted by name."""
+def checkpoint_digest(meta: CheckpointMeta, values: Mapping[str, np.ndarray[Any, Any]]) -> str:
+    """Hex SHA-256 of a checkpoint: its metadata's canonical JSON (without the digest),
+    then for each tensor, sorted by name, its name, dtype, shape and byte count (each
+    length-prefixed) and its bytes in C order."""
     h = hashlib.sha256()
+
+    def framed(data: bytes) -> None:
+        h.update(len(data).to_bytes(8, "little"))
+        h.update(data)
+
+    framed(dataclasses.replace(meta, sha256=None).to_json().encode())
     for name in sorted(values):
         a = np.asarray(values[name], order="C")
+        framed(name.encode())
+        framed(f"{a.dtype.str}{list(a.shape)}".encode())
+        h.update(a.nbytes.to_bytes(8, "little"))
         if a.size:
             h.update(a.reshape(-1).view(np.uint8).data)
     return h.hexdigest()
@@ -116,8 +129,8 @@ class CheckpointMeta:
         programs use no random numbers.
       hyperparameters: every hyperparameter's value by name.
       bundle_digest: the digest ("sha256:...") of the bundle the state belongs to.
-      tensors_sha256: hex SHA-256 of the tensors' bytes (``tensors_digest``); format 2
-        on, None in format 1 files.
+      sha256: hex SHA-256 over this metadata and every tensor (``checkpoint_digest``);
+        format 2 on, None in format 1 files.
       schedules: each scheduled hyperparameter's schedule spec, or None where the
         schedule was a Python function (which a resume must set again).
       data: the input pipeline's position for the next step (a loader's ``state()``),
@@ -129,7 +142,7 @@ class CheckpointMeta:
     seed: int | None
     hyperparameters: Mapping[str, float]
     bundle_digest: str
-    tensors_sha256: str | None = None
+    sha256: str | None = None
     schedules: Mapping[str, str | None] = dataclasses.field(default_factory=dict)
     data: Mapping[str, Any] | None = None
 
@@ -147,7 +160,7 @@ class CheckpointMeta:
                 "seed": self.seed,
                 "hyperparameters": dict(self.hyperparameters),
                 "bundle_digest": self.bundle_digest,
-                **({} if self.tensors_sha256 is None else {"tensors_sha256": self.tensors_sha256}),
+                **({} if self.sha256 is None else {"sha256": self.sha256}),
                 **({"schedules": dict(self.schedules)} if self.schedules else {}),
                 **({} if self.data is None else {"data": dict(self.data)}),
             },
@@ -172,13 +185,10 @@ class CheckpointMeta:
             raise bad(f"{type(e).__name__}: {e}") from None
         if not isinstance(info, dict):
             raise bad("it is not a JSON object")
-        missing = [
-            k
-            for k in ("format", "step", "seed", "hyperparameters", "bundle_digest")
-            if k not in info
-        ]
-        if missing:
-            raise bad(f"missing {', '.join(missing)}")
+        # The format first: a newer format may name its fields differently, and must be
+        # reported as a newer format, not as damage.
+        if "format" not in info:
+            raise bad("missing format")
         fmt = info["format"]
         if type(fmt) is not int or fmt not in SUPPORTED_FORMATS:
             raise CheckpointFormatError(
@@ -187,6 +197,9 @@ class CheckpointMeta:
                 f"{', '.join(map(str, sorted(SUPPORTED_FORMATS)))} only. Load it with "
                 "the stepbundle version that wrote it, or save it again from there."
             )
+        missing = [k for k in ("step", "seed", "hyperparameters", "bundle_digest") if k not in info]
+        if missing:
+            raise bad(f"missing {', '.join(missing)}")
         step, seed, hyper = info["step"], info["seed"], info["hyperparameters"]
         digest = info["bundle_digest"]
         if type(step) is not int or step < 0:
@@ -197,9 +210,9 @@ class CheckpointMeta:
             raise bad(f"the hyperparameters {hyper!r:.200} are not a map of finite numbers")
         if not isinstance(digest, str):
             raise bad(f"the bundle digest {digest!r:.100} is not a string")
-        tensors = info.get("tensors_sha256")
-        if fmt >= 2 and not (isinstance(tensors, str) and _SHA256_HEX.fullmatch(tensors)):
-            raise bad(f"the tensors' digest {tensors!r:.100} is not 64 hex digits")
+        digest_hex = info.get("sha256")
+        if fmt >= 2 and not (isinstance(digest_hex, str) and _SHA256_HEX.fullmatch(digest_hex)):
+            raise bad(f"the digest {digest_hex!r:.100} is not 64 hex digits")
         schedules = info.get("schedules", {}) if fmt >= 2 else {}
         if not isinstance(schedules, dict) or not all(
             isinstance(v, str) or v is None for v in schedules.values()
@@ -214,7 +227,7 @@ class CheckpointMeta:
             seed=seed,
             hyperparameters={str(k): float(v) for k, v in hyper.items()},
             bundle_digest=digest,
-            tensors_sha256=tensors if fmt >= 2 else None,
+            sha256=digest_hex if fmt >= 2 else None,
             schedules={str(k): v for k, v in schedules.items()},
             data=data,
         )
@@ -307,7 +320,11 @@ def _record(p: Path, name: str, rec: object) -> tuple[np.dtype[Any], tuple[int, 
     if dtype is None:
         raise bad(f"unknown dtype {code!r}")
     if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
-        raise bad(f"the shape {shape!r} is not a list of non-negative integers")
+        raise bad(f"the shape {shape!r:.200} is not a list of non-negative integers")
+    if len(shape) > MAX_RANK:
+        raise bad(f"the shape has rank {len(shape)}; at most {MAX_RANK} dimensions are allowed")
+    if any(d > MAX_DIM for d in shape):
+        raise bad(f"the shape {shape!r:.200} has a dimension above 2**63 - 1")
     if (
         not isinstance(offsets, list)
         or len(offsets) != 2
@@ -397,9 +414,8 @@ def write_checkpoint(
     Raises:
       OSError: the file could not be written; ``path`` is untouched.
     """
-    meta = dataclasses.replace(
-        meta, format=CHECKPOINT_FORMAT, tensors_sha256=tensors_digest(values)
-    )
+    meta = dataclasses.replace(meta, format=CHECKPOINT_FORMAT, sha256=None)
+    meta = dataclasses.replace(meta, sha256=checkpoint_digest(meta, values))
     write_safetensors(path, values, {_META_KEY: meta.to_json()})
 
 
@@ -420,9 +436,9 @@ def read_checkpoint(
             "save_checkpoint. Use trainer.load_state_dict for plain state."
         )
     checked = CheckpointMeta.from_json(path, raw)
-    if checked.tensors_sha256 is not None and tensors_digest(values) != checked.tensors_sha256:
+    if checked.sha256 is not None and checkpoint_digest(checked, values) != checked.sha256:
         raise CheckpointError(
-            f"{os.fspath(path)} is damaged: its tensors' bytes do not match the digest it "
-            "was written with. Resume from an earlier checkpoint."
+            f"{os.fspath(path)} is damaged: its metadata or tensors do not match the digest "
+            "it was written with. Resume from an earlier checkpoint."
         )
     return values, checked

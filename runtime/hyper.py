@@ -79,6 +79,13 @@ class Hyperparameters:
             raise BindingError(
                 f"Hyperparameter {name!r} must be finite, but {source} gave {value!r}."
             )
+        for full in self.resolve(name):
+            dtype = self._dtypes.get(full)
+            if dtype is not None and dtype.kind == "f" and abs(value) > np.finfo(dtype).max:
+                raise BindingError(
+                    f"Hyperparameter {full!r} is {dtype}, and {source} gave {value!r}, which "
+                    f"is infinite as {dtype} (largest {float(np.finfo(dtype).max)!r})."
+                )
         if value == 0.0 and self._zero_lr_refused and name.rsplit(".", 1)[-1] == "lr":
             raise BindingError(
                 f"{source.capitalize()} gave {name!r} = 0. This bundle's optimizer is "
@@ -87,9 +94,19 @@ class Hyperparameters:
                 "stop training instead."
             )
 
+    @staticmethod
+    def check_spec(spec: str) -> None:
+        """Raise ValueError if ``spec`` is not a schedule spec ``parse_schedule`` takes."""
+        parse_schedule(spec)
+
     def set(self, name: str, value: float) -> None:
         """Set ``name`` (every group's, for a short name) to a finite ``value``."""
-        v = float(value)
+        try:
+            v = float(value)
+        except (OverflowError, TypeError, ValueError):
+            raise BindingError(
+                f"Hyperparameter {name!r} must be a finite number, got {value!r:.100}."
+            ) from None
         self.check(name, v, source="set_hyperparameter")
         for n in self.resolve(name):
             if self.values[n] != v:

@@ -507,6 +507,8 @@ class Trainer:
         if self.placement.writes_files:
             try:
                 write_checkpoint(path, values, meta)
+            except CheckpointError as e:  # every process must still reach the agreement
+                failure = e
             except OSError as e:  # every process must still reach the agreement below
                 failure = CheckpointError(
                     f"Could not write the checkpoint {os.fspath(path)!r}: {e}. The previous "
@@ -542,6 +544,15 @@ class Trainer:
         """
         values, meta = read_checkpoint(path)
         check_bundle(meta, path, self.digest, allow_other_bundle=allow_other_bundle)
+        try:  # every value is checked before the state is replaced
+            for k, v in meta.hyperparameters.items():
+                if k in self._hyper:
+                    self._hp.check(k, v, source=f"the checkpoint {os.fspath(path)}")
+            for name, spec in meta.schedules.items():
+                if name in self._hyper and spec is not None:
+                    Hyperparameters.check_spec(spec)
+        except (BindingError, ValueError) as e:
+            raise CheckpointError(f"{os.fspath(path)} cannot be restored: {e}") from None
         self._put_state(check_state_values(self.manifest, values))
         self._step = meta.step
         if meta.seed is not None and self._seed is not None:

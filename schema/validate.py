@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from .layout import ALIGNMENT, HEADER_SIZE, align
 from .limits import MAX_MANIFEST_BYTES, MAX_SECTIONS
 from .manifest import (
+    DType,
     Manifest,
     Section,
     StateEntry,
@@ -192,6 +193,14 @@ def _check_state(
     return by_name
 
 
+# The largest finite value of each floating dtype narrower than float64.
+_FLOAT_MAX = {
+    DType.F32: 3.4028234663852886e38,
+    DType.BF16: 3.3895313892515355e38,
+    DType.F16: 65504.0,
+}
+
+
 def _check_hyperparameters(manifest: Manifest) -> None:
     seen: set[str] = set()
     for i, h in enumerate(manifest.hyperparameters):
@@ -211,6 +220,13 @@ def _check_hyperparameters(manifest: Manifest) -> None:
                 f"{path}.value",
                 f"hyperparameter {h.name!r} has the value {h.value!r}; a hyperparameter must be "
                 "finite (a NaN or infinite lr would turn the whole state into NaN).",
+            )
+        largest = _FLOAT_MAX.get(h.spec.dtype)
+        if largest is not None and abs(h.value) > largest:
+            raise fail(
+                f"{path}.value",
+                f"hyperparameter {h.name!r} has the value {h.value!r}, which is infinite as "
+                f"{h.spec.dtype.value} (largest {largest!r}).",
             )
 
 

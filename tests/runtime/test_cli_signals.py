@@ -131,7 +131,7 @@ def test_a_closed_stdout_stops_the_run_and_keeps_the_state(tmp_path: Path) -> No
 
 
 def test_resume_from_another_bundles_checkpoint_needs_the_flag(tmp_path: Path) -> None:
-    from stepbundle.runtime.checkpoint import write_safetensors
+    from stepbundle.runtime.checkpoint import CheckpointMeta, checkpoint_digest, write_safetensors
 
     first = subprocess.run(
         run_cmd("--steps", "3", "--checkpoint-dir", str(tmp_path), "--checkpoint-every", "3"),
@@ -145,6 +145,8 @@ def test_resume_from_another_bundles_checkpoint_needs_the_flag(tmp_path: Path) -
     info = json.loads(meta["stepbundle"])
     foreign = "sha256:" + "ab" * 32  # as if the same model had been re-exported
     info["bundle_digest"] = foreign
+    # Signed again, as the writer of a re-exported bundle's checkpoint would have.
+    info["sha256"] = checkpoint_digest(CheckpointMeta.from_json(ckpt, json.dumps(info)), values)
     moved = tmp_path / "moved.safetensors"
     write_safetensors(moved, values, {**meta, "stepbundle": json.dumps(info)})
     refused = subprocess.run(

@@ -109,3 +109,19 @@ def test_checkpoint_metadata_with_a_nan_hyperparameter_is_never_written(tmp_path
     meta = CheckpointMeta(1, 3, None, {"lr": math.inf}, "sha256:" + "0" * 64)
     with pytest.raises(CheckpointError, match=r"not finite: \{'lr': inf\}"):
         meta.to_json()
+
+
+def test_a_value_infinite_in_the_hyperparameters_dtype_is_refused() -> None:
+    t = load(golden_bundle("batchnorm_lr"), cache_dir=False)  # lr is float32
+    with pytest.raises(BindingError, match=r"is float32, and set_hyperparameter gave 1e\+39"):
+        t.set_hyperparameter("lr", 1e39)
+    with pytest.raises(BindingError, match="must be a finite number, got 1000"):
+        t.set_hyperparameter("lr", 10**400)
+    with pytest.raises(BindingError, match="infinite as float32"):
+        t.set_schedule("lr", "constant:value=1e39")
+    assert t.hyperparameters["lr"] == pytest.approx(0.01)
+    with open_bundle(golden_bundle("batchnorm_lr")) as b:
+        m, size = b.manifest, b.file_size
+    h = dataclasses.replace(m.hyperparameters[0], value=1e39)
+    with pytest.raises(SchemaValidationError, match="infinite as f32"):
+        validate(dataclasses.replace(m, hyperparameters=(h,)), size)

@@ -14,7 +14,13 @@ import pytest
 from runtime_helpers import golden_batches, golden_bundle
 
 from stepbundle.runtime import CheckpointError, CheckpointFormatError, OtherBundleError, load
-from stepbundle.runtime.checkpoint import CHECKPOINT_FORMAT, read_safetensors, write_safetensors
+from stepbundle.runtime.checkpoint import (
+    CHECKPOINT_FORMAT,
+    CheckpointMeta,
+    checkpoint_digest,
+    read_safetensors,
+    write_safetensors,
+)
 
 
 @pytest.mark.parametrize("name", ["dropout_sgd", "batchnorm_lr"])
@@ -96,13 +102,20 @@ def test_wrong_dtype_in_state_is_refused(tmp_path: Path) -> None:
         t.load_state_dict(sd)
 
 
-def _with_metadata(src: Path, dst: Path, **changes: Any) -> Path:
-    """A copy of the checkpoint ``src`` with its stepbundle metadata changed."""
+def _with_metadata(src: Path, dst: Path, *, sign: bool = True, **changes: Any) -> Path:
+    """A copy of the checkpoint ``src`` with its stepbundle metadata changed.
+
+    With ``sign``, the digest is computed again, as a writer of such a file would have;
+    without, the file is a damaged one.
+    """
     data = src.read_bytes()
     (n,) = struct.unpack_from("<Q", data, 0)
     header = json.loads(data[8 : 8 + n])
     meta = json.loads(header["__metadata__"]["stepbundle"])
     meta.update(changes)
+    if sign and "sha256" in meta and meta.get("format") == CHECKPOINT_FORMAT:
+        parsed = CheckpointMeta.from_json(src, json.dumps(meta))
+        meta["sha256"] = checkpoint_digest(parsed, read_safetensors(src)[0])
     header["__metadata__"]["stepbundle"] = json.dumps(meta)
     raw = json.dumps(header).encode()
     dst.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + n :])
@@ -167,12 +180,25 @@ def test_a_flipped_tensor_byte_is_refused_and_format_1_still_loads(tmp_path: Pat
     flipped = tmp_path / "flipped.safetensors"
     flipped.write_bytes(bytes(data))
     fresh = load(golden_bundle("linear_adamw"), cache_dir=False)
-    with pytest.raises(CheckpointError, match="its tensors' bytes do not match the digest"):
+    with pytest.raises(CheckpointError, match="its metadata or tensors do not match the digest"):
         fresh.load_checkpoint(flipped)
     assert fresh.step_count == 0
     # A file of format 1 (written before the digest existed) is read without one.
     src = json.loads(read_safetensors(path)[1]["stepbundle"])
-    assert src["format"] == CHECKPOINT_FORMAT == 2 and len(src["tensors_sha256"]) == 64
+    assert src["format"] == CHECKPOINT_FORMAT == 2 and len(src["sha256"]) == 64
     old = _with_metadata(path, tmp_path / "format1.safetensors", format=1)
     fresh.load_checkpoint(old)
     assert fresh.step_count == 1
+
+
+def test_an_edited_step_or_lr_in_the_metadata_is_refused(tmp_path: Path) -> None:
+    t = load(golden_bundle("batchnorm_lr"), cache_dir=False)
+    t.step(golden_batches("batchnorm_lr")[0])
+    path = tmp_path / "c.safetensors"
+    t.save_checkpoint(path)
+    for change in ({"step": 9}, {"hyperparameters": {"lr": 0.9}}):
+        edited = _with_metadata(path, tmp_path / "edited.safetensors", sign=False, **change)
+        fresh = load(golden_bundle("batchnorm_lr"), cache_dir=False)
+        with pytest.raises(CheckpointError, match="do not match the digest"):
+            fresh.load_checkpoint(edited)
+        assert fresh.step_count == 0

@@ -34,6 +34,7 @@ from .checkpoint import (
     write_checkpoint,
 )
 from .errors import BindingError, CheckpointError, DeviceError, NonFiniteLossError
+from .evaluation import Evaluation, evaluate_dataset
 from .fallback import PathChoice
 from .hyper import Hyperparameters
 from .packing import Layout
@@ -444,6 +445,17 @@ class Trainer:
         args = self._args(plan, dev, None)
         outs = plan.dispatch(args)
         return {name: outs[pos] for pos, name in plan.metric_slots}
+
+    def evaluate_dataset(
+        self,
+        batches: Iterable[Mapping[str, Any]],
+        entry: str = "eval",
+        *,
+        mask_key: str | None = None,
+    ) -> Evaluation:
+        """Each scalar metric of ``entry`` averaged over every real row of ``batches``
+        (a padded last batch masked); see ``stepbundle.runtime.evaluation``."""
+        return evaluate_dataset(self, batches, entry=entry, mask_key=mask_key)
 
     # ----------------------------------------------------------------- state
     def state_dict(self, *, include_aliases: bool = True) -> dict[str, np.ndarray[Any, Any]]:

@@ -23,6 +23,8 @@ import contextlib
 import os
 import re
 import secrets
+import socket
+import time
 from collections.abc import Callable, Iterable
 from typing import BinaryIO
 
@@ -61,7 +63,8 @@ def atomic_write(
     target = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(target))
     temp = os.path.join(
-        directory, f".{os.path.basename(target)}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+        directory,
+        f".{os.path.basename(target)}.tmp-{_HOST}-{os.getpid()}-{secrets.token_hex(4)}",
     )
     fd = os.open(temp, _FLAGS, 0o666)
     try:
@@ -106,32 +109,48 @@ def fsync_directory(directory: str | os.PathLike[str]) -> None:
         os.close(fd)
 
 
-_TEMP_NAME = re.compile(r"\.(?P<name>.+)\.tmp-(?P<pid>[0-9]+)-[0-9a-f]{8}\Z")
+# Temp names carry the host, so a folder shared between machines (or containers with
+# their own process ids) is cleaned only of this host's dead writers' files.
+_HOST = re.sub(r"[^A-Za-z0-9_.]", "_", socket.gethostname())[:64] or "host"
+_TEMP_NAME = re.compile(
+    r"\.(?P<name>.+)\.tmp-(?P<host>[A-Za-z0-9_.]+)-(?P<pid>[0-9]+)-[0-9a-f]{8}\Z"
+)
+# The temp files of mkstemp-based writers before 2026-12-01: ".<name>.<random>.tmp".
+_LEGACY_TEMP_NAME = re.compile(r"\..+\.[A-Za-z0-9_]{8}\.tmp\Z")
+LEGACY_MIN_AGE_S = 3600.0
 
 
 def stale_temp_files(directory: str | os.PathLike[str]) -> list[str]:
-    """Temp files ``atomic_write`` left in ``directory`` when its process was killed.
+    """Temp files that ``atomic_write`` left in ``directory`` when its process was killed.
 
-    A temp file belongs to the process whose id is in its name; one whose process no
-    longer exists will never be renamed into place and only takes space. Files of live
-    processes (another writer at work) are not listed.
+    A temp file names the host and process that write it. One of this host whose process
+    no longer exists will never be renamed into place and only takes space. Files of
+    live processes, and of other hosts (whose processes this host cannot see), are not
+    listed. Temp files of the older naming (no host, no process) are listed once they
+    are an hour old.
     """
     found = []
     try:
         names = os.listdir(directory)
     except FileNotFoundError:
         return []
+    now = time.time()
     for entry in names:
+        path = os.path.join(directory, entry)
         m = _TEMP_NAME.fullmatch(entry)
         if m is None:
+            if _LEGACY_TEMP_NAME.fullmatch(entry):
+                with contextlib.suppress(OSError):
+                    if now - os.stat(path).st_mtime > LEGACY_MIN_AGE_S:
+                        found.append(path)
             continue
         pid = int(m.group("pid"))
-        if pid == os.getpid():
+        if m.group("host") != _HOST or pid == os.getpid():
             continue
         try:
             os.kill(pid, 0)
         except ProcessLookupError:
-            found.append(os.path.join(directory, entry))
+            found.append(path)
         except PermissionError:  # alive, another user's
             continue
     return sorted(found)

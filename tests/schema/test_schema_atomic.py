@@ -10,7 +10,7 @@ from typing import BinaryIO
 
 import pytest
 
-from stepbundle.schema import atomic_write
+from stepbundle.schema import atomic, atomic_write
 from stepbundle.schema.atomic import atomic_write as atomic_write_itself
 
 assert atomic_write is atomic_write_itself
@@ -120,7 +120,7 @@ def test_the_temp_file_is_in_the_same_folder_and_hidden(
     atomic_write(tmp_path / "f.bin", [b"x"])
     ((src, dst),) = seen
     assert os.path.dirname(src) == str(tmp_path) == os.path.dirname(dst)
-    assert os.path.basename(src).startswith(f".f.bin.tmp-{os.getpid()}-")
+    assert os.path.basename(src).startswith(f".f.bin.tmp-{atomic._HOST}-{os.getpid()}-")
 
 
 def test_the_folder_must_exist(tmp_path: Path) -> None:

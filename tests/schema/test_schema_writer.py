@@ -20,6 +20,7 @@ from stepbundle.schema import (
     StateEntry,
     StateKind,
     TensorSpec,
+    atomic,
     open_bundle,
     read_manifest,
     write_bundle,
@@ -128,7 +129,7 @@ def test_temp_file_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.setattr(os, "replace", spy)
     write_tiny(tmp_path / "model.sbnd")
     assert len(seen) == 1
-    assert seen[0].startswith(f".model.sbnd.tmp-{os.getpid()}-")
+    assert seen[0].startswith(f".model.sbnd.tmp-{atomic._HOST}-{os.getpid()}-")
 
 
 def test_any_buffer_is_accepted(tmp_path: Path) -> None:

@@ -15,6 +15,7 @@ from stepbundle import __version__
 
 from . import args as types
 from .common import EXIT_PIPE_CLOSED
+from .evaluate import cmd_eval
 from .export import cmd_export
 from .inspect import cmd_inspect, cmd_verify
 from .run import cmd_run
@@ -38,11 +39,73 @@ def build_parser() -> argparse.ArgumentParser:
     e.set_defaults(fn=cmd_export)
 
     r = sub.add_parser("run", help="run a bundle's steps (no torch needed)")
-    r.add_argument("bundle")
-    r.add_argument(
-        "--steps", type=types.at_least(1), required=True, help="steps to run (at least 1)"
+    r.add_argument("bundle", help="the bundle file to run")
+    how_long = r.add_mutually_exclusive_group(required=True)
+    how_long.add_argument(
+        "--steps",
+        type=types.at_least(1),
+        help="steps this run takes (after --resume: more steps from the checkpoint's), "
+        "e.g. --steps 1000",
     )
-    r.add_argument("--data", required=True, help=".npz with one (S, *shape) array per batch input")
+    how_long.add_argument(
+        "--until-step",
+        type=types.at_least(1),
+        metavar="N",
+        help="run until the global step count is N: the same command resumed from any "
+        "checkpoint ends at the same step, e.g. --until-step 10000",
+    )
+    r.add_argument(
+        "--data",
+        required=True,
+        help="an .npz with one (S, *shape) array per batch input (step i uses batch i %% S), "
+        "or a dataset folder (dataset.json + .npy shards; see examples/write_dataset.py), "
+        "read from disk, shuffled per epoch",
+    )
+    r.add_argument(
+        "--batch-size",
+        type=types.at_least(1),
+        metavar="B",
+        help="global batch size for a dataset folder (default: the bundle's traced batch)",
+    )
+    r.add_argument(
+        "--shuffle-seed",
+        type=types.at_least(0),
+        default=0,
+        metavar="S",
+        help="a dataset folder's shuffling seed (default 0); every epoch has its own order",
+    )
+    r.add_argument("--no-shuffle", action="store_true", help="read a dataset folder in order")
+    r.add_argument(
+        "--epochs",
+        type=types.at_least(1),
+        metavar="E",
+        help="stop when a dataset folder has been read E times (default: no limit)",
+    )
+    r.add_argument(
+        "--last-batch",
+        choices=("drop", "keep", "pad"),
+        default="drop",
+        help="a dataset folder's last, short batch: drop it (default), keep it (the bundle "
+        "needs a shape bucket of its size) or pad it with copies of its rows",
+    )
+    r.add_argument(
+        "--eval-data",
+        metavar="PATH",
+        help="an .npz or dataset folder to evaluate with the eval entry every --eval-every "
+        "steps: each metric's mean over every row",
+    )
+    r.add_argument(
+        "--eval-every",
+        type=types.at_least(1),
+        metavar="N",
+        help="evaluate --eval-data after every N-th step, e.g. --eval-every 500",
+    )
+    r.add_argument(
+        "--eval-batch-size",
+        type=types.at_least(1),
+        metavar="B",
+        help="batch size for a dataset folder as --eval-data (default: the eval entry's)",
+    )
     r.add_argument(
         "--entry", default="train", help="entry to run (train, or a read-only entry such as eval)"
     )
@@ -141,13 +204,38 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument(
         "--pack-state",
         type=types.at_least(0),
-        default=True,
+        default=65536,
         metavar="N",
         help="hold state tensors of up to N elements in one buffer per dtype (default 65536; 0: off)",
     )
     r.add_argument("--cache-dir", help="compilation cache folder (default ~/.cache/stepbundle)")
     r.add_argument("--no-cache", action="store_true", help="do not use the compilation cache")
     r.set_defaults(fn=cmd_run)
+
+    ev = sub.add_parser(
+        "eval",
+        help="evaluate a bundle's read-only entry over a whole dataset (no torch needed)",
+        description="Each metric's mean over every row of --data, e.g. "
+        "stepbundle eval model.stepbundle --data val/ --resume ckpt/step-00001000.safetensors",
+    )
+    ev.add_argument("bundle", help="the bundle file")
+    ev.add_argument("--data", required=True, help="an .npz of stacked batches or a dataset folder")
+    ev.add_argument("--entry", default="eval", help="the read-only entry to run (default eval)")
+    ev.add_argument("--resume", metavar="CKPT", help="evaluate this checkpoint's state")
+    ev.add_argument(
+        "--allow-other-bundle", action="store_true", help="accept a checkpoint of another bundle"
+    )
+    ev.add_argument(
+        "--batch-size",
+        type=types.at_least(1),
+        metavar="B",
+        help="batch size for a dataset folder (default: the entry's traced batch)",
+    )
+    ev.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    ev.add_argument("--device", default="cpu", help="cpu, cuda, rocm or tpu (optionally :index)")
+    ev.add_argument("--cache-dir", help="compilation cache folder (default ~/.cache/stepbundle)")
+    ev.add_argument("--no-cache", action="store_true", help="do not use the compilation cache")
+    ev.set_defaults(fn=cmd_eval)
 
     i = sub.add_parser("inspect", help="show a bundle's entries, bindings, state and digests")
     i.add_argument("bundle")

@@ -160,6 +160,24 @@ class Reporter:
             for sink in self._sinks:
                 sink.write(record)
 
+    def evaluation(self, step: int, metrics: Mapping[str, float], rows: int) -> None:
+        """Report an evaluation over ``--eval-data`` made after global step ``step``: a
+        line on stdout (JSON with ``--json``), and a record for every sink."""
+        if not self._writes:
+            return
+        if self._json:
+            line = json.dumps({"step": step, "eval": json_safe(dict(metrics)), "rows": rows})
+        else:
+            shown = "  ".join(f"{k} {v:.6g}" for k, v in metrics.items())
+            line = f"eval after step {step + 1}: {shown}  ({rows} rows)"
+        if self._bar is not None:
+            self._bar.write(line, self._stdout)
+        else:
+            self._stdout.write(line + "\n")
+        record = LogRecord(step, time.perf_counter() - self._t0, {}, dict(metrics), "eval")
+        for sink in self._sinks:
+            sink.write(record)
+
     def close(self) -> None:
         """End the bar's line, then flush and close every sink (each exactly once)."""
         bar, self._bar = self._bar, None

@@ -11,9 +11,7 @@ import json
 import os
 import signal
 import sys
-import tempfile
 import time
-import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -69,16 +67,20 @@ _SETUP_TIMEOUT_S = 1800.0
 
 def cmd_run(args: argparse.Namespace) -> int:
     from stepbundle.runtime import distributed
-    from stepbundle.runtime.batches import iter_batches
     from stepbundle.schema.errors import BundleError
 
+    from .data import DATA_ERRORS, is_dataset, read_npz, training_batches
+    from .outputs import check_outputs
+
     try:
-        _check_outputs(args)
+        check_outputs(args)
     except (OSError, ValueError) as e:
         return _die(str(e), 2)
     try:
         joined = _join_job(args)
-    except (BundleError, ValueError) as e:
+    except ValueError as e:
+        return _die(str(e), 2)
+    except BundleError as e:
         return _die(str(e), 1)
 
     def fail(message: str, code: int) -> int:
@@ -89,15 +91,21 @@ def cmd_run(args: argparse.Namespace) -> int:
                 distributed.agree(False, timeout_s=_SETUP_TIMEOUT_S)
         return _die(message, code)
 
+    npz = None
     try:
-        data = _read_data(args.data)
-    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
+        if is_dataset(args.data):
+            from stepbundle.runtime.dataset import open_dataset
+
+            open_dataset(args.data)  # refused here, before the bundle is compiled
+        else:
+            npz = read_npz(args.data)
+    except (*DATA_ERRORS, BundleError) as e:
         return fail(f"cannot read --data {args.data!r}: {e}", 2)
     try:
         t0 = time.perf_counter()
         trainer = _open_trainer(args)
         load_s = time.perf_counter() - t0
-        batches = iter_batches(data)
+        batches, offset = training_batches(args, trainer, npz)
     except (BundleError, ValueError) as e:
         return fail(str(e), 1)
     try:
@@ -106,58 +114,20 @@ def cmd_run(args: argparse.Namespace) -> int:
     except BundleError as e:
         return _die(str(e), 1)
     _report_load(args, trainer, load_s)
-    if args.checkpoint_every and not args.checkpoint_dir:
-        return _die("--checkpoint-every needs --checkpoint-dir")
     try:
         if args.entry != "train":
-            return _run_eval(args, trainer, batches)
-        return _run_train(args, trainer, batches)
+            return _run_eval(args, trainer, list(batches))
+        steps = args.steps if args.steps is not None else args.until_step - trainer.step_count
+        if steps <= 0:
+            print(
+                f"[run] the trainer is at step {trainer.step_count}, at or past --until-step "
+                f"{args.until_step}: nothing to do",
+                file=sys.stderr,
+            )
+            return 0
+        return _run_train(args, trainer, batches, steps, offset)
     except BundleError as e:
         return _die(str(e), 1)
-
-
-_NPY_HEADER_READERS: dict[tuple[int, int], Any] = {}
-
-
-def _read_data(path: str) -> dict[str, Any]:
-    """Read an ``.npz`` of stacked batches, refusing what is not one before reading it.
-
-    Every member's header is read first and its declared size compared with what the
-    archive holds, so a damaged or hostile header is an error, not a huge allocation.
-    """
-    import numpy as np
-
-    Path(path).stat()  # a missing file is "no such file", not "not an archive"
-    _NPY_HEADER_READERS.setdefault((1, 0), np.lib.format.read_array_header_1_0)
-    _NPY_HEADER_READERS.setdefault((2, 0), np.lib.format.read_array_header_2_0)
-    if not zipfile.is_zipfile(path):
-        raise ValueError(
-            "it is not an .npz archive (write one with numpy.savez(path, x=xs, y=ys), one "
-            "(S, *batch shape) array per batch input)"
-        )
-    with zipfile.ZipFile(path) as archive:
-        for info in archive.infolist():
-            with archive.open(info) as member:
-                version = np.lib.format.read_magic(member)
-                read_header = _NPY_HEADER_READERS.get(version)
-                if read_header is None:  # format 3.0 (utf-8 names): np.load checks it
-                    continue
-                shape, _, dtype = read_header(member)
-                if dtype.hasobject:
-                    raise ValueError(f"{info.filename} holds Python objects, not numbers")
-                declared = int(np.prod(shape, dtype=object)) * dtype.itemsize
-                if declared > info.file_size:
-                    raise ValueError(
-                        f"{info.filename} declares {shape} {dtype} ({declared} bytes) but the "
-                        f"archive holds {info.file_size} bytes for it: the file is damaged"
-                    )
-    with np.load(path, allow_pickle=False) as npz:
-        data = {k: npz[k] for k in npz.files}
-    if not data:
-        raise ValueError("it holds no arrays")
-    if any(a.ndim >= 1 and a.shape[0] == 0 for a in data.values()):
-        raise ValueError("it holds 0 batches (every array's first dimension is the batch count)")
-    return data
 
 
 def _open_trainer(args: argparse.Namespace) -> Any:
@@ -182,9 +152,23 @@ def _open_trainer(args: argparse.Namespace) -> Any:
         trainer.load_checkpoint(args.resume, allow_other_bundle=args.allow_other_bundle)
     if args.seed is not None:
         trainer.seed = args.seed
+    restored = trainer.schedules  # a resumed run continues the checkpoint's schedules
     for spec in args.lr_schedule or []:
         name, _, rest = spec.partition("=") if "=" in spec.split(":", 1)[0] else ("lr", "", spec)
-        trainer.set_schedule(name, parse_schedule(rest))
+        parse_schedule(rest)  # a bad spec is named before anything else happens
+        clashes = {
+            full: old
+            for full, old in restored.items()
+            if (full == name or full.endswith(f".{name}")) and old is not None and old != rest
+        }
+        if clashes:
+            full, old = next(iter(clashes.items()))
+            raise ValueError(
+                f"--lr-schedule {spec!r} conflicts with the checkpoint, whose {full!r} follows "
+                f"{old!r}. A resumed run continues the checkpoint's schedule: drop "
+                "--lr-schedule, or give the same spec."
+            )
+        trainer.set_schedule(name, rest)
     for name, value in args.set or []:
         trainer.set_hyperparameter(name, value)
     return trainer
@@ -256,7 +240,9 @@ class _Stopper:
             raise _StopRequested(self.reason)
 
 
-def _run_train(args: argparse.Namespace, trainer: Any, batches: list[Any]) -> int:
+def _run_train(
+    args: argparse.Namespace, trainer: Any, batches: Any, steps: int, offset: int
+) -> int:
     from stepbundle.runtime.errors import NonFiniteLossError
 
     from .report import Reporter
@@ -265,11 +251,18 @@ def _run_train(args: argparse.Namespace, trainer: Any, batches: list[Any]) -> in
     ckpt_dir = Path(args.checkpoint_dir) if args.checkpoint_dir else None
     stdout = sys.stdout
     stopper = _Stopper()
+    written: set[int] = set()  # steps whose checkpoint this run wrote
+
+    def checkpoint(name: str | None = None) -> None:
+        assert ckpt_dir is not None
+        path = ckpt_dir / (name or f"step-{trainer.step_count:08d}.safetensors")
+        trainer.save_checkpoint(path)
+        written.add(trainer.step_count)
 
     # In a multi-process job process 0 reports; every process computes.
     reporter = Reporter(
         first_step=start_step,
-        steps=args.steps,
+        steps=steps,
         json_lines=args.json,
         log_every=args.log_every,
         metrics_file=args.metrics_file,
@@ -282,16 +275,17 @@ def _run_train(args: argparse.Namespace, trainer: Any, batches: list[Any]) -> in
 
     def on_step(i: int, metrics: dict[str, Any]) -> None:
         step = start_step + i
-        last = i + 1 == args.steps or stopper.exit_code is not None
+        last = i + 1 == steps or stopper.exit_code is not None
         try:
             reporter.step(i, step, metrics, last=last)
+            if args.eval_every and (step + 1) % args.eval_every == 0:
+                _evaluate(args, trainer, reporter, step)
         except BrokenPipeError:
             stopper.request(EXIT_PIPE_CLOSED, "stdout was closed")
         if stopper.exit_code is not None:
             reporter.close()  # end the bar's line before the stop is reported
         if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:
-            assert ckpt_dir is not None
-            trainer.save_checkpoint(ckpt_dir / f"step-{step + 1:08d}.safetensors")
+            checkpoint()
         stopper.check()
 
     t1 = time.perf_counter()
@@ -300,32 +294,45 @@ def _run_train(args: argparse.Namespace, trainer: Any, batches: list[Any]) -> in
     # its processes cannot agree on one step boundary without a collective per step.
     with stopper.installed(enabled=len({d.process_index for d in trainer.devices}) == 1), reporter:
         try:
-            trainer.run(batches, args.steps, on_step=on_step, offset=start_step, keep_metrics=False)
+            trainer.run(batches, steps, on_step=on_step, offset=offset, keep_metrics=False)
         except NonFiniteLossError as e:
             reporter.close()
             print(f"\n[run] {e}", file=sys.stderr)
             if ckpt_dir is not None:
-                trainer.save_checkpoint(
-                    ckpt_dir / f"step-{trainer.step_count:08d}-before-nonfinite.safetensors"
-                )
+                checkpoint(f"step-{trainer.step_count:08d}-before-nonfinite.safetensors")
             code = 3
         except _StopRequested as stop:
             code = stopper.exit_code or 1
             print(f"\n[run] stopping after step {trainer.step_count} ({stop})", file=sys.stderr)
-            if ckpt_dir is not None:
-                final = ckpt_dir / f"step-{trainer.step_count:08d}.safetensors"
-                trainer.save_checkpoint(final)
-                print(f"[run] wrote checkpoint {final}", file=sys.stderr)
         trainer.block_until_ready()
+        if ckpt_dir is not None and code != 3 and trainer.step_count not in written:
+            checkpoint()  # every run into a checkpoint folder ends with its final state
+            print(
+                f"[run] wrote checkpoint {ckpt_dir / f'step-{trainer.step_count:08d}.safetensors'}",
+                file=sys.stderr,
+            )
+    if code == 0 and stopper.exit_code is not None:
+        code = stopper.exit_code  # a signal after the last step's check
     elapsed = time.perf_counter() - t1
     done = trainer.step_count - start_step
     print(
         f"[run] {done} steps in {elapsed:.2f}s ({done / max(elapsed, 1e-9):.1f} steps/s)",
         file=sys.stderr,
     )
+    if done < steps and code == 0:
+        print(f"[run] the data ended after {done} steps (--epochs {args.epochs})", file=sys.stderr)
     if args.save_state:
         _save_state(trainer, args.save_state)
     return code
+
+
+def _evaluate(args: argparse.Namespace, trainer: Any, reporter: Any, step: int) -> None:
+    """Evaluate ``--eval-data`` as a whole and report it (``--eval-every``)."""
+    from .data import eval_batches
+
+    batches, mask = eval_batches(args.eval_data, trainer, "eval", args.eval_batch_size)
+    result = trainer.evaluate_dataset(batches, "eval", mask_key=mask)
+    reporter.evaluation(step, result.metrics, result.rows)
 
 
 def _save_state(trainer: Any, path: str) -> None:
@@ -333,57 +340,3 @@ def _save_state(trainer: Any, path: str) -> None:
     trainer.save_checkpoint(path)  # every process takes part; process 0 writes
     if trainer.placement.writes_files:
         print(f"[run] wrote state to {path}", file=sys.stderr)
-
-
-def _same_file(a: str, b: str) -> bool:
-    try:
-        return os.path.samefile(a, b)
-    except OSError:
-        return False
-
-
-def _check_writable_folder(folder: Path, what: str) -> None:
-    """Create ``folder`` if needed and prove a file can be made in it, before any work."""
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=folder):
-            pass
-    except OSError as e:
-        raise OSError(f"{what}: cannot write into {str(folder)!r} ({e.strerror or e})") from None
-
-
-def _check_outputs(args: argparse.Namespace) -> None:
-    """Refuse, before anything is loaded, outputs that could not be written or that would
-    overwrite an input or earlier checkpoints."""
-    from stepbundle.schema.atomic import stale_temp_files
-
-    from .sinks import check_sink_outputs
-
-    check_sink_outputs(args.metrics_file, args.tensorboard)
-    if args.save_state:
-        target = Path(args.save_state)
-        for name, source in (("the bundle", args.bundle), ("--data", args.data)):
-            if _same_file(args.save_state, source):
-                raise ValueError(
-                    f"--save-state {args.save_state!r} is {name}; writing it would destroy an "
-                    "input. Choose another file."
-                )
-        if target.is_dir():
-            raise ValueError(f"--save-state {args.save_state!r} is a folder; give a file name.")
-        _check_writable_folder(target.parent if str(target.parent) else Path("."), "--save-state")
-    if args.checkpoint_dir:
-        folder = Path(args.checkpoint_dir)
-        if folder.exists() and not folder.is_dir():
-            raise ValueError(f"--checkpoint-dir {args.checkpoint_dir!r} is a file, not a folder.")
-        earlier = sorted(folder.glob("step-*.safetensors")) if folder.is_dir() else []
-        if earlier and not args.resume:
-            raise ValueError(
-                f"--checkpoint-dir {args.checkpoint_dir!r} already holds checkpoints "
-                f"({earlier[-1].name} and {len(earlier) - 1} more); a new run would overwrite "
-                f"them. Continue with --resume {earlier[-1]}, or choose an empty folder."
-            )
-        _check_writable_folder(folder, "--checkpoint-dir")
-        for stale in stale_temp_files(folder):  # left by a killed writer
-            with contextlib.suppress(OSError):
-                os.unlink(stale)
-                print(f"[run] removed {stale}, left by an interrupted write", file=sys.stderr)

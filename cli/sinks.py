@@ -55,12 +55,15 @@ class LogRecord:
         the step's metrics were read (so, once the step had finished).
       hyperparameters: every hyperparameter's value for this step, by full name.
       metrics: the step's metrics as plain floats (``runtime.metrics.to_floats``).
+      group: ``train``, or ``eval`` for the metrics of an evaluation over a dataset
+        (``--eval-data``) made after that step.
     """
 
     step: int
     time_s: float
     hyperparameters: Mapping[str, float]
     metrics: Mapping[str, float | list[float]]
+    group: str = "train"  # "eval" for an evaluation over --eval-data after this step
 
     @property
     def lr(self) -> float | None:
@@ -97,6 +100,8 @@ class MetricsFile:
         if lr is not None:
             line["lr"] = json_float(lr)
         for name, v in json_safe(record.metrics).items():
+            if record.group != "train":
+                name = f"{record.group}/{name}"
             line[f"metric.{name}" if name in self._RESERVED else name] = v
         self._file.write(json.dumps(line, allow_nan=False) + "\n")
         self._file.flush()
@@ -110,7 +115,7 @@ class MetricsFile:
 class TensorBoard:
     """``--tensorboard DIR``: scalar summaries through tensorboardX's ``SummaryWriter``.
 
-    Tags: ``train/<metric>`` for every scalar metric (a metric with several elements
+    Tags: ``train/<metric>`` (``eval/<metric>`` for evaluations) for every scalar metric (a metric with several elements
     gets ``train/<metric>/<i>`` per element) and ``hyperparameters/<name>`` for every
     hyperparameter, each at the record's global step.
     """
@@ -128,9 +133,11 @@ class TensorBoard:
         for name, v in record.metrics.items():
             if isinstance(v, list):
                 for i, x in enumerate(v):
-                    add(f"train/{name}/{i}", x, record.step)
+                    add(f"{record.group}/{name}/{i}", x, record.step)
             else:
-                add(f"train/{name}", v, record.step)
+                add(f"{record.group}/{name}", v, record.step)
+        if record.group != "train":
+            return
         for name, h in record.hyperparameters.items():
             add(f"hyperparameters/{name}", h, record.step)
 

@@ -81,7 +81,7 @@ class Hyperparameters:
             )
         for full in self.resolve(name):
             dtype = self._dtypes.get(full)
-            if dtype is not None and dtype.kind == "f" and abs(value) > np.finfo(dtype).max:
+            if dtype is not None and dtype.kind == "f" and abs(value) > float(np.finfo(dtype).max):
                 raise BindingError(
                     f"Hyperparameter {full!r} is {dtype}, and {source} gave {value!r}, which "
                     f"is infinite as {dtype} (largest {float(np.finfo(dtype).max)!r})."

@@ -125,3 +125,25 @@ def test_a_value_infinite_in_the_hyperparameters_dtype_is_refused() -> None:
     h = dataclasses.replace(m.hyperparameters[0], value=1e39)
     with pytest.raises(SchemaValidationError, match="infinite as f32"):
         validate(dataclasses.replace(m, hyperparameters=(h,)), size)
+
+
+def test_a_schedule_that_reaches_zero_is_refused_for_capturable_adam() -> None:
+    t = load(golden_bundle("batchnorm_lr"), cache_dir=False)  # capturable Adam
+    with pytest.raises(
+        BindingError, match=r"gave 'lr' = 0\. This bundle's optimizer is capturable"
+    ):
+        t.set_schedule("lr", "warmup_cosine:peak=1e-3,warmup=10,total=100")  # min defaults to 0
+    with pytest.raises(BindingError, match="gave 'lr' = 0"):
+        t.set_schedule("lr", "linear:start=0,end=1e-3,total=10")
+    t.set_schedule("lr", "warmup_cosine:peak=1e-3,warmup=10,total=100,min=1e-6")
+    assert t.schedules == {"lr": "warmup_cosine:peak=1e-3,warmup=10,total=100,min=1e-6"}
+    # A Python schedule that reaches 0 is refused at that step, before dispatch.
+    t.set_schedule("lr", lambda step: 0.0 if step >= 1 else 1e-3)
+    batches = golden_batches("batchnorm_lr")
+    t.step(batches[0])
+    with pytest.raises(BindingError, match="at step 1 gave 'lr' = 0"):
+        t.step(batches[1])
+    assert t.step_count == 1
+    # SGD allows an lr of 0: nothing is refused there (dropout_sgd declares no lr, so
+    # the refusal is keyed on the optimizer's state, not on the name).
+    assert not load(golden_bundle("dropout_sgd"), cache_dir=False).schedules

@@ -53,7 +53,7 @@ def test_run_json_lines_match_the_api(tmp_path: Path) -> None:
 def test_run_checkpoints_resume_and_save_state(tmp_path: Path) -> None:
     bundle = str(golden_bundle("batchnorm_lr"))
     data = str(GOLDEN_DIR / "batchnorm_lr.inputs.npz")
-    sched = "warmup_cosine:peak=0.02,warmup=2,total=6"
+    sched = "warmup_cosine:peak=0.02,warmup=2,total=6,min=0.0001"
     whole = cli(
         "run",
         bundle,

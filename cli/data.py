@@ -1,0 +1,150 @@
+"""Where ``stepbundle run`` and ``stepbundle eval`` get their batches.
+
+``--data`` (and ``--eval-data``) is either an ``.npz`` of stacked batches, one
+``(S, *batch shape)`` array per batch input (small data, held in memory; step ``i`` uses
+batch ``i % S``), or a dataset folder (``dataset.json`` and sharded ``.npy`` files,
+``stepbundle.runtime.dataset``), read through a ``Loader``: memory-mapped, never loaded
+whole, shuffled by seed per epoch, its position stored in checkpoints.
+
+Imports: numpy, the runtime's dataset and loader (lazily).
+"""
+
+from __future__ import annotations
+
+import argparse
+import zipfile
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "DATA_ERRORS",
+    "default_batch_size",
+    "eval_batches",
+    "is_dataset",
+    "read_npz",
+    "training_batches",
+]
+
+# What reading an .npz can raise for a file that is not a good one.
+DATA_ERRORS = (OSError, ValueError, EOFError, zipfile.BadZipFile)
+
+
+def is_dataset(path: str) -> bool:
+    """Whether ``path`` is a dataset folder (rather than an ``.npz``)."""
+    return Path(path).is_dir()
+
+
+_NPY_HEADER_READERS: dict[tuple[int, int], Any] = {}
+
+
+def read_npz(path: str) -> dict[str, Any]:
+    """Read an ``.npz`` of stacked batches, refusing what is not one before reading it.
+
+    Every member's header is read first and its declared size compared with what the
+    archive holds, so a damaged or hostile header is an error, not a huge allocation.
+    """
+    import numpy as np
+
+    Path(path).stat()  # a missing file is "no such file", not "not an archive"
+    _NPY_HEADER_READERS.setdefault((1, 0), np.lib.format.read_array_header_1_0)
+    _NPY_HEADER_READERS.setdefault((2, 0), np.lib.format.read_array_header_2_0)
+    if not zipfile.is_zipfile(path):
+        raise ValueError(
+            "it is not an .npz archive (write one with numpy.savez(path, x=xs, y=ys), one "
+            "(S, *batch shape) array per batch input)"
+        )
+    with zipfile.ZipFile(path) as archive:
+        for info in archive.infolist():
+            with archive.open(info) as member:
+                version = np.lib.format.read_magic(member)
+                read_header = _NPY_HEADER_READERS.get(version)
+                if read_header is None:  # format 3.0 (utf-8 names): np.load checks it
+                    continue
+                shape, _, dtype = read_header(member)
+                if dtype.hasobject:
+                    raise ValueError(f"{info.filename} holds Python objects, not numbers")
+                declared = int(np.prod(shape, dtype=object)) * dtype.itemsize
+                if declared > info.file_size:
+                    raise ValueError(
+                        f"{info.filename} declares {shape} {dtype} ({declared} bytes) but the "
+                        f"archive holds {info.file_size} bytes for it: the file is damaged"
+                    )
+    with np.load(path, allow_pickle=False) as npz:
+        data = {k: npz[k] for k in npz.files}
+    if not data:
+        raise ValueError("it holds no arrays")
+    if any(a.ndim >= 1 and a.shape[0] == 0 for a in data.values()):
+        raise ValueError("it holds 0 batches (every array's first dimension is the batch count)")
+    return data
+
+
+def default_batch_size(trainer: Any, entry: str) -> int:
+    """The rows of ``entry``'s first shape bucket: the batch size the bundle was traced with."""
+    program = trainer.manifest.entries[entry].programs[0]
+    sizes = {b.spec.shape[0] for b in program.batch if b.spec.shape}
+    if len(sizes) != 1:
+        raise ValueError(
+            f"The bundle's {entry!r} batches have no single batch size ({sorted(sizes)}); "
+            "pass --batch-size."
+        )
+    return int(sizes.pop())
+
+
+def training_batches(
+    args: argparse.Namespace, trainer: Any, npz: Mapping[str, Any] | None
+) -> tuple[Iterable[Mapping[str, Any]], int]:
+    """The training batches and the step offset ``Trainer.run`` takes.
+
+    For an ``.npz``: the batches, cycled from the trainer's step count. For a dataset
+    folder: a ``Loader`` over this process's rows of each global batch, continuing from
+    the checkpoint's data position after ``--resume``.
+    """
+    from stepbundle.runtime.batches import iter_batches
+
+    if npz is not None:
+        return iter_batches(npz), trainer.step_count
+    import jax
+
+    from stepbundle.runtime.dataset import open_dataset
+    from stepbundle.runtime.loader import Loader
+
+    # Each process of a job reads only its own slice of every global batch.
+    processes = sorted({d.process_index for d in trainer.placement.devices})
+    me = jax.process_index()
+    loader = Loader(
+        open_dataset(args.data),
+        args.batch_size or default_batch_size(trainer, "train"),
+        seed=args.shuffle_seed,
+        shuffle=not args.no_shuffle,
+        epochs=args.epochs,
+        last_batch=args.last_batch,
+        process_index=processes.index(me),
+        process_count=len(processes),
+        state=trainer.data_position,
+    )
+    return loader, 0
+
+
+def eval_batches(
+    path: str, trainer: Any, entry: str, batch_size: int | None
+) -> tuple[Any, str | None]:
+    """Batches of a whole evaluation set, in order, and the key of their row mask."""
+    from stepbundle.runtime.batches import iter_batches
+    from stepbundle.runtime.dataset import open_dataset
+    from stepbundle.runtime.loader import Loader
+
+    if not is_dataset(path):
+        return iter_batches(read_npz(path)), None
+    mask = "__stepbundle_mask__"
+    return (
+        Loader(
+            open_dataset(path),
+            batch_size or default_batch_size(trainer, entry),
+            shuffle=False,
+            epochs=1,
+            last_batch="pad",
+            mask_key=mask,
+        ),
+        mask,
+    )

@@ -1,0 +1,56 @@
+"""``stepbundle eval``: each metric of a read-only entry, averaged over a whole dataset.
+
+Imports: the runtime (lazily).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .common import die as _die
+
+__all__ = ["cmd_eval"]
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from stepbundle.runtime import load
+    from stepbundle.runtime.metrics import json_safe
+    from stepbundle.schema.errors import BundleError
+
+    from .data import DATA_ERRORS, eval_batches, is_dataset, read_npz
+
+    try:
+        if is_dataset(args.data):
+            from stepbundle.runtime.dataset import open_dataset
+
+            open_dataset(args.data)
+        else:
+            read_npz(args.data)
+    except (*DATA_ERRORS, BundleError) as e:
+        return _die(f"cannot read --data {args.data!r}: {e}", 2)
+    try:
+        trainer = load(
+            args.bundle,
+            device=args.device,
+            entry=args.entry,
+            cache_dir=False if args.no_cache else (args.cache_dir or True),
+        )
+        if args.resume:
+            trainer.load_checkpoint(args.resume, allow_other_bundle=args.allow_other_bundle)
+        batches, mask = eval_batches(args.data, trainer, args.entry, args.batch_size)
+        result = trainer.evaluate_dataset(batches, args.entry, mask_key=mask)
+    except (BundleError, ValueError) as e:
+        return _die(str(e), 1)
+    if args.json:
+        print(
+            json.dumps(
+                {"step": trainer.step_count, "rows": result.rows, **json_safe(result.metrics)}
+            )
+        )
+    else:
+        shown = "  ".join(f"{k} {v:.6g}" for k, v in result.metrics.items())
+        print(f"{shown}  ({result.rows} rows, {result.batches} batches)")
+        print(f"[eval] state at step {trainer.step_count}", file=sys.stderr)
+    return 0

@@ -1,0 +1,87 @@
+"""Checks of ``stepbundle run``'s outputs, made before anything is loaded: nothing is
+written over an input or over earlier checkpoints, and every output can be written.
+
+Imports: the standard library, stepbundle.schema.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+__all__ = ["check_outputs"]
+
+
+def _same_file(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def _check_writable_folder(folder: Path, what: str) -> None:
+    """Create ``folder`` if needed and prove a file can be made in it, before any work."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        raise OSError(f"{what}: cannot write into {str(folder)!r} ({e.strerror or e})") from None
+
+
+def check_outputs(args: argparse.Namespace) -> None:
+    """Refuse, before anything is loaded, outputs that could not be written or that would
+    overwrite an input or earlier checkpoints."""
+    from stepbundle.schema.atomic import stale_temp_files
+
+    from .sinks import check_sink_outputs
+
+    check_sink_outputs(args.metrics_file, args.tensorboard)
+    if args.checkpoint_every and not args.checkpoint_dir:
+        raise ValueError(
+            "--checkpoint-every writes checkpoints into --checkpoint-dir, which is missing: "
+            "add --checkpoint-dir DIR."
+        )
+    if args.eval_every and not args.eval_data:
+        raise ValueError("--eval-every evaluates --eval-data, which is missing: add it.")
+    if args.entry != "train" and args.steps is None:
+        raise ValueError(f"--entry {args.entry} runs --steps batches: give --steps.")
+    dataset_only = ("batch_size", "epochs")
+    if not Path(args.data).is_dir():
+        given = [f"--{k.replace('_', '-')}" for k in dataset_only if getattr(args, k)]
+        if given or args.no_shuffle or args.last_batch != "drop":
+            raise ValueError(
+                f"{', '.join(given) or 'the shuffling and last-batch options'} apply to a "
+                f"dataset folder, but --data {args.data!r} is an .npz."
+            )
+    if args.save_state:
+        target = Path(args.save_state)
+        for name, source in (("the bundle", args.bundle), ("--data", args.data)):
+            if _same_file(args.save_state, source):
+                raise ValueError(
+                    f"--save-state {args.save_state!r} is {name}; writing it would destroy an "
+                    "input. Choose another file."
+                )
+        if target.is_dir():
+            raise ValueError(f"--save-state {args.save_state!r} is a folder; give a file name.")
+        _check_writable_folder(target.parent if str(target.parent) else Path("."), "--save-state")
+    if args.checkpoint_dir:
+        folder = Path(args.checkpoint_dir)
+        if folder.exists() and not folder.is_dir():
+            raise ValueError(f"--checkpoint-dir {args.checkpoint_dir!r} is a file, not a folder.")
+        earlier = sorted(folder.glob("step-*.safetensors")) if folder.is_dir() else []
+        if earlier and not args.resume:
+            raise ValueError(
+                f"--checkpoint-dir {args.checkpoint_dir!r} already holds checkpoints "
+                f"({earlier[-1].name} and {len(earlier) - 1} more); a new run would overwrite "
+                f"them. Continue with --resume {earlier[-1]}, or choose an empty folder."
+            )
+        _check_writable_folder(folder, "--checkpoint-dir")
+        for stale in stale_temp_files(folder):  # left by a killed writer
+            with contextlib.suppress(OSError):
+                os.unlink(stale)
+                print(f"[run] removed {stale}, left by an interrupted write", file=sys.stderr)

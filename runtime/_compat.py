@@ -193,6 +193,13 @@ def single_device_sharding(device: Device) -> Any:
     return sharding
 
 
+def from_process_local(sharding: Any, x: np.ndarray[Any, Any], shape: tuple[int, ...]) -> Array:
+    """A global array of ``shape`` from this process's rows ``x`` (and the other
+    processes' rows, which they pass in the same call)."""
+    make: Any = jax.make_array_from_process_local_data
+    return make(sharding, x, shape)
+
+
 def put_sharded(x: np.ndarray[Any, Any], sharding: Any) -> Array:
     """Copy a host array into ``sharding`` (one device or several), exact dtype (no x64
     narrowing).

@@ -125,6 +125,14 @@ class Placement:
         """A global batch array: split on dim 0 (replicated when it is a scalar)."""
         return _compat.put_sharded(x, self.split if x.ndim >= 1 else self.replicated)
 
+    def put_local_batch(self, x: np.ndarray[Any, Any]) -> Any:
+        """This process's rows of a global batch: the global array is assembled from every
+        process's rows, in process order (each process reads only its own data)."""
+        if x.ndim == 0 or self.process_count == 1:
+            return self.put_batch(x)
+        shape = (x.shape[0] * self.process_count, *x.shape[1:])
+        return _compat.from_process_local(self.split, x, shape)
+
     def put_state(self, name: str, x: np.ndarray[Any, Any]) -> Any:
         if name in self.split_state:
             return _compat.put_sharded(x, self.split)

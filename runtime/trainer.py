@@ -212,9 +212,13 @@ class Trainer:
             )
         return plans
 
-    def _pick(self, entry: str, batch: Mapping[str, Any]) -> tuple[CompiledPlan, dict[str, Any]]:
+    def _pick(
+        self, entry: str, batch: Mapping[str, Any], local: bool = False
+    ) -> tuple[CompiledPlan, dict[str, Any]]:
         """Choose the shape bucket for ``batch`` and move the batch to the device.
 
+        ``local``: in a multi-process job, ``batch`` holds only this process's rows of
+        the global batch (a ``Loader`` with ``process_count`` > 1 delivers that).
         Everything that can be wrong with a batch is found here, before dispatch.
         """
         if self._broken is not None:
@@ -229,6 +233,7 @@ class Trainer:
             if not hasattr(v, "shape") or not hasattr(v, "dtype"):
                 v = np.asarray(v)
             arrays[k] = v
+        rows = self.placement.process_count if local else 1
         chosen: Plan | None = None
         for plan in plans:
             sig = plan.batch_sig
@@ -237,7 +242,13 @@ class Trainer:
             ok = True
             for k, (shape, dt) in sig.items():
                 a = arrays.get(k)
-                if a is None or tuple(a.shape) != shape or np.dtype(a.dtype) != dt:
+                if a is None or np.dtype(a.dtype) != dt:
+                    ok = False
+                    break
+                got = tuple(a.shape)
+                if rows != 1 and got:
+                    got = (got[0] * rows, *got[1:])
+                if got != shape:
                     ok = False
                     break
             if ok:
@@ -248,6 +259,10 @@ class Trainer:
         if isinstance(chosen, RefusedPlan):  # replaces a None test; no slower
             raise BindingError(chosen.refusal)
         dev: dict[str, Any] = {}
+        if rows != 1:
+            for k in chosen.batch_sig:
+                dev[k] = self.placement.put_local_batch(np.asarray(arrays[k]))
+            return chosen, dev
         for k in chosen.batch_sig:
             dev[k] = self._to_device(arrays[k])
         return chosen, dev
@@ -389,6 +404,8 @@ class Trainer:
         else:
             source = iter(batches)
             position = getattr(source, "state", None)
+        # A loader of one process's rows in a multi-process job (process_count > 1).
+        local = getattr(batches, "process_count", 1) > 1
         if steps <= 0:
             return out
         if position is not None:
@@ -396,7 +413,7 @@ class Trainer:
         first = next(source, _END)
         if first is _END:
             return out
-        nxt = self._pick("train", first)
+        nxt = self._pick("train", first, local)
         for i in range(steps):
             plan, dev = nxt
             metrics = self._dispatch(plan, dev)
@@ -407,7 +424,7 @@ class Trainer:
                 following = next(source, _END)
                 more = following is not _END
                 if more:
-                    nxt = self._pick("train", following)
+                    nxt = self._pick("train", following, local)
                 if pos is not None:
                     self.data_position = pos
             elif position is not None:

@@ -455,3 +455,59 @@ def test_cli_runs_data_parallel_on_virtual_cpu_devices(
     a, _ = read_safetensors(tmp_path / "s4.safetensors")
     b, _ = read_safetensors(tmp_path / "s1.safetensors")
     _assert_close(a, b)
+
+
+def test_two_processes_read_disjoint_rows_of_a_dataset_and_match_one_device(
+    tmp_path: Path,
+) -> None:
+    from stepbundle.runtime.dataset import open_dataset
+    from stepbundle.runtime.dataset_writer import write_dataset
+    from stepbundle.runtime.loader import Loader
+
+    rng = np.random.default_rng(11)
+    data = tmp_path / "ds"
+    write_dataset(
+        data,
+        {
+            "x": rng.standard_normal((64, 5)).astype(np.float32),
+            "y": rng.standard_normal((64, 3)).astype(np.float32),
+        },
+        rows_per_shard=20,
+    )
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(HERE / "dp_data_child.py"), str(i), "2", str(port), "2"]
+            + [str(data), str(tmp_path)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+        )
+        for i in range(2)
+    ]
+    try:
+        logs = [p.communicate(timeout=150)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for p, log in zip(procs, logs):
+        assert p.returncode == 0, log[-3000:]
+    a, b = (np.load(tmp_path / f"process-{i}.npz") for i in range(2))
+    # Each process gathered 4 of the 8 rows of each of the 6 global batches, and no row
+    # of a batch was read by both.
+    assert a["rows"].shape == b["rows"].shape == (24,)
+    for step in range(6):
+        ra, rb = a["rows"][4 * step : 4 * step + 4], b["rows"][4 * step : 4 * step + 4]
+        assert not set(ra) & set(rb)
+    one = load(golden_bundle("linear_adamw"), cache_dir=False)
+    loader = Loader(open_dataset(data), 8, seed=3)
+    want = [float(m["loss"]) for m in one.run(loader, 6)]
+    np.testing.assert_allclose(a["losses"], want, rtol=1e-5)
+    np.testing.assert_array_equal(a["losses"], b["losses"])
+    assert a["rows"].tolist() + b["rows"].tolist() != []
+    first_batch = Loader(open_dataset(data), 8, seed=3).epoch_order(0)[:8]
+    assert sorted(a["rows"][:4].tolist() + b["rows"][:4].tolist()) == sorted(first_batch.tolist())
+    _assert_close({k[6:]: a[k] for k in a.files if k.startswith("state/")}, one.state_dict())

@@ -199,7 +199,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="refuse any other bundle (the digest `stepbundle inspect` prints; sha256: optional)",
     )
     r.add_argument(
-        "--stop-on-nonfinite", action="store_true", help="stop before a non-finite loss is applied"
+        "--stop-on-nonfinite",
+        action="store_true",
+        help="stop before a step with a NaN or infinite metric replaces the state, and write "
+        "the last good state as a checkpoint into --checkpoint-dir (exit code 3)",
+    )
+    r.add_argument(
+        "--check-state",
+        action="store_true",
+        help="with --stop-on-nonfinite, also check every step's new state on the device (a "
+        "NaN input can spoil the state while the loss still looks finite)",
     )
     r.add_argument(
         "--pack-state",

@@ -46,6 +46,11 @@ def check_outputs(args: argparse.Namespace) -> None:
             "--checkpoint-every writes checkpoints into --checkpoint-dir, which is missing: "
             "add --checkpoint-dir DIR."
         )
+    if args.check_state and not args.stop_on_nonfinite:
+        raise ValueError(
+            "--check-state works with --stop-on-nonfinite (the state can only be kept when "
+            "steps do not donate it): add --stop-on-nonfinite."
+        )
     if args.eval_every and not args.eval_data:
         raise ValueError("--eval-every evaluates --eval-data, which is missing: add it.")
     if args.entry != "train" and args.steps is None:

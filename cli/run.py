@@ -144,6 +144,7 @@ def _open_trainer(args: argparse.Namespace) -> Any:
         cache_dir=False if args.no_cache else (args.cache_dir or True),
         expect_digest=args.expect_digest,
         stop_on_nonfinite=args.stop_on_nonfinite,
+        check_state=args.check_state,
         devices=args.devices,
         pack_state=args.pack_state,
         shard_optimizer_state=args.shard_optimizer_state,

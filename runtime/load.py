@@ -149,6 +149,7 @@ def load(
     cache_dir: str | os.PathLike[str] | bool | None = True,
     expect_digest: str | None = None,
     stop_on_nonfinite: bool = False,
+    check_state: bool = False,
     devices: int | str = 1,
     pack_state: bool | int = True,
     shard_optimizer_state: bool = False,
@@ -162,9 +163,12 @@ def load(
       cache_dir: persistent compilation cache. True (default): ``$STEPBUNDLE_CACHE_DIR``
         or ``~/.cache/stepbundle``; a path: that folder; False or None: no cache.
       expect_digest: refuse any bundle whose digest ("sha256:...") differs.
-      stop_on_nonfinite: compile without donation, check every step's loss, and stop
-        before a non-finite loss replaces the state (costs a sync per step and a
-        second copy of the state).
+      stop_on_nonfinite: compile without donation, check every step's metrics, and stop
+        (``NonFiniteLossError``) before a step with a NaN or infinite metric replaces
+        the state (costs a sync per step and a second copy of the state).
+      check_state: with ``stop_on_nonfinite``, also check every step's new state on the
+        device (one reduction per step) and stop before NaN or infinite values enter
+        it, even when the metrics look finite.
       pack_state: keep the small state tensors the training step reads in one device
         buffer per dtype (see ``packing.py``): True packs tensors of up to 65536
         elements, an int sets that limit, False keeps one buffer per tensor. The
@@ -201,6 +205,11 @@ def load(
                 raise BindingError(
                     f"The bundle has no entry {name!r}; it has {', '.join(manifest.entries)}."
                 )
+        if check_state and not stop_on_nonfinite:
+            raise BindingError(
+                "check_state=True needs stop_on_nonfinite=True: the state can only be kept "
+                "when the programs do not donate it."
+            )
         if stop_on_nonfinite:
             _check_loss_metrics(manifest, wanted)
         info.seconds["open"] = time.perf_counter() - t0
@@ -305,6 +314,7 @@ def load(
         hyperparameters={h.name: h.value for h in manifest.hyperparameters},
         seed=manifest.rng.seed if manifest.rng is not None else None,
         stop_on_nonfinite=stop_on_nonfinite,
+        check_state=check_state,
         load_info=info,
     )
     return trainer

@@ -13,7 +13,6 @@ Imports: numpy, jax/jaxlib (through _compat), stepbundle.schema.
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -33,7 +32,7 @@ from .checkpoint import (
     read_checkpoint,
     write_checkpoint,
 )
-from .errors import BindingError, CheckpointError, DeviceError, NonFiniteLossError
+from .errors import BindingError, CheckpointError, DeviceError
 from .evaluation import Evaluation, evaluate_dataset
 from .fallback import PathChoice
 from .hyper import Hyperparameters
@@ -42,6 +41,7 @@ from .plan import CompiledPlan, Plan, RefusedPlan
 from .program import CacheEvent
 from .sharding import Placement
 from .state import check_state_values, host_buffers, named_values
+from .watch import check_step
 
 __all__ = ["LoadInfo", "Trainer"]
 
@@ -95,6 +95,7 @@ class Trainer:
         seed: int | None,
         stop_on_nonfinite: bool,
         load_info: LoadInfo,
+        check_state: bool = False,
     ) -> None:
         self.manifest = manifest
         self.digest = digest
@@ -124,6 +125,7 @@ class Trainer:
         self._step = 0
         self._put_scalar = placement.put_replicated
         self._stop_on_nonfinite = stop_on_nonfinite
+        self._check_state = check_state
         self._broken: str | None = None
         self._stop_requested = False
         self._pending_schedules: set[str] = set()
@@ -328,22 +330,13 @@ class Trainer:
                 "state is as it was before the step."
             ) from e
         metrics = {name: outs[pos] for pos, name in plan.metric_slots}
-        if self._stop_on_nonfinite and plan.loss_slot is not None:
-            loss = float(np.asarray(outs[plan.loss_slot]))
-            if not math.isfinite(loss):
-                # The program was compiled without donation: the old state is intact.
-                raise NonFiniteLossError(
-                    f"Step {self._step} produced a non-finite loss ({loss}). The trainer "
-                    "kept the state from before this step; save it with "
-                    "trainer.save_checkpoint(...) and lower the learning rate or inspect "
-                    "the batch.",
-                    step=self._step,
-                    metrics={
-                        k: float(np.asarray(v).reshape(-1)[0])
-                        for k, v in metrics.items()
-                        if np.asarray(v).size == 1
-                    },
-                )
+        if self._stop_on_nonfinite:
+            # Compiled without donation: on a refusal the old state is intact.
+            check_step(
+                self._step,
+                metrics,
+                [outs[pos] for pos, _ in plan.update_slots] if self._check_state else None,
+            )
         st = self._state
         for pos, si in plan.update_slots:
             st[si] = outs[pos]

@@ -58,7 +58,7 @@ def test_a_nonfinite_loss_stops_the_step_and_keeps_the_state(tmp_path: Path, val
     assert isinstance(info.value, BundleError)
     assert info.value.step == 2
     assert not math.isfinite(info.value.metrics["loss"])
-    assert "non-finite loss" in str(info.value) and "save_checkpoint" in str(info.value)
+    assert "non-finite metrics (loss = " in str(info.value) and "save_checkpoint" in str(info.value)
     assert trainer.step_count == 2
     _assert_same_state(trainer.state_dict(), before)
 
@@ -115,7 +115,7 @@ def test_cli_stop_on_nonfinite_exits_nonzero_and_checkpoints(tmp_path: Path) -> 
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert out.returncode != 0
-    assert "Step 2 produced a non-finite loss" in out.stderr
+    assert "Step 2 produced non-finite metrics (loss = " in out.stderr
     assert [json.loads(line)["step"] for line in out.stdout.splitlines()] == [0, 1]
     saved = sorted(ckpt.glob("*.safetensors"))
     assert [p.name for p in saved] == ["step-00000002-before-nonfinite.safetensors"]

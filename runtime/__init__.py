@@ -3,8 +3,8 @@
 ``load(path)`` returns a ``Trainer`` that owns the training state on the device,
 donates it to every step and writes checkpoints PyTorch loads back.
 
-Modules: ``load.py`` (opening, compiling, placing), ``trainer.py`` (the hot path and
-checkpoint orchestration), ``plan.py`` (compiled and refused shape buckets),
+Modules: ``load.py`` (opening, compiling, placing), ``trainer.py`` (the hot path),
+``checkpointing.py`` (state access and checkpoint orchestration), ``load_info.py``, ``plan.py`` (compiled and refused shape buckets),
 ``hyper.py`` (hyperparameters and schedules), ``batches.py`` (batch refusals, data
 files), ``state.py`` (named state <-> device buffers), ``checkpoint.py`` (the checkpoint
 file format), ``dtypes.py`` (the dtype table), ``fallback.py`` (slower paths taken, and why).
@@ -18,8 +18,9 @@ from .checkpoint import CheckpointFormatError, OtherBundleError
 from .errors import BindingError, CheckpointError, DeviceError, NonFiniteLossError, PlatformError
 from .fallback import PathChoice, PathKind, StepbundleFallbackWarning
 from .load import load
+from .load_info import LoadInfo
 from .program import CacheEvent, CacheOutcome, CacheWarning
-from .trainer import LoadInfo, Trainer
+from .trainer import Trainer
 
 __all__ = [
     "BindingError",

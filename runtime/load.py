@@ -21,11 +21,12 @@ from stepbundle.schema.manifest import ConstantInput, Manifest, MetricOutput
 from . import _compat, packing
 from .dtypes import array_from_section
 from .errors import BindingError, PlatformError
+from .load_info import LoadInfo
 from .plan import Plan, RefusedPlan, batch_text, build_plan, refused_plan
 from .program import compile_program, default_cache_dir
 from .sharding import Placement, zero1_split
 from .state import host_buffers
-from .trainer import LoadInfo, Trainer
+from .trainer import Trainer
 
 __all__ = ["load", "parse_device"]
 

@@ -408,7 +408,7 @@ def test_cli_multi_process_job_needs_more_than_one_device() -> None:
         text=True,
         timeout=120,
     )
-    assert r.returncode == 1 and "--devices all" in r.stderr, r.stderr
+    assert r.returncode == 2 and "--devices all" in r.stderr, r.stderr
 
 
 @pytest.mark.parametrize("xla_flags", [None, "--xla_force_host_platform_device_count=4"])

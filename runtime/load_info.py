@@ -1,0 +1,38 @@
+"""How loading went: ``trainer.load_info``.
+
+Imports: the runtime's program and fallback records.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .fallback import PathChoice
+from .program import CacheEvent
+
+__all__ = ["LoadInfo"]
+
+
+@dataclass
+class LoadInfo:
+    """How loading went.
+
+    Attributes:
+      seconds: wall seconds per stage (open, compile, state, ...).
+      cache_hits: programs loaded from the compile cache.
+      compiled: programs compiled.
+      cache: per program (``"entry[i]"``), what the compile cache did and why: a hit,
+        a miss with its reason (no entry, damaged, another program's entry, ...), or off;
+        and any error writing the new entry.
+      transfer: how arrays are copied to the device (jaxlib's fast transfer, or the
+        ``jax.device_put`` fallback and why); None until load() has placed the state.
+      dispatch: per compiled program (``"entry[i]"``), how its steps are dispatched
+        (result handlers, or the ``execute`` fallback and why).
+    """
+
+    seconds: dict[str, float] = field(default_factory=dict)
+    cache_hits: int = 0
+    compiled: int = 0
+    cache: dict[str, CacheEvent] = field(default_factory=dict)
+    transfer: PathChoice | None = None
+    dispatch: dict[str, PathChoice] = field(default_factory=dict)

@@ -46,6 +46,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         bundle = open_bundle(args.bundle)
     except BundleError as e:
         return _die(str(e), 1)
+    except OSError as e:
+        return _die(f"cannot open the bundle {args.bundle!r}: {e.strerror}.", 2)
     with bundle:
         if args.json:
             print(json.dumps(_describe(bundle), indent=2))
@@ -121,6 +123,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
         bundle = open_bundle(args.bundle)
     except BundleError as e:
         print(f"FAILED {args.bundle}: {e}")
+        return 1
+    except OSError as e:
+        print(f"FAILED {args.bundle}: cannot open it: {e.strerror}.")
         return 1
     with bundle:
         failures = bundle.verify()

@@ -40,6 +40,10 @@ def check_outputs(args: argparse.Namespace) -> None:
 
     from .sinks import check_sink_outputs
 
+    try:
+        os.stat(args.bundle)
+    except OSError as e:
+        raise ValueError(f"cannot open the bundle {args.bundle!r}: {e.strerror}.") from None
     check_sink_outputs(args.metrics_file, args.tensorboard)
     if args.checkpoint_every and not args.checkpoint_dir:
         raise ValueError(

@@ -33,7 +33,9 @@ def mismatch_message(entry: str, plans: Sequence[Plan], arrays: Mapping[str, Any
     lines.append(f"  got:      {got}")
     names = set(plans[0].batch_sig)
     missing = sorted(names - set(arrays))
-    extra = sorted(set(arrays) - names)
+    extra = sorted(str(k) if isinstance(k, str) else repr(k) for k in set(arrays) - names)
+    if any(not isinstance(k, str) for k in arrays):
+        lines.append("Batch input names are strings: use the names the bundle lists above.")
     if missing:
         lines.append(f"Missing batch input(s): {', '.join(missing)}.")
     if extra:

@@ -213,3 +213,34 @@ def test_temp_files_of_killed_writers_are_cleaned_at_start(tmp_path: Path) -> No
     assert not stale.exists() and not old_legacy.exists()
     assert live.exists() and remote.exists() and new_legacy.exists()
     assert f"removed {stale}" in result.stderr
+
+
+def test_a_missing_bundle_or_a_symlink_loop_is_one_line(tmp_path: Path) -> None:
+    loop_a, loop_b = tmp_path / "a.stepbundle", tmp_path / "b.stepbundle"
+    loop_a.symlink_to(loop_b)
+    loop_b.symlink_to(loop_a)
+    data = str(GOLDEN_DIR / "linear_adamw.inputs.npz")
+    for bundle, reason in (
+        (tmp_path / "missing.stepbundle", "No such file or directory"),
+        (loop_a, "Too many levels of symbolic links"),
+    ):
+        for args in (
+            ["run", str(bundle), "--data", data, "--steps", "1"],
+            ["inspect", str(bundle)],
+            ["eval", str(bundle), "--data", data],
+        ):
+            result = cli(*args)
+            assert result.returncode == 2, (args, result.stderr)
+            assert one_line_error(result).endswith(f"{str(bundle)!r}: {reason}.")
+        verify = cli("verify", str(bundle))
+        assert verify.returncode == 1 and reason in verify.stdout
+
+
+def test_a_batch_with_non_string_keys_is_a_binding_error() -> None:
+    from stepbundle.runtime import BindingError, load
+
+    t = load(golden_bundle("linear_adamw"), cache_dir=False)
+    x = np.zeros((8, 5), np.float32)
+    y = np.zeros((8, 3), np.float32)
+    with pytest.raises(BindingError, match="Batch input names are strings"):
+        t.step({1: x, "y": y})

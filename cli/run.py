@@ -31,6 +31,11 @@ def _scalar(v: Any) -> Any:
     return to_json_floats({"value": v})["value"]
 
 
+# Virtual CPU devices are for trying data parallelism on one machine; thousands of them
+# take seconds and gigabytes to create before anything could refuse the run.
+_MAX_CPU_DEVICES = 256
+
+
 def _join_job(args: argparse.Namespace) -> bool:
     """Set up devices before jax starts: virtual CPU devices, and the multi-process job.
 
@@ -44,6 +49,12 @@ def _join_job(args: argparse.Namespace) -> bool:
     cpu_devices = None
     platform = args.device.partition(":")[0].lower()
     forced = "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", "")
+    if platform == "cpu" and isinstance(args.devices, int) and args.devices > _MAX_CPU_DEVICES:
+        raise ValueError(
+            f"--devices {args.devices} on the CPU would create that many virtual devices; at "
+            f"most {_MAX_CPU_DEVICES} are allowed (they share this machine's "
+            f"{os.cpu_count()} cores). Use a smaller number."
+        )
     if platform == "cpu" and isinstance(args.devices, int) and args.devices > 1 and not forced:
         processes = args.num_processes or 1
         cpu_devices = -(-args.devices // processes)

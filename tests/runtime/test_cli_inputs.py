@@ -244,3 +244,10 @@ def test_a_batch_with_non_string_keys_is_a_binding_error() -> None:
     y = np.zeros((8, 3), np.float32)
     with pytest.raises(BindingError, match="Batch input names are strings"):
         t.step({1: x, "y": y})
+
+
+def test_thousands_of_virtual_cpu_devices_are_refused_at_once() -> None:
+    result = cli(*run_args("--steps", "1", "--devices", "8000"))
+    assert result.returncode == 2
+    assert "at most 256 are allowed" in one_line_error(result)
+    assert "[run] loaded" not in result.stderr

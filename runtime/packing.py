@@ -250,15 +250,15 @@ def wrap_program(
         + "".join(f"    {line}\n" for line in lines)
         + "  }\n"
     )
-    text = module.text()
-    head = "func.func @main("
-    if text.count(head) != 1:
-        raise ValueError("expected exactly one @main function to wrap")
-    text = text.replace(head, "func.func private @stepbundle_step(", 1)
-    end = text.rstrip().rfind("}")
-    text = text[:end] + wrapper + text[end:]
-    wrapped = mlir.Module.parse_text(module, text)
-    return wrapped, Program(
+    # The wrapper is parsed on its own (it declares the step it calls) and moved into
+    # the module; the module's own text is never edited.
+    module.replace_main(
+        "stepbundle_step",
+        "module {\n"
+        f"  func.func private @stepbundle_step({', '.join(call_types)}) -> "
+        f"({', '.join(result_types)})\n" + wrapper + "}\n",
+    )
+    return module, Program(
         section=program.section,
         stablehlo_version=program.stablehlo_version,
         inputs=tuple(new_inputs),

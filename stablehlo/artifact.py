@@ -158,6 +158,45 @@ class Module:
             raise ValueError("the module has no @main function")
         return op
 
+    def replace_main(self, inner: str, wrapper: str) -> None:
+        """Put a new ``@main`` in front of this module's: the old one becomes the private
+        function ``@inner``, and ``wrapper`` (MLIR text of a module that declares
+        ``@inner`` and defines the new ``@main``) supplies the new one.
+
+        Built with the MLIR API: the symbol is renamed by its attribute and the new
+        function is parsed on its own and moved in, so nothing in this module's text
+        (an attribute that happens to read ``func.func @main(``, say) can be mistaken
+        for its structure.
+
+        Raises:
+          ValueError: the module has a symbol named ``inner`` already, ``wrapper`` has no
+            single ``@main``, or the result does not verify.
+        """
+        with self._ctx:
+            taken = {
+                ir.StringAttr(op.attributes["sym_name"]).value
+                for op in self._module.body.operations
+                if "sym_name" in op.attributes
+            }
+            if inner in taken:
+                raise ValueError(f"the module already has a symbol @{inner}")
+            main = self.main
+            parsed = ir.Module.parse(wrapper)
+            new = [
+                op
+                for op in parsed.body.operations
+                if "sym_name" in op.attributes
+                and ir.StringAttr(op.attributes["sym_name"]).value == "main"
+            ]
+            if len(new) != 1:
+                raise ValueError("the wrapper must define exactly one @main")
+            main.attributes["sym_name"] = ir.StringAttr.get(inner)
+            main.attributes["sym_visibility"] = ir.StringAttr.get("private")
+            new[0].detach_from_parent()
+            self._module.body.append(new[0])
+            if not self._module.operation.verify():
+                raise ValueError("the wrapped module does not verify")
+
     @staticmethod
     def parse_text(like: Module, text: str) -> Module:
         """Parse MLIR text in ``like``'s context (which has its dialects loaded)."""

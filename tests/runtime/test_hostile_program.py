@@ -274,3 +274,61 @@ def test_parse_artifact_refuses_plain_mlir_directly() -> None:
         mlir.parse_artifact(module.text().encode())
     with pytest.raises(mlir.ArtifactError, match="it is empty"):
         mlir.parse_artifact(b"")
+
+
+def _with_transformed_text(tmp_path: Path, transform: Any) -> Path:
+    """linear_adamw with every train and eval program's text passed through ``transform``."""
+    manifest, payloads = _golden_parts("linear_adamw")
+    for entry in manifest.entries.values():
+        for program in entry.programs:
+            index = next(i for i, p in enumerate(payloads) if p.name == program.section)
+            module = mlir.parse_artifact(payloads[index].data)
+            with module._ctx:
+                rewritten = mlir.Module(module._ctx, ir.Module.parse(transform(module.text())))
+            artifact = rewritten.portable_artifact(program.stablehlo_version)
+            payloads[index] = SectionPayload(program.section, payloads[index].kind, artifact)
+    path = tmp_path / "transformed.stepbundle"
+    write_bundle(path, manifest, payloads)
+    return path
+
+
+def test_main_named_in_an_attribute_does_not_confuse_the_packing_wrapper(tmp_path: Path) -> None:
+    # The wrapper that packs small state used to find @main by searching the printed
+    # module; an attribute holding that text would have been taken for it.
+    def plant(text: str) -> str:
+        return text.replace(
+            "func.func @main(",
+            'func.func private @decoy() attributes {note = "func.func @main("} {\n    return\n  }\n  func.func @main(',
+            1,
+        )
+
+    path = _with_transformed_text(tmp_path, plant)
+    batch = golden_batches("linear_adamw")[0]
+    want = float(load(golden_bundle("linear_adamw"), cache_dir=False).step(batch)["loss"])
+    packed = load(path, cache_dir=False, pack_state=True)
+    assert packed.load_info.compiled == 4
+    assert float(packed.step(batch)["loss"]) == want
+
+
+@pytest.mark.parametrize(
+    ("name", "transform"),
+    [
+        ("no @main", lambda t: t.replace("func.func @main(", "func.func @step(", 1)),
+        (
+            "@main inside a nested module",
+            lambda t: (
+                t.replace("func.func @main(", "module @inner {\n  func.func @main(", 1).rstrip()[
+                    :-1
+                ]
+                + "}\n}\n"
+            ),
+        ),
+    ],
+)
+def test_a_program_without_a_public_main_is_a_bundle_error(
+    tmp_path: Path, name: str, transform: Any
+) -> None:
+    path = _with_transformed_text(tmp_path, transform)
+    with pytest.raises(BundleError) as refused:
+        load(path, cache_dir=False)
+    assert "@main" in str(refused.value), name

@@ -11,7 +11,7 @@ import math
 import re
 from collections.abc import Callable
 
-__all__ = ["at_least", "digest", "devices", "hyperparameter"]
+__all__ = ["at_least", "digest", "devices", "hyperparameter", "positive_seconds"]
 
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 
@@ -69,3 +69,14 @@ def digest(text: str) -> str:
             f"expected sha256:<64 hex digits> (as `stepbundle inspect` prints), got {text!r}"
         )
     return f"sha256:{hexpart}"
+
+
+def positive_seconds(text: str) -> float:
+    """A duration in seconds, finite and above 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    return value

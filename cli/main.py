@@ -205,6 +205,14 @@ def build_parser() -> argparse.ArgumentParser:
         "the last good state as a checkpoint into --checkpoint-dir (exit code 3)",
     )
     r.add_argument(
+        "--step-timeout",
+        type=types.positive_seconds,
+        metavar="SECONDS",
+        help="end the process (exit 124) if no step finishes for SECONDS, e.g. "
+        "--step-timeout 600: a hung multi-process job then stops instead of waiting forever "
+        "(off by default)",
+    )
+    r.add_argument(
         "--check-state",
         action="store_true",
         help="with --stop-on-nonfinite, also check every step's new state on the device (a "

@@ -18,6 +18,7 @@ from typing import Any
 
 from .common import EXIT_PIPE_CLOSED
 from .common import die as _die
+from .watchdog import Watchdog
 
 __all__ = ["cmd_run"]
 
@@ -208,6 +209,30 @@ def _run_eval(args: argparse.Namespace, trainer: Any, batches: list[Any]) -> int
     return 0
 
 
+@contextlib.contextmanager
+def _exit_on_sigterm(enabled: bool) -> Iterator[None]:
+    """In a multi-process job, SIGTERM ends this process at once with 143.
+
+    jax's distributed runtime installs its own SIGTERM handler (for preemption notices),
+    which left a job's processes running after SIGTERM; only SIGKILL stopped them. The
+    processes cannot agree on one step boundary without a collective per step, so there
+    is no clean stop: the last checkpoint is where a resume starts.
+    """
+    if not enabled:
+        yield
+        return
+
+    def handler(signum: int, frame: Any) -> None:
+        print("\n[run] SIGTERM: stopping this process of the job now", file=sys.stderr, flush=True)
+        os._exit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 class _StopRequested(Exception):
     """Raised from the step callback to end a run at a step boundary."""
 
@@ -285,7 +310,11 @@ def _run_train(
         stderr=sys.stderr,
     )
 
+    watchdog = Watchdog(args.step_timeout) if args.step_timeout else None
+
     def on_step(i: int, metrics: dict[str, Any]) -> None:
+        if watchdog is not None:
+            watchdog.feed()
         step = start_step + i
         last = i + 1 == steps or stopper.exit_code is not None
         try:
@@ -304,7 +333,13 @@ def _run_train(
     code = 0
     # Signals stop a single-process run cleanly. A multi-process job keeps the default:
     # its processes cannot agree on one step boundary without a collective per step.
-    with stopper.installed(enabled=len({d.process_index for d in trainer.devices}) == 1), reporter:
+    single = len({d.process_index for d in trainer.devices}) == 1
+    with (
+        stopper.installed(enabled=single),
+        _exit_on_sigterm(enabled=not single),
+        watchdog or contextlib.nullcontext(),
+        reporter,
+    ):
         try:
             trainer.run(batches, steps, on_step=on_step, offset=offset, keep_metrics=False)
         except NonFiniteLossError as e:

@@ -12,6 +12,7 @@ updating) moves them by orders of magnitude more.
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -511,3 +512,40 @@ def test_two_processes_read_disjoint_rows_of_a_dataset_and_match_one_device(
     first_batch = Loader(open_dataset(data), 8, seed=3).epoch_order(0)[:8]
     assert sorted(a["rows"][:4].tolist() + b["rows"][:4].tolist()) == sorted(first_batch.tolist())
     _assert_close({k[6:]: a[k] for k in a.files if k.startswith("state/")}, one.state_dict())
+
+
+def test_cli_sigterm_stops_every_process_of_a_job(tmp_path: Path) -> None:
+    """jax's distributed runtime keeps SIGTERM for itself; the CLI ends the process."""
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    name = "dropout_sgd"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "stepbundle", "run", str(golden_bundle(name))]
+            + ["--steps", "1000000", "--json", "--data", str(GOLDEN_DIR / f"{name}.inputs.npz")]
+            + ["--no-cache", "--devices", "4", "--coordinator", f"localhost:{port}"]
+            + ["--num-processes", "2", "--process-id", str(i)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for i in range(2)
+    ]
+    try:
+        assert procs[0].stdout is not None
+        line = procs[0].stdout.readline()
+        while line and not line.startswith('{"step": '):  # gloo prints to stdout first
+            line = procs[0].stdout.readline()
+        assert line.startswith('{"step": 0')  # both are stepping
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+        codes = [p.wait(timeout=60) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert codes == [143, 143]
+    for p in procs:
+        assert p.stderr is not None
+        assert "SIGTERM: stopping this process of the job" in p.stderr.read()

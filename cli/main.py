@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import Any
 
 from stepbundle import __version__
 
@@ -28,6 +29,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"stepbundle {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
+    _add_export(sub)
+    _add_run(sub)
+    _add_eval(sub)
+    i = sub.add_parser("inspect", help="show a bundle's entries, bindings, state and digests")
+    i.add_argument("bundle")
+    i.add_argument("--json", action="store_true")
+    i.set_defaults(fn=cmd_inspect)
+
+    v = sub.add_parser("verify", help="check every digest of a bundle")
+    v.add_argument("bundle")
+    v.set_defaults(fn=cmd_verify)
+    return p
+
+
+def _add_export(sub: Any) -> None:
+    """``stepbundle export``."""
     e = sub.add_parser(
         "export", help="trace a recipe's training step and write a bundle (needs torch)"
     )
@@ -38,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     e.set_defaults(fn=cmd_export)
 
+
+def _add_run(sub: Any) -> None:
+    """``stepbundle run``: the options of a run, its outputs and its job."""
     r = sub.add_parser("run", help="run a bundle's steps (no torch needed)")
     r.add_argument("bundle", help="the bundle file to run")
     how_long = r.add_mutually_exclusive_group(required=True)
@@ -61,54 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
         "or a dataset folder (dataset.json + .npy shards; see examples/write_dataset.py), "
         "read from disk, shuffled per epoch",
     )
-    r.add_argument(
-        "--batch-size",
-        type=types.at_least(1),
-        metavar="B",
-        help="global batch size for a dataset folder (default: the bundle's traced batch)",
-    )
-    r.add_argument(
-        "--shuffle-seed",
-        type=types.at_least(0),
-        default=0,
-        metavar="S",
-        help="a dataset folder's shuffling seed (default 0); every epoch has its own order",
-    )
-    r.add_argument("--no-shuffle", action="store_true", help="read a dataset folder in order")
-    r.add_argument(
-        "--epochs",
-        type=types.at_least(1),
-        metavar="E",
-        help="stop when a dataset folder has been read E times (default: no limit)",
-    )
-    r.add_argument(
-        "--last-batch",
-        choices=("drop", "keep", "pad"),
-        default="drop",
-        help="a dataset folder's last, short batch: drop it (default), keep it (the bundle "
-        "needs a shape bucket of its size) or pad it with copies of its rows",
-    )
-    r.add_argument(
-        "--eval-data",
-        metavar="PATH",
-        help="an .npz or dataset folder to evaluate with the eval entry every --eval-every "
-        "steps: each metric's mean over every row",
-    )
-    r.add_argument(
-        "--eval-every",
-        type=types.at_least(1),
-        metavar="N",
-        help="evaluate --eval-data after every N-th step, e.g. --eval-every 500",
-    )
-    r.add_argument(
-        "--eval-batch-size",
-        type=types.at_least(1),
-        metavar="B",
-        help="batch size for a dataset folder as --eval-data (default: the eval entry's)",
-    )
-    r.add_argument(
-        "--entry", default="train", help="entry to run (train, or a read-only entry such as eval)"
-    )
+    _add_data_options(r)
     r.add_argument("--json", action="store_true", help="one JSON object per step on stdout")
     r.add_argument(
         "--log-every",
@@ -229,6 +202,61 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--no-cache", action="store_true", help="do not use the compilation cache")
     r.set_defaults(fn=cmd_run)
 
+
+def _add_data_options(r: Any) -> None:
+    """``stepbundle run``: reading a dataset folder, and evaluating during the run."""
+    r.add_argument(
+        "--batch-size",
+        type=types.at_least(1),
+        metavar="B",
+        help="global batch size for a dataset folder (default: the bundle's traced batch)",
+    )
+    r.add_argument(
+        "--shuffle-seed",
+        type=types.at_least(0),
+        default=0,
+        metavar="S",
+        help="a dataset folder's shuffling seed (default 0); every epoch has its own order",
+    )
+    r.add_argument("--no-shuffle", action="store_true", help="read a dataset folder in order")
+    r.add_argument(
+        "--epochs",
+        type=types.at_least(1),
+        metavar="E",
+        help="stop when a dataset folder has been read E times (default: no limit)",
+    )
+    r.add_argument(
+        "--last-batch",
+        choices=("drop", "keep", "pad"),
+        default="drop",
+        help="a dataset folder's last, short batch: drop it (default), keep it (the bundle "
+        "needs a shape bucket of its size) or pad it with copies of its rows",
+    )
+    r.add_argument(
+        "--eval-data",
+        metavar="PATH",
+        help="an .npz or dataset folder to evaluate with the eval entry every --eval-every "
+        "steps: each metric's mean over every row",
+    )
+    r.add_argument(
+        "--eval-every",
+        type=types.at_least(1),
+        metavar="N",
+        help="evaluate --eval-data after every N-th step, e.g. --eval-every 500",
+    )
+    r.add_argument(
+        "--eval-batch-size",
+        type=types.at_least(1),
+        metavar="B",
+        help="batch size for a dataset folder as --eval-data (default: the eval entry's)",
+    )
+    r.add_argument(
+        "--entry", default="train", help="entry to run (train, or a read-only entry such as eval)"
+    )
+
+
+def _add_eval(sub: Any) -> None:
+    """``stepbundle eval``."""
     ev = sub.add_parser(
         "eval",
         help="evaluate a bundle's read-only entry over a whole dataset (no torch needed)",
@@ -253,16 +281,6 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--cache-dir", help="compilation cache folder (default ~/.cache/stepbundle)")
     ev.add_argument("--no-cache", action="store_true", help="do not use the compilation cache")
     ev.set_defaults(fn=cmd_eval)
-
-    i = sub.add_parser("inspect", help="show a bundle's entries, bindings, state and digests")
-    i.add_argument("bundle")
-    i.add_argument("--json", action="store_true")
-    i.set_defaults(fn=cmd_inspect)
-
-    v = sub.add_parser("verify", help="check every digest of a bundle")
-    v.add_argument("bundle")
-    v.set_defaults(fn=cmd_verify)
-    return p
 
 
 # Exit codes (the README lists them too).

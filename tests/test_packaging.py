@@ -2,26 +2,48 @@
 
 The wheel is built from a copy of the checkout, installed into a fresh virtual environment
 with no stepbundle on its path, and used from the checkout root, where a top-level folder
-named ``stepbundle`` (there was one) would win over the installed package. The fresh
-environment borrows the lean environment's third-party packages (jax, numpy, msgpack)
-through a ``.pth`` line; that line adds the folder to ``sys.path`` without running the
-lean environment's own ``.pth`` files, so the lean environment's editable install of
-stepbundle stays out of it.
+named ``stepbundle`` (there was one) would win over the installed package: it imports,
+inspects a golden bundle and trains it for two steps (the runtime, jaxlib's MLIR and the
+package data, all from the wheel). The fresh environment borrows the lean environment's
+third-party packages (jax, numpy, msgpack) through a ``.pth`` line; that line adds the
+folder to ``sys.path`` without running the lean environment's own ``.pth`` files, so the
+lean environment's editable install of stepbundle stays out of it. The oracle: before the
+wheel goes in, ``import stepbundle`` fails in that environment, from the checkout root too.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import re
 import shutil
 import subprocess
 import sys
 import sysconfig
 import venv
+from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-GOLDEN = sorted((ROOT / "tests" / "golden").rglob("linear_adamw.stepbundle"))[-1]
+
+
+def newest_golden_folder(root: Path = ROOT / "tests" / "golden") -> Path:
+    """The golden folder of the newest format version, by number (``v1.10`` after ``v1.2``)."""
+    found = {}
+    for folder in root.iterdir():
+        m = re.fullmatch(r"v(\d+)\.(\d+)", folder.name)
+        if m and folder.is_dir():
+            found[(int(m.group(1)), int(m.group(2)))] = folder
+    return found[max(found)]
+
+
+GOLDEN_FOLDER = newest_golden_folder()
+GOLDEN = GOLDEN_FOLDER / "linear_adamw.stepbundle"
+GOLDEN_INPUTS = GOLDEN_FOLDER / "linear_adamw.inputs.npz"
+GOLDEN_EXPECTED = GOLDEN_FOLDER / "linear_adamw.expected.npz"
 
 
 def _lean_site_packages(lean_python: str) -> str:
@@ -34,8 +56,22 @@ def _lean_site_packages(lean_python: str) -> str:
     return out.stdout.strip()
 
 
+@dataclass(frozen=True)
+class FreshEnv:
+    """The fresh environment with the wheel installed, and what it said before the wheel."""
+
+    python: Path
+    before_at_root: subprocess.CompletedProcess[str]
+    """``import stepbundle`` from the checkout root, before the wheel was installed."""
+    before_elsewhere: subprocess.CompletedProcess[str]
+    """The same from ``/``."""
+
+
+_IMPORT = "import stepbundle; print(stepbundle.__file__)"
+
+
 @pytest.fixture(scope="module")
-def installed_python(tmp_path_factory: pytest.TempPathFactory, lean_python: str) -> Path:
+def fresh_env(tmp_path_factory: pytest.TempPathFactory, lean_python: str) -> FreshEnv:
     work = tmp_path_factory.mktemp("wheel")
     src = work / "src"
     shutil.copytree(
@@ -55,6 +91,18 @@ def installed_python(tmp_path_factory: pytest.TempPathFactory, lean_python: str)
     env_dir = work / "fresh"
     venv.EnvBuilder(with_pip=False).create(env_dir)
     python = env_dir / "bin" / "python"
+    purelib = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    (Path(purelib) / "borrowed_lean_packages.pth").write_text(
+        _lean_site_packages(lean_python) + "\n"
+    )
+    # The oracle, taken before the wheel goes in: no stepbundle anywhere on this path.
+    before_at_root = _run(python, ROOT, "-c", _IMPORT)
+    before_elsewhere = _run(python, Path("/"), "-c", _IMPORT)
     subprocess.run(
         [
             lean_python,
@@ -71,22 +119,24 @@ def installed_python(tmp_path_factory: pytest.TempPathFactory, lean_python: str)
         capture_output=True,
         timeout=300,
     )
-    purelib = subprocess.run(
-        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.strip()
-    (Path(purelib) / "borrowed_lean_packages.pth").write_text(
-        _lean_site_packages(lean_python) + "\n"
+    return FreshEnv(python, before_at_root, before_elsewhere)
+
+
+@pytest.fixture(scope="module")
+def installed_python(fresh_env: FreshEnv) -> Path:
+    return fresh_env.python
+
+
+def _run(python: Path, cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    # No PYTHONPATH: nothing but the environment itself decides what imports.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    return subprocess.run(
+        [str(python), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
     )
-    return python
 
 
 def _run_at_root(python: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [str(python), *args], cwd=ROOT, capture_output=True, text=True, timeout=300
-    )
+    return _run(python, ROOT, *args)
 
 
 def test_installed_package_imports_from_the_checkout_root(installed_python: Path) -> None:
@@ -118,21 +168,49 @@ def test_python_dash_m_stepbundle_from_the_checkout_root(installed_python: Path)
     assert version.stdout.strip() == f"stepbundle {declared}"
 
 
-def test_the_fresh_environment_has_no_editable_stepbundle(installed_python: Path) -> None:
-    # The oracle for the two tests above: without the wheel there is no stepbundle, so
-    # they could not have passed through a path leak from the lean environment.
-    result = subprocess.run(
-        [
-            str(installed_python),
-            "-c",
-            "import importlib.util as u; print(u.find_spec('stepbundle').origin)",
-        ],
-        cwd="/",
-        capture_output=True,
-        text=True,
-        timeout=60,
+def test_the_wheel_trains_a_golden_bundle_from_the_checkout_root(
+    installed_python: Path,
+) -> None:
+    result = _run_at_root(
+        installed_python,
+        "-m",
+        "stepbundle",
+        "run",
+        str(GOLDEN),
+        "--data",
+        str(GOLDEN_INPUTS),
+        "--steps",
+        "2",
+        "--no-cache",
+        "--json",
     )
     assert result.returncode == 0, result.stderr
-    assert "site-packages/stepbundle/__init__.py" in result.stdout
-    assert str(ROOT) not in result.stdout
-    assert sys.executable != str(installed_python)
+    lines = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [line["step"] for line in lines] == [0, 1]
+    got = np.array([line["loss"] for line in lines])
+    want = np.load(GOLDEN_EXPECTED)["metric/loss"][:2]
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+def test_the_fresh_environment_had_no_stepbundle_before_the_wheel(fresh_env: FreshEnv) -> None:
+    # The oracle for the tests above: before the wheel went in, this environment could not
+    # import stepbundle, from the checkout root or elsewhere, so they could not have
+    # passed through a path leak from the lean environment or the checkout.
+    for before in (fresh_env.before_at_root, fresh_env.before_elsewhere):
+        assert before.returncode != 0, before.stdout
+        assert "ModuleNotFoundError: No module named 'stepbundle'" in before.stderr
+    # The borrowed packages were there all along: the failure was stepbundle's absence.
+    jax = _run(fresh_env.python, Path("/"), "-c", "import jax, msgpack, numpy")
+    assert jax.returncode == 0, jax.stderr
+    # And after it, stepbundle comes from the wheel in the fresh environment.
+    after = _run(fresh_env.python, Path("/"), "-c", _IMPORT)
+    assert after.returncode == 0, after.stderr
+    assert "site-packages/stepbundle/__init__.py" in after.stdout
+    assert str(ROOT) not in after.stdout
+    assert sys.executable != str(fresh_env.python)
+
+
+def test_the_newest_golden_folder_is_chosen_by_number(tmp_path: Path) -> None:
+    for name in ("v1.2", "v1.10", "v1.9", "v0.30", "notes"):
+        (tmp_path / name).mkdir()
+    assert newest_golden_folder(tmp_path).name == "v1.10"

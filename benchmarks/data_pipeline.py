@@ -28,7 +28,35 @@ data time per step. (The lead measures step time with the trainer.)
 
 Run: ``.venv/bin/python benchmarks/data_pipeline.py [--rows N] [--rounds R]``.
 
-Imports: numpy, stepbundle.runtime's data modules (and grain with ``--grain``).
+**Trainer mode** (``--trainer``): the issue's figure itself, the whole step. The MLP
+depth-32 bundle is exported the way ``benchmarks/run.py`` does it (``run.export_case``
+on ``models.make_batches``), in a subprocess under the export environment
+(``--export-python``, default ``.venv/bin/python``; ``--export-to DIR`` is that
+subprocess's entry). The same ``--batches`` batches are then, in this one process:
+
+- ``npz``: a list of batches, as ``--data x.npz`` reads them (``iter_batches`` of the
+  stacked arrays), stepped by ``trainer.run(batches, n)``;
+- ``loader``: written as a dataset folder (``write_dataset``), opened, and stepped by
+  ``trainer.run(Loader(dataset, 32, seed=0), n)`` (shuffled, running on across epochs).
+
+Both keep no metrics (``keep_metrics=False``); a block is timed from the call until its
+last loss is read, wall (``perf_counter``) and CPU (``process_time``, all threads of
+the process). After a warm-up of both, ``--rounds`` interleaved rounds (the order
+alternates) of ``--steps`` steps each; the figures are medians per step, and the ratio
+``loader / npz`` is the issue's budget (<= 1.10). The stepping runs under the Python
+that runs this script; the results file was made with the lean environment
+(``.venv-lean/bin/python``, no torch), which is what a training job runs::
+
+    .venv-lean/bin/python benchmarks/data_pipeline.py --trainer
+    .venv-lean/bin/python benchmarks/data_pipeline.py --trainer --quick   # seconds
+
+``--rows-per-shard N`` splits the folder into shards (default: the default shard size,
+one shard here); with many small shards each batch touches many of them, which is where
+``Dataset.gather`` spends its time (``results/data_pipeline.md``).
+
+Imports: numpy, stepbundle.runtime's data modules (and grain with ``--grain``; the
+runtime's ``load`` with ``--trainer``; torch and the benchmark's ``run``/``models`` with
+``--export-to``).
 """
 
 from __future__ import annotations
@@ -38,6 +66,7 @@ import importlib.util
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -242,13 +271,185 @@ def measure(
     return samples
 
 
+def export_mlp(depth: int, n_batches: int, out: Path) -> dict[str, Any]:
+    """Export MLP ``depth`` as ``run.py`` does and save its ``n_batches`` batches (torch env).
+
+    Writes ``out/mlp<depth>.stepbundle`` and ``out/batches.npz`` (``x`` and ``y`` stacked,
+    ``(n_batches, 32, 16)``: the ``--data`` layout). Returns ``run.export_case``'s record.
+    """
+    here = str(ROOT / "benchmarks")
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    import models
+    from run import export_case
+
+    case = models.Case("mlp", depth)
+    batches = models.make_batches(case, n_batches)
+    out.mkdir(parents=True, exist_ok=True)
+    record = export_case(case, batches[0], out / f"mlp{depth}.stepbundle")
+    np.savez(out / "batches.npz", **{k: np.stack([b[k] for b in batches]) for k in batches[0]})
+    return record
+
+
+def _ensure_bundle(args: argparse.Namespace, work: Path) -> tuple[Path, Path]:
+    """The bundle and the batches file: ``--bundle-dir``'s, or exported now into ``work``."""
+    folder = Path(args.bundle_dir) if args.bundle_dir else work / "export"
+    bundle, data = folder / f"mlp{args.depth}.stepbundle", folder / "batches.npz"
+    if bundle.is_file() and data.is_file():
+        return bundle, data
+    cmd = [
+        args.export_python,
+        str(Path(__file__).resolve()),
+        "--export-to",
+        str(folder),
+        "--depth",
+        str(args.depth),
+        "--batches",
+        str(args.batches),
+    ]
+    t0 = time.perf_counter()
+    env = dict(os.environ, PJRT_DEVICE="CPU")
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
+    if proc.returncode != 0:
+        raise RuntimeError(
+            f"Exporting the MLP depth-{args.depth} bundle failed ({' '.join(cmd)}):\n"
+            f"{proc.stderr[-3000:]}\nCheck that --export-python names a Python with torch "
+            "and torch_xla (the project's .venv)."
+        )
+    print(f"exported {bundle.name} in {time.perf_counter() - t0:.1f} s ({args.export_python})")
+    return bundle, data
+
+
+def _block(trainer: Any, source: Any, steps: int) -> tuple[float, float]:
+    """Wall and CPU seconds of ``trainer.run(source, steps)`` until its last loss is read."""
+    w0, c0 = time.perf_counter(), time.process_time()
+    out = trainer.run(source, steps, keep_metrics=False)
+    float(out[-1]["loss"])
+    return time.perf_counter() - w0, time.process_time() - c0
+
+
+def trainer_mode(args: argparse.Namespace) -> dict[str, Any]:
+    """Time the trainer stepping over the in-memory batches vs a ``Loader`` (see the module)."""
+    from stepbundle.runtime import load
+    from stepbundle.runtime.batches import iter_batches
+    from stepbundle.runtime.dataset import open_dataset
+    from stepbundle.runtime.dataset_writer import write_dataset
+    from stepbundle.runtime.loader import Loader
+
+    with tempfile.TemporaryDirectory() as tmp:
+        bundle, data_path = _ensure_bundle(args, Path(tmp))
+        with np.load(data_path, allow_pickle=False) as z:
+            stacked = {k: z[k] for k in z.files}
+        batches = iter_batches(stacked)  # the --data x.npz path
+        rows = {k: v.reshape(-1, *v.shape[2:]) for k, v in stacked.items()}
+        write_dataset(os.path.join(tmp, "ds"), rows, rows_per_shard=args.rows_per_shard)
+        ds = open_dataset(os.path.join(tmp, "ds"))
+        loader = Loader(ds, BATCH, seed=0)
+        trainer = load(bundle, cache_dir=False)
+        sources = {"npz": batches, "loader": loader}
+        for src in sources.values():  # warm-up: compile, page cache, first epoch
+            for _ in range(args.warmup_blocks):
+                _block(trainer, src, args.steps)
+        wall: dict[str, list[float]] = {k: [] for k in sources}
+        cpu: dict[str, list[float]] = {k: [] for k in sources}
+        names = list(sources)
+        for r in range(args.rounds):
+            for name in names if r % 2 == 0 else names[::-1]:
+                w, c = _block(trainer, sources[name], args.steps)
+                wall[name].append(w / args.steps * 1e6)
+                cpu[name].append(c / args.steps * 1e6)
+        # Where the loader's time goes, outside the trainer (same process, warm).
+        probe = Loader(ds, BATCH, seed=1)
+        for _ in range(50):
+            next(probe)
+        k = max(200, args.steps)
+        t0 = time.perf_counter()
+        for _ in range(k):
+            next(probe)
+        next_us = (time.perf_counter() - t0) / k * 1e6
+        t0 = time.perf_counter()
+        for _ in range(k):
+            probe.state()
+        state_us = (time.perf_counter() - t0) / k * 1e6
+        step_count = trainer.step_count
+        rows_n, shards = ds.rows, len(ds.shard_rows)
+        del trainer, loader, probe, ds
+    med_w = {k: statistics.median(v) for k, v in wall.items()}
+    med_c = {k: statistics.median(v) for k, v in cpu.items()}
+    return {
+        "python": sys.executable,
+        "depth": args.depth,
+        "batch": [BATCH, WIDTH],
+        "dataset_rows": rows_n,
+        "dataset_shards": shards,
+        "in_memory_batches": len(batches),
+        "steps_per_block": args.steps,
+        "rounds": args.rounds,
+        "step_count": step_count,
+        "median_wall_us": {k: round(v, 1) for k, v in med_w.items()},
+        "median_cpu_us": {k: round(v, 1) for k, v in med_c.items()},
+        "ratio_wall": round(med_w["loader"] / med_w["npz"], 4),
+        "ratio_cpu": round(med_c["loader"] / med_c["npz"], 4),
+        "wall_samples_us": {k: [round(x, 1) for x in v] for k, v in wall.items()},
+        "cpu_samples_us": {k: [round(x, 1) for x in v] for k, v in cpu.items()},
+        "loader_next_us": round(next_us, 2),
+        "loader_state_us": round(state_us, 2),
+    }
+
+
+def print_trainer(r: dict[str, Any]) -> None:
+    w, c = r["median_wall_us"], r["median_cpu_us"]
+    print(
+        f"MLP depth {r['depth']}, batch {BATCH} x {WIDTH}, {r['dataset_rows']} rows in "
+        f"{r['dataset_shards']} shard(s), {r['rounds']} interleaved rounds of "
+        f"{r['steps_per_block']} steps, stepping under {r['python']}"
+    )
+    print(f"{'source':<10}{'wall us/step':>14}{'cpu us/step':>14}")
+    for k in ("npz", "loader"):
+        print(f"{k:<10}{w[k]:>14.1f}{c[k]:>14.1f}")
+    print(
+        f"loader / npz: wall {r['ratio_wall']:.3f}x, cpu {r['ratio_cpu']:.3f}x "
+        f"(budget 1.10x); Loader.__next__ alone {r['loader_next_us']:.1f} us, "
+        f"Loader.state() {r['loader_state_us']:.1f} us"
+    )
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rows", type=int, default=100_000)
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--block-s", type=float, default=0.1)
     p.add_argument("--grain", action="store_true", help="also time grain (needs grain)")
+    p.add_argument("--trainer", action="store_true", help="time whole steps (see the module)")
+    p.add_argument("--depth", type=int, default=32, help="trainer mode: MLP depth")
+    p.add_argument("--batches", type=int, default=512, help="trainer mode: batches (rows/32)")
+    p.add_argument("--steps", type=int, default=400, help="trainer mode: steps per block")
+    p.add_argument("--warmup-blocks", type=int, default=2, help="trainer mode: per source")
+    p.add_argument(
+        "--rows-per-shard", type=int, help="trainer mode: shard size (default: the default)"
+    )
+    p.add_argument("--bundle-dir", help="trainer mode: reuse (or fill) this export folder")
+    p.add_argument(
+        "--export-python",
+        default=str(ROOT / ".venv" / "bin" / "python"),
+        help="trainer mode: the Python with torch and torch_xla that exports the bundle",
+    )
+    p.add_argument("--export-to", help="export the bundle and batches here, then exit")
+    p.add_argument("--quick", action="store_true", help="tiny sizes (tests)")
+    p.add_argument("--json", action="store_true", help="trainer mode: print the JSON too")
     args = p.parse_args()
+    if args.export_to:
+        print(json.dumps(export_mlp(args.depth, args.batches, Path(args.export_to))))
+        return 0
+    if args.trainer:
+        if args.quick:
+            args.depth, args.batches, args.steps = min(args.depth, 4), 8, 20
+            args.rounds, args.warmup_blocks = 3, 1
+        r = trainer_mode(args)
+        print_trainer(r)
+        if args.json:
+            print(json.dumps(r))
+        return 0
     with tempfile.TemporaryDirectory() as tmp:
         fns = methods(args.rows, os.path.join(tmp, "ds"), args.grain)
         samples = measure(fns, args.rounds, args.block_s)

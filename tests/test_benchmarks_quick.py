@@ -141,3 +141,71 @@ def test_other_figures(quick: tuple[Path, subprocess.CompletedProcess[str]]) -> 
         assert v["donate"] is (k == "donate")
         for f in ("rss_after_load_kb", "rss_after_gc_kb", "peak_rss_load_kb", "peak_rss_steps_kb"):
             assert positive(v[f]), (k, f)
+
+
+@pytest.mark.heavy
+def test_data_pipeline_trainer_quick(tmp_path: Path) -> None:
+    """``data_pipeline.py --trainer --quick``: exports, steps both sources, prints the ratio."""
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "data_pipeline.py"),
+            "--trainer",
+            "--quick",
+            "--json",
+            "--export-python",
+            sys.executable,
+            "--bundle-dir",
+            str(tmp_path / "export"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert "loader / npz" in proc.stdout
+    for k in ("npz", "loader"):
+        assert positive(r["median_wall_us"][k]) and positive(r["median_cpu_us"][k])
+        assert len(r["wall_samples_us"][k]) == r["rounds"]
+    assert r["ratio_wall"] == pytest.approx(
+        r["median_wall_us"]["loader"] / r["median_wall_us"]["npz"], rel=1e-2
+    )
+    warm = 2 * r["steps_per_block"]  # one warm-up block per source
+    assert r["step_count"] == warm + 2 * r["rounds"] * r["steps_per_block"]
+
+
+def test_soak_on_disk_quick() -> None:
+    """``soak.py --on-disk``, tiny: many epochs of a dataset folder, memory sampled."""
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "soak.py"),
+            "--on-disk",
+            "--steps",
+            "600",
+            "--warmup",
+            "50",
+            "--sample-every",
+            "100",
+            "--rows",
+            "400",
+            "--rows-per-shard",
+            "100",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert proc.returncode in (0, 1), proc.stderr[-5000:]
+    r = json.loads(proc.stdout)
+    assert r["source"] == "dataset" and r["losses_finite"]
+    assert r["step_count"] == 650 and len(r["samples"]) == 6
+    assert r["epochs"] >= 10  # 650 steps of batch 8 over 400 rows: 13 epochs
+    assert [s[0] for s in r["samples"]] == [100, 200, 300, 400, 500, 600]
+    for k in ("anon_first_kb", "anon_last_kb", "anon_max_kb", "rss_max_kb", "steps_per_second"):
+        assert positive(r[k]), (k, r[k])
+    assert isinstance(r["flat"], bool)

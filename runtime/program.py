@@ -45,7 +45,9 @@ __all__ = [
 # v3 (2026-11-30): device ids and process indices (an executable is bound to its devices).
 # v4 (2026-12-01): an entry is a header (magic, its own key, the payload's SHA-256) and
 #   the payload; both are checked before the payload is deserialized.
-CACHE_KEY_VERSION = b"stepbundle-cache-v4"
+# v5 (2026-12-01): the XLA_FLAGS and LIBTPU_INIT_ARGS environment variables, as jax's own
+#   cache keys them: an executable compiled under other XLA flags is another executable.
+CACHE_KEY_VERSION = b"stepbundle-cache-v5"
 _ENTRY_MAGIC = b"SBXC\x00\x04\r\n"
 _ENTRY_HEADER = len(_ENTRY_MAGIC) + 32 + 32
 _NO_ENTRY = "no entry"
@@ -207,6 +209,7 @@ def compile_program(
         # A serialized executable stays bound to the devices it was compiled for: one
         # compiled for cuda:0 and loaded for cuda:1 fails at its first step.
         ",".join(f"{d.id}@{d.process_index}" for d in devices).encode(),
+        _xla_flags(),
         bytecode,
     ):
         key.update(len(part).to_bytes(8, "little"))
@@ -238,8 +241,9 @@ def compile_program(
     write_error = None
     try:
         write_cache_entry(cache_file, key.digest(), _compat.serialize_executable(client, exe))
-    except OSError as e:
-        # A read-only or full cache folder must not fail a run; say so once.
+    except (OSError, _compat.JaxRuntimeError) as e:
+        # A read-only or full cache folder, or a PJRT plugin that cannot serialize
+        # executables (UNIMPLEMENTED), must not fail a run; say so once.
         write_error = f"{type(e).__name__}: {e}"
         warn_once(
             "cache-write",
@@ -253,6 +257,22 @@ def compile_program(
     )
 
 
+def _xla_flags() -> bytes:
+    """The XLA flags of this process's environment, as they go into the cache key.
+
+    Every flag is kept, in order (a repeated flag's last value wins, so order matters);
+    unlike jax, none is left out as output-only: a needless miss costs a compile, a
+    wrong hit costs wrong numbers. XLA parses these once per process, so changing
+    ``os.environ`` after the first compile changes the key but not the executable;
+    set them before the process starts.
+    """
+    parts = [
+        f"{name}={' '.join(os.environ.get(name, '').split())}"
+        for name in ("XLA_FLAGS", "LIBTPU_INIT_ARGS")
+    ]
+    return "\n".join(parts).encode()
+
+
 def read_cache_entry(path: Path, key: bytes) -> tuple[bytes | None, str]:
     """The payload of a cache entry if it is intact and is the entry for ``key``.
 
@@ -260,6 +280,12 @@ def read_cache_entry(path: Path, key: bytes) -> tuple[bytes | None, str]:
     another key (a renamed or copied file), or a payload whose digest does not match. The
     payload is never handed to XLA unless all of this holds: a damaged executable can
     crash the process or compute wrong numbers.
+
+    The key and digest catch damage and mix-ups; they are not a signature. An entry
+    forged on purpose (this key, another executable, that executable's digest) passes
+    and runs, as would a forged bundle: the cache folder must be as trusted as the
+    bundles and the Python environment (scripts/fuzz.py --target cache shows what a
+    forged entry does).
     """
     try:
         data = path.read_bytes()

@@ -141,3 +141,72 @@ def test_a_directory_in_place_of_an_entry_is_a_miss_and_a_write_error(tmp_path: 
     assert all(e.reason.startswith("the entry is unreadable") for e in events)
     assert all(e.write_error for e in events)
     assert any(w.category is CacheWarning for w in caught)
+
+
+def test_a_client_that_cannot_serialize_warns_once_and_the_load_goes_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A PJRT plugin without executable serialization raises UNIMPLEMENTED from
+    # serialize_executable; with the cache on by default that must not fail a load.
+    from stepbundle.runtime import _compat, fallback
+
+    def unimplemented(client: object, exe: object) -> bytes:
+        raise _compat.JaxRuntimeError("UNIMPLEMENTED: executable serialization is not supported")
+
+    monkeypatch.setattr(_compat, "serialize_executable", unimplemented)
+    monkeypatch.setattr(fallback, "_WARNED", set())
+    cache = tmp_path / "cache"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        t = load(golden_bundle("linear_adamw"), cache_dir=cache)
+    events = list(t.load_info.cache.values())
+    assert len(events) == 4
+    assert all(e.outcome is CacheOutcome.MISS for e in events)
+    errors = [e.write_error or "" for e in events]
+    # jax 0.7's class is XlaRuntimeError (jax.errors.JaxRuntimeError names it).
+    assert all(w.startswith(("JaxRuntimeError: ", "XlaRuntimeError: ")) for w in errors)
+    assert all("UNIMPLEMENTED" in w for w in errors)
+    said = [w for w in caught if w.category is CacheWarning]
+    assert len(said) == 1  # once, not once per program
+    assert "cannot write the compile cache" in str(said[0].message)
+    assert entries(cache) == []
+    want = first_loss(load(golden_bundle("linear_adamw"), cache_dir=False), "linear_adamw")
+    assert first_loss(t, "linear_adamw") == want
+
+
+KEY_CHILD = r"""
+import sys, warnings
+warnings.simplefilter("ignore")
+sys.path.insert(0, sys.argv[2])
+from runtime_helpers import golden_bundle
+from stepbundle.runtime import load
+t = load(golden_bundle("linear_adamw"), cache_dir=sys.argv[1], entry="eval")
+print(" ".join(sorted(e.outcome.value for e in t.load_info.cache.values())))
+"""
+
+
+def test_other_xla_flags_are_a_miss(tmp_path: Path) -> None:
+    # XLA reads its flags once per process, so each load runs in a child of its own.
+    tests_runtime = str(Path(__file__).resolve().parent)
+    cache = str(tmp_path / "cache")
+
+    def outcomes(**env: str) -> str:
+        child = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "LIBTPU_INIT_ARGS")}
+        out = subprocess.run(
+            [sys.executable, "-c", KEY_CHILD, cache, tests_runtime],
+            env={**child, **env},
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert out.returncode == 0, out.stderr[-3000:]
+        return out.stdout.strip()
+
+    assert outcomes() == "miss miss"
+    assert outcomes() == "hit hit"
+    assert outcomes(XLA_FLAGS="--xla_cpu_enable_fast_math=true") == "miss miss"
+    assert outcomes(XLA_FLAGS="--xla_cpu_enable_fast_math=true") == "hit hit"
+    assert outcomes(XLA_FLAGS="--xla_cpu_enable_fast_math=false") == "miss miss"
+    assert outcomes(LIBTPU_INIT_ARGS="--xla_tpu_some_flag=1") == "miss miss"
+    assert outcomes() == "hit hit"  # the first entries are still there, under their keys
+    assert len(entries(Path(cache))) == 8

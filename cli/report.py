@@ -178,6 +178,12 @@ class Reporter:
         for sink in self._sinks:
             sink.write(record)
 
+    def flush(self) -> None:
+        """Put every reported step on disk: called when a checkpoint is written, so a
+        run killed later and resumed from it leaves no hole in the logs."""
+        for sink in self._sinks:
+            sink.flush()
+
     def close(self) -> None:
         """End the bar's line, then flush and close every sink (each exactly once)."""
         bar, self._bar = self._bar, None

@@ -293,6 +293,7 @@ def _run_train(
     def checkpoint(name: str | None = None) -> None:
         assert ckpt_dir is not None
         path = ckpt_dir / (name or f"step-{trainer.step_count:08d}.safetensors")
+        reporter.flush()  # the logs hold every step the checkpoint holds
         trainer.save_checkpoint(path)
         written.add(trainer.step_count)
 

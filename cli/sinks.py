@@ -74,6 +74,8 @@ class LogRecord:
 class Sink(Protocol):
     def write(self, record: LogRecord) -> None: ...
 
+    def flush(self) -> None: ...
+
     def close(self) -> None: ...
 
 
@@ -105,6 +107,10 @@ class MetricsFile:
             line[f"metric.{name}" if name in self._RESERVED else name] = v
         self._file.write(json.dumps(line, allow_nan=False) + "\n")
         self._file.flush()
+
+    def flush(self) -> None:
+        if self._file is not None:
+            self._file.flush()
 
     def close(self) -> None:
         if self._file is not None:
@@ -140,6 +146,10 @@ class TensorBoard:
             return
         for name, h in record.hyperparameters.items():
             add(f"hyperparameters/{name}", h, record.step)
+
+    def flush(self) -> None:
+        if self._writer is not None:
+            self._writer.flush()
 
     def close(self) -> None:
         if self._writer is not None:

@@ -361,13 +361,8 @@ def test_tensorboard_holds_train_and_eval_curves(runs: Runs) -> None:
         assert {s for s in ref[tag] if s >= resumed_from} <= job[tag].keys(), tag
 
 
-@pytest.mark.xfail(
-    reason="cli: the TensorBoard sink is not flushed when a checkpoint is written "
-    "(cli/run.py's checkpoint() does not touch the Reporter; tensorboardX buffers its "
-    "event file), so a SIGKILL loses the last steps before the checkpoint that the "
-    "resume starts after: a hole in the curves. The metrics file flushes every line.",
-    strict=False,  # the hole is empty when the kill comes long enough after the checkpoint
-)
+# Every checkpoint first flushes the logs, so a SIGKILL after a checkpoint leaves no hole
+# in the curves before the step the resume starts from.
 def test_tensorboard_keeps_every_step_before_the_resume_point(runs: Runs) -> None:
     job = _scalars(runs.job_dir / "tb")
     assert sorted(job["train/loss"]) == list(range(STEPS))

@@ -49,10 +49,10 @@ data loader) was evaluated as the engine behind this API, in a scratch venv (Pyt
 
 - It installs cleanly on 3.11, pulling in 11 packages (absl-py, array-record,
   cloudpickle, etils, fsspec, portpicker, protobuf, psutil, typing-extensions, zipp,
-  numpy; ~120 MB of site-packages), and ``import grain`` imports cloudpickle. Its
-  multi-process prefetch (``mp_prefetch``) cloudpickles the pipeline into its worker
-  processes; the in-process path needs no pickle, and its iterator state
-  (``{"next_index": 3123}``) is JSON.
+  numpy; ~120 MB of site-packages), and its multi-process prefetch (``mp_prefetch``)
+  serializes the whole pipeline, Python objects included, into its worker processes.
+  The in-process path does not, and its iterator state (``{"next_index": 3123}``) is
+  JSON.
 - ``MapDataset.shuffle(seed).repeat().batch(32)`` gives a fresh order per epoch, and
   ``get_state``/``set_state`` resumes exactly across an epoch boundary (checked).
 - But it fetches and stacks row by row in Python. Batch 32 x 16 float32 from the same
@@ -68,8 +68,8 @@ data loader) was evaluated as the engine behind this API, in a scratch venv (Pyt
   padded last batch with a mask; both would be written here on top of it anyway.
 
 So the loader is hand-written (numpy only, ~200 lines with its state checks), and
-grain is not an extra: it would add 11 dependencies and a pickle-capable path for a
-20-60x slower batch. Its ideas are kept: a per-epoch seed, a JSON iterator state, and
+grain is not an extra: it would add 11 dependencies and a Python-object serialization
+path to the runtime, for a 20-60x slower batch. Its ideas are kept: a per-epoch seed, a JSON iterator state, and
 a pipeline that is a pure function of (seed, epoch, position).
 
 Imports: numpy, the standard library (and this package's dataset).

@@ -5,7 +5,8 @@ The manifest's dataclasses (``manifest.py``), their wire form (``records.py``,
 validation function (``validate.py``, with the per-program table checks in
 ``validate_programs.py``), the writer and the reader (``writer.py``,
 ``reader.py``), the version constants and acceptance rule (``version.py``), the seed rule
-(``rng.py``), the project's one atomic file write (``atomic.py``) and the typed errors.
+(``rng.py``), the project's one atomic file write (``atomic.py``), the schema's description and its
+version lock (``describe.py``, ``lock.py``) and the typed errors.
 ``FORMAT.md`` beside this file specifies the format on one page.
 
 Modules import each other in one direction only, never in a cycle: errors, limits,

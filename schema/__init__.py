@@ -1,6 +1,7 @@
 """stepbundle.schema: the bundle format.
 
-The manifest's dataclasses (``manifest.py``), their wire form (``records.py``,
+The manifest's dataclasses (``manifest.py``, with its tensor types in ``tensors.py`` and
+the binding-table rows in ``bindings.py``), their wire form (``records.py``,
 ``wire.py``), the file layout and size limits (``layout.py``, ``limits.py``), the one
 validation function (``validate.py``, with the per-program table checks in
 ``validate_programs.py``), the writer and the reader (``writer.py``,

@@ -9,7 +9,10 @@ Unions are a kind enum plus one dataclass per case: an input binding is exactly 
 ``ConstantInput``, and each carries its ``kind`` as a fixed field. Optional fields are
 ``None`` when absent; there are no ``-1`` or ``""`` sentinels.
 
-Imports: standard library only.
+The tensor types live in ``tensors.py`` and the binding-table rows in ``bindings.py``;
+this module re-exports them, so ``stepbundle.schema.manifest`` names every type.
+
+Imports: standard library only (and those two modules).
 """
 
 from __future__ import annotations
@@ -17,7 +20,23 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Literal, Union
+from typing import Literal
+
+from .bindings import (
+    STATE_INPUT_KINDS,
+    BatchInput,
+    ConstantInput,
+    HyperparameterInput,
+    InputBinding,
+    InputKind,
+    MetricOutput,
+    OutputBinding,
+    OutputKind,
+    RngSeedInput,
+    StateInput,
+    StateUpdateOutput,
+)
+from .tensors import DType, NamedSpec, TensorSpec
 
 __all__ = [
     "BatchInput",
@@ -46,88 +65,6 @@ __all__ = [
     "StateUpdateOutput",
     "TensorSpec",
 ]
-
-
-class DType(str, enum.Enum):
-    """Element type of a tensor. Values are the spellings used in the file."""
-
-    F64 = "f64"
-    F32 = "f32"
-    BF16 = "bf16"
-    F16 = "f16"
-    I64 = "i64"
-    I32 = "i32"
-    I16 = "i16"
-    I8 = "i8"
-    U64 = "u64"
-    U32 = "u32"
-    U16 = "u16"
-    U8 = "u8"
-    BOOL = "bool"
-
-    @property
-    def itemsize(self) -> int:
-        """Bytes per element in a tensor section (bool is one byte, 0 or 1)."""
-        return _ITEMSIZE[self]
-
-
-_ITEMSIZE: dict[DType, int] = {
-    DType.F64: 8,
-    DType.F32: 4,
-    DType.BF16: 2,
-    DType.F16: 2,
-    DType.I64: 8,
-    DType.I32: 4,
-    DType.I16: 2,
-    DType.I8: 1,
-    DType.U64: 8,
-    DType.U32: 4,
-    DType.U16: 2,
-    DType.U8: 1,
-    DType.BOOL: 1,
-}
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    """Dtype and static shape of one tensor.
-
-    Attributes:
-      dtype: element type.
-      shape: dimensions, outermost first; ``()`` is a scalar. Every dimension is >= 0.
-    """
-
-    dtype: DType
-    shape: tuple[int, ...]
-
-    @property
-    def numel(self) -> int:
-        """Number of elements (1 for a scalar)."""
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the tensor in C order with no padding."""
-        return self.numel * self.dtype.itemsize
-
-    def __str__(self) -> str:
-        return f"{self.dtype.value}[{','.join(str(d) for d in self.shape)}]"
-
-
-@dataclass(frozen=True)
-class NamedSpec:
-    """A named tensor slot, used for the batch signature of a program.
-
-    Attributes:
-      name: the batch input's name, as in the recipe's example batch.
-      spec: its dtype and shape.
-    """
-
-    name: str
-    spec: TensorSpec
 
 
 class SectionKind(str, enum.Enum):
@@ -206,146 +143,6 @@ class StateEntry:
     section: str
     trainable: bool
     aliases: tuple[str, ...] = ()
-
-
-class InputKind(str, enum.Enum):
-    """Where the value of one program input comes from on every call."""
-
-    PARAMETER = "parameter"
-    BUFFER = "buffer"
-    OPTIMIZER_STATE = "optimizer_state"
-    GRADIENT = "gradient"
-    BATCH = "batch"
-    RNG_SEED = "rng_seed"
-    HYPERPARAMETER = "hyperparameter"
-    CONSTANT = "constant"
-
-
-STATE_INPUT_KINDS: frozenset[InputKind] = frozenset(
-    {InputKind.PARAMETER, InputKind.BUFFER, InputKind.OPTIMIZER_STATE, InputKind.GRADIENT}
-)
-"""The input kinds that read a ``StateEntry``; ``StateInput.kind`` is one of these."""
-
-
-@dataclass(frozen=True)
-class StateInput:
-    """The current value of a state tensor.
-
-    Attributes:
-      kind: the state's kind (parameter, buffer, optimizer_state or gradient); equal to
-        the kind of the ``StateEntry`` it names.
-      name: the ``StateEntry.name`` it reads.
-      spec: dtype and shape, equal to the state entry's.
-    """
-
-    kind: InputKind
-    name: str
-    spec: TensorSpec
-
-
-@dataclass(frozen=True)
-class BatchInput:
-    """One array of the caller's batch.
-
-    Attributes:
-      name: the batch key.
-      spec: the dtype and shape this program expects.
-    """
-
-    name: str
-    spec: TensorSpec
-    kind: Literal[InputKind.BATCH] = InputKind.BATCH
-
-
-@dataclass(frozen=True)
-class RngSeedInput:
-    """The per-step random seed (torch_xla's device seed), an i64 scalar.
-
-    The runtime derives it from ``Manifest.rng``: step ``k`` receives ``rule^k(seed)``.
-
-    Attributes:
-      spec: dtype and shape (``i64[]``).
-    """
-
-    spec: TensorSpec
-    kind: Literal[InputKind.RNG_SEED] = InputKind.RNG_SEED
-
-
-@dataclass(frozen=True)
-class HyperparameterInput:
-    """A named scalar the runtime sets on every call (learning rate, ...).
-
-    Attributes:
-      name: a ``Hyperparameter.name`` of the manifest.
-      spec: dtype and shape, equal to the hyperparameter's.
-    """
-
-    name: str
-    spec: TensorSpec
-    kind: Literal[InputKind.HYPERPARAMETER] = InputKind.HYPERPARAMETER
-
-
-@dataclass(frozen=True)
-class ConstantInput:
-    """A value captured at export time that was proven not to change between steps.
-
-    Attributes:
-      name: a readable label (``constant.<n>``), unique within the program.
-      spec: dtype and shape.
-      section: the tensor section that holds the value.
-    """
-
-    name: str
-    spec: TensorSpec
-    section: str
-    kind: Literal[InputKind.CONSTANT] = InputKind.CONSTANT
-
-
-InputBinding = Union[StateInput, BatchInput, RngSeedInput, HyperparameterInput, ConstantInput]  # noqa: UP007
-"""One row of a program's input-binding table; row ``i`` is ``@main``'s argument ``i``."""
-
-
-class OutputKind(str, enum.Enum):
-    """What one program output is."""
-
-    METRIC = "metric"
-    STATE_UPDATE = "state_update"
-
-
-@dataclass(frozen=True)
-class MetricOutput:
-    """A value handed back to the caller (``loss``, ``accuracy``, eval outputs).
-
-    Attributes:
-      name: the key in the dict the step returned.
-      spec: dtype and shape.
-    """
-
-    name: str
-    spec: TensorSpec
-    kind: Literal[OutputKind.METRIC] = OutputKind.METRIC
-
-
-@dataclass(frozen=True)
-class StateUpdateOutput:
-    """The new value of a state tensor after the step.
-
-    Attributes:
-      state: the ``StateEntry.name`` it replaces.
-      spec: dtype and shape, equal to the state entry's.
-      donates: index of the input that reads the old value of the same state; that
-        input's buffer is donated and aliased to this output. ``None`` when the step
-        overwrites the state without reading it (nothing to donate).
-    """
-
-    state: str
-    spec: TensorSpec
-    donates: int | None
-    kind: Literal[OutputKind.STATE_UPDATE] = OutputKind.STATE_UPDATE
-
-
-OutputBinding = Union[MetricOutput, StateUpdateOutput]  # noqa: UP007
-"""One row of a program's output table; row ``j`` is ``@main``'s result ``j``."""
 
 
 @dataclass(frozen=True)

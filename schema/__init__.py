@@ -11,9 +11,9 @@ version lock (``describe.py``, ``lock.py``) and the typed errors.
 ``FORMAT.md`` beside this file specifies the format on one page.
 
 Modules import each other in one direction only, never in a cycle: errors, limits,
-version, manifest, atomic, rng <- layout, records <- wire, validate_programs <- validate
-<- writer, reader;
-describe reads layout, limits, records and wire.
+version, tensors <- bindings <- manifest, atomic, rng <- layout, records <- wire,
+validate_programs <- validate <- writer, reader; lock reads version; describe reads
+layout, limits, lock, records and wire.
 
 Imports: the standard library and msgpack only; never torch, jax or numpy, so that every
 side of the project (exporter, runtime, tools in other environments) can depend on it.

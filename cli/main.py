@@ -43,6 +43,13 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _add_device_options(p: Any) -> None:
+    """Where a bundle runs and where its compiled programs are cached (run and eval)."""
+    p.add_argument("--device", default="cpu", help="cpu, cuda, rocm or tpu (optionally :index)")
+    p.add_argument("--cache-dir", help="compilation cache folder (default ~/.cache/stepbundle)")
+    p.add_argument("--no-cache", action="store_true", help="do not use the compilation cache")
+
+
 def _add_export(sub: Any) -> None:
     """``stepbundle export``."""
     e = sub.add_parser(
@@ -135,7 +142,6 @@ def _add_run(sub: Any) -> None:
         help="set a declared hyperparameter, e.g. --set lr=3e-4",
     )
     r.add_argument("--seed", type=types.at_least(0), help="RNG seed of the first step")
-    r.add_argument("--device", default="cpu", help="cpu, cuda, rocm or tpu (optionally :index)")
     r.add_argument(
         "--devices",
         type=types.devices,
@@ -198,8 +204,7 @@ def _add_run(sub: Any) -> None:
         metavar="N",
         help="hold state tensors of up to N elements in one buffer per dtype (default 65536; 0: off)",
     )
-    r.add_argument("--cache-dir", help="compilation cache folder (default ~/.cache/stepbundle)")
-    r.add_argument("--no-cache", action="store_true", help="do not use the compilation cache")
+    _add_device_options(r)
     r.set_defaults(fn=cmd_run)
 
 
@@ -277,9 +282,7 @@ def _add_eval(sub: Any) -> None:
         help="batch size for a dataset folder (default: the entry's traced batch)",
     )
     ev.add_argument("--json", action="store_true", help="print the result as one JSON object")
-    ev.add_argument("--device", default="cpu", help="cpu, cuda, rocm or tpu (optionally :index)")
-    ev.add_argument("--cache-dir", help="compilation cache folder (default ~/.cache/stepbundle)")
-    ev.add_argument("--no-cache", action="store_true", help="do not use the compilation cache")
+    _add_device_options(ev)
     ev.set_defaults(fn=cmd_eval)
 
 

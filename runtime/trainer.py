@@ -282,19 +282,7 @@ class Trainer(StateAndCheckpoints):
         try:
             outs = plan.dispatch(args)
         except _compat.JaxRuntimeError as e:
-            # Everything about the arguments was checked before this call, so what fails
-            # here failed inside XLA or the device, possibly after donation.
-            if plan.compiled.donating:
-                self._broken = (
-                    f"A step failed inside the device runtime ({e}); its donated state "
-                    "buffers may be gone. Load a checkpoint (trainer.load_checkpoint) or "
-                    "the bundle again to continue."
-                )
-                raise DeviceError(self._broken) from e
-            raise DeviceError(
-                f"A step failed inside the device runtime ({e}); it donated nothing, so the "
-                "state is as it was before the step."
-            ) from e
+            raise self._device_error(plan, e) from e
         metrics = {name: outs[pos] for pos, name in plan.metric_slots}
         if self._stop_on_nonfinite:
             # Compiled without donation: on a refusal the old state is intact.
@@ -419,8 +407,26 @@ class Trainer(StateAndCheckpoints):
         if self._broken is not None:
             raise BindingError(self._broken)
         args = self._args(plan, dev, None)
-        outs = plan.dispatch(args)
+        try:
+            outs = plan.dispatch(args)
+        except _compat.JaxRuntimeError as e:
+            raise self._device_error(plan, e) from e
         return {name: outs[pos] for pos, name in plan.metric_slots}
+
+    def _device_error(self, plan: CompiledPlan, e: Exception) -> DeviceError:
+        """The error for a failure inside XLA or the device (the arguments were checked
+        before the call); a program that donated marks the trainer broken."""
+        if plan.compiled.donating:
+            self._broken = (
+                f"A step failed inside the device runtime ({e}); its donated state "
+                "buffers may be gone. Load a checkpoint (trainer.load_checkpoint) or "
+                "the bundle again to continue."
+            )
+            return DeviceError(self._broken)
+        return DeviceError(
+            f"A step failed inside the device runtime ({e}); it donated nothing, so the "
+            "state is as it was before the step."
+        )
 
     def evaluate_dataset(
         self,

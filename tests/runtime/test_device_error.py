@@ -33,3 +33,10 @@ def test_a_device_failure_is_a_device_error_and_a_checkpoint_recovers(tmp_path: 
     for k, v in t.state_dict().items():
         np.testing.assert_array_equal(v, good[k])
     assert math.isfinite(float(t.step(batch)["loss"]))
+
+
+def test_a_device_failure_during_evaluate_is_a_device_error_too() -> None:
+    t = load(golden_bundle("linear_adamw"), cache_dir=False)
+    t._state[0].delete()  # fault injection, as above
+    with pytest.raises(DeviceError, match="it donated nothing"):
+        t.evaluate(golden_batches("linear_adamw")[0])

@@ -211,6 +211,10 @@ class CheckpointMeta:
         if not isinstance(digest, str):
             raise bad(f"the bundle digest {digest!r:.100} is not a string")
         digest_hex = info.get("sha256")
+        if fmt < 2 and digest_hex is not None:
+            # Format 1 never wrote a digest: a file that has one was written as format 2
+            # and edited to skip the check.
+            raise bad("it says format 1 but carries a digest, which only format 2 writes")
         if fmt >= 2 and not (isinstance(digest_hex, str) and _SHA256_HEX.fullmatch(digest_hex)):
             raise bad(f"the digest {digest_hex!r:.100} is not 64 hex digits")
         schedules = info.get("schedules", {}) if fmt >= 2 else {}

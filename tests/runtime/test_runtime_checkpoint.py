@@ -122,6 +122,19 @@ def _with_metadata(src: Path, dst: Path, *, sign: bool = True, **changes: Any) -
     return dst
 
 
+def _without_digest(src: Path, dst: Path) -> Path:
+    """A copy of ``src`` whose stepbundle metadata has no ``sha256`` field (format 1)."""
+    data = src.read_bytes()
+    (n,) = struct.unpack_from("<Q", data, 0)
+    header = json.loads(data[8 : 8 + n])
+    meta = json.loads(header["__metadata__"]["stepbundle"])
+    meta.pop("sha256", None)
+    header["__metadata__"]["stepbundle"] = json.dumps(meta)
+    raw = json.dumps(header).encode()
+    dst.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + n :])
+    return dst
+
+
 def test_a_checkpoint_of_another_bundle_loads_only_when_allowed(tmp_path: Path) -> None:
     # The same model and optimizer exported again: another digest, the same state table.
     batches = golden_batches("linear_adamw")
@@ -186,7 +199,11 @@ def test_a_flipped_tensor_byte_is_refused_and_format_1_still_loads(tmp_path: Pat
     # A file of format 1 (written before the digest existed) is read without one.
     src = json.loads(read_safetensors(path)[1]["stepbundle"])
     assert src["format"] == CHECKPOINT_FORMAT == 2 and len(src["sha256"]) == 64
-    old = _with_metadata(path, tmp_path / "format1.safetensors", format=1)
+    # A format-2 file relabelled as format 1 (to skip the digest) is refused.
+    relabelled = _with_metadata(path, tmp_path / "relabelled.safetensors", format=1)
+    with pytest.raises(CheckpointError, match="says format 1 but carries a digest"):
+        fresh.load_checkpoint(relabelled)
+    old = _without_digest(relabelled, tmp_path / "format1.safetensors")
     fresh.load_checkpoint(old)
     assert fresh.step_count == 1
 

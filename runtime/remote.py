@@ -117,7 +117,9 @@ def filesystem(url: str) -> tuple[Any, str]:
         fs, path = fsspec.core.url_to_fs(url)
         return fs, str(path)
     except ImportError as e:
-        known = fsspec.registry.known_implementations.get(scheme.split("::")[-1], {})
+        from fsspec.registry import known_implementations
+
+        known = known_implementations.get(scheme.split("::")[-1], {})
         package = str(known.get("class", "")).split(".")[0] or f"an fsspec backend for {scheme}"
         raise BackendMissingError(
             f"{url!r} needs fsspec's {scheme}:// backend, which is not installed ({e}). "

@@ -107,7 +107,7 @@ def summary_lines(bundle: Any, shown: str) -> list[str]:
     ]
     keys = [k for k in _FIRST_KEYS if k in m.metadata]
     keys += sorted(k for k in m.metadata if k not in _FIRST_KEYS)
-    out += [f"{k:10s} {m.metadata[k]}" if len(k) <= 10 else f"{k}: {m.metadata[k]}" for k in keys]
+    out += [f"{k:10s} {m.metadata[k]}" for k in keys]
     if m.required_features:
         out.append(f"requires   {', '.join(m.required_features)}")
     out += _state_line(m)

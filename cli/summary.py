@@ -83,7 +83,7 @@ def _state_line(m: Manifest) -> list[str]:
         if those:
             what = kind.value.replace("_", " ")
             size = nbytes(sum(s.spec.nbytes for s in those))
-            out.append(f"           {what}: {len(those)} tensors, {size}")
+            out.append(f"          {what}: {len(those)} tensors, {size}")
     return out
 
 
@@ -98,29 +98,29 @@ def summary_lines(bundle: Any, shown: str) -> list[str]:
     programs = sum(s.length for s in m.sections if s.kind is SectionKind.PROGRAM)
     state = sum(s.spec.nbytes for s in m.state)
     out = [
-        f"bundle     {shown}",
-        f"digest     {bundle.digest}",
-        f"format     {bundle.version[0]}.{bundle.version[1]}   size {nbytes(bundle.file_size)} "
+        f"bundle    {shown}",
+        f"digest    {bundle.digest}",
+        f"format    {bundle.version[0]}.{bundle.version[1]}   size {nbytes(bundle.file_size)} "
         f"(state {nbytes(state)}, programs {nbytes(programs)})",
-        f"producer   stepbundle {m.producer.stepbundle}, torch {m.producer.torch}, "
+        f"producer  stepbundle {m.producer.stepbundle}, torch {m.producer.torch}, "
         f"torch_xla {m.producer.torch_xla}, jax {m.producer.jax}",
     ]
     keys = [k for k in _FIRST_KEYS if k in m.metadata]
     keys += sorted(k for k in m.metadata if k not in _FIRST_KEYS)
-    out += [f"{k:10s} {m.metadata[k]}" for k in keys]
+    out += [f"{k:9s} {m.metadata[k]}" for k in keys]
     if m.required_features:
-        out.append(f"requires   {', '.join(m.required_features)}")
+        out.append(f"requires  {', '.join(m.required_features)}")
     out += _state_line(m)
     if m.hyperparameters:
         out.append("hyperparameters (set with --set NAME=VALUE or a schedule):")
         out += [f"  {h.name} = {h.value!r} ({h.spec})" for h in m.hyperparameters]
     if m.rng is not None:
-        out.append(f"rng        seed {m.rng.seed} ({m.rng.rule}), set with --seed")
+        out.append(f"rng       seed {m.rng.seed} ({m.rng.rule}), set with --seed")
     for name, entry in m.entries.items():
         kind = "updates the state" if entry.updates_state else "read-only"
         out += ["", f"entry {name!r} ({kind}), {len(entry.programs)} shape bucket(s):"]
-        for i, p in enumerate(entry.programs):
-            out.append(f"  batch    {_batch_text(p.batch)}" + (f"   [{i}]" if i else ""))
+        label = "batch  " if len(entry.programs) == 1 else "batches"
+        out.append(f"  {label}  {' | '.join(_batch_text(p.batch) for p in entry.programs)}")
         first = entry.programs[0]
         metrics = [o for o in first.outputs if isinstance(o, MetricOutput)]
         out.append(f"  metrics  {', '.join(f'{o.name}: {o.spec}' for o in metrics) or '(none)'}")

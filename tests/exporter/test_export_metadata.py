@@ -32,9 +32,9 @@ def test_metadata_reaches_the_manifest_and_inspect(
         assert b.version == (1, 1)
     assert main(["inspect", str(path)]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert "name       linear-regression" in lines
+    assert "name      linear-regression" in lines
     assert "description Linear(5, 3), SGD, MSE" in lines
-    assert "source_commit 0123abc" in lines and "owner      team-a" in lines
+    assert "source_commit 0123abc" in lines and "owner     team-a" in lines
 
 
 @pytest.mark.parametrize(

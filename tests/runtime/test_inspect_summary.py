@@ -37,7 +37,7 @@ def test_the_summary_says_what_the_bundle_takes_holds_and_froze(
     lines = out.splitlines()
     with open_bundle(path) as b:
         m = b.manifest
-        assert f"digest     {b.digest}" in lines
+        assert f"digest    {b.digest}" in lines
         params = [s for s in m.state if s.kind is StateKind.PARAMETER]
         count = sum(math.prod(s.spec.shape) for s in params)
         assert any(line.startswith(f"parameters {count:,} ({count:,} trainable)") for line in lines)
@@ -81,5 +81,5 @@ def test_metadata_is_carried_and_shown(tmp_path: Path, capsys: pytest.CaptureFix
     lines = _inspect(capsys, str(out_path)).splitlines()
     # name and source_commit first, in that order; other labels after them.
     shown = [line for line in lines if line.split(" ")[0] in meta]
-    assert shown == ["name       bn-demo", "source_commit 3f2c1e0", "team       vision"]
+    assert shown == ["name      bn-demo", "source_commit 3f2c1e0", "team      vision"]
     assert "metadata  team = vision" in _inspect(capsys, str(out_path), "--full")

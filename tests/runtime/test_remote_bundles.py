@@ -187,6 +187,6 @@ def test_cli_pull_run_by_digest_and_inspect_a_url(
     assert server.body_bytes == 2 * MANIFEST_END  # inspect, verify: header + manifest each
     lines = [line for line in out.splitlines() if line.startswith('{"step"')]
     assert [float(line.split('"loss": ')[1].rstrip("}")) for line in lines] == want
-    assert f"digest     {DIGEST}" in out and f"OK {url} {DIGEST}" in out
+    assert f"digest    {DIGEST}" in out and f"OK {url} {DIGEST}" in out
     assert main(["pull", url, "--expect-digest", "sha256:" + "0" * 64]) == 1
     assert "not the expected" in capsys.readouterr().err

@@ -33,7 +33,7 @@ import socket
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 from stepbundle.schema.atomic import Chunks, WriteFn
 from stepbundle.schema.errors import BundleError
@@ -41,6 +41,7 @@ from stepbundle.schema.errors import BundleError
 __all__ = [
     "BackendMissingError",
     "RemoteError",
+    "SequentialReader",
     "downloaded",
     "filesystem",
     "is_url",
@@ -165,21 +166,64 @@ def read_object(url: str) -> bytes:
     return bytes(data)
 
 
-@contextlib.contextmanager
-def reading(url: str) -> Iterator[BinaryIO]:
-    """``url`` opened for sequential reading, each ``read(n)`` fetching exactly ``n`` bytes
+class SequentialReader:
+    """An object read front to back, each ``read(n)`` one ranged request for ``n`` bytes
     (no read-ahead: a download that stops after the header fetches no more).
+
+    An HTTP server that ignores range requests (Python's ``http.server``, some static
+    servers) answers the first read from the start of the object, and fsspec refuses
+    the next one with a ``ValueError``; the reader then switches to one streamed
+    request and skips to where it was. Such a server sends the object from its start,
+    so a refusal after the header and manifest stops a transfer already under way.
+    """
+
+    def __init__(self, fs: Any, path: str) -> None:
+        self._fs, self._path = fs, path
+        self._f = fs.open(path, "rb", block_size=CHUNK, cache_type="none")
+        self._pos = 0
+        self._streaming = False
+
+    def read(self, n: int) -> bytes:
+        try:
+            data = bytes(self._f.read(n))
+        except ValueError:
+            if self._streaming or "http" not in self._fs.protocol:
+                raise
+            self._stream()
+            data = bytes(self._f.read(n))
+        self._pos += len(data)
+        return data
+
+    def _stream(self) -> None:
+        with contextlib.suppress(Exception):
+            self._f.close()
+        self._f = self._fs.open(self._path, "rb", block_size=0)
+        self._streaming = True
+        left = self._pos
+        while left:
+            skipped = len(self._f.read(min(left, CHUNK)))
+            if not skipped:
+                break
+            left -= skipped
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self._f.close()
+
+
+@contextlib.contextmanager
+def reading(url: str) -> Iterator[SequentialReader]:
+    """``url`` opened for reading front to back (``SequentialReader``).
 
     Reads raise the backend's own errors; wrap them in ``failures``.
     """
     fs, path = filesystem(url)
     with failures(url, "open"):
-        f = fs.open(path, "rb", block_size=CHUNK, cache_type="none")
+        f = SequentialReader(fs, path)
     try:
         yield f
     finally:
-        with contextlib.suppress(Exception):
-            f.close()
+        f.close()
 
 
 def _temp_name(path: str) -> str:

@@ -27,7 +27,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, Protocol
 
 from stepbundle.schema.atomic import atomic_write
 from stepbundle.schema.errors import BundleFormatError, IntegrityError
@@ -179,7 +179,11 @@ def pull(
         ) from None
 
 
-def _read(f: BinaryIO, n: int, source: str, start: int, total: int) -> bytes:
+class _Reader(Protocol):
+    def read(self, n: int, /) -> bytes: ...
+
+
+def _read(f: _Reader, n: int, source: str, start: int, total: int) -> bytes:
     """Exactly ``n`` bytes from offset ``start`` (fewer only at the end of the object)."""
     parts: list[bytes] = []
     got = 0
@@ -202,7 +206,7 @@ def _read(f: BinaryIO, n: int, source: str, start: int, total: int) -> bytes:
     return b"".join(parts)
 
 
-def _pull_from(f: BinaryIO, source: str, expect_digest: str | None, root: Path) -> Pulled:
+def _pull_from(f: _Reader, source: str, expect_digest: str | None, root: Path) -> Pulled:
     head = _read(f, HEADER_SIZE, source, 0, HEADER_SIZE)
     if head[: len(MAGIC)] != MAGIC:
         raise BundleFormatError(

@@ -44,6 +44,7 @@ class BundleServer:
     requests: list[tuple[str, str, str | None]] = field(default_factory=list)
     body_bytes: int = 0
     url: str = ""
+    ranges: bool = True  # False: ignore Range headers, as Python's http.server does
 
     def start(self) -> BundleServer:
         server = self
@@ -62,7 +63,7 @@ class BundleServer:
                 data = obj.data[: obj.n] if obj.mode == "truncated" else obj.data
                 start, end = 0, len(data)
                 m = re.fullmatch(r"bytes=(\d+)-(\d*)", self.headers.get("Range") or "")
-                if m:
+                if m and server.ranges:
                     start = int(m[1])
                     end = min(len(data), int(m[2]) + 1) if m[2] else len(data)
                     self.send_response(206)
@@ -70,7 +71,8 @@ class BundleServer:
                 else:
                     self.send_response(200)
                 self.send_header("Content-Length", str(end - start))
-                self.send_header("Accept-Ranges", "bytes")
+                if server.ranges:
+                    self.send_header("Accept-Ranges", "bytes")
                 self.end_headers()
                 if not body_too:
                     return
@@ -99,6 +101,7 @@ class BundleServer:
     def reset(self) -> None:
         self.requests.clear()
         self.body_bytes = 0
+        self.ranges = True
 
     def stop(self) -> None:
         self._httpd.shutdown()

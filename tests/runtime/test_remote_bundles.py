@@ -147,6 +147,14 @@ def test_a_damaged_section_is_caught_before_the_store(server: BundleServer, stor
     assert _in_store(store) == []
 
 
+def test_a_server_without_range_requests_is_streamed(server: BundleServer, store: Path) -> None:
+    server.ranges = False
+    got = pull(f"{server.url}/b.stepbundle", expect_digest=DIGEST)
+    assert got.fetched and got.path.read_bytes() == DATA
+    assert ("GET", "b.stepbundle", None) in server.requests  # one streamed request
+    assert _in_store(store) == [got.path.name]
+
+
 def test_missing_objects_and_backends_say_what_to_do(server: BundleServer, store: Path) -> None:
     with pytest.raises(remote.RemoteError, match="no bundle at .*not found"):
         pull(f"{server.url}/nothing.stepbundle")

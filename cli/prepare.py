@@ -80,15 +80,17 @@ def add_compile(sub: Any, add_device_options: Callable[[Any], None]) -> None:
         metavar="NAME",
         help="compile only this entry (repeatable; default: every entry, as `run` does)",
     )
+    same = "as for run: it is part of every entry's key"
     c.add_argument("--expect-digest", type=types.digest, metavar="sha256:...")
-    c.add_argument("--devices", type=types.devices, default=1, metavar="N|all")
-    c.add_argument("--shard-optimizer-state", action="store_true")
-    c.add_argument("--stop-on-nonfinite", action="store_true")
-    c.add_argument("--pack-state", type=types.at_least(0), default=65536, metavar="N")
-    c.add_argument("--coordinator", metavar="HOST:PORT")
-    c.add_argument("--num-processes", type=types.at_least(1), metavar="P")
-    c.add_argument("--process-id", type=types.at_least(0), metavar="I")
-    c.add_argument("--distributed", action="store_true")
+    c.add_argument("--devices", type=types.devices, default=1, metavar="N|all", help=same)
+    c.add_argument("--shard-optimizer-state", action="store_true", help=same)
+    c.add_argument("--stop-on-nonfinite", action="store_true", help=same)
+    c.add_argument("--pack-state", type=types.at_least(0), default=65536, metavar="N", help=same)
+    job = "as for run, to compile for a multi-process job's devices"
+    c.add_argument("--coordinator", metavar="HOST:PORT", help=job)
+    c.add_argument("--num-processes", type=types.at_least(1), metavar="P", help=job)
+    c.add_argument("--process-id", type=types.at_least(0), metavar="I", help=job)
+    c.add_argument("--distributed", action="store_true", help=job)
     add_device_options(c)
     c.set_defaults(fn=cmd_compile)
 

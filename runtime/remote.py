@@ -246,10 +246,13 @@ def write_object(url: str, content: WriteFn | Chunks) -> None:
     temp = _temp_name(path)
     try:
         with failures(url, "write"):
-            parent = path.rpartition("/")[0]
-            if parent:
-                fs.makedirs(parent, exist_ok=True)
-            f = fs.open(temp, "wb")
+            try:
+                f = fs.open(temp, "wb")
+            except FileNotFoundError:
+                # A file system with real folders (sftp, a share): make them. Object
+                # stores never get here, so no bucket is ever created by accident.
+                fs.makedirs(path.rpartition("/")[0], exist_ok=True)
+                f = fs.open(temp, "wb")
         with failures(url, "write"), f:
             if callable(content):
                 content(f)

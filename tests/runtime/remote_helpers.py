@@ -7,8 +7,9 @@ truncated object, or die part way through a response (the connection is shut aft
 ``n`` bytes of the object, with the full Content-Length promised).
 
 ``FakeObjectStore``: a local folder behind a non-local fsspec file system
-(``fakestore://bucket/key``), so the code under test takes its URL paths; it can be told
-to fail a write after some bytes, as an upload that breaks off does.
+(``fakestore://bucket/key``), so the code under test takes its URL paths (its folders
+must be made, as on sftp or a share); it can be told to fail a write after some bytes,
+as an upload that breaks off does.
 
 Imports: the standard library, fsspec.
 """
@@ -145,8 +146,6 @@ class FakeObjectStore(DirFileSystem):
         super().__init__(path=type(self).root, fs=LocalFileSystem())
 
     def open(self, path: str, mode: str = "rb", *args: Any, **kwargs: Any) -> Any:
-        if "w" in mode:  # an object store has no folders to create first
-            Path(self._join(path)).parent.mkdir(parents=True, exist_ok=True)
         f = super().open(path, mode, *args, **kwargs)
         limit = type(self).fail_writes_after
         if "w" in mode and limit is not None:

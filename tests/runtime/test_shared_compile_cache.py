@@ -21,7 +21,7 @@ import pytest
 from remote_helpers import FakeObjectStore, fake_store
 from runtime_helpers import golden_batches, golden_bundle
 
-from stepbundle.runtime import CacheOutcome, load
+from stepbundle.runtime import CacheOutcome, CacheWarning, fallback, load
 
 NAME = "linear_adamw"
 BUNDLE = str(golden_bundle(NAME))
@@ -72,11 +72,12 @@ def test_a_second_process_compiles_nothing(tmp_path: Path) -> None:
 
 
 @pytest.fixture
-def store_root(tmp_path: Path) -> Iterator[Path]:
+def store_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    # Warnings are once per process: these tests start afresh and leave no trace.
+    monkeypatch.setattr(fallback, "_WARNED", set())
     yield from fake_store(tmp_path / "objects")
 
 
-@pytest.mark.filterwarnings("ignore::stepbundle.runtime.CacheWarning")
 def test_a_cache_at_a_url_is_checked_like_a_folder(store_root: Path, want: list[float]) -> None:
     url = "fakestore://team/xla-cache"
     cold = load(BUNDLE, cache_dir=url, entry="train")
@@ -97,23 +98,26 @@ def test_a_cache_at_a_url_is_checked_like_a_folder(store_root: Path, want: list[
     damaged = bytearray(objects[0].read_bytes())
     damaged[-1] ^= 0x40
     objects[0].write_bytes(bytes(damaged))
-    healed = load(BUNDLE, cache_dir=url, entry="train")
+    with pytest.warns(CacheWarning, match=f"entry in {url} was not used: the entry is damaged"):
+        healed = load(BUNDLE, cache_dir=url, entry="train")
     reasons = sorted(e.reason for e in healed.load_info.cache.values())
     assert reasons == ["the entry is damaged (its digest does not match)", "verified entry"]
     assert healed.load_info.compiled == 1 and _losses(healed) == want
     # Another program's entry copied under this one's name is a miss too, never run.
     objects[1].write_bytes(objects[0].read_bytes())
-    foreign = load(BUNDLE, cache_dir=url, entry="train")
+    with pytest.warns(CacheWarning, match="another program"):
+        fallback._WARNED.clear()
+        foreign = load(BUNDLE, cache_dir=url, entry="train")
     assert "the entry belongs to another program or device set" in {
         e.reason for e in foreign.load_info.cache.values()
     }
     assert foreign.load_info.compiled == 1 and _losses(foreign) == want
 
 
-@pytest.mark.filterwarnings("ignore::stepbundle.runtime.CacheWarning")
 def test_an_upload_that_breaks_off_leaves_no_entry(store_root: Path, want: list[float]) -> None:
     FakeObjectStore.fail_writes_after = 1000  # every entry is larger
-    t = load(BUNDLE, cache_dir="fakestore://team/xla-cache", entry="train")
+    with pytest.warns(CacheWarning, match="cannot write the compile cache in fakestore://"):
+        t = load(BUNDLE, cache_dir="fakestore://team/xla-cache", entry="train")
     for event in t.load_info.cache.values():
         assert event.outcome is CacheOutcome.MISS
         assert event.write_error is not None and "dropped the upload" in event.write_error

@@ -1,6 +1,10 @@
 """``stepbundle inspect`` and ``stepbundle verify``: read a bundle without running it.
 
-Imports: stepbundle.schema only (no jax, no torch).
+``inspect`` prints a summary (``summary.py``) by default, every binding with ``--full``.
+A bundle given as a URL or ``sha256:<digest>`` is found through the runtime's bundle
+store (which imports jax); a local path needs only the schema.
+
+Imports: stepbundle.schema (no jax, no torch); stepbundle.runtime.store for URLs.
 """
 
 from __future__ import annotations
@@ -11,16 +15,11 @@ import os
 from typing import Any
 
 from .common import die as _die
+from .common import is_remote
+from .summary import nbytes as _nbytes
+from .summary import summary_lines
 
 __all__ = ["cmd_inspect", "cmd_verify"]
-
-
-def _nbytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024  # type: ignore[assignment]
-    return f"{n} B"
 
 
 def _describe(bundle: Any) -> dict[str, Any]:
@@ -37,13 +36,23 @@ def _describe(bundle: Any) -> dict[str, Any]:
     }
 
 
-def cmd_inspect(args: argparse.Namespace) -> int:
+def _open(text: str) -> Any:
+    """Open the bundle ``text`` names: a path, or a URL or digest through the store."""
     from stepbundle.schema import open_bundle
+
+    if not is_remote(text):
+        return open_bundle(text)
+    from stepbundle.runtime.store import resolve_bundle
+
+    return open_bundle(resolve_bundle(text))
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
     from stepbundle.schema.errors import BundleError
     from stepbundle.schema.manifest import StateUpdateOutput
 
     try:
-        bundle = open_bundle(args.bundle)
+        bundle = _open(args.bundle)
     except BundleError as e:
         return _die(str(e), 1)
     except OSError as e:
@@ -52,14 +61,21 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps(_describe(bundle), indent=2))
             return 0
+        if not args.full:
+            try:
+                print("\n".join(summary_lines(bundle, args.bundle)))
+            except BundleError as e:  # a damaged constant section
+                return _die(str(e), 1)
+            return 0
         m = bundle.manifest
         out = [
-            f"bundle    {bundle.path}",
+            f"bundle    {args.bundle}",
             f"digest    {bundle.digest}",
             f"format    {bundle.version[0]}.{bundle.version[1]}   size {_nbytes(bundle.file_size)}",
             f"producer  stepbundle {m.producer.stepbundle}, torch {m.producer.torch}, "
             f"torch_xla {m.producer.torch_xla}, jax {m.producer.jax}",
         ]
+        out += [f"metadata  {k} = {v}" for k, v in m.metadata.items()]
         if m.required_features:
             out.append(f"requires  {', '.join(m.required_features)}")
         if m.rng is not None:
@@ -116,11 +132,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from stepbundle.schema import open_bundle
     from stepbundle.schema.errors import BundleError
 
     try:
-        bundle = open_bundle(args.bundle)
+        bundle = _open(args.bundle)
     except BundleError as e:
         print(f"FAILED {args.bundle}: {e}")
         return 1

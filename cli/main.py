@@ -1,6 +1,6 @@
-"""The ``stepbundle`` command: export, run, inspect, verify.
+"""The ``stepbundle`` command: export, run, eval, inspect, verify, pull, compile.
 
-``run``, ``inspect`` and ``verify`` work without torch; ``export`` imports the exporter
+Everything but ``export`` works without torch; ``export`` imports the exporter
 (torch, torch_xla) only when it is called. Each subcommand lives in its own module; this
 one holds the argument parser and ``main``.
 """
@@ -19,6 +19,7 @@ from .common import EXIT_PIPE_CLOSED
 from .evaluate import cmd_eval
 from .export import cmd_export
 from .inspect import cmd_inspect, cmd_verify
+from .prepare import add_compile, add_pull
 from .run import cmd_run
 
 __all__ = ["build_parser", "main"]
@@ -32,21 +33,37 @@ def build_parser() -> argparse.ArgumentParser:
     _add_export(sub)
     _add_run(sub)
     _add_eval(sub)
-    i = sub.add_parser("inspect", help="show a bundle's entries, bindings, state and digests")
-    i.add_argument("bundle")
+    i = sub.add_parser("inspect", help="summarize a bundle (--full: every binding and section)")
+    i.add_argument("bundle", help=_BUNDLE_HELP)
     i.add_argument("--json", action="store_true")
+    i.add_argument(
+        "--full", action="store_true", help="every input, output, state tensor and section"
+    )
     i.set_defaults(fn=cmd_inspect)
 
     v = sub.add_parser("verify", help="check every digest of a bundle")
-    v.add_argument("bundle")
+    v.add_argument("bundle", help=_BUNDLE_HELP)
     v.set_defaults(fn=cmd_verify)
+    add_pull(sub)
+    add_compile(sub, _add_device_options)
     return p
+
+
+_BUNDLE_HELP = (
+    "the bundle: a file, a URL (https://, file://; gs://, s3://, ... with their fsspec "
+    "backend installed), fetched once into the local store, or sha256:<digest> of a bundle "
+    "in the store"
+)
 
 
 def _add_device_options(p: Any) -> None:
     """Where a bundle runs and where its compiled programs are cached (run and eval)."""
     p.add_argument("--device", default="cpu", help="cpu, cuda, rocm or tpu (optionally :index)")
-    p.add_argument("--cache-dir", help="compilation cache folder (default ~/.cache/stepbundle)")
+    p.add_argument(
+        "--cache-dir",
+        help="compilation cache folder or URL, shared by every host that reaches it "
+        "(default ~/.cache/stepbundle)",
+    )
     p.add_argument("--no-cache", action="store_true", help="do not use the compilation cache")
 
 
@@ -66,7 +83,7 @@ def _add_export(sub: Any) -> None:
 def _add_run(sub: Any) -> None:
     """``stepbundle run``: the options of a run, its outputs and its job."""
     r = sub.add_parser("run", help="run a bundle's steps (no torch needed)")
-    r.add_argument("bundle", help="the bundle file to run")
+    r.add_argument("bundle", help=_BUNDLE_HELP)
     how_long = r.add_mutually_exclusive_group(required=True)
     how_long.add_argument(
         "--steps",
@@ -120,8 +137,16 @@ def _add_run(sub: Any) -> None:
         metavar="K",
         help="write a checkpoint into --checkpoint-dir every K steps",
     )
-    r.add_argument("--checkpoint-dir", metavar="D")
-    r.add_argument("--resume", metavar="CKPT", help="restore a checkpoint before the first step")
+    r.add_argument(
+        "--checkpoint-dir",
+        metavar="D",
+        help="folder or URL (gs://bucket/run/) for the checkpoints; only process 0 writes",
+    )
+    r.add_argument(
+        "--resume",
+        metavar="CKPT",
+        help="restore a checkpoint (a file or URL) before the first step",
+    )
     r.add_argument(
         "--allow-other-bundle",
         action="store_true",
@@ -268,10 +293,12 @@ def _add_eval(sub: Any) -> None:
         description="Each metric's mean over every row of --data, e.g. "
         "stepbundle eval model.stepbundle --data val/ --resume ckpt/step-00001000.safetensors",
     )
-    ev.add_argument("bundle", help="the bundle file")
+    ev.add_argument("bundle", help=_BUNDLE_HELP)
     ev.add_argument("--data", required=True, help="an .npz of stacked batches or a dataset folder")
     ev.add_argument("--entry", default="eval", help="the read-only entry to run (default eval)")
-    ev.add_argument("--resume", metavar="CKPT", help="evaluate this checkpoint's state")
+    ev.add_argument(
+        "--resume", metavar="CKPT", help="evaluate this checkpoint's state (a file or URL)"
+    )
     ev.add_argument(
         "--allow-other-bundle", action="store_true", help="accept a checkpoint of another bundle"
     )

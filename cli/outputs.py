@@ -1,7 +1,11 @@
 """Checks of ``stepbundle run``'s outputs, made before anything is loaded: nothing is
 written over an input or over earlier checkpoints, and every output can be written.
 
-Imports: the standard library, stepbundle.schema.
+A checkpoint folder or ``--save-state`` at a URL is checked by listing it and writing
+and removing a small probe object (credentials and scheme, before the run).
+
+Imports: the standard library, stepbundle.schema; stepbundle.runtime's ``remote`` and
+``store`` when an argument is a URL or a digest.
 """
 
 from __future__ import annotations
@@ -33,6 +37,48 @@ def _check_writable_folder(folder: Path, what: str) -> None:
         raise OSError(f"{what}: cannot write into {str(folder)!r} ({e.strerror or e})") from None
 
 
+def _local(location: str) -> Path | None:
+    """The local path of a path or file:// URL; None for other URLs."""
+    if "://" not in location:
+        return Path(location)
+    from stepbundle.runtime.remote import local_path
+
+    return local_path(location)
+
+
+def _check_bundle(bundle: str) -> None:
+    if bundle.startswith("sha256:"):
+        from stepbundle.runtime.store import resolve_bundle
+        from stepbundle.schema.errors import BundleError
+
+        try:
+            resolve_bundle(bundle)  # a digest is only looked up: nothing is fetched
+        except BundleError as e:  # not a digest, or not in the store
+            raise ValueError(str(e)) from None
+        return
+    local = _local(bundle)
+    if local is None:
+        return  # a URL: read at load time, through the bundle store
+    try:
+        os.stat(local)
+    except OSError as e:
+        raise ValueError(f"cannot open the bundle {bundle!r}: {e.strerror}.") from None
+
+
+def _check_remote_folder(url: str, resume: str | None) -> None:
+    """A checkpoint folder at a URL: no earlier checkpoints unless resuming, writable."""
+    from stepbundle.runtime.remote import check_writable, join, list_names
+
+    earlier = list_names(url, "step-*.safetensors")
+    if earlier and not resume:
+        raise ValueError(
+            f"--checkpoint-dir {url!r} already holds checkpoints ({earlier[-1]} and "
+            f"{len(earlier) - 1} more); a new run would overwrite them. Continue with "
+            f"--resume {join(url, earlier[-1])}, or choose an empty folder."
+        )
+    check_writable(url)
+
+
 def check_outputs(args: argparse.Namespace) -> None:
     """Refuse, before anything is loaded, outputs that could not be written or that would
     overwrite an input or earlier checkpoints."""
@@ -40,10 +86,7 @@ def check_outputs(args: argparse.Namespace) -> None:
 
     from .sinks import check_sink_outputs
 
-    try:
-        os.stat(args.bundle)
-    except OSError as e:
-        raise ValueError(f"cannot open the bundle {args.bundle!r}: {e.strerror}.") from None
+    _check_bundle(args.bundle)
     check_sink_outputs(args.metrics_file, args.tensorboard)
     if args.checkpoint_every and not args.checkpoint_dir:
         raise ValueError(
@@ -67,10 +110,15 @@ def check_outputs(args: argparse.Namespace) -> None:
                 f"{', '.join(given) or 'the shuffling and last-batch options'} apply to a "
                 f"dataset folder, but --data {args.data!r} is an .npz."
             )
-    if args.save_state:
-        target = Path(args.save_state)
+    save_state = _local(args.save_state) if args.save_state else None
+    if args.save_state and save_state is None:
+        from stepbundle.runtime.remote import check_writable
+
+        check_writable(args.save_state.rpartition("/")[0])
+    if save_state is not None:
+        target = save_state
         for name, source in (("the bundle", args.bundle), ("--data", args.data)):
-            if _same_file(args.save_state, source):
+            if _same_file(str(target), source):
                 raise ValueError(
                     f"--save-state {args.save_state!r} is {name}; writing it would destroy an "
                     "input. Choose another file."
@@ -78,8 +126,10 @@ def check_outputs(args: argparse.Namespace) -> None:
         if target.is_dir():
             raise ValueError(f"--save-state {args.save_state!r} is a folder; give a file name.")
         _check_writable_folder(target.parent if str(target.parent) else Path("."), "--save-state")
-    if args.checkpoint_dir:
-        folder = Path(args.checkpoint_dir)
+    folder = _local(args.checkpoint_dir) if args.checkpoint_dir else None
+    if args.checkpoint_dir and folder is None:
+        _check_remote_folder(args.checkpoint_dir, args.resume)
+    if folder is not None:
         if folder.exists() and not folder.is_dir():
             raise ValueError(f"--checkpoint-dir {args.checkpoint_dir!r} is a file, not a folder.")
         earlier = sorted(folder.glob("step-*.safetensors")) if folder.is_dir() else []

@@ -13,7 +13,6 @@ import signal
 import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 from .common import EXIT_PIPE_CLOSED
@@ -281,18 +280,19 @@ def _run_train(
     args: argparse.Namespace, trainer: Any, batches: Any, steps: int, offset: int
 ) -> int:
     from stepbundle.runtime.errors import NonFiniteLossError
+    from stepbundle.runtime.remote import join
 
     from .report import Reporter
 
     start_step = trainer.step_count
-    ckpt_dir = Path(args.checkpoint_dir) if args.checkpoint_dir else None
+    ckpt_dir: str | None = args.checkpoint_dir or None  # a folder or a URL
     stdout = sys.stdout
     stopper = _Stopper()
     written: set[int] = set()  # steps whose checkpoint this run wrote
 
     def checkpoint(name: str | None = None) -> None:
         assert ckpt_dir is not None
-        path = ckpt_dir / (name or f"step-{trainer.step_count:08d}.safetensors")
+        path = join(ckpt_dir, name or f"step-{trainer.step_count:08d}.safetensors")
         reporter.flush()  # the logs hold every step the checkpoint holds
         trainer.save_checkpoint(path)
         written.add(trainer.step_count)
@@ -356,7 +356,7 @@ def _run_train(
         if ckpt_dir is not None and code != 3 and trainer.step_count not in written:
             checkpoint()  # every run into a checkpoint folder ends with its final state
             print(
-                f"[run] wrote checkpoint {ckpt_dir / f'step-{trainer.step_count:08d}.safetensors'}",
+                f"[run] wrote checkpoint {join(ckpt_dir, f'step-{trainer.step_count:08d}.safetensors')}",
                 file=sys.stderr,
             )
     if code == 0 and stopper.exit_code is not None:

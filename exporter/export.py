@@ -44,7 +44,7 @@ from . import xla
 from .bind import BoundProgram, bind
 from .dtypes import HYPERPARAMETER_DTYPE, spec_of, tensor_bytes
 from .errors import ExportError
-from .recipe import Recipe
+from .recipe import Recipe, checked_metadata
 from .trace import trace_eval, trace_train
 from .workspace import Workspace
 
@@ -273,6 +273,7 @@ def export(
             f"export() needs a stepbundle.exporter.Recipe, got {type(recipe).__name__}."
         )
     _refuse_spmd()
+    metadata = checked_metadata(recipe.metadata)
     # Read the RNG state before anything syncs: every sync advances it.
     saved_rng = xla.get_rng_state()
     base_seed = saved_rng if recipe.seed is None else int(recipe.seed)
@@ -371,6 +372,7 @@ def export(
         hyperparameters=hypers,
         rng=Rng(seed=base_seed) if uses_seed else None,
         sections=(),
+        metadata=metadata,
     )
     times["lower"] = time.perf_counter() - t2
     t3 = time.perf_counter()

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Recipe", "StepFn", "EvalFn"]
+__all__ = ["Recipe", "StepFn", "EvalFn", "checked_metadata"]
 
 StepFn = Callable[
     [torch.nn.Module, torch.optim.Optimizer, dict[str, torch.Tensor]], Mapping[str, Any]
@@ -41,6 +41,9 @@ class Recipe:
         named scalar inputs the runtime sets on every step instead of constants.
       seed: torch_xla RNG seed the first exported step receives. ``None`` takes the
         process's current torch_xla RNG state.
+      metadata: strings for the people and tools that handle the bundle, written into
+        its manifest and shown by ``stepbundle inspect``: by convention ``name``,
+        ``description`` and ``source_commit``, plus any labels (``{"team": "vision"}``).
     """
 
     model: torch.nn.Module
@@ -52,7 +55,28 @@ class Recipe:
     entries: Mapping[str, EvalFn] = field(default_factory=dict)
     hyperparameters: Sequence[str] = ()
     seed: int | None = None
+    metadata: Mapping[str, str] = field(default_factory=dict)
 
     def all_batches(self) -> list[Mapping[str, torch.Tensor]]:
         """The example batches, one per shape bucket, first bucket first."""
         return [self.example_batch, *self.example_batches]
+
+
+def checked_metadata(metadata: object) -> dict[str, str]:
+    """``Recipe.metadata`` as a plain dict, refused unless every key (non-empty) and every
+    value is a string."""
+    from .errors import ExportError
+
+    if not isinstance(metadata, Mapping):
+        raise ExportError(
+            f"Recipe.metadata must be a dict of strings, got {type(metadata).__name__}; "
+            'write e.g. metadata={"name": "resnet18", "source_commit": "3f2c1e0"}.'
+        )
+    for key, value in metadata.items():
+        if not isinstance(key, str) or not key or not isinstance(value, str):
+            raise ExportError(
+                f"Recipe.metadata[{key!r}] = {value!r}: every key must be a non-empty string "
+                f"and every value a string (got {type(key).__name__} -> "
+                f"{type(value).__name__}). Convert it, e.g. str(value)."
+            )
+    return dict(metadata)

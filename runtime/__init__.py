@@ -7,9 +7,11 @@ Modules: ``load.py`` (opening, compiling, placing), ``trainer.py`` (the hot path
 ``checkpointing.py`` (state access and checkpoint orchestration), ``load_info.py``, ``plan.py`` (compiled and refused shape buckets),
 ``hyper.py`` (hyperparameters and schedules), ``batches.py`` (batch refusals, data
 files), ``state.py`` (named state <-> device buffers), ``checkpoint.py`` (the checkpoint
-file format), ``dtypes.py`` (the dtype table), ``fallback.py`` (slower paths taken, and why).
+file format), ``dtypes.py`` (the dtype table), ``fallback.py`` (slower paths taken, and why),
+``store.py`` (bundles fetched from URLs, kept by digest), ``remote.py`` (URLs, via fsspec).
 
-Imports: numpy, jax/jaxlib, msgpack (through stepbundle.schema). Never torch.
+Imports: numpy, jax/jaxlib, msgpack (through stepbundle.schema), fsspec (for URLs).
+Never torch.
 """
 
 from __future__ import annotations

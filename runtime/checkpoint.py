@@ -14,12 +14,16 @@ written. Which state goes in and what a trainer does with it is ``Trainer``'s jo
 (``save_checkpoint``/``load_checkpoint``), the check of state against a bundle's state
 table is ``state.py``'s.
 
+A checkpoint at a URL other than ``file://`` (``remote.py``) is uploaded under a
+temporary name and moved into place, so a reader never sees part of one; it is read
+from a local copy in the system's temporary folder.
+
 Tensors are streamed to disk one by one; nothing joins the whole state in memory. The
 reader and writer are written here (the format is one page) so that bf16 state works
 without torch (``safetensors.numpy`` has no bf16); the reader accepts the layouts the
 safetensors library accepts and no others, and tests cross-check files with it.
 
-Imports: numpy, stepbundle.schema.
+Imports: numpy, stepbundle.schema, this package's ``remote`` (fsspec, for URLs).
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ import numpy as np
 from stepbundle.schema.atomic import atomic_write
 from stepbundle.schema.limits import MAX_DIM, MAX_RANK
 
+from . import remote
 from .dtypes import NUMPY_DTYPES, SAFETENSORS_CODES, from_numpy, from_safetensors
 from .errors import CheckpointError
 
@@ -267,12 +272,12 @@ def write_safetensors(
     """Write ``tensors`` as a safetensors file, atomically (temp, fsync, rename).
 
     The file gets the permissions ``open(path, "w")`` would give it (the umask's).
+    ``path`` may be a URL (``remote.write_object``: temporary object, then a move).
 
     Raises:
       CheckpointError: a tensor has a dtype checkpoints cannot hold (nothing written).
       OSError: the file could not be written; ``path`` is untouched.
     """
-    target = Path(path)
     header: dict[str, Any] = {}
     if metadata:
         header["__metadata__"] = dict(metadata)
@@ -304,11 +309,15 @@ def write_safetensors(
             if a.size:
                 f.write(a.reshape(-1).view(np.uint8).data)
 
+    target = remote.local_path(path)
+    if target is None:
+        remote.write_object(os.fspath(path), write)
+        return
     target.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(target, write)
 
 
-def _record(p: Path, name: str, rec: object) -> tuple[np.dtype[Any], tuple[int, ...], int, int]:
+def _record(p: str, name: str, rec: object) -> tuple[np.dtype[Any], tuple[int, ...], int, int]:
     """One tensor record of the header, checked: (dtype, shape, start, end).
 
     Sizes are Python integers: a hostile shape cannot overflow into a small count.
@@ -340,7 +349,7 @@ def _record(p: Path, name: str, rec: object) -> tuple[np.dtype[Any], tuple[int, 
 
 
 def _check_layout(
-    p: Path, records: Mapping[str, tuple[np.dtype[Any], tuple[int, ...], int, int]], data: int
+    p: str, records: Mapping[str, tuple[np.dtype[Any], tuple[int, ...], int, int]], data: int
 ) -> None:
     """The byte ranges tile the data exactly, as the safetensors library requires: in
     order of their offsets, each starts where the previous ended (the first at 0), each
@@ -371,11 +380,24 @@ def read_safetensors(
     """Read a safetensors file into numpy arrays (copies) and its metadata.
 
     Every size in the header is checked against the file before anything is allocated;
-    every way the file can be malformed raises ``CheckpointError``.
+    every way the file can be malformed raises ``CheckpointError``. ``path`` may be a
+    URL: it is read from a local copy.
     """
-    p = Path(path)
+    local = remote.local_path(path)
+    if local is None:
+        url = os.fspath(path)
+        try:
+            with remote.downloaded(url, suffix=".safetensors") as copy:
+                return _read_safetensors(copy, url)
+        except OSError as e:
+            raise CheckpointError(f"Cannot read checkpoint {url}: {e}.") from None
+    return _read_safetensors(local, str(local))
+
+
+def _read_safetensors(path: Path, p: str) -> tuple[dict[str, np.ndarray[Any, Any]], dict[str, str]]:
+    """``read_safetensors`` of the local file ``path``; messages name it ``p``."""
     try:
-        with open(p, "rb") as f:
+        with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
             if size < 8:
                 raise CheckpointError(f"{p} is too short to be a safetensors checkpoint.")

@@ -18,7 +18,7 @@ from typing import Any
 import stepbundle.schema as codec
 from stepbundle.schema.manifest import ConstantInput, Manifest, MetricOutput
 
-from . import _compat, packing
+from . import _compat, packing, remote
 from .dtypes import array_from_section
 from .errors import BindingError, PlatformError
 from .load_info import LoadInfo
@@ -26,6 +26,7 @@ from .plan import Plan, RefusedPlan, batch_text, build_plan, refused_plan
 from .program import compile_program, default_cache_dir
 from .sharding import Placement, zero1_split
 from .state import host_buffers
+from .store import resolve_bundle
 from .trainer import Trainer
 
 __all__ = ["load", "parse_device"]
@@ -158,11 +159,14 @@ def load(
     """Load a bundle and return a ``Trainer`` that owns its state on ``device``.
 
     Args:
-      path: the bundle file.
+      path: the bundle file, a URL (``https://``, ``file://``, and ``gs://``, ``s3://``, ...
+        with their fsspec backend installed), fetched once into the local bundle store
+        (``store.py``), or ``"sha256:<hex>"`` of a bundle in the store.
       device: platform name, optionally with an index: "cpu", "cuda", "cuda:1", "tpu".
       entry: entry point(s) to compile; None compiles every entry of the bundle.
       cache_dir: persistent compilation cache. True (default): ``$STEPBUNDLE_CACHE_DIR``
-        or ``~/.cache/stepbundle``; a path: that folder; False or None: no cache.
+        or ``~/.cache/stepbundle``; a path or URL: that folder (shared by every host
+        that can reach it); False or None: no cache.
       expect_digest: refuse any bundle whose digest ("sha256:...") differs.
       stop_on_nonfinite: compile without donation, check every step's metrics, and stop
         (``NonFiniteLossError``) before a step with a NaN or infinite metric replaces
@@ -188,7 +192,7 @@ def load(
     t0 = time.perf_counter()
     info = LoadInfo()
     platform, index = parse_device(device)
-    bundle = codec.open_bundle(path)
+    bundle = codec.open_bundle(resolve_bundle(path, expect_digest=expect_digest))
     try:
         if expect_digest is not None and bundle.digest != expect_digest:
             raise BindingError(
@@ -218,11 +222,11 @@ def load(
         run_devices = _select_devices(client, platform, device, devices)
         n = len(run_devices)
         if cache_dir is True:
-            cache: Path | None = default_cache_dir()
+            cache: Path | str | None = default_cache_dir()
         elif cache_dir is False or cache_dir is None:
             cache = None
         else:
-            cache = Path(cache_dir)
+            cache = remote.local_path(cache_dir) or os.fspath(cache_dir)
 
         # ---- programs
         t1 = time.perf_counter()

@@ -23,7 +23,7 @@ from stepbundle.schema.errors import SchemaValidationError
 from stepbundle.schema.manifest import Program, StateUpdateOutput
 from stepbundle.stablehlo import artifact as mlir
 
-from . import _compat, packing
+from . import _compat, packing, remote
 from .errors import PlatformError
 from .fallback import StepbundleFallbackWarning, warn_once
 from .sharding import AXIS, MESH, Placement
@@ -69,7 +69,7 @@ class CacheEvent:
 
     outcome: CacheOutcome
     reason: str
-    path: Path | None = None
+    path: Path | str | None = None  # a str for an entry at a URL
     write_error: str | None = None  # the entry could not be written (the run goes on)
 
 
@@ -136,7 +136,7 @@ def compile_program(
     *,
     where: str,
     donate: bool,
-    cache_dir: Path | None,
+    cache_dir: Path | str | None,
     layout: packing.Layout | None = None,
 ) -> CompiledProgram:
     """Check, re-attribute and compile ``program`` for ``devices``.
@@ -149,7 +149,8 @@ def compile_program(
       program: its manifest record.
       where: field path of the program, for error messages.
       donate: whether state inputs are donated to their updates.
-      cache_dir: persistent compile cache folder, or None to always compile.
+      cache_dir: persistent compile cache folder (a path, or a URL whose entries are
+        written by the job's process 0 only), or None to always compile.
       layout: how the trainer holds the state; with packs, the program is compiled
         behind a wrapper that takes and returns them, and the returned
         ``CompiledProgram.program`` describes the wrapper's arguments and results.
@@ -217,7 +218,11 @@ def compile_program(
     if cache_dir is None:
         exe = _compat.compile_program(client, bytecode, devices, options)
         return CompiledProgram(program, exe, donate, CacheEvent(CacheOutcome.OFF, "cache off"))
-    cache_file = cache_dir / f"{key.hexdigest()}.xla"
+    cache_file: Path | str = (
+        cache_dir / f"{key.hexdigest()}.xla"
+        if isinstance(cache_dir, Path)
+        else remote.join(cache_dir, f"{key.hexdigest()}.xla")
+    )
     payload, why = read_cache_entry(cache_file, key.digest())
     if payload is not None:
         try:
@@ -239,6 +244,9 @@ def compile_program(
         )
     exe = _compat.compile_program(client, bytecode, devices, options)
     write_error = None
+    if isinstance(cache_file, str) and not placement.writes_files:
+        # A shared cache at a URL gets one writer per job, not one per host.
+        return CompiledProgram(program, exe, donate, CacheEvent(CacheOutcome.MISS, why, cache_file))
     try:
         write_cache_entry(cache_file, key.digest(), _compat.serialize_executable(client, exe))
     except (OSError, _compat.JaxRuntimeError) as e:
@@ -273,7 +281,7 @@ def _xla_flags() -> bytes:
     return "\n".join(parts).encode()
 
 
-def read_cache_entry(path: Path, key: bytes) -> tuple[bytes | None, str]:
+def read_cache_entry(path: Path | str, key: bytes) -> tuple[bytes | None, str]:
     """The payload of a cache entry if it is intact and is the entry for ``key``.
 
     Returns ``(None, reason)`` otherwise: no entry, unreadable, not an entry, written for
@@ -288,7 +296,7 @@ def read_cache_entry(path: Path, key: bytes) -> tuple[bytes | None, str]:
     forged entry does).
     """
     try:
-        data = path.read_bytes()
+        data = path.read_bytes() if isinstance(path, Path) else remote.read_object(path)
     except FileNotFoundError:
         return None, _NO_ENTRY
     except OSError as e:
@@ -305,7 +313,15 @@ def read_cache_entry(path: Path, key: bytes) -> tuple[bytes | None, str]:
     return payload, "verified entry"
 
 
-def write_cache_entry(path: Path, key: bytes, payload: bytes) -> None:
-    """Write a cache entry atomically: header (magic, key, payload digest), then payload."""
+def write_cache_entry(path: Path | str, key: bytes, payload: bytes) -> None:
+    """Write a cache entry atomically: header (magic, key, payload digest), then payload.
+
+    At a URL, the entry is uploaded under a temporary name and moved into place
+    (``remote.write_object``): no reader sees part of an entry.
+    """
+    chunks = [_ENTRY_MAGIC, key, hashlib.sha256(payload).digest(), payload]
+    if isinstance(path, str):
+        remote.write_object(path, chunks)
+        return
     path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(path, [_ENTRY_MAGIC, key, hashlib.sha256(payload).digest(), payload])
+    atomic_write(path, chunks)

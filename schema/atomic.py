@@ -40,7 +40,11 @@ _FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
 
 
 def atomic_write(
-    path: str | os.PathLike[str], content: WriteFn | Chunks, *, mode: int | None = None
+    path: str | os.PathLike[str],
+    content: WriteFn | Chunks,
+    *,
+    mode: int | None = None,
+    check: Callable[[str], object] | None = None,
 ) -> None:
     """Replace ``path`` with new content, atomically and durably.
 
@@ -50,6 +54,9 @@ def atomic_write(
         flush or close it), or an iterable of byte chunks (``bytes`` is not accepted as a
         chunk iterable: pass ``[data]``).
       mode: permission bits of the new file; ``None`` gives ``0o666`` less the umask.
+      check: called with the temporary file's path once it is complete and on disk, just
+        before the rename; whatever it raises stops the write (the content is refused:
+        nothing is renamed, the temporary file is removed).
 
     Raises:
       OSError: the file could not be written; ``path`` is untouched.
@@ -83,6 +90,8 @@ def atomic_write(
                     f.write(chunk)
             f.flush()
             os.fsync(f.fileno())
+        if check is not None:
+            check(temp)
         os.replace(temp, target)
     except BaseException:
         with contextlib.suppress(OSError):

@@ -230,6 +230,10 @@ class Manifest:
       sections: every section of the file, in file order.
       required_features: features a reader must understand to use this bundle
         correctly; a reader refuses a bundle naming a feature it does not know.
+      metadata: free text for the people and tools that handle the bundle
+        (``Recipe(metadata=...)``): by convention ``name``, ``description`` and
+        ``source_commit``, plus any labels. Informational: readers never branch on it.
+        (Format 1.1.)
     """
 
     producer: Producer
@@ -239,6 +243,7 @@ class Manifest:
     rng: Rng | None
     sections: tuple[Section, ...]
     required_features: tuple[str, ...] = field(default=())
+    metadata: Mapping[str, str] = field(default_factory=dict)
 
     def state_entry(self, name: str) -> StateEntry:
         """The state entry called ``name`` (its primary name). KeyError if absent."""

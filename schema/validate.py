@@ -68,6 +68,8 @@ def validate(manifest: Manifest, file_size: int, *, manifest_length: int | None 
     if manifest.rng is not None and not 0 <= manifest.rng.seed < 2**64:
         raise fail("rng.seed", f"the seed {manifest.rng.seed} is not in [0, 2**64).")
     _check_required_features(manifest.required_features)
+    for key in manifest.metadata:
+        check_nonempty(key, "metadata", "a metadata key")
     # Built once, not per program: a hostile manifest with many programs and many state
     # entries must cost their sum, not their product.
     tables = Tables(

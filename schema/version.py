@@ -30,7 +30,8 @@ __all__ = [
 # Changelog of the format version (bump the minor for additions old readers may ignore,
 # the major for anything else; `python -m stepbundle.schema.describe` says which):
 # 2026-11-30: 1.0, first version
-FORMAT_VERSION: tuple[int, int] = (1, 0)
+# 2026-12-02: 1.1, Manifest.metadata (a map of strings for people and tools; default {})
+FORMAT_VERSION: tuple[int, int] = (1, 1)
 
 # Features this reader understands. A writer lists in ``Manifest.required_features`` every
 # feature a reader must understand to use the bundle correctly; a reader refuses a bundle

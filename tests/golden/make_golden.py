@@ -37,6 +37,7 @@ from support import make_batches, save_batches, to_numpy, train_eager_xla  # noq
 
 from stepbundle.exporter import export  # noqa: E402
 from stepbundle.runtime.schedule import parse_schedule  # noqa: E402
+from stepbundle.schema import open_bundle  # noqa: E402
 from stepbundle.schema.version import FORMAT_VERSION  # noqa: E402
 
 
@@ -75,7 +76,13 @@ def make_all(out: Path) -> None:
         schedule = parse_schedule(run["schedule"]) if run["schedule"] else None
         ref = train_eager_xla(fn, batches, run["steps"], seed=recipe.seed, schedule=schedule)
         out_arrays = {f"metric/{k}": ref.series(k) for k in ref.metrics[0]}
-        out_arrays.update({f"state/{k}": v for k, v in ref.state.items()})
+        # A gradient the step throws away (zero_grad() sets it to None before use) is
+        # not state of the bundle, though eager torch_xla still holds it after a step.
+        with open_bundle(out / f"{name}.stepbundle") as bundle:
+            held = {s.name for s in bundle.manifest.state}
+        out_arrays.update(
+            {f"state/{k}": v for k, v in ref.state.items() if k in held or not k.endswith(".grad")}
+        )
         if recipe.eval_step is not None:
             # Expected eval outputs on the initial state, for the eval entry.
             r = fn()

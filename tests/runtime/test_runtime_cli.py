@@ -140,7 +140,7 @@ def test_run_refuses_bad_input_clearly(tmp_path: Path) -> None:
 
 def test_inspect_and_verify(tmp_path: Path) -> None:
     bundle = golden_bundle("linear_adamw")
-    text = cli("inspect", str(bundle))
+    text = cli("inspect", str(bundle), "--full")
     assert text.returncode == 0, text.stderr
     for needle in (
         "entry 'train'",

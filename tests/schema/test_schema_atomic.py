@@ -127,3 +127,21 @@ def test_the_folder_must_exist(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError):
         atomic_write(tmp_path / "missing" / "f.bin", [b"x"])
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_check_sees_the_finished_file_and_can_refuse_it(tmp_path: Path) -> None:
+    target = tmp_path / "f.bin"
+    target.write_bytes(b"old")
+    seen: list[bytes] = []
+
+    def refuse(temp: str) -> None:
+        seen.append(Path(temp).read_bytes())
+        raise ValueError("not good enough")
+
+    with pytest.raises(ValueError, match="not good enough"):
+        atomic_write(target, [b"new ", b"content"], check=refuse)
+    assert seen == [b"new content"]  # complete, before the rename
+    assert target.read_bytes() == b"old"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f.bin"]  # temp removed
+    atomic_write(target, [b"new"], check=lambda temp: seen.append(Path(temp).read_bytes()))
+    assert target.read_bytes() == b"new" and seen[-1] == b"new"

@@ -97,11 +97,11 @@ def test_bad_magic(tiny: Path, tmp_path: Path) -> None:
 def test_newer_major_is_refused(tiny: Path, tmp_path: Path) -> None:
     data = bytearray(tiny.read_bytes())
     data[8:10] = struct.pack("<H", 2)
-    with pytest.raises(UnsupportedVersionError, match="format version 2.0") as info:
+    with pytest.raises(UnsupportedVersionError, match="format version 2.1") as info:
         open_bundle(_rewrite(tmp_path, bytes(data)))
     assert "Upgrade stepbundle" in str(info.value)
     assert "1.0" in str(info.value)
-    assert info.value.found == (2, 0)
+    assert info.value.found == (2, 1)
 
 
 def test_older_major_is_refused(tiny: Path, tmp_path: Path) -> None:
@@ -237,9 +237,9 @@ def test_manifest_with_an_extension_type(tiny: Path, tmp_path: Path, value: Any)
 
 def test_manifest_with_duplicate_keys(tiny: Path, tmp_path: Path) -> None:
     body = pack(wire_of(tiny_manifest()))
-    assert body[0] == 0x87
-    # Append a second "rng" key to the top-level map (7 -> 8 entries).
-    duplicate = b"\x88" + body[1:] + pack("rng") + pack(None)
+    assert body[0] == 0x88
+    # Append a second "rng" key to the top-level map (8 -> 9 entries).
+    duplicate = b"\x89" + body[1:] + pack("rng") + pack(None)
     path = _rewrite(tmp_path, raw_bundle(duplicate, data_area(tiny.read_bytes())))
     with pytest.raises(BundleFormatError, match="key 'rng' twice"):
         open_bundle(path)

@@ -1,7 +1,7 @@
 """Byte-exact pin of the format: one small bundle, written deterministically.
 
 The expected digests below were computed once from the writer and are hard-coded on
-purpose. They pin format 1.0: if this test fails, the bytes a writer produces changed, and
+purpose. They pin format 1.1 (1.0 plus the manifest's empty `metadata` map): if this test fails, the bytes a writer produces changed, and
 old readers may no longer read new bundles (or the reverse). Do not update the constants
 unless the change is a deliberate, versioned format change (see schema/version.py).
 """
@@ -16,9 +16,9 @@ from schema_helpers import PROGRAM_BYTES, WEIGHT_BYTES, write_tiny
 
 from stepbundle.schema import open_bundle
 
-EXPECTED_FILE_SHA256 = "53f08c20c0ee7dde044d18153d43a3ccba6021caff48890999664b04bcac803f"
-EXPECTED_BUNDLE_DIGEST = "sha256:de2ce62d0710cf53cf0ae23acb63b62277d5d1b84fedae4c1d2b8c165f5adcd8"
-EXPECTED_MANIFEST_LENGTH = 984
+EXPECTED_FILE_SHA256 = "8769e54de2fd0fc7c2b9fe86c0b2327c3c677b632eaa63a7a6c8ffc878e6d067"
+EXPECTED_BUNDLE_DIGEST = "sha256:de28cb274b09eae2fffcf08535fef59c8f320ef963d8321fc1fe83e9b765cfe7"
+EXPECTED_MANIFEST_LENGTH = 994
 
 
 def test_tiny_bundle_bytes_are_pinned(tmp_path: Path) -> None:
@@ -31,7 +31,7 @@ def test_tiny_bundle_bytes_are_pinned(tmp_path: Path) -> None:
     # The header, field by field.
     assert data[0:8] == b"\x89SBNDL\r\n"
     assert data[8:10] == b"\x01\x00"  # major 1, little-endian u16
-    assert data[10:12] == b"\x00\x00"  # minor 0
+    assert data[10:12] == b"\x01\x00"  # minor 1
     assert data[12:16] == bytes(4)  # reserved
     (manifest_length,) = struct.unpack("<Q", data[16:24])
     assert manifest_length == EXPECTED_MANIFEST_LENGTH
@@ -40,7 +40,7 @@ def test_tiny_bundle_bytes_are_pinned(tmp_path: Path) -> None:
     assert data[56:64] == bytes(8)
 
     # Padding to the data area, then the two sections at offsets 0 and 64.
-    data_start = 1088  # align64(64 + 984)
+    data_start = 1088  # align64(64 + 994)
     assert data[64 + manifest_length : data_start] == bytes(data_start - 64 - manifest_length)
     assert data[data_start : data_start + len(PROGRAM_BYTES)] == PROGRAM_BYTES
     assert data[data_start + len(PROGRAM_BYTES) : data_start + 64] == bytes(64 - len(PROGRAM_BYTES))
@@ -48,7 +48,7 @@ def test_tiny_bundle_bytes_are_pinned(tmp_path: Path) -> None:
     assert len(data) == data_start + 64 + len(WEIGHT_BYTES)
 
     # The manifest starts as a map whose first key is "producer" (field order).
-    assert manifest_bytes[0] == 0x87  # fixmap of 7 entries
+    assert manifest_bytes[0] == 0x88  # fixmap of 8 entries
     assert manifest_bytes[1:10] == b"\xa8producer"
 
 
@@ -60,5 +60,5 @@ def test_tiny_bundle_digest_is_pinned(tmp_path: Path) -> None:
         assert bundle.digest == EXPECTED_BUNDLE_DIGEST
         length = EXPECTED_MANIFEST_LENGTH
         assert bundle.digest == "sha256:" + hashlib.sha256(data[: 64 + length]).hexdigest()
-        assert bundle.version == (1, 0)
+        assert bundle.version == (1, 1)
         assert bundle.file_size == len(data)

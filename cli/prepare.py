@@ -1,0 +1,147 @@
+"""``stepbundle pull`` and ``stepbundle compile``: get a job's artifacts ready before it runs.
+
+``pull URL`` puts a bundle into the local bundle store (``runtime/store.py``), so that
+``run sha256:<digest>`` (or ``run URL --expect-digest ...``) starts without a download.
+``compile BUNDLE --cache-dir DIR-or-URL`` compiles every program a ``run`` with the same
+options would compile and writes them into that compile cache: the hosts of a job that
+share the cache then load executables instead of compiling each its own. The options
+that change what is compiled (device, devices, packing, ZeRO-1, non-finite stopping)
+must be the run's, since they are part of every entry's key.
+
+Imports: the runtime (lazily), the standard library.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+from . import args as types
+from .common import die
+
+__all__ = ["add_compile", "add_pull", "cmd_compile", "cmd_pull"]
+
+
+def add_pull(sub: Any) -> None:
+    """``stepbundle pull``."""
+    p = sub.add_parser(
+        "pull",
+        help="fetch a bundle from a URL into the local store (run it as sha256:<digest>)",
+        description="Fetch a bundle once into the local content-addressed store "
+        "($STEPBUNDLE_CACHE_DIR/bundles, default ~/.cache/stepbundle/bundles), verifying "
+        "every section first; prints its digest and path.",
+    )
+    p.add_argument("source", help="URL (https://, gs://, s3://, file://) or path of the bundle")
+    p.add_argument(
+        "--expect-digest",
+        type=types.digest,
+        metavar="sha256:...",
+        help="refuse any other bundle, after reading only its header and manifest",
+    )
+    p.set_defaults(fn=cmd_pull)
+
+
+def cmd_pull(args: argparse.Namespace) -> int:
+    from stepbundle.runtime.store import pull
+    from stepbundle.schema.errors import BundleError
+
+    t0 = time.perf_counter()
+    try:
+        got = pull(args.source, expect_digest=args.expect_digest)
+    except BundleError as e:
+        return die(str(e), 1)
+    except OSError as e:  # a local source that cannot be read
+        return die(f"cannot read {args.source!r}: {e.strerror or e}.", 2)
+    print(f"{got.digest}  {got.path}")
+    if got.fetched:
+        seconds = time.perf_counter() - t0
+        print(f"[pull] fetched {got.bytes_read} bytes in {seconds:.2f}s", file=sys.stderr)
+    else:
+        print("[pull] already in the store; nothing fetched", file=sys.stderr)
+    return 0
+
+
+def add_compile(sub: Any, add_device_options: Callable[[Any], None]) -> None:
+    """``stepbundle compile``."""
+    c = sub.add_parser(
+        "compile",
+        help="compile a bundle's programs into a (shared) compile cache ahead of a run",
+        description="Compile every program `stepbundle run` would compile with the same "
+        "options, and write each into --cache-dir (a folder or URL shared by the job's "
+        "hosts). Runs on the kind of device the job uses.",
+    )
+    c.add_argument("bundle", help="the bundle: a file, a URL or sha256:<digest>")
+    c.add_argument(
+        "--entry",
+        action="append",
+        metavar="NAME",
+        help="compile only this entry (repeatable; default: every entry, as `run` does)",
+    )
+    same = "as for run: it is part of every entry's key"
+    c.add_argument("--expect-digest", type=types.digest, metavar="sha256:...")
+    c.add_argument("--devices", type=types.devices, default=1, metavar="N|all", help=same)
+    c.add_argument("--shard-optimizer-state", action="store_true", help=same)
+    c.add_argument("--stop-on-nonfinite", action="store_true", help=same)
+    c.add_argument("--pack-state", type=types.at_least(0), default=65536, metavar="N", help=same)
+    job = "as for run, to compile for a multi-process job's devices"
+    c.add_argument("--coordinator", metavar="HOST:PORT", help=job)
+    c.add_argument("--num-processes", type=types.at_least(1), metavar="P", help=job)
+    c.add_argument("--process-id", type=types.at_least(0), metavar="I", help=job)
+    c.add_argument("--distributed", action="store_true", help=job)
+    add_device_options(c)
+    c.set_defaults(fn=cmd_compile)
+
+
+def cmd_compile(args: argparse.Namespace) -> int:
+    from stepbundle.runtime import load
+    from stepbundle.runtime.program import CacheOutcome
+    from stepbundle.schema.errors import BundleError
+
+    from .run import _join_job
+
+    if args.no_cache:
+        return die("compile writes into the compile cache; drop --no-cache.", 2)
+    try:
+        _join_job(args)
+    except ValueError as e:
+        return die(str(e), 2)
+    except BundleError as e:
+        return die(str(e), 1)
+    t0 = time.perf_counter()
+    try:
+        trainer = load(
+            args.bundle,
+            device=args.device,
+            entry=args.entry,
+            cache_dir=args.cache_dir or True,
+            expect_digest=args.expect_digest,
+            stop_on_nonfinite=args.stop_on_nonfinite,
+            devices=args.devices,
+            pack_state=args.pack_state,
+            shard_optimizer_state=args.shard_optimizer_state,
+        )
+    except (BundleError, ValueError) as e:
+        return die(str(e), 1)
+    info = trainer.load_info
+    failed = 0
+    writer = trainer.placement.writes_files
+    for name, event in info.cache.items():
+        if event.outcome is CacheOutcome.HIT:
+            what = "in the cache already"
+        elif event.write_error is not None:
+            failed += 1
+            what = f"compiled, but NOT written: {event.write_error}"
+        else:
+            what = "compiled and written" if writer else "compiled"
+        if writer:
+            print(f"{name:16s} {what}  {event.path}")
+    if writer:
+        print(
+            f"[compile] {info.compiled} compiled, {info.cache_hits} already cached, in "
+            f"{time.perf_counter() - t0:.2f}s",
+            file=sys.stderr,
+        )
+    return 1 if failed else 0

@@ -1,0 +1,313 @@
+"""Locations that may be URLs: where bundles, checkpoints and compiled programs are kept.
+
+A location is a local path or a URL. Local paths and ``file://`` URLs become local paths
+(``local_path``), and the callers' local code runs on them unchanged (``atomic_write``
+with its fsyncs, memory maps). Every other URL goes through fsspec, the Python data
+ecosystem's file-system layer: the base install reads ``https://`` (fsspec's HTTP
+backend, on aiohttp), and ``gs://``, ``s3://``, ``az://``, ... work once the user has
+installed fsspec's backend for them (gcsfs, s3fs, adlfs); a missing one is a
+``BackendMissingError`` that names the package.
+
+Writes are atomic for the reader (``write_object``): the content goes to a temporary
+object beside the target, which is then moved onto the target's name. On an object
+store a move is a server-side copy that makes the whole object visible at once, and on
+file systems reached through fsspec it is a rename, so a reader never sees a partial
+upload under the final name, whatever the backend promises about a plain write.
+
+Every failure of a backend (aiohttp's, botocore's, google-auth's and OSError among
+them: each backend raises its own types) becomes a ``RemoteError`` naming the URL and
+the cause; a missing object stays ``FileNotFoundError``, which callers treat as "none
+there". ``RemoteError`` is an ``OSError`` as well as a ``BundleError``, so code that
+handles a failed local write (a checkpoint, a compile-cache entry) handles a failed
+upload the same way.
+
+Imports: the standard library, stepbundle.schema, fsspec (lazily, when a URL is used).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import socket
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from stepbundle.schema.atomic import Chunks, WriteFn
+from stepbundle.schema.errors import BundleError
+
+__all__ = [
+    "BackendMissingError",
+    "RemoteError",
+    "SequentialReader",
+    "downloaded",
+    "filesystem",
+    "is_url",
+    "join",
+    "list_names",
+    "local_path",
+    "read_object",
+    "reading",
+    "check_writable",
+    "write_object",
+]
+
+CHUNK = 8 << 20
+"""Bytes per read of a download (one ranged request each on HTTP and object stores)."""
+
+
+class RemoteError(BundleError, OSError):
+    """A URL could not be read or written: the server, the network, the credentials, or
+    a backend failed. The message names the URL and the cause; ``filename`` is the URL,
+    ``cause`` the backend's error (``"ClientPayloadError: ..."``) when there was one."""
+
+    def __init__(self, message: str, url: str, cause: str | None = None) -> None:
+        super().__init__(message)
+        self.filename = url
+        self.strerror = message
+        self.cause = cause
+
+    def __str__(self) -> str:  # OSError's would prefix "[Errno None]" and append the URL
+        return str(self.args[0])
+
+
+class BackendMissingError(RemoteError):
+    """The URL's scheme needs an fsspec backend that is not installed (gcsfs for gs://...)."""
+
+
+def is_url(location: str | os.PathLike[str]) -> bool:
+    """Whether ``location`` is a URL (``scheme://...``, or fsspec's chained ``a::b://``)."""
+    return not isinstance(location, os.PathLike) and "://" in location
+
+
+def local_path(location: str | os.PathLike[str]) -> Path | None:
+    """The local path of a path or ``file://`` URL; None for every other URL."""
+    if not is_url(location):
+        return Path(location)
+    text = os.fspath(location)
+    if text.startswith("file://") and "::" not in text:
+        fs, path = filesystem(text)
+        return Path(path)
+    return None
+
+
+def join(location: str, name: str) -> str:
+    """``name`` inside the folder ``location`` (a path or a URL)."""
+    if is_url(location):
+        return location.rstrip("/") + "/" + name
+    return os.path.join(location, name)
+
+
+def filesystem(url: str) -> tuple[Any, str]:
+    """fsspec's file system for ``url`` and the path within it.
+
+    Raises:
+      BackendMissingError: fsspec, or the backend for the URL's scheme, is not installed.
+      RemoteError: fsspec knows no such scheme.
+    """
+    scheme = url.split("://", 1)[0]
+    try:
+        import fsspec
+    except ImportError:  # pragma: no cover - fsspec is a base dependency
+        raise BackendMissingError(
+            f"Reading {url!r} needs fsspec, which is not installed: pip install fsspec.", url
+        ) from None
+    try:
+        fs, path = fsspec.core.url_to_fs(url)
+        return fs, str(path)
+    except ImportError as e:
+        from fsspec.registry import known_implementations
+
+        known = known_implementations.get(scheme.split("::")[-1], {})
+        package = str(known.get("class", "")).split(".")[0] or f"an fsspec backend for {scheme}"
+        raise BackendMissingError(
+            f"{url!r} needs fsspec's {scheme}:// backend, which is not installed ({e}). "
+            f"Install it where stepbundle runs (pip install {package}), or copy the file "
+            "somewhere the base install reads: a local path, file:// or https://.",
+            url,
+        ) from None
+    except ValueError as e:
+        raise RemoteError(
+            f"{url!r} has a scheme fsspec does not know ({e}). Use a local path, file://, "
+            "https://, or the URL of an installed fsspec backend (gs://, s3://, ...).",
+            url,
+        ) from None
+
+
+@contextlib.contextmanager
+def failures(url: str, doing: str) -> Iterator[None]:
+    """Turn a backend's failure while ``doing`` something with ``url`` into RemoteError.
+
+    ``FileNotFoundError`` and stepbundle's own errors pass through. Everything else is
+    caught because every backend raises its own types (aiohttp.ClientError,
+    botocore's, google's, OSError, ValueError for a server without range requests).
+    """
+    try:
+        yield
+    except (FileNotFoundError, BundleError):
+        raise
+    except Exception as e:
+        cause = f"{type(e).__name__}: {e}"
+        raise RemoteError(f"Could not {doing} {url!r}: {cause}", url, cause) from None
+
+
+def read_object(url: str) -> bytes:
+    """The whole object at ``url`` (small objects: compile-cache entries).
+
+    Raises:
+      FileNotFoundError: there is no object at ``url``.
+      RemoteError: it could not be read.
+    """
+    fs, path = filesystem(url)
+    with failures(url, "read"):
+        data = fs.cat_file(path)
+    return bytes(data)
+
+
+class SequentialReader:
+    """An object read front to back, each ``read(n)`` one ranged request for ``n`` bytes
+    (no read-ahead: a download that stops after the header fetches no more).
+
+    An HTTP server that ignores range requests (Python's ``http.server``, some static
+    servers) answers the first read from the start of the object, and fsspec refuses
+    the next one with a ``ValueError``; the reader then switches to one streamed
+    request and skips to where it was. Such a server sends the object from its start,
+    so a refusal after the header and manifest stops a transfer already under way.
+    """
+
+    def __init__(self, fs: Any, path: str) -> None:
+        self._fs, self._path = fs, path
+        self._f = fs.open(path, "rb", block_size=CHUNK, cache_type="none")
+        self._pos = 0
+        self._streaming = False
+
+    def read(self, n: int) -> bytes:
+        try:
+            data = bytes(self._f.read(n))
+        except ValueError:
+            if self._streaming or "http" not in self._fs.protocol:
+                raise
+            self._stream()
+            data = bytes(self._f.read(n))
+        self._pos += len(data)
+        return data
+
+    def _stream(self) -> None:
+        with contextlib.suppress(Exception):
+            self._f.close()
+        self._f = self._fs.open(self._path, "rb", block_size=0)
+        self._streaming = True
+        left = self._pos
+        while left:
+            skipped = len(self._f.read(min(left, CHUNK)))
+            if not skipped:
+                break
+            left -= skipped
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self._f.close()
+
+
+@contextlib.contextmanager
+def reading(url: str) -> Iterator[SequentialReader]:
+    """``url`` opened for reading front to back (``SequentialReader``).
+
+    Reads raise the backend's own errors; wrap them in ``failures``.
+    """
+    fs, path = filesystem(url)
+    with failures(url, "open"):
+        f = SequentialReader(fs, path)
+    try:
+        yield f
+    finally:
+        f.close()
+
+
+def _temp_name(path: str) -> str:
+    parent, _, name = path.rpartition("/")
+    temp = f".{name}.tmp-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
+    return f"{parent}/{temp}" if parent else temp
+
+
+def write_object(url: str, content: WriteFn | Chunks) -> None:
+    """Write the object at ``url`` so that readers see the old object or the whole new one.
+
+    The content goes to a temporary object in the same folder, which is then moved onto
+    ``url``; on any failure the temporary object is removed and ``url`` is untouched.
+
+    Raises:
+      RemoteError: the object could not be written (or the scheme cannot write).
+      Whatever ``content`` raises.
+    """
+    fs, path = filesystem(url)
+    temp = _temp_name(path)
+    try:
+        with failures(url, "write"):
+            try:
+                f = fs.open(temp, "wb")
+            except FileNotFoundError:
+                # A file system with real folders (sftp, a share): make them. Object
+                # stores never get here, so no bucket is ever created by accident.
+                fs.makedirs(path.rpartition("/")[0], exist_ok=True)
+                f = fs.open(temp, "wb")
+        with failures(url, "write"), f:
+            if callable(content):
+                content(f)
+            else:
+                for chunk in content:
+                    f.write(chunk)
+        with failures(url, "move the finished upload onto"):
+            fs.mv(temp, path)
+    except BaseException:
+        with contextlib.suppress(Exception):
+            fs.rm_file(temp)
+        raise
+
+
+@contextlib.contextmanager
+def downloaded(url: str, suffix: str = "") -> Iterator[Path]:
+    """A local copy of the object at ``url`` in the system's temporary folder (``$TMPDIR``),
+    removed afterwards: for readers that need a local file (memory maps).
+
+    Raises:
+      FileNotFoundError: there is no object at ``url``.
+      RemoteError: it could not be read.
+    """
+    fd, name = tempfile.mkstemp(prefix=".stepbundle-download-", suffix=suffix)
+    try:
+        with os.fdopen(fd, "wb") as out, reading(url) as f:
+            while True:
+                with failures(url, "download"):
+                    chunk = f.read(CHUNK)
+                if not chunk:
+                    break
+                out.write(chunk)
+        yield Path(name)
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(name)
+
+
+def list_names(url: str, pattern: str) -> list[str]:
+    """Names of the objects in the folder ``url`` that match the glob ``pattern``, sorted."""
+    fs, path = filesystem(url)
+    with failures(url, "list"):
+        found = fs.glob(path.rstrip("/") + "/" + pattern)
+    return sorted(str(p).rstrip("/").rpartition("/")[2] for p in found)
+
+
+def check_writable(url: str) -> None:
+    """Prove that objects can be written into the folder ``url`` (credentials, scheme)
+    by writing and removing a small one, before a run spends hours to find out.
+
+    Raises:
+      RemoteError: nothing can be written there.
+    """
+    probe = join(url, f".stepbundle-probe-{socket.gethostname()}-{os.getpid()}")
+    write_object(probe, [b"stepbundle write probe\n"])
+    fs, path = filesystem(probe)
+    with failures(probe, "remove the write probe"):
+        fs.rm_file(path)

@@ -1,0 +1,286 @@
+"""The local bundle store: bundles fetched from URLs, kept under their digest.
+
+``load(URL)``, ``stepbundle run URL`` and ``stepbundle pull URL`` fetch a bundle once into
+``<cache>/bundles/sha256-<hex>.stepbundle`` (``<cache>`` is ``$STEPBUNDLE_CACHE_DIR``,
+else ``~/.cache/stepbundle``), and ``load("sha256:<hex>")`` runs it from there. A file
+enters the store only whole and verified, through ``atomic_write``: every section's
+SHA-256 and all padding are checked on the finished temporary file before it is renamed
+to its digest's name, so a truncated or damaged download never enters it. A bundle in
+the store is never fetched again: with a pinned digest the store answers without any
+request; without one, the header and manifest (two small ranged reads) name the digest.
+
+A pinned digest (``expect_digest``) is compared with the header and manifest before the
+body is requested: another bundle is refused after ``64 + manifest length`` bytes.
+
+The bundle digest covers the header and the manifest, which holds every section's
+SHA-256; so a store entry whose name matches its digest and whose sections were all
+checked once is exactly the bundle the digest names.
+
+Imports: the standard library, stepbundle.schema, this package's ``remote`` and
+``program`` (for the cache folder).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO, Protocol
+
+from stepbundle.schema.atomic import atomic_write
+from stepbundle.schema.errors import BundleFormatError, IntegrityError
+from stepbundle.schema.layout import HEADER_SIZE, MAGIC, align, unpack_header
+from stepbundle.schema.limits import MAX_MANIFEST_BYTES
+from stepbundle.schema.reader import open_bundle
+from stepbundle.schema.version import check_major, check_version
+from stepbundle.schema.wire import decode_manifest
+
+from . import remote
+from .errors import BindingError
+from .program import default_cache_dir
+
+__all__ = [
+    "DigestMismatchError",
+    "DownloadError",
+    "NotInStoreError",
+    "Pulled",
+    "is_digest",
+    "pull",
+    "resolve_bundle",
+    "store_dir",
+    "stored_path",
+]
+
+_DIGEST = re.compile(r"sha256:[0-9a-f]{64}\Z")
+
+
+class DigestMismatchError(BindingError):
+    """The bundle at a location is not the one its pinned digest names."""
+
+
+class NotInStoreError(BindingError):
+    """``sha256:<digest>`` names a bundle the local store does not hold."""
+
+
+class DownloadError(remote.RemoteError):
+    """A download stopped part way (the server went away, the connection broke)."""
+
+
+@dataclass(frozen=True)
+class Pulled:
+    """A bundle in the store.
+
+    Attributes:
+      path: its file in the store.
+      digest: its digest, ``sha256:<hex>``.
+      fetched: whether this call downloaded it (False: it was in the store already).
+      bytes_read: bytes this call read from the source (0 when the pinned digest was
+        in the store; the header and manifest when only those were needed).
+    """
+
+    path: Path
+    digest: str
+    fetched: bool
+    bytes_read: int
+
+
+def is_digest(text: str | os.PathLike[str]) -> bool:
+    """Whether ``text`` is a bundle reference ``sha256:<64 lowercase hex>``."""
+    return isinstance(text, str) and _DIGEST.match(text) is not None
+
+
+def store_dir() -> Path:
+    """The store's folder: ``<compile cache folder>/bundles``."""
+    return default_cache_dir() / "bundles"
+
+
+def stored_path(digest: str, store: Path | None = None) -> Path:
+    """Where the bundle with ``digest`` lives in the store (it may not be there)."""
+    if not is_digest(digest):
+        raise BindingError(
+            f"{digest!r} is not a bundle digest; expected sha256:<64 lowercase hex digits> "
+            "(as `stepbundle inspect` prints)."
+        )
+    return (store or store_dir()) / f"sha256-{digest.removeprefix('sha256:')}.stepbundle"
+
+
+def resolve_bundle(
+    source: str | os.PathLike[str],
+    *,
+    expect_digest: str | None = None,
+    store: Path | None = None,
+) -> Path:
+    """The local file of a bundle given as a path, a URL or ``sha256:<digest>``.
+
+    A path (or ``file://`` URL) is returned as it is. A digest is looked up in the store.
+    Any other URL is pulled into the store (nothing is fetched when ``expect_digest`` is
+    already there).
+
+    Raises:
+      NotInStoreError: a digest the store does not hold.
+      DigestMismatchError: the source is not the bundle ``expect_digest`` names.
+      RemoteError: the URL could not be read; BundleError: it is not a usable bundle.
+    """
+    if is_digest(source):
+        assert isinstance(source, str)
+        if expect_digest is not None and expect_digest != source:
+            raise DigestMismatchError(
+                f"{source} was asked for, but the expected digest is {expect_digest}; "
+                "give one of them."
+            )
+        path = stored_path(source, store)
+        if not path.is_file():
+            raise NotInStoreError(
+                f"The bundle {source} is not in the local store ({path.parent}). Fetch it "
+                f"first: stepbundle pull URL --expect-digest {source} (or load the URL, "
+                "which fills the store)."
+            )
+        return path
+    local = remote.local_path(source)
+    if local is not None:
+        return local
+    return pull(os.fspath(source), expect_digest=expect_digest, store=store).path
+
+
+def pull(
+    source: str | os.PathLike[str],
+    *,
+    expect_digest: str | None = None,
+    store: Path | None = None,
+) -> Pulled:
+    """Put the bundle at ``source`` (a URL or a local path) into the store.
+
+    Raises:
+      DigestMismatchError: ``expect_digest`` is given and the source's header and
+        manifest name another bundle (nothing more is read).
+      RemoteError: the source could not be read (a missing object, a server that
+        stopped answering mid-transfer, missing credentials); nothing entered the store.
+      BundleFormatError, IntegrityError, UnsupportedVersionError: the bytes are not a
+        whole, intact bundle this reader supports; nothing entered the store.
+    """
+    root = store or store_dir()
+    if expect_digest is not None:
+        known = stored_path(expect_digest, root)
+        if known.is_file():
+            return Pulled(known, expect_digest, False, 0)
+    text = os.fspath(source)
+    local = remote.local_path(source)
+    if local is not None:
+        with open(local, "rb") as f:
+            return _pull_from(f, text, expect_digest, root)
+    try:
+        with remote.reading(text) as f:
+            return _pull_from(f, text, expect_digest, root)
+    except FileNotFoundError:
+        raise remote.RemoteError(
+            f"There is no bundle at {text!r} (not found). Check the URL.", text
+        ) from None
+
+
+class _Reader(Protocol):
+    def read(self, n: int, /) -> bytes: ...
+
+
+def _read(f: _Reader, n: int, source: str, start: int, total: int) -> bytes:
+    """Exactly ``n`` bytes from offset ``start`` (fewer only at the end of the object)."""
+    parts: list[bytes] = []
+    got = 0
+    while got < n:
+        try:
+            with remote.failures(source, "download"):
+                chunk = f.read(min(n - got, remote.CHUNK))
+        except remote.RemoteError as e:
+            raise DownloadError(
+                f"The download of {source!r} stopped after {start + got} of {total} bytes "
+                f"({e.cause}). Nothing entered the store; run again to retry once the "
+                "server answers.",
+                source,
+                e.cause,
+            ) from None
+        if not chunk:
+            break
+        parts.append(chunk)
+        got += len(chunk)
+    return b"".join(parts)
+
+
+def _pull_from(f: _Reader, source: str, expect_digest: str | None, root: Path) -> Pulled:
+    head = _read(f, HEADER_SIZE, source, 0, HEADER_SIZE)
+    if head[: len(MAGIC)] != MAGIC:
+        raise BundleFormatError(
+            f"{source!r} is not a stepbundle bundle: it starts with {head[:8].hex()}, not "
+            f"the magic {MAGIC.hex()}."
+        )
+    if len(head) < HEADER_SIZE:
+        raise BundleFormatError(
+            f"{source!r} is truncated: it ends after {len(head)} bytes, inside the header."
+        )
+    header = unpack_header(head)
+    check_major(header.version)
+    length = header.manifest_length
+    if length > MAX_MANIFEST_BYTES:
+        raise BundleFormatError(
+            f"{source!r} declares a manifest of {length} bytes, more than the "
+            f"{MAX_MANIFEST_BYTES} a reader accepts; the header is corrupted."
+        )
+    manifest_bytes = _read(f, length, source, HEADER_SIZE, HEADER_SIZE + length)
+    if len(manifest_bytes) < length:
+        raise BundleFormatError(
+            f"{source!r} is truncated: it ends inside the manifest "
+            f"({HEADER_SIZE + len(manifest_bytes)} of {HEADER_SIZE + length} bytes)."
+        )
+    if hashlib.sha256(manifest_bytes).digest() != header.manifest_sha256:
+        raise IntegrityError(
+            f"The manifest of {source!r} does not match the SHA-256 in its header: the "
+            "object was altered or damaged. Upload or export it again."
+        )
+    digest = "sha256:" + hashlib.sha256(head + manifest_bytes).hexdigest()
+    read = HEADER_SIZE + length
+    if expect_digest is not None and digest != expect_digest:
+        raise DigestMismatchError(
+            f"The bundle at {source!r} has digest {digest}, not the expected "
+            f"{expect_digest}. Refusing to fetch or run a different bundle than the one "
+            f"pinned (only its {read}-byte header and manifest were read)."
+        )
+    target = stored_path(digest, root)
+    if target.is_file():
+        return Pulled(target, digest, False, read)
+    manifest = decode_manifest(manifest_bytes, minor=header.version[1])
+    check_version(header.version, manifest.required_features)
+    data_start = align(read)
+    size = data_start + max((s.offset + s.length for s in manifest.sections), default=0)
+
+    def write(out: BinaryIO) -> None:
+        nonlocal read
+        out.write(head)
+        out.write(manifest_bytes)
+        while read < size:
+            chunk = _read(f, min(size - read, remote.CHUNK), source, read, size)
+            if not chunk:
+                raise BundleFormatError(
+                    f"The download of {source!r} ended after {read} of {size} bytes: the "
+                    "object is truncated (an incomplete upload?). Nothing entered the "
+                    "store; upload the bundle again."
+                )
+            out.write(chunk)
+            read += len(chunk)
+        if _read(f, 1, source, size, size):
+            raise BundleFormatError(
+                f"{source!r} is longer than the {size} bytes its manifest describes; it is "
+                "not a bundle as written. Nothing entered the store."
+            )
+
+    def check(temp: str) -> None:
+        with open_bundle(temp) as bundle:
+            failures = bundle.verify()
+        if failures:
+            raise IntegrityError(
+                f"The bundle downloaded from {source!r} is damaged: {'; '.join(failures)}. "
+                "Nothing entered the store; download it again, or upload it again."
+            )
+
+    root.mkdir(parents=True, exist_ok=True)
+    atomic_write(target, write, check=check)
+    return Pulled(target, digest, True, read)

@@ -41,6 +41,10 @@ class Recipe:
         named scalar inputs the runtime sets on every step instead of constants.
       seed: torch_xla RNG seed the first exported step receives. ``None`` takes the
         process's current torch_xla RNG state.
+      include_state: False writes a bundle without weights: parameters and persistent
+        buffers have no stored value (a run takes them from a checkpoint,
+        ``load(init_from=...)``), a fresh optimizer's state is described by rule (zeros),
+        and the bundle is its programs and tables (``exporter/initial_state.py``).
     """
 
     model: torch.nn.Module
@@ -52,6 +56,7 @@ class Recipe:
     entries: Mapping[str, EvalFn] = field(default_factory=dict)
     hyperparameters: Sequence[str] = ()
     seed: int | None = None
+    include_state: bool = True
 
     def all_batches(self) -> list[Mapping[str, torch.Tensor]]:
         """The example batches, one per shape bucket, first bucket first."""

@@ -96,7 +96,7 @@ def test_bad_magic(tiny: Path, tmp_path: Path) -> None:
 
 def test_newer_major_is_refused(tiny: Path, tmp_path: Path) -> None:
     data = bytearray(tiny.read_bytes())
-    data[8:10] = struct.pack("<H", 2)
+    data[8:12] = struct.pack("<HH", 2, 0)
     with pytest.raises(UnsupportedVersionError, match="format version 2.0") as info:
         open_bundle(_rewrite(tmp_path, bytes(data)))
     assert "Upgrade stepbundle" in str(info.value)

@@ -38,6 +38,7 @@ from stepbundle.schema.version import FORMAT_VERSION
 # line never changes (a frozen description is the evidence of what that version was).
 FROZEN_SHA256: dict[tuple[int, int], str] = {
     (1, 0): "32d55a0b8c2ee817424452caa2fdc4b460ef1a0e655d082f2f4fc0bdc0605ec1",
+    (1, 1): "89a9ef44e73db749ffcbc70a3ad1476323c46ff9b295f540679f411fc2a1e572",
 }
 
 

@@ -1,7 +1,8 @@
 """Byte-exact pin of the format: one small bundle, written deterministically.
 
 The expected digests below were computed once from the writer and are hard-coded on
-purpose. They pin format 1.0: if this test fails, the bytes a writer produces changed, and
+purpose. They pin format 1.1 (re-pinned when 1.0 became 1.1: only the header's minor
+changed): if this test fails, the bytes a writer produces changed, and
 old readers may no longer read new bundles (or the reverse). Do not update the constants
 unless the change is a deliberate, versioned format change (see schema/version.py).
 """
@@ -16,8 +17,8 @@ from schema_helpers import PROGRAM_BYTES, WEIGHT_BYTES, write_tiny
 
 from stepbundle.schema import open_bundle
 
-EXPECTED_FILE_SHA256 = "53f08c20c0ee7dde044d18153d43a3ccba6021caff48890999664b04bcac803f"
-EXPECTED_BUNDLE_DIGEST = "sha256:de2ce62d0710cf53cf0ae23acb63b62277d5d1b84fedae4c1d2b8c165f5adcd8"
+EXPECTED_FILE_SHA256 = "74e01843183060eb44f057e766b03c38f5d407f2970eb07b6a733765138427e5"
+EXPECTED_BUNDLE_DIGEST = "sha256:a38ad15828bc5111782548cf113f0e48d26d38c344f22062925f2e2ad9ec1db3"
 EXPECTED_MANIFEST_LENGTH = 984
 
 
@@ -31,7 +32,7 @@ def test_tiny_bundle_bytes_are_pinned(tmp_path: Path) -> None:
     # The header, field by field.
     assert data[0:8] == b"\x89SBNDL\r\n"
     assert data[8:10] == b"\x01\x00"  # major 1, little-endian u16
-    assert data[10:12] == b"\x00\x00"  # minor 0
+    assert data[10:12] == b"\x01\x00"  # minor 1
     assert data[12:16] == bytes(4)  # reserved
     (manifest_length,) = struct.unpack("<Q", data[16:24])
     assert manifest_length == EXPECTED_MANIFEST_LENGTH
@@ -60,5 +61,5 @@ def test_tiny_bundle_digest_is_pinned(tmp_path: Path) -> None:
         assert bundle.digest == EXPECTED_BUNDLE_DIGEST
         length = EXPECTED_MANIFEST_LENGTH
         assert bundle.digest == "sha256:" + hashlib.sha256(data[: 64 + length]).hexdigest()
-        assert bundle.version == (1, 0)
+        assert bundle.version == (1, 1)
         assert bundle.file_size == len(data)

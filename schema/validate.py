@@ -213,11 +213,11 @@ def _check_state_section(
         )
     want = s.spec.dtype.itemsize if sec.kind is SectionKind.FILL else 0
     if sec.length != want:
-        what = "one element" if sec.kind is SectionKind.FILL else "no bytes"
+        what = f"one element ({want} bytes)" if sec.kind is SectionKind.FILL else "no bytes"
         raise fail(
             path,
             f"state {s.name!r} is {s.spec}, so its {sec.kind.value} section {s.section!r} "
-            f"holds {what} ({want} bytes), but it has {sec.length} bytes.",
+            f"holds {what}, but it has {sec.length} bytes.",
         )
 
 

@@ -234,6 +234,11 @@ def _fill(entry: StateEntry, data: memoryview) -> np.ndarray[Any, Any]:
             f"The fill section of state {entry.name!r} holds the byte {int(element[0])}, "
             "which is not a bool (0 or 1); the bundle is malformed. Export it again."
         )
+    if not any(bytes(data)):
+        # Zeros (every fresh optimizer's fill) come from calloc: a large one is a fresh
+        # mapping whose pages are never written, so copying it to the device costs no
+        # resident memory.
+        return np.zeros(entry.spec.shape, dtype=dt)
     out = np.empty(entry.spec.shape, dtype=dt)
     out[...] = element.view(dt)[0]
     return out

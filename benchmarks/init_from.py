@@ -149,7 +149,9 @@ def main(argv: list[str] | None = None) -> int:
         losses = {run["loss_hex"] for rs in runs.values() for run in rs} | {warm["loss_hex"]}
         info["same_first_loss"] = len(losses) == 1
         info["compiled_in_measured"] = sum(run["compiled"] for rs in runs.values() for run in rs)
-        info["peak_reset"] = all(run["placement"]["peak_reset"] for rs in runs.values() for run in rs)
+        info["peak_reset"] = all(
+            run["placement"]["peak_reset"] for rs in runs.values() for run in rs
+        )
         table = {
             mode: {k: statistics.median(figures(run)[k] for run in rs) for k in figures(rs[0])}
             for mode, rs in runs.items()

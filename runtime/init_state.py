@@ -170,6 +170,7 @@ def plan_initial_state(
         else:
             origins[entry.name] = own
     unexpected = sorted(set(tensors) - used)
+    external = {e.name for e in manifest.state if _bundle_origin(e, kinds) is None}
     if wrong_dtype:
         raise StateDtypeError(
             f"The checkpoint{where} holds {len(wrong_dtype)} tensor(s) of another dtype "
@@ -205,7 +206,7 @@ def plan_initial_state(
             relax = (
                 " Without strict (--no-init-strict), parameters the checkpoint lacks keep "
                 "the bundle's values."
-                if all(_bundle_origin(manifest.state_entry(n), kinds) for n in missing)
+                if all(n not in external for n in missing)
                 else ""
             )
             message = (

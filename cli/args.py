@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import re
 from collections.abc import Callable
 
-__all__ = ["at_least", "digest", "devices", "hyperparameter", "positive_seconds"]
+__all__ = ["at_least", "checkpoint_path", "digest", "devices", "hyperparameter", "positive_seconds"]
 
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 
@@ -80,3 +81,13 @@ def positive_seconds(text: str) -> float:
     if not math.isfinite(value) or value <= 0:
         raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
     return value
+
+
+def checkpoint_path(text: str) -> str:
+    """``--init-from``: a file or folder that exists (what it holds is checked at load)."""
+    if not os.path.exists(text):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} does not exist; give a .safetensors file, a "
+            "model.safetensors.index.json or the folder save_pretrained wrote"
+        )
+    return text

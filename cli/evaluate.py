@@ -20,6 +20,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from stepbundle.schema.errors import BundleError
 
     from .data import DATA_ERRORS, eval_batches, is_dataset, read_npz
+    from .init_from import init_kwargs
 
     try:
         if is_dataset(args.data):
@@ -36,6 +37,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
             device=args.device,
             entry=args.entry,
             cache_dir=False if args.no_cache else (args.cache_dir or True),
+            **init_kwargs(args),
         )
         if args.resume:
             trainer.load_checkpoint(args.resume, allow_other_bundle=args.allow_other_bundle)

@@ -70,6 +70,8 @@ def cmd_export(args: argparse.Namespace) -> int:
         return _die(
             f"{args.recipe} returned {type(recipe).__name__}, not a stepbundle.exporter.Recipe"
         )
+    if args.no_state:
+        recipe.include_state = False
     print(f"[export] recipe built in {time.perf_counter() - t0:.2f}s", file=sys.stderr)
 
     def progress(msg: str) -> None:

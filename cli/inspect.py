@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import struct
 from typing import Any
 
 from .common import die as _die
@@ -20,6 +21,31 @@ from .summary import nbytes as _nbytes
 from .summary import summary_lines
 
 __all__ = ["cmd_inspect", "cmd_verify"]
+
+
+# struct formats of one element, by dtype ("bf16" is the high half of an f32).
+_ELEMENT = {"f64": "<d", "f32": "<f", "f16": "<e", "i64": "<q", "i32": "<i", "i16": "<h"}
+_ELEMENT |= {"i8": "<b", "u64": "<Q", "u32": "<I", "u16": "<H", "u8": "<B", "bool": "<?"}
+
+
+def _origin(bundle: Any, entry: Any) -> str:
+    """Where a state entry's initial value comes from: the bundle, a rule, or a file."""
+    from stepbundle.schema import SectionKind
+
+    kind = bundle.manifest.section(entry.section).kind
+    if kind is SectionKind.EXTERNAL:
+        return "from file"
+    if kind is not SectionKind.FILL:
+        return "stored"
+    data = bytes(bundle.section(entry.section))
+    if not any(data):
+        return "zeros"
+    dtype = entry.spec.dtype.value
+    if dtype == "bf16":
+        (value,) = struct.unpack("<f", b"\0\0" + data)
+    else:
+        (value,) = struct.unpack(_ELEMENT[dtype], data)
+    return "ones" if value == 1 else f"fill {value!r}"
 
 
 def _describe(bundle: Any) -> dict[str, Any]:
@@ -111,16 +137,19 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                     else:
                         out.append(f"      {j:4d}  metric           {o.name:48s} {o.spec}")
         out.append("")
-        total = 0
+        total = stored = 0
         out.append(f"state ({len(m.state)} tensors):")
         for s in m.state:
             total += s.spec.nbytes
+            origin = _origin(bundle, s)
+            stored += s.spec.nbytes if origin == "stored" else 0
             flag = "trainable" if s.trainable else ""
             alias = f"  aka {', '.join(s.aliases)}" if s.aliases else ""
             out.append(
-                f"  {s.kind.value:16s} {s.name:52s} {str(s.spec):20s} {_nbytes(s.spec.nbytes):>10s} {flag}{alias}"
+                f"  {s.kind.value:16s} {s.name:52s} {str(s.spec):20s} {_nbytes(s.spec.nbytes):>10s} "
+                f"{origin:10s} {flag}{alias}"
             )
-        out.append(f"  total {_nbytes(total)}")
+        out.append(f"  total {_nbytes(total)}, {_nbytes(stored)} of it stored in the bundle")
         out.append("")
         out.append(f"sections ({len(m.sections)}):")
         for sec in m.sections:

@@ -18,6 +18,7 @@ from . import args as types
 from .common import EXIT_PIPE_CLOSED
 from .evaluate import cmd_eval
 from .export import cmd_export
+from .init_from import add_init_options
 from .inspect import cmd_inspect, cmd_verify
 from .prepare import add_compile, add_pull
 from .run import cmd_run
@@ -76,6 +77,13 @@ def _add_export(sub: Any) -> None:
     e.add_argument("-o", "--output", required=True, help="bundle file to write")
     e.add_argument(
         "--emit-mlir", metavar="DIR", help="also write each program as .mlir text into DIR"
+    )
+    e.add_argument(
+        "--no-state",
+        action="store_true",
+        help="write a bundle without weights (Recipe(include_state=False)): runs take them "
+        "from a checkpoint (stepbundle run --init-from); a fresh optimizer's state is "
+        "described by rule",
     )
     e.set_defaults(fn=cmd_export)
 
@@ -147,6 +155,7 @@ def _add_run(sub: Any) -> None:
         metavar="CKPT",
         help="restore a checkpoint (a file or URL) before the first step",
     )
+    add_init_options(r)
     r.add_argument(
         "--allow-other-bundle",
         action="store_true",
@@ -299,6 +308,7 @@ def _add_eval(sub: Any) -> None:
     ev.add_argument(
         "--resume", metavar="CKPT", help="evaluate this checkpoint's state (a file or URL)"
     )
+    add_init_options(ev)
     ev.add_argument(
         "--allow-other-bundle", action="store_true", help="accept a checkpoint of another bundle"
     )

@@ -117,7 +117,12 @@ def check_outputs(args: argparse.Namespace) -> None:
         check_writable(args.save_state.rpartition("/")[0])
     if save_state is not None:
         target = save_state
-        for name, source in (("the bundle", args.bundle), ("--data", args.data)):
+        inputs = (
+            ("the bundle", args.bundle),
+            ("--data", args.data),
+            ("--init-from", args.init_from),
+        )
+        for name, source in (i for i in inputs if i[1]):
             if _same_file(str(target), source):
                 raise ValueError(
                     f"--save-state {args.save_state!r} is {name}; writing it would destroy an "

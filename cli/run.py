@@ -146,6 +146,8 @@ def _open_trainer(args: argparse.Namespace) -> Any:
     from stepbundle.runtime import load
     from stepbundle.runtime.schedule import parse_schedule
 
+    from .init_from import init_kwargs
+
     trainer = load(
         args.bundle,
         device=args.device,
@@ -159,6 +161,7 @@ def _open_trainer(args: argparse.Namespace) -> Any:
         devices=args.devices,
         pack_state=args.pack_state,
         shard_optimizer_state=args.shard_optimizer_state,
+        **init_kwargs(args),
     )
     if args.resume:
         trainer.load_checkpoint(args.resume, allow_other_bundle=args.allow_other_bundle)
@@ -187,6 +190,8 @@ def _open_trainer(args: argparse.Namespace) -> Any:
 
 
 def _report_load(args: argparse.Namespace, trainer: Any, load_s: float) -> None:
+    from .init_from import report_origins
+
     n_dev = len(trainer.devices)
     print(
         f"[run] loaded {args.bundle} in {load_s:.2f}s ({trainer.load_info.compiled} compiled, "
@@ -194,6 +199,7 @@ def _report_load(args: argparse.Namespace, trainer: Any, load_s: float) -> None:
         + (f" x{n_dev} (data parallel)" if n_dev > 1 else ""),
         file=sys.stderr,
     )
+    report_origins(trainer, args)
 
 
 def _run_eval(args: argparse.Namespace, trainer: Any, batches: list[Any]) -> int:

@@ -44,6 +44,7 @@ from . import xla
 from .bind import BoundProgram, bind
 from .dtypes import HYPERPARAMETER_DTYPE, spec_of, tensor_bytes
 from .errors import ExportError
+from .initial_state import initial_section, non_persistent_buffers
 from .recipe import Recipe, checked_metadata
 from .trace import trace_eval, trace_train
 from .workspace import Workspace
@@ -306,6 +307,7 @@ def export(
                 referenced.add(out.state)
     state_entries: list[StateEntry] = []
     payloads: list[codec.SectionPayload] = []
+    non_persistent = non_persistent_buffers(recipe.model)
     for s in initial:
         # Gradients are state only when the step keeps or reads them.
         if s.kind is StateKind.GRADIENT and s.name not in referenced:
@@ -322,8 +324,12 @@ def export(
                 aliases=s.aliases,
             )
         )
-        payloads.append(codec.SectionPayload(section, SectionKind.TENSOR, tensor_bytes(value)))
+        kind, data = initial_section(
+            s, value, include_state=recipe.include_state, non_persistent=non_persistent
+        )
+        payloads.append(codec.SectionPayload(section, kind, data))
     known = {e.name for e in state_entries}
+    by_rule = {SectionKind.FILL, SectionKind.EXTERNAL} & {p.kind for p in payloads}
     uses_seed = False
     entries: dict[str, Entry] = {}
     texts: dict[str, str] = {}
@@ -373,6 +379,7 @@ def export(
         rng=Rng(seed=base_seed) if uses_seed else None,
         sections=(),
         metadata=metadata,
+        required_features=(codec.STATE_INITIALIZERS,) if by_rule else (),
     )
     times["lower"] = time.perf_counter() - t2
     t3 = time.perf_counter()

@@ -44,6 +44,10 @@ class Recipe:
       metadata: strings for the people and tools that handle the bundle, written into
         its manifest and shown by ``stepbundle inspect``: by convention ``name``,
         ``description`` and ``source_commit``, plus any labels (``{"team": "vision"}``).
+      include_state: False writes a bundle without weights: parameters and persistent
+        buffers have no stored value (a run takes them from a checkpoint,
+        ``load(init_from=...)``), a fresh optimizer's state is described by rule (zeros),
+        and the bundle is its programs and tables (``exporter/initial_state.py``).
     """
 
     model: torch.nn.Module
@@ -56,6 +60,7 @@ class Recipe:
     hyperparameters: Sequence[str] = ()
     seed: int | None = None
     metadata: Mapping[str, str] = field(default_factory=dict)
+    include_state: bool = True
 
     def all_batches(self) -> list[Mapping[str, torch.Tensor]]:
         """The example batches, one per shape bucket, first bucket first."""

@@ -19,9 +19,10 @@ temporary name and moved into place, so a reader never sees part of one; it is r
 from a local copy in the system's temporary folder.
 
 Tensors are streamed to disk one by one; nothing joins the whole state in memory. The
-reader and writer are written here (the format is one page) so that bf16 state works
-without torch (``safetensors.numpy`` has no bf16); the reader accepts the layouts the
-safetensors library accepts and no others, and tests cross-check files with it.
+writer is written here and the reader is ``tensor_file.py`` (the format is one page) so
+that bf16 state works without torch (``safetensors.numpy`` has no bf16); the reader
+accepts the layouts the safetensors library accepts and no others, and tests cross-check
+files with it.
 
 Imports: numpy, stepbundle.schema, this package's ``remote`` (fsspec, for URLs).
 """
@@ -32,23 +33,21 @@ import dataclasses
 import hashlib
 import json
 import math
-import mmap
 import os
 import re
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, BinaryIO
 
 import numpy as np
 
 from stepbundle.schema.atomic import atomic_write
-from stepbundle.schema.limits import MAX_DIM, MAX_RANK
 
 from . import remote
-from .dtypes import NUMPY_DTYPES, SAFETENSORS_CODES, from_numpy, from_safetensors
+from .dtypes import NUMPY_DTYPES, SAFETENSORS_CODES, from_numpy
 from .errors import CheckpointError
+from .tensor_file import open_safetensors
 
 __all__ = [
     "CHECKPOINT_FORMAT",
@@ -80,8 +79,6 @@ __all__ = [
 CHECKPOINT_FORMAT = 2
 SUPPORTED_FORMATS = frozenset({1, 2})
 
-# The safetensors library's own cap on the JSON header (MAX_HEADER_SIZE).
-_MAX_HEADER = 100_000_000
 _META_KEY = "stepbundle"
 
 
@@ -317,119 +314,31 @@ def write_safetensors(
     atomic_write(target, write)
 
 
-def _record(p: str, name: str, rec: object) -> tuple[np.dtype[Any], tuple[int, ...], int, int]:
-    """One tensor record of the header, checked: (dtype, shape, start, end).
-
-    Sizes are Python integers: a hostile shape cannot overflow into a small count.
-    """
-
-    def bad(why: str) -> CheckpointError:
-        return CheckpointError(f"{p}: bad safetensors record for {name!r}: {why}.")
-
-    if not isinstance(rec, dict):
-        raise bad("not a JSON object")
-    code, shape, offsets = rec.get("dtype"), rec.get("shape"), rec.get("data_offsets")
-    dtype = from_safetensors(code) if isinstance(code, str) else None
-    if dtype is None:
-        raise bad(f"unknown dtype {code!r}")
-    if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
-        raise bad(f"the shape {shape!r:.200} is not a list of non-negative integers")
-    if len(shape) > MAX_RANK:
-        raise bad(f"the shape has rank {len(shape)}; at most {MAX_RANK} dimensions are allowed")
-    if any(d > MAX_DIM for d in shape):
-        raise bad(f"the shape {shape!r:.200} has a dimension above 2**63 - 1")
-    if (
-        not isinstance(offsets, list)
-        or len(offsets) != 2
-        or not all(type(x) is int and x >= 0 for x in offsets)
-        or offsets[0] > offsets[1]
-    ):
-        raise bad(f"data_offsets {offsets!r} are not [start, end] with 0 <= start <= end")
-    return NUMPY_DTYPES[dtype], tuple(shape), offsets[0], offsets[1]
-
-
-def _check_layout(
-    p: str, records: Mapping[str, tuple[np.dtype[Any], tuple[int, ...], int, int]], data: int
-) -> None:
-    """The byte ranges tile the data exactly, as the safetensors library requires: in
-    order of their offsets, each starts where the previous ended (the first at 0), each
-    is as long as its dtype and shape say, and the last ends at the end of the file."""
-    end = 0
-    for name, (dt, shape, start, stop) in sorted(records.items(), key=lambda kv: kv[1][2:]):
-        if start != end:
-            raise CheckpointError(
-                f"{p}: tensor {name!r} starts at byte {start} of the data, not at {end} "
-                "where the previous one ends; the file is damaged."
-            )
-        if stop - start != math.prod(shape) * dt.itemsize:
-            raise CheckpointError(
-                f"{p}: tensor {name!r} has {stop - start} bytes, but {dt}{list(shape)} takes "
-                f"{math.prod(shape) * dt.itemsize}; the file is damaged."
-            )
-        end = stop
-    if end != data:
-        raise CheckpointError(
-            f"{p}: the tensors take {end} bytes but the file has {data} bytes of data; the "
-            "file is truncated or has bytes appended."
-        )
-
-
 def read_safetensors(
     path: str | os.PathLike[str],
 ) -> tuple[dict[str, np.ndarray[Any, Any]], dict[str, str]]:
     """Read a safetensors file into numpy arrays (copies) and its metadata.
 
-    Every size in the header is checked against the file before anything is allocated;
-    every way the file can be malformed raises ``CheckpointError``. ``path`` may be a
-    URL: it is read from a local copy.
+    Every size in the header is checked against the file before anything is allocated
+    (``tensor_file``); every way the file can be malformed raises ``CheckpointError``.
+    ``path`` may be a URL: it is read from a local copy.
     """
     local = remote.local_path(path)
     if local is None:
         url = os.fspath(path)
         try:
             with remote.downloaded(url, suffix=".safetensors") as copy:
-                return _read_safetensors(copy, url)
+                return _read_local(copy)
         except OSError as e:
             raise CheckpointError(f"Cannot read checkpoint {url}: {e}.") from None
-    return _read_safetensors(local, str(local))
+    return _read_local(local)
 
 
-def _read_safetensors(path: Path, p: str) -> tuple[dict[str, np.ndarray[Any, Any]], dict[str, str]]:
-    """``read_safetensors`` of the local file ``path``; messages name it ``p``."""
-    try:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            if size < 8:
-                raise CheckpointError(f"{p} is too short to be a safetensors checkpoint.")
-            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-                (n,) = struct.unpack_from("<Q", mm, 0)
-                if n > _MAX_HEADER or 8 + n > size:
-                    raise CheckpointError(f"{p} has a corrupt safetensors header length ({n}).")
-                try:
-                    header = json.loads(bytes(mm[8 : 8 + n]).decode("utf-8"))
-                except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-                    raise CheckpointError(
-                        f"{p} has a corrupt safetensors header: {type(e).__name__}: {e}."
-                    ) from None
-                if not isinstance(header, dict):
-                    raise CheckpointError(f"{p}: the safetensors header is not a JSON object.")
-                meta = header.pop("__metadata__", None)
-                meta = {} if meta is None else meta
-                if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
-                    raise CheckpointError(
-                        f"{p}: the safetensors __metadata__ is not a map of strings."
-                    )
-                base = 8 + n
-                records = {name: _record(p, name, rec) for name, rec in header.items()}
-                _check_layout(p, records, size - base)
-                return {
-                    name: np.frombuffer(mm, dtype=dt, count=math.prod(shape), offset=base + start)
-                    .reshape(shape)
-                    .copy()
-                    for name, (dt, shape, start, _) in records.items()
-                }, dict(meta)
-    except OSError as e:
-        raise CheckpointError(f"Cannot read checkpoint {p}: {e}.") from None
+def _read_local(
+    path: str | os.PathLike[str],
+) -> tuple[dict[str, np.ndarray[Any, Any]], dict[str, str]]:
+    with open_safetensors(path) as f:
+        return {name: f.array(name).copy() for name in f.records}, dict(f.metadata)
 
 
 def write_checkpoint(

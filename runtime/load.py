@@ -21,11 +21,12 @@ from stepbundle.schema.manifest import ConstantInput, Manifest, MetricOutput
 from . import _compat, packing, remote
 from .dtypes import array_from_section
 from .errors import BindingError, PlatformError
+from .init_source import InitSource, open_source
+from .init_state import place_state, plan_initial_state
 from .load_info import LoadInfo
 from .plan import Plan, RefusedPlan, batch_text, build_plan, refused_plan
 from .program import compile_program, default_cache_dir
 from .sharding import Placement, zero1_split
-from .state import host_buffers
 from .store import resolve_bundle
 from .trainer import Trainer
 
@@ -155,6 +156,8 @@ def load(
     devices: int | str = 1,
     pack_state: bool | int = True,
     shard_optimizer_state: bool = False,
+    init_from: str | os.PathLike[str] | None = None,
+    init_strict: bool = True,
 ) -> Trainer:
     """Load a bundle and return a ``Trainer`` that owns its state on ``device``.
 
@@ -188,9 +191,21 @@ def load(
       shard_optimizer_state: with N > 1 devices, split optimizer state (tensors whose
         first dimension is a multiple of N) over the devices instead of replicating
         it (ZeRO stage 1); each device then holds 1/N of it.
+      init_from: a checkpoint to take the initial state from, in place of the bundle's:
+        a ``.safetensors`` file (PyTorch's, Hugging Face's, or one the runtime wrote), a
+        Hugging Face ``model.safetensors.index.json`` with its shards, or a
+        ``save_pretrained`` folder. Its tensors are matched to the state table by name
+        (or alias), checked for dtype and shape before anything is placed, and copied to
+        the device one at a time. Entries it lacks keep the bundle's value (stored, or
+        by rule: a fresh optimizer's zeros); a bundle exported without state needs it.
+      init_strict: with ``init_from``, refuse a checkpoint that holds tensors the state
+        table does not name, or lacks a parameter (default). False ignores the first
+        and keeps the bundle's value for the second; a missing entry the bundle has no
+        value for, and any dtype or shape mismatch, are refused either way.
     """
     t0 = time.perf_counter()
     info = LoadInfo()
+    source: InitSource | None = None  # init_from's files, open while the state is placed
     platform, index = parse_device(device)
     bundle = codec.open_bundle(resolve_bundle(path, expect_digest=expect_digest))
     try:
@@ -217,6 +232,11 @@ def load(
             )
         if stop_on_nonfinite:
             _check_loss_metrics(manifest, wanted)
+        # ---- where the initial state comes from: checked before anything is compiled
+        source = open_source(init_from) if init_from is not None else None
+        init_plan = plan_initial_state(manifest, source, strict=init_strict)
+        info.state_origins = {name: o.value for name, o in init_plan.origins.items()}
+        info.ignored_tensors = init_plan.unexpected
         info.seconds["open"] = time.perf_counter() - t0
         client = _client(platform)
         run_devices = _select_devices(client, platform, device, devices)
@@ -272,14 +292,7 @@ def load(
         # ---- state and constants on the device
         t2 = time.perf_counter()
 
-        initial = {
-            s.name: array_from_section(bundle.section(s.section), s.spec) for s in manifest.state
-        }
-        state = [
-            placement.put_state(bname, a)
-            for bname, a in zip(layout.buffer_names, host_buffers(layout, initial))
-        ]
-        del initial
+        state = place_state(manifest, layout, init_plan, bundle.section, placement.put_state)
         constants: dict[str, Any] = {}
         for name in wanted:
             for program in manifest.entries[name].programs:
@@ -302,6 +315,8 @@ def load(
         digest = bundle.digest
     finally:
         bundle.close()
+        if source is not None:
+            source.close()
     info.dispatch = {
         f"{name}[{i}]": p.dispatch.path
         for name, entry_plans in plans.items()

@@ -28,6 +28,9 @@ class LoadInfo:
         ``jax.device_put`` fallback and why); None until load() has placed the state.
       dispatch: per compiled program (``"entry[i]"``), how its steps are dispatched
         (result handlers, or the ``execute`` fallback and why).
+      state_origins: per state entry, where its initial value came from: ``stored``
+        (the bundle), ``rule`` (the bundle's fill) or ``file`` (``init_from``).
+      ignored_tensors: tensors of ``init_from`` no state entry names (``init_strict=False``).
     """
 
     seconds: dict[str, float] = field(default_factory=dict)
@@ -36,3 +39,5 @@ class LoadInfo:
     cache: dict[str, CacheEvent] = field(default_factory=dict)
     transfer: PathChoice | None = None
     dispatch: dict[str, PathChoice] = field(default_factory=dict)
+    state_origins: dict[str, str] = field(default_factory=dict)
+    ignored_tensors: tuple[str, ...] = ()

@@ -68,11 +68,21 @@ __all__ = [
 
 
 class SectionKind(str, enum.Enum):
-    """What a section's bytes are."""
+    """What a section's bytes are.
+
+    A state entry's section says where its initial value comes from: ``tensor`` (the
+    value, stored), ``fill`` (one element, repeated over the whole shape: a value given
+    by rule, such as a fresh optimizer's zero moments) or ``external`` (no bytes: the
+    value must be supplied when the bundle is loaded, from a checkpoint). ``fill`` and
+    ``external`` are format 1.1 additions, used only by state entries, and a bundle that
+    uses them lists ``version.STATE_INITIALIZERS`` in ``required_features``.
+    """
 
     PROGRAM = "program"  # a StableHLO portable artifact (MLIR bytecode, VHLO)
     TENSOR = "tensor"  # raw little-endian C-order tensor data
     TEXT = "text"  # UTF-8 text for people (for example a program's .mlir), never executed
+    FILL = "fill"  # one tensor element (the dtype's item size), the value of every element
+    EXTERNAL = "external"  # zero bytes: the value comes from a checkpoint given at load
 
 
 @dataclass(frozen=True)
@@ -130,7 +140,9 @@ class StateEntry:
         ``<param name>.grad`` for kept gradients.
       kind: what it is.
       spec: dtype and shape.
-      section: the tensor section holding its initial value.
+      section: the section giving its initial value: a ``tensor`` section (the value),
+        a ``fill`` section (one element, repeated) or an ``external`` section (none:
+        it must be supplied at load).
       trainable: True for parameters the optimizer updates; False for frozen
         parameters and for everything that is not a parameter.
       aliases: further names of the same tensor (tied weights); they are bound once,

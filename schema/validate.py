@@ -25,6 +25,7 @@ from .manifest import (
     DType,
     Manifest,
     Section,
+    SectionKind,
     StateEntry,
     StateKind,
 )
@@ -37,6 +38,7 @@ from .validate_programs import (
     check_tensor_section,
     fail,
 )
+from .version import STATE_INITIALIZERS
 from .wire import encode_manifest, manifest_to_wire
 
 __all__ = ["PLATFORMS", "validate"]
@@ -63,7 +65,7 @@ def validate(manifest: Manifest, file_size: int, *, manifest_length: int | None 
         manifest_length = len(encode_manifest(manifest))
     _check_producer(manifest)
     sections = _check_sections(manifest.sections, file_size, manifest_length)
-    states = _check_state(manifest.state, sections)
+    states = _check_state(manifest.state, sections, manifest.required_features)
     _check_hyperparameters(manifest)
     if manifest.rng is not None and not 0 <= manifest.rng.seed < 2**64:
         raise fail("rng.seed", f"the seed {manifest.rng.seed} is not in [0, 2**64).")
@@ -168,7 +170,7 @@ def _check_sections(
 
 
 def _check_state(
-    state: tuple[StateEntry, ...], sections: Mapping[str, Section]
+    state: tuple[StateEntry, ...], sections: Mapping[str, Section], features: tuple[str, ...]
 ) -> dict[str, StateEntry]:
     by_name: dict[str, StateEntry] = {}
     all_names: dict[str, str] = {}  # every name and alias -> the path that claimed it
@@ -190,9 +192,35 @@ def _check_state(
                 f"{path}.trainable",
                 f"state {s.name!r} is a {s.kind.value}; only parameters can be trainable.",
             )
-        check_tensor_section(sections, s.section, s.spec, f"{path}.section", f"state {s.name!r}")
+        _check_state_section(sections, s, f"{path}.section", features)
         by_name[s.name] = s
     return by_name
+
+
+def _check_state_section(
+    sections: Mapping[str, Section], s: StateEntry, path: str, features: tuple[str, ...]
+) -> None:
+    """A state's section holds its value (``tensor``), one element of it (``fill``) or
+    nothing (``external``); the last two need the ``state_initializers`` feature."""
+    sec = sections.get(s.section)
+    if sec is None or sec.kind not in (SectionKind.FILL, SectionKind.EXTERNAL):
+        check_tensor_section(sections, s.section, s.spec, path, f"state {s.name!r}")
+        return
+    if STATE_INITIALIZERS not in features:
+        raise fail(
+            path,
+            f"state {s.name!r} names the {sec.kind.value} section {s.section!r}, but "
+            f"required_features does not list {STATE_INITIALIZERS!r}; a reader that does not "
+            "know the feature would find no stored value. List it.",
+        )
+    want = s.spec.dtype.itemsize if sec.kind is SectionKind.FILL else 0
+    if sec.length != want:
+        what = f"one element ({want} bytes)" if sec.kind is SectionKind.FILL else "no bytes"
+        raise fail(
+            path,
+            f"state {s.name!r} is {s.spec}, so its {sec.kind.value} section {s.section!r} "
+            f"holds {what}, but it has {sec.length} bytes.",
+        )
 
 
 # The largest finite value of each floating dtype narrower than float64.

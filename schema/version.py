@@ -22,6 +22,7 @@ from .errors import UnsupportedVersionError
 __all__ = [
     "FORMAT_VERSION",
     "KNOWN_FEATURES",
+    "STATE_INITIALIZERS",
     "check_major",
     "check_version",
     "format_version_string",
@@ -30,13 +31,21 @@ __all__ = [
 # Changelog of the format version (bump the minor for additions old readers may ignore,
 # the major for anything else; `python -m stepbundle.schema.describe` says which):
 # 2026-11-30: 1.0, first version
-# 2026-12-02: 1.1, Manifest.metadata (a map of strings for people and tools; default {})
+# 2026-12-01: 1.1, additions:
+#   - Manifest.metadata (a map of strings for people and tools; default {});
+#   - section kinds ``fill`` (one element, repeated over a state's shape) and ``external``
+#     (no bytes: the state's value is supplied at load), for state entries only, under the
+#     required feature ``state_initializers``: bundles without weights.
 FORMAT_VERSION: tuple[int, int] = (1, 1)
+
+STATE_INITIALIZERS = "state_initializers"
+"""Required by a bundle whose state entries name ``fill`` or ``external`` sections (1.1): a
+reader that does not know it would find no stored value for those states."""
 
 # Features this reader understands. A writer lists in ``Manifest.required_features`` every
 # feature a reader must understand to use the bundle correctly; a reader refuses a bundle
-# naming one that is not here. Empty in 1.0: no optional features exist yet.
-KNOWN_FEATURES: frozenset[str] = frozenset()
+# naming one that is not here. 1.0 had none.
+KNOWN_FEATURES: frozenset[str] = frozenset({STATE_INITIALIZERS})
 
 
 def format_version_string(version: tuple[int, int]) -> str:

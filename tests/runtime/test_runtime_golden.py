@@ -61,6 +61,9 @@ def test_golden_bundle_reproduces_eager_training(version: tuple[int, int], name:
         assert rel(got, expected[f"metric/{k}"]) <= 1e-5, (k, got, expected[f"metric/{k}"])
     state = trainer.state_dict()
     want = {k[len("state/") :]: v for k, v in expected.items() if k.startswith("state/")}
+    # Gradients the step throws away (zero_grad() sets them to None) are not state of the
+    # bundle since the exporter learned so; v1.0's bundles predate that and keep them.
+    want = {k: v for k, v in want.items() if k in state or not k.endswith(".grad")}
     assert set(want) <= set(state)
     for k, v in want.items():
         assert rel(state[k], v) <= 1e-5, k

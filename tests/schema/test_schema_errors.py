@@ -96,12 +96,12 @@ def test_bad_magic(tiny: Path, tmp_path: Path) -> None:
 
 def test_newer_major_is_refused(tiny: Path, tmp_path: Path) -> None:
     data = bytearray(tiny.read_bytes())
-    data[8:10] = struct.pack("<H", 2)
-    with pytest.raises(UnsupportedVersionError, match="format version 2.1") as info:
+    data[8:12] = struct.pack("<HH", 2, 0)
+    with pytest.raises(UnsupportedVersionError, match="format version 2.0") as info:
         open_bundle(_rewrite(tmp_path, bytes(data)))
     assert "Upgrade stepbundle" in str(info.value)
     assert "1.0" in str(info.value)
-    assert info.value.found == (2, 1)
+    assert info.value.found == (2, 0)
 
 
 def test_older_major_is_refused(tiny: Path, tmp_path: Path) -> None:

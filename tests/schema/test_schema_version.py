@@ -13,14 +13,18 @@ from stepbundle.schema.version import check_version
 
 def test_current_version_and_features() -> None:
     assert FORMAT_VERSION == (1, 1)
-    assert frozenset() == KNOWN_FEATURES
+    assert frozenset({"state_initializers"}) == KNOWN_FEATURES
 
 
 def test_changelog_comment_sits_right_above_the_constant() -> None:
     lines = Path(version.__file__).read_text(encoding="utf-8").splitlines()
     i = next(i for i, line in enumerate(lines) if line.startswith("FORMAT_VERSION"))
-    assert re.fullmatch(r"# \d{4}-\d{2}-\d{2}: 1\.1, .+", lines[i - 1])
-    assert lines[i - 2] == "# 2026-11-30: 1.0, first version"
+    # The newest dated entry (continuation lines are indented) names the current version.
+    j = i - 1
+    while lines[j].startswith("#   "):
+        j -= 1
+    assert re.fullmatch(r"# \d{4}-\d{2}-\d{2}: 1\.1, .+", lines[j]), lines[j]
+    assert "# 2026-11-30: 1.0, first version" in lines[:j]
 
 
 @pytest.mark.parametrize("found", [(1, 0), (1, 1), (1, 65535)])

@@ -230,9 +230,7 @@ def _index(ctx: OpContext, x: Any, indices: Any) -> Any:
 
 
 @lowers(aten.index_put.default, aten._unsafe_index_put.default)
-def _index_put(
-    ctx: OpContext, x: Any, indices: Any, values: Any, accumulate: bool = False
-) -> Any:
+def _index_put(ctx: OpContext, x: Any, indices: Any, values: Any, accumulate: bool = False) -> Any:
     ref = x.at[_advanced(indices)]
     values = values.astype(x.dtype)
     return ref.add(values) if accumulate else ref.set(values)
@@ -343,6 +341,4 @@ def _arange(ctx: OpContext, *args: Any, **kwargs: Any) -> Any:
         # torch computes start + i * step in double, then rounds to the result dtype.
         values = np.asarray(start, np.float64) + np.arange(n, dtype=np.float64) * step
         return jnp.asarray(values.astype(np.dtype(jax_dtype(dt))))
-    return jnp.asarray(np.arange(n, dtype=np.int64) * int(step) + int(start)).astype(
-        jax_dtype(dt)
-    )
+    return jnp.asarray(np.arange(n, dtype=np.int64) * int(step) + int(start)).astype(jax_dtype(dt))

@@ -175,11 +175,7 @@ def bind(
         final = final_of[s.name]
         if g.canonical(final) is ph[i] and i not in b.writes:
             continue
-        if (
-            s.kind is StateKind.GRADIENT
-            and s.name in b.replaced
-            and not g.reads_value(ph[i])
-        ):
+        if s.kind is StateKind.GRADIENT and s.name in b.replaced and not g.reads_value(ph[i]):
             # A gradient thrown away and rebuilt (zero_grad(set_to_none=True), then
             # backward) is rebuilt again next step: it is not state.
             continue

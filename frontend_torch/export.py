@@ -175,9 +175,7 @@ def _trace(
         progs = []
         for i, batch in enumerate(batches):
             what = f"{name} step" + (f" (shape bucket {i})" if len(batches) > 1 else "")
-            a, b = (
-                capture(recipe, slots, [], batch, fn, train=False, what=what) for _ in range(2)
-            )
+            a, b = (capture(recipe, slots, [], batch, fn, train=False, what=what) for _ in range(2))
             bound = bind(
                 a, b, slots=slots, hypers=[], batch_keys=list(batch), train=False, what=what
             )

@@ -94,9 +94,7 @@ def split_mutations(gm: fx.GraphModule) -> dict[int, fx.Node]:
 
 def canonical(node: Any) -> Any:
     """The node whose value ``node`` has, through aliases and clones."""
-    while (
-        isinstance(node, fx.Node) and node.op == "call_function" and node.target in _SAME_VALUE
-    ):
+    while isinstance(node, fx.Node) and node.op == "call_function" and node.target in _SAME_VALUE:
         node = node.args[0]
     return node
 

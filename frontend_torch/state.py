@@ -144,9 +144,7 @@ def state_slots(recipe: Recipe, *, zero_grads: bool) -> list[Slot]:
         if g is None and zero_grads and p.requires_grad:
             g = torch.zeros_like(p)
         if g is not None:
-            out.append(
-                Slot(f"{names[0]}.grad", StateKind.GRADIENT, g.detach().clone(), param=pid)
-            )
+            out.append(Slot(f"{names[0]}.grad", StateKind.GRADIENT, g.detach().clone(), param=pid))
     return out
 
 
@@ -293,4 +291,3 @@ class Sandbox:
 
     def __exit__(self, *exc: object) -> None:
         self.restore()
-

@@ -422,6 +422,42 @@ def _all(ctx: OpContext, x: Any, dim: Any = None, keepdim: bool = False) -> Any:
     return jnp.all(_c(x, torch.bool), axis=_axes(x, dim), keepdims=keepdim)
 
 
+def _var_parts(ctx: OpContext, x: Any, dim: Any, correction: Any, keepdim: bool) -> tuple[Any, Any]:
+    dt = compute_dtype(ctx.out_at(0).dtype)
+    x = _c(x, dt)
+    axes = _axes(x, dim)
+    mean = jnp.mean(x, axis=axes, keepdims=True)
+    n = 1
+    for a in axes:
+        n *= x.shape[a]
+    c = 1 if correction is None else correction
+    # Two passes (mean, then squared deviations), as torch's kernels: no cancellation.
+    var = jnp.sum(jnp.square(x - mean), axis=axes, keepdims=keepdim) / max(n - c, 0)
+    return var, mean if keepdim else jnp.squeeze(mean, axis=axes)
+
+
+@lowers(aten.var_mean.correction)
+def _var_mean(
+    ctx: OpContext, x: Any, dim: Any = None, *, correction: Any = None, keepdim: bool = False
+) -> Any:
+    return _var_parts(ctx, x, dim, correction, keepdim)
+
+
+@lowers(aten.var.correction)
+def _var(
+    ctx: OpContext, x: Any, dim: Any = None, *, correction: Any = None, keepdim: bool = False
+) -> Any:
+    return _var_parts(OpContext((ctx.out,), ctx.key_source), x, dim, correction, keepdim)[0]
+
+
+@lowers(aten.std.correction)
+def _std(
+    ctx: OpContext, x: Any, dim: Any = None, *, correction: Any = None, keepdim: bool = False
+) -> Any:
+    parts = _var_parts(OpContext((ctx.out,), ctx.key_source), x, dim, correction, keepdim)
+    return jnp.sqrt(parts[0])
+
+
 @lowers(aten.cumsum.default)
 def _cumsum(ctx: OpContext, x: Any, dim: int, *, dtype: Any = None) -> Any:
     (x,) = _arith(ctx, x)

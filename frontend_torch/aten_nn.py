@@ -14,6 +14,7 @@ Imports: torch, jax, this package's registry and aten_math.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -22,7 +23,7 @@ import jax.numpy as jnp
 import torch
 from jax import lax
 
-from .aten_math import HIGHEST
+from .aten_math import HIGHEST, torch_dtype_of
 from .registry import OpContext, compute_dtype, jax_dtype, lowers, to_dtype
 
 aten = torch.ops.aten
@@ -136,9 +137,9 @@ def _convolution_backward(
             x, w, stride, padding, dilation, transposed, groups, tuple(grad.shape), None
         )
 
-    dt = compute_dtype(grad.dtype)
-    g = grad.astype(jax_dtype(dt))
-    _, vjp = jax.vjp(forward, x.astype(jax_dtype(dt)), w.astype(jax_dtype(dt)))
+    dt = jax_dtype(compute_dtype(torch_dtype_of(grad)))
+    g = grad.astype(dt)
+    _, vjp = jax.vjp(forward, x.astype(dt), w.astype(dt))
     gx, gw = vjp(g)
     gb = jnp.sum(g, axis=(0, *range(2, g.ndim))) if output_mask[2] else None
     return (gx if output_mask[0] else None, gw if output_mask[1] else None, gb)
@@ -223,7 +224,7 @@ def _max_pool2d_backward(
 ) -> Any:
     lead = x.shape[:-2]
     plane = x.shape[-2] * x.shape[-1]
-    rows = int(jnp.prod(jnp.asarray(lead))) if lead else 1
+    rows = math.prod(lead)
     dt = compute_dtype(ctx.out_dtype)
     g = grad.reshape(rows, -1).astype(jax_dtype(dt))
     idx = indices.reshape(rows, -1)
@@ -302,6 +303,86 @@ def _avg_pool2d_backward(
     )
     (gx,) = vjp(grad.astype(dt))
     return gx
+
+
+# -------------------------------------------------------------------- attention
+
+
+def _attention(q: Any, k: Any, v: Any, is_causal: bool, mask: Any, scale: Any) -> tuple[Any, Any]:
+    """softmax(q k^T * scale + mask) v and the rows' logsumexp, in q's dtype."""
+    if k.shape[-3] != q.shape[-3]:  # grouped-query attention: share each key/value head
+        k = jnp.repeat(k, q.shape[-3] // k.shape[-3], axis=-3)
+        v = jnp.repeat(v, q.shape[-3] // v.shape[-3], axis=-3)
+    s = (1.0 / (q.shape[-1] ** 0.5)) if scale is None else scale
+    scores = jnp.einsum("...qd,...kd->...qk", q, k, precision=HIGHEST) * s
+    if is_causal:
+        lq, lk = scores.shape[-2:]
+        keep = jnp.tril(jnp.ones((lq, lk), bool))
+        scores = jnp.where(keep, scores, -jnp.inf)
+    if mask is not None:
+        scores = jnp.where(mask, scores, -jnp.inf) if mask.dtype == jnp.bool_ else scores + mask
+    lse = jax.nn.logsumexp(scores, axis=-1)
+    probs = jnp.exp(scores - lse[..., None])
+    return jnp.einsum("...qk,...kd->...qd", probs, v, precision=HIGHEST), lse
+
+
+def _check_no_dropout(dropout_p: float) -> None:
+    if dropout_p:
+        raise NotImplementedError("fused attention with dropout")
+
+
+@lowers(aten._scaled_dot_product_flash_attention_for_cpu.default)
+def _sdpa_cpu(
+    ctx: OpContext,
+    q: Any,
+    k: Any,
+    v: Any,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    *,
+    attn_mask: Any = None,
+    scale: Any = None,
+) -> Any:
+    _check_no_dropout(dropout_p)
+    dt = jax_dtype(compute_dtype(ctx.out_at(0).dtype))
+    mask = (
+        None
+        if attn_mask is None
+        else attn_mask.astype(jnp.bool_ if attn_mask.dtype == jnp.bool_ else dt)
+    )
+    out, lse = _attention(q.astype(dt), k.astype(dt), v.astype(dt), is_causal, mask, scale)
+    # torch's kernel returns the output as (batch, seq, heads, dim) memory seen as
+    # (batch, heads, seq, dim): values are what they are, the layout is torch's business.
+    return out, lse
+
+
+@lowers(aten._scaled_dot_product_flash_attention_for_cpu_backward.default)
+def _sdpa_cpu_backward(
+    ctx: OpContext,
+    grad: Any,
+    q: Any,
+    k: Any,
+    v: Any,
+    out: Any,
+    lse: Any,
+    dropout_p: float,
+    is_causal: bool,
+    *,
+    attn_mask: Any = None,
+    scale: Any = None,
+) -> Any:
+    _check_no_dropout(dropout_p)
+    dt = jax_dtype(compute_dtype(ctx.out_at(0).dtype))
+    mask = (
+        None
+        if attn_mask is None
+        else attn_mask.astype(jnp.bool_ if attn_mask.dtype == jnp.bool_ else dt)
+    )
+    _, vjp = jax.vjp(
+        lambda q, k, v: _attention(q, k, v, is_causal, mask, scale)[0],
+        q.astype(dt), k.astype(dt), v.astype(dt),
+    )  # fmt: skip
+    return vjp(grad.astype(dt))
 
 
 # --------------------------------------------------------------- random numbers

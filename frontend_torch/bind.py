@@ -37,7 +37,7 @@ from stepbundle.schema.manifest import (
 )
 
 from . import graph as g
-from .capture import Capture, Hyper
+from .capture import Capture, Hyper, functional
 from .lowering import ProgramGraph
 from .state import Slot
 
@@ -145,10 +145,11 @@ def bind(
         tensor's dtype or shape.
     """
     _same(a, b, what)
-    gm = b.gm
+    f = functional(b, what)
+    gm = f.gm
     ph = g.placeholders(gm)
     n_state, n_hyper = len(slots), len(hypers)
-    for i in b.writes:
+    for i in f.writes:
         if n_state <= i < n_state + n_hyper:
             h = hypers[i - n_state]
             raise ExportError(
@@ -173,7 +174,7 @@ def bind(
             continue
         i = index[s.name]
         final = final_of[s.name]
-        if g.canonical(final) is ph[i] and i not in b.writes:
+        if g.canonical(final) is ph[i] and i not in f.writes:
             continue
         if s.kind is StateKind.GRADIENT and s.name in b.replaced and not g.reads_value(ph[i]):
             # A gradient thrown away and rebuilt (zero_grad(set_to_none=True), then

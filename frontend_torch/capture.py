@@ -37,23 +37,31 @@ from stepbundle.schema.manifest import StateKind
 from . import graph as g
 from .state import Sandbox, Slot
 
-__all__ = ["Capture", "Hyper", "capture"]
+__all__ = ["Capture", "Functional", "Hyper", "capture", "functional"]
 
 aten = torch.ops.aten
 
+# Decomposed while the step runs: native_batch_norm's schema does not declare that it
+# writes the running statistics, so functionalization would drop the writes; its
+# decomposition makes them with copy_. (Everything else is decomposed afterwards, once:
+# decomposing is most of the cost of a capture, and the second capture of a step only
+# has to show that the step did the same thing.)
+DURING_STEP: dict[Any, Callable[..., Any]] = get_decompositions(
+    [
+        aten.native_batch_norm,
+        aten._native_batch_norm_legit,
+        aten._native_batch_norm_legit_no_training,
+        aten._native_batch_norm_legit_functional,
+    ]
+)
 # The core aten set, and these operators too: their kernels are what the lowering would
 # otherwise reimplement, and torch's own decompositions compute them the way its kernels
-# do (float32 statistics for half types). native_batch_norm must go: its schema does not
-# declare that it writes the running statistics, so functionalization would drop them;
-# its decomposition writes them with copy_.
+# do (float32 statistics for half types).
 DECOMPOSITIONS: dict[Any, Callable[..., Any]] = {
     **core_aten_decompositions(),
+    **DURING_STEP,
     **get_decompositions(
         [
-            aten.native_batch_norm,
-            aten._native_batch_norm_legit,
-            aten._native_batch_norm_legit_no_training,
-            aten._native_batch_norm_legit_functional,
             aten.native_layer_norm,
             aten.native_group_norm,
             aten.native_dropout,
@@ -76,14 +84,13 @@ class Hyper:
 
 @dataclass(frozen=True)
 class Capture:
-    """One captured call of a step.
+    """One captured call of a step, as the step ran it (not yet functional).
 
     Attributes:
-      gm: the functional graph. Its placeholders are, in order, one per state slot, one
-        per declared hyperparameter, one per batch key; its outputs are the metrics, then
-        the value after the step of every slot that still exists (``finals``). The
-        trailing input writes are taken out into ``writes``.
-      writes: placeholder index -> the value the step wrote into that input in place.
+      gm: the graph. Its placeholders are, in order, one per state slot, one per declared
+        hyperparameter, one per batch key; its outputs are the metrics, then the value
+        after the step of every slot that still exists (``finals``).
+      example: the example inputs it was captured with (for ``functional``).
       metric_names: the metrics, in output order.
       finals: the slots whose value after the step is an output, in output order.
       replaced: slots that hold another tensor object after the step than before (a
@@ -95,7 +102,7 @@ class Capture:
     """
 
     gm: fx.GraphModule
-    writes: Mapping[int, fx.Node]
+    example: tuple[torch.Tensor, ...]
     metric_names: tuple[str, ...]
     finals: tuple[str, ...]
     replaced: frozenset[str]
@@ -189,6 +196,8 @@ def capture(
 ) -> Capture:
     """Capture one call of ``fn`` (the training step, or a read-only entry) as a graph.
 
+    The graph records what the step ran; ``functional`` makes it a program.
+
     ``recipe``'s model and optimizer hold tracer tensors only while ``fn`` runs and are
     restored before this returns, also when it raises.
     """
@@ -248,7 +257,7 @@ def capture(
             first = make_fx(
                 pure,
                 tracing_mode="fake",
-                decomposition_table=DECOMPOSITIONS,
+                decomposition_table=DURING_STEP,
                 _allow_non_fake_inputs=True,
             )(*flat)
     except ExportError:
@@ -261,15 +270,43 @@ def capture(
     finally:
         sandbox.restore()
         torch.random.set_rng_state(rng)
-    functional = make_fx(
-        torch.func.functionalize(first, remove="mutations_and_views"),
+    return Capture(
+        gm=first,
+        example=tuple(flat),
+        metric_names=info["metric_names"],
+        finals=info["finals"],
+        replaced=info["replaced"],
+        dropped=info["dropped"],
+        text=g.graph_text(first),
+        constants=g.constants(first),
+        hyper_values=hyper_values,
+    )
+
+
+@dataclass(frozen=True)
+class Functional:
+    """A capture made functional and decomposed to the core aten set.
+
+    Attributes:
+      gm: the graph: placeholders and outputs as the capture's, no in-place operator.
+      writes: placeholder index -> the value the step wrote into that input in place.
+    """
+
+    gm: fx.GraphModule
+    writes: Mapping[int, fx.Node]
+
+
+def functional(c: Capture, what: str) -> Functional:
+    """The capture without in-place updates: each becomes a value and an input write."""
+    gm = make_fx(
+        torch.func.functionalize(c.gm, remove="mutations_and_views"),
         tracing_mode="fake",
         decomposition_table=DECOMPOSITIONS,
         _allow_non_fake_inputs=True,
-    )(*flat)
-    g.strip_profiler(functional)
+    )(*c.example)
+    g.strip_profiler(gm)
     try:
-        writes = g.split_mutations(functional)
+        writes = g.split_mutations(gm)
     except ValueError as e:
         raise ExportError(
             f"The {what} writes to a tensor that is not part of the training state ({e}): "
@@ -277,14 +314,4 @@ def capture(
             "optimizer. A bundle keeps only the state it knows; register the tensor as a "
             "buffer (module.register_buffer) or stop writing to it."
         ) from e
-    return Capture(
-        gm=functional,
-        writes=writes,
-        metric_names=info["metric_names"],
-        finals=info["finals"],
-        replaced=info["replaced"],
-        dropped=info["dropped"],
-        text=g.graph_text(functional),
-        constants=g.constants(functional),
-        hyper_values=hyper_values,
-    )
+    return Functional(gm, writes)

@@ -34,7 +34,9 @@ aten = torch.ops.aten
 _SAME_VALUE = {
     aten.alias.default,
     aten.clone.default,
+    aten.alias_copy.default,
     aten.detach.default,
+    aten.detach_copy.default,
     aten.lift_fresh_copy.default,
 }
 # Operators that read only their first argument's shape and dtype, never its values.

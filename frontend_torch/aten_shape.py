@@ -103,6 +103,22 @@ def _reshape_to_out(ctx: OpContext, x: Any, *args: Any) -> Any:
     return jnp.reshape(x, ctx.out_shape)
 
 
+@lowers(aten.as_strided.default, aten.as_strided_copy.default)
+def _as_strided(ctx: OpContext, x: Any, size: Any, stride: Any, storage_offset: Any = None) -> Any:
+    """A strided view of a tensor whose memory is in row-major order (jax's logical order).
+
+    Only defined here for an input torch lays out contiguously: then its memory is the
+    array flattened, and the view picks ``offset + sum(i_k * stride_k)`` from it.
+    """
+    meta = ctx.args[0] if ctx.args else None
+    if not isinstance(meta, torch.Tensor) or not meta.is_contiguous():
+        raise NotImplementedError("as_strided of a tensor that is not contiguous in memory")
+    index = np.full((), int(storage_offset or 0), np.int64)
+    for n, st in zip(size, stride):
+        index = index[..., None] + np.arange(int(n), dtype=np.int64) * int(st)
+    return jnp.reshape(x, (-1,))[index]
+
+
 @lowers(aten.cat.default)
 def _cat(ctx: OpContext, tensors: Any, dim: int = 0) -> Any:
     dt = ctx.out_dtype

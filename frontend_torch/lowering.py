@@ -125,7 +125,8 @@ def evaluate(graph: ProgramGraph, args: Sequence[Any], seed: Any | None) -> list
             if fn is None:
                 raise UnsupportedOperator(node.target)
             args_, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: env[n])
-            ctx = OpContext(_meta_of(node), next_key, name=node.name)
+            metas = tuple(_meta_of(a) if isinstance(a, fx.Node) else a for a in node.args)
+            ctx = OpContext(_meta_of(node), next_key, name=node.name, args=metas)
             try:
                 out = fn(ctx, *args_, **kwargs)
             except NotImplementedError as e:

@@ -17,7 +17,7 @@ Imports: torch, jax, numpy.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -99,7 +99,8 @@ class OpContext:
     out: Any
     key_source: Callable[[], Any]
     name: str = ""
-    notes: list[str] = field(default_factory=list)
+    args: tuple[Any, ...] = ()
+    """The tracer's values of the node's arguments (fake tensors where they are tensors)."""
 
     @property
     def out_dtype(self) -> torch.dtype:

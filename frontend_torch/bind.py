@@ -188,18 +188,25 @@ def bind(
             "model.eval() and torch.no_grad(), or make it a training step."
         )
 
+    # An input is read when an operator reads it, or when it is itself a metric or the new
+    # value of some state.
+    returned = {g.canonical(n) for n in (*metric_nodes, *(node for _, node in updated))}
+
+    def read(i: int) -> bool:
+        return ph[i] in returned or g.reads_value(ph[i])
+
     inputs: list[InputBinding] = []
     fed: list[int] = []
     state_input: dict[str, int] = {}
     for i, s in enumerate(slots):
-        if g.reads_value(ph[i]):
+        if read(i):
             state_input[s.name] = len(inputs)
             inputs.append(StateInput(_STATE_INPUT_KIND[s.kind], s.name, _spec(ph[i], s.name)))
             fed.append(i)
     unread = []
     for j, h in enumerate(hypers):
         i = n_state + j
-        if g.reads_value(ph[i]):
+        if read(i):
             inputs.append(HyperparameterInput(h.name, _spec(ph[i], f"Hyperparameter {h.name!r}")))
             fed.append(i)
         elif train:
@@ -213,7 +220,7 @@ def bind(
         )
     for j, key in enumerate(batch_keys):
         i = n_state + n_hyper + j
-        if g.reads_value(ph[i]):
+        if read(i):
             inputs.append(BatchInput(key, _spec(ph[i], f"Batch input {key!r}")))
             fed.append(i)
     seeded = bool(g.random_nodes(gm))

@@ -119,7 +119,10 @@ def _hyperparameters(recipe: Recipe) -> list[Hyper]:
                     "scalars can be exported as hyperparameters."
                 )
             name = key if len(groups) == 1 else f"param_groups.{i}.{key}"
-            out.append(Hyper(name, i, key, float(value)))
+            # The value the program input holds (float32), as the torch_xla front-end
+            # records it.
+            held = float(torch.tensor(float(value), dtype=HYPERPARAMETER_DTYPE))
+            out.append(Hyper(name, i, key, held))
     return out
 
 
@@ -220,10 +223,15 @@ def _serialize(bound: BoundProgram, what: str) -> tuple[bytes, str, str]:
     text = module.text()
     errors = []
     for target in mlir.TARGET_CANDIDATES:
+        attempt = parse()
+        # MLIR prints a failed conversion to stderr unless someone handles it: collect
+        # the messages instead (a program that needs a newer target is no error).
+        notes: list[str] = []
+        attempt._ctx.attach_diagnostic_handler(lambda d, notes=notes: notes.append(str(d)) or True)
         try:
-            return parse().portable_artifact(target), target, text
+            return attempt.portable_artifact(target), target, text
         except Exception as e:  # the program needs a newer StableHLO than this target
-            errors.append(f"{target}: {e}")
+            errors.append(f"{target}: {e} {' '.join(notes)[:300]}")
     raise ExportError(  # pragma: no cover - the newest target takes what jax writes
         f"The {what} could not be serialized as a StableHLO portable artifact at any "
         f"supported target ({'; '.join(errors)})."

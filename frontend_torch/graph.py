@@ -102,10 +102,14 @@ def canonical(node: Any) -> Any:
 
 
 def reads_value(node: fx.Node) -> bool:
-    """Whether some user of ``node`` reads its values (not only its shape and dtype)."""
+    """Whether an operator of the graph reads ``node``'s values (not only its shape).
+
+    The graph's outputs do not count: whether an output that *is* an input reads it
+    (a metric that returns an input) is for the caller to say.
+    """
     for user in node.users:
         if user.op == "output":
-            return True
+            continue
         if user.op == "call_function" and user.target in _SHAPE_ONLY and user.args[0] is node:
             if any(a is node for a in (*user.args[1:], *user.kwargs.values())):
                 return True

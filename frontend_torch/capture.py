@@ -186,6 +186,7 @@ def _refusal(e: BaseException, what: str) -> ExportError | None:
 
 def capture(
     recipe: Recipe,
+    sandbox: Sandbox,
     slots: list[Slot],
     hypers: list[Hyper],
     batch: Mapping[str, torch.Tensor],
@@ -198,8 +199,10 @@ def capture(
 
     The graph records what the step ran; ``functional`` makes it a program.
 
-    ``recipe``'s model and optimizer hold tracer tensors only while ``fn`` runs and are
-    restored before this returns, also when it raises.
+    ``recipe``'s model and optimizer hold tracer tensors (through ``sandbox``) only while
+    ``fn`` runs; the caller restores them (``Sandbox.restore``) after its last capture, so
+    that what a step changes in Python (a learning rate in ``param_groups``) is seen by
+    the next capture, as by the next eager step.
     """
     batch_keys = list(batch)
     n_state, n_hyper = len(slots), len(hypers)
@@ -251,7 +254,6 @@ def capture(
     flat += [batch[k] for k in batch_keys]
     hyper_values = _hyper_values(recipe.optimizer)
     rng = torch.random.get_rng_state()
-    sandbox = Sandbox(recipe)
     try:
         with _as_if_compiling():
             first = make_fx(
@@ -268,7 +270,7 @@ def capture(
             raise
         raise refusal from e
     finally:
-        sandbox.restore()
+        sandbox.uninstall()
         torch.random.set_rng_state(rng)
     return Capture(
         gm=first,
@@ -305,6 +307,15 @@ def functional(c: Capture, what: str) -> Functional:
         _allow_non_fake_inputs=True,
     )(*c.example)
     g.strip_profiler(gm)
+    for node in gm.graph.nodes:
+        meta = node.meta.get("val")
+        if isinstance(meta, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in meta.shape):
+            raise ExportError(
+                f"The {what} calls {node.target}, whose output shape depends on the values of "
+                "its input (nonzero, boolean masking, unique...). One program has one shape "
+                "per tensor, so the step cannot be exported. Replace it with static-shape ops "
+                "(torch.where, masked sums) and export again."
+            )
     try:
         writes = g.split_mutations(gm)
     except ValueError as e:

@@ -46,7 +46,7 @@ from stepbundle.stablehlo import artifact as mlir
 from .bind import BoundProgram, bind
 from .capture import Capture, Hyper, capture
 from .lowering import LoweringError, UnsupportedOperator, lower
-from .state import Slot, state_slots
+from .state import Sandbox, Slot, state_slots
 
 __all__ = ["FRONTEND", "NO_TORCH_XLA", "ExportReport", "export"]
 
@@ -148,6 +148,19 @@ def _trace(
     zero_grads: bool,
 ) -> tuple[list[Slot], _Bound, dict[str, _Bound]]:
     slots = state_slots(recipe, zero_grads=zero_grads)
+    with Sandbox(recipe) as sandbox:
+        return _trace_in(recipe, sandbox, slots, hypers, batches, zero_grads=zero_grads)
+
+
+def _trace_in(
+    recipe: Recipe,
+    sandbox: Sandbox,
+    slots: list[Slot],
+    hypers: list[Hyper],
+    batches: list[dict[str, torch.Tensor]],
+    *,
+    zero_grads: bool,
+) -> tuple[list[Slot], _Bound, dict[str, _Bound]]:
     trainable_grads = {
         s.name for s in slots if s.kind is StateKind.GRADIENT and s.name[: -len(".grad")]
     }
@@ -156,7 +169,9 @@ def _trace(
         what = "training step" + (f" (shape bucket {i})" if len(batches) > 1 else "")
 
         def once(batch: dict[str, torch.Tensor] = batch, what: str = what) -> Capture:
-            return capture(recipe, slots, hypers, batch, recipe.step, train=True, what=what)
+            return capture(
+                recipe, sandbox, slots, hypers, batch, recipe.step, train=True, what=what
+            )
 
         first = once()
         if zero_grads and first.dropped & trainable_grads:
@@ -178,7 +193,10 @@ def _trace(
         progs = []
         for i, batch in enumerate(batches):
             what = f"{name} step" + (f" (shape bucket {i})" if len(batches) > 1 else "")
-            a, b = (capture(recipe, slots, [], batch, fn, train=False, what=what) for _ in range(2))
+            a, b = (
+                capture(recipe, sandbox, slots, [], batch, fn, train=False, what=what)
+                for _ in range(2)
+            )
             bound = bind(
                 a, b, slots=slots, hypers=[], batch_keys=list(batch), train=False, what=what
             )

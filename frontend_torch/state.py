@@ -267,6 +267,20 @@ class Sandbox:
                 out[s.name] = new[s.param].grad
         return out
 
+    def uninstall(self) -> None:
+        """Put the user's parameters, buffers, gradients and optimizer state back, but keep
+        what the step did to ``param_groups``' settings (the next capture sees it, as the
+        next eager step would); ``restore`` puts those back too."""
+        for m, ps, bs in zip(self._modules, self._saved_params, self._saved_buffers):
+            m._parameters.clear()
+            m._parameters.update(ps)
+            m._buffers.clear()
+            m._buffers.update(bs)
+        for group, saved in zip(self.optimizer.param_groups, self._saved_groups):
+            group["params"] = saved["params"]
+        self.optimizer.state = self._saved_state
+        self._new_params = {}
+
     def restore(self) -> None:
         """Put the user's original parameters, buffers and optimizer contents back."""
         for m, ps, bs, tr in zip(

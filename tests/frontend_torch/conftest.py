@@ -12,6 +12,7 @@ import importlib.util
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -45,3 +46,25 @@ def xla_python() -> str:
     if not Path(path).exists():
         pytest.fail(f"The torch_xla environment is missing ({path}); run `bash scripts/setup.sh`.")
     return path
+
+
+@pytest.fixture(scope="session")
+def exported(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """``exported(spec)``: the torch front-end's bundle of ``"module:function"``, exported
+    once per session (several test modules use the same recipes)."""
+    import importlib
+
+    from stepbundle.export_torch import export
+
+    folder = tmp_path_factory.mktemp("exported")
+    done: dict[str, Path] = {}
+
+    def get(spec: str) -> Path:
+        if spec not in done:
+            module, _, func = spec.partition(":")
+            path = folder / f"{module}.{func}.stepbundle"
+            export(getattr(importlib.import_module(module), func)(), path)
+            done[spec] = path
+        return done[spec]
+
+    return get

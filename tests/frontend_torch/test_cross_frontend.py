@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 import stepbundle.schema as codec
-from stepbundle.export_torch import NO_TORCH_XLA, export
+from stepbundle.export_torch import NO_TORCH_XLA
 
 RECIPES = [
     "linear_adamw:recipe",  # the seed case
@@ -54,24 +54,21 @@ def tables(path: Path) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def bundles(xla_python: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def bundles(
+    xla_python: str, exported: Any, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Any]:
     xla_dir = tmp_path_factory.mktemp("xla")
     child = subprocess.Popen(
         [xla_python, str(CHILD), str(xla_dir), *RECIPES],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
-    torch_dir = tmp_path_factory.mktemp("torch")
-    import importlib
-
-    for spec in RECIPES:  # while the other environment exports
-        module, _, func = spec.partition(":")
-        export(getattr(importlib.import_module(module), func)(), torch_dir / f"{func}.stepbundle")
+    ours = {spec: exported(spec) for spec in RECIPES}  # while the other environment exports
     _, err = child.communicate(timeout=600)
     assert child.returncode == 0, f"the torch_xla export failed:\n{err[-3000:]}"
     return {
         spec.partition(":")[2]: (
             tables(xla_dir / f"{spec.partition(':')[2]}.stepbundle"),
-            tables(torch_dir / f"{spec.partition(':')[2]}.stepbundle"),
+            tables(ours[spec]),
         )
         for spec in RECIPES
     }

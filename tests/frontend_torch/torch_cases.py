@@ -74,3 +74,51 @@ def mlp_dropout() -> Recipe:
 def mlp_two_buckets() -> Recipe:
     """The MLP with a second shape bucket (a short last batch of 8)."""
     return mlp(0.0, batches=(32, 8))
+
+
+def mlp_accum_step(
+    model: nn.Module, optimizer: torch.optim.Optimizer, batch: dict[str, Any]
+) -> Any:
+    """Gradient accumulation: 4 micro-batches, then clipping and one optimizer step."""
+    optimizer.zero_grad()
+    total = torch.zeros(())
+    for x, y in zip(batch["x"].chunk(4), batch["label"].chunk(4)):
+        loss = F.cross_entropy(model(x), y) / 4
+        loss.backward()
+        total = total + loss.detach()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+    optimizer.step()
+    return {"loss": total, "grad_norm": norm}
+
+
+def mlp_bf16_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: dict[str, Any]) -> Any:
+    """Mixed precision: float32 weights, the forward under bf16 autocast."""
+    optimizer.zero_grad()
+    with torch.autocast(device_type=batch["x"].device.type, dtype=torch.bfloat16):
+        loss = F.cross_entropy(model(batch["x"]), batch["label"])
+    loss.backward()
+    optimizer.step()
+    return {"loss": loss.float()}
+
+
+def mlp_accum() -> Recipe:
+    r = mlp(0.0)
+    r.step = mlp_accum_step
+    return r
+
+
+def mlp_bf16() -> Recipe:
+    r = mlp(0.0)
+    r.step = mlp_bf16_step
+    return r
+
+
+def random_numbers_step(
+    model: nn.Module, optimizer: torch.optim.Optimizer, batch: dict[str, Any]
+) -> Any:
+    """A step whose metrics are its random numbers (to check the documented seed rule)."""
+    optimizer.zero_grad()
+    loss = F.mse_loss(model(batch["x"]), batch["y"])
+    loss.backward()
+    optimizer.step()
+    return {"loss": loss, "uniform": torch.rand(3), "normal": torch.randn(2)}

@@ -219,8 +219,14 @@ def _serialize(bound: BoundProgram, what: str) -> tuple[bytes, str, str]:
     except LoweringError as e:  # pragma: no cover - a bug of a lowering
         raise ExportError(f"Internal error lowering the {what}: {e}. Please report it.") from e
 
+    raw = mlir.parse_artifact(data)
+    # jax records where in Python each operation was made (file, line, the caller's
+    # frames) as MLIR locations: printed without them and parsed again, the program is
+    # the same and the bundle no longer depends on who called export() from where.
+    text = raw.text()
+
     def parse() -> mlir.Module:
-        module = mlir.parse_artifact(data)
+        module = mlir.Module.parse_text(raw, text)
         module.strip_attributes()  # aliasing lives in the manifest and is made at load
         return module
 

@@ -41,9 +41,18 @@ def lowered(fn: Callable[..., list[torch.Tensor]], *args: torch.Tensor) -> list[
     (out,) = [n for n in gm.graph.nodes if n.op == "output"]
     graph = ProgramGraph(gm, tuple(range(len(args))), tuple(out.args[0]), seeded=False)
     with jax.enable_x64(True):
-        inputs = [jnp.asarray(a.detach().numpy()) for a in args]
-        return [np.asarray(jnp.asarray(v, jnp.float32) if v.dtype == jnp.bfloat16 else v)
-                for v in evaluate(graph, inputs, None)]  # fmt: skip
+        inputs = [
+            jnp.asarray(a.detach().float().numpy(), jnp.bfloat16)
+            if a.dtype == torch.bfloat16
+            else jnp.asarray(a.detach().numpy())
+            for a in args
+        ]
+        # One compiled program (jax would otherwise compile every operator on its own).
+        results = jax.jit(lambda *xs: evaluate(graph, xs, None))(*inputs)
+        return [
+            np.asarray(jnp.asarray(v, jnp.float32) if v.dtype == jnp.bfloat16 else v)
+            for v in results
+        ]
 
 
 def check(fn: Callable[..., list[torch.Tensor]], *args: torch.Tensor, rtol: float = 2e-5) -> None:

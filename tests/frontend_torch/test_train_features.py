@@ -18,7 +18,7 @@ import torch
 import torch_cases
 from equiv_harness import check_failures, compare
 from equiv_models import BF16_CPU, Bounds
-from support import make_batches, run_bundle_inprocess
+from support import Run, make_batches
 from torch_refs import eager32
 
 from stepbundle.export_torch import export
@@ -29,6 +29,18 @@ from stepbundle.schema.rng import TORCH_XLA_MARK_STEP, advance_seed
 FP32 = Bounds(1e-5, 1e-5, "the same float32 step in XLA:CPU and ATen (see test_train_equivalence)")
 
 
+def run_bundle_inprocess(path: Path, batches: Any, steps: int, seed: int | None = None) -> Run:
+    """Train a bundle here; repeated loads of one bundle reuse its compiled programs (the
+    runtime's verified compile cache, private to the test session)."""
+    trainer = load(path)
+    if seed is not None:
+        trainer.seed = seed
+    ms = trainer.run(list(batches), steps)
+    metrics = [{k: float(np.asarray(v).astype(np.float64).reshape(-1)[0]) for k, v in m.items()}
+               for m in ms]  # fmt: skip
+    return Run(metrics, {k: np.asarray(v) for k, v in trainer.state_dict().items()})
+
+
 @pytest.fixture(scope="module")
 def bundles(exported: Any) -> dict[str, Path]:
     names = ("mlp_dropout", "mlp_no_dropout", "mlp_two_buckets", "mlp_accum", "mlp_bf16")
@@ -37,7 +49,7 @@ def bundles(exported: Any) -> dict[str, Path]:
 
 def test_dropout_is_a_function_of_the_seed(bundles: dict[str, Path]) -> None:
     batches = make_batches(torch_cases.mlp_dropout(), 3)
-    trainer = load(bundles["mlp_dropout"], cache_dir=False)
+    trainer = load(bundles["mlp_dropout"])
     m = trainer.manifest
     assert m.rng is not None and m.rng.seed == 2024 and m.rng.rule == TORCH_XLA_MARK_STEP
     train = m.entries["train"].programs[0]
@@ -76,7 +88,7 @@ def test_the_seed_rule_is_the_documented_one(tmp_path: Path) -> None:
 def test_eval_entry_matches_eager_pytorch(bundles: dict[str, Path]) -> None:
     r = torch_cases.mlp_dropout()
     batch = {k: v.numpy() for k, v in r.example_batch.items()}
-    got = load(bundles["mlp_dropout"], cache_dir=False).evaluate(batch)
+    got = load(bundles["mlp_dropout"]).evaluate(batch)
     r.model.eval()
     with torch.no_grad():
         want = torch_cases.mlp_eval(r.model, dict(r.example_batch))
@@ -87,7 +99,7 @@ def test_eval_entry_matches_eager_pytorch(bundles: dict[str, Path]) -> None:
 
 def test_shape_buckets_pick_the_program_of_the_batch(bundles: dict[str, Path]) -> None:
     r = torch_cases.mlp_two_buckets()
-    progs = load(bundles["mlp_two_buckets"], cache_dir=False).manifest.entries["train"].programs
+    progs = load(bundles["mlp_two_buckets"]).manifest.entries["train"].programs
     assert [p.batch[0].spec.shape for p in progs] == [(32, 20), (8, 20)]
     big = {k: v.numpy() for k, v in r.example_batch.items()}
     small = {k: v.numpy() for k, v in r.example_batches[0].items()}

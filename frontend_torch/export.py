@@ -161,9 +161,7 @@ def _trace_in(
     *,
     zero_grads: bool,
 ) -> tuple[list[Slot], _Bound, dict[str, _Bound]]:
-    trainable_grads = {
-        s.name for s in slots if s.kind is StateKind.GRADIENT and s.name[: -len(".grad")]
-    }
+    grads = {s.name for s in slots if s.kind is StateKind.GRADIENT}
     train: _Bound = []
     for i, batch in enumerate(batches):
         what = "training step" + (f" (shape bucket {i})" if len(batches) > 1 else "")
@@ -174,7 +172,7 @@ def _trace_in(
             )
 
         first = once()
-        if zero_grads and first.dropped & trainable_grads:
+        if zero_grads and first.dropped & grads:
             raise _GradientsDropped
         bound = bind(
             first, once(), slots=slots, hypers=hypers, batch_keys=list(batch), train=True,

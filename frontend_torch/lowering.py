@@ -18,6 +18,7 @@ Imports: torch, jax, numpy, this package's lowering tables.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -28,7 +29,7 @@ import numpy as np
 import torch
 from torch import fx
 
-from . import aten_math, aten_nn, aten_shape  # noqa: F401  (they fill LOWERINGS)
+from . import aten_math, aten_nn, aten_reduce, aten_shape  # noqa: F401  (they fill LOWERINGS)
 from .registry import LOWERINGS, OpContext, jax_dtype
 
 __all__ = ["LoweringError", "ProgramGraph", "UnsupportedOperator", "evaluate", "lower"]
@@ -106,7 +107,7 @@ def evaluate(graph: ProgramGraph, args: Sequence[Any], seed: Any | None) -> list
             meta = _meta_of(node)
             env[node] = jnp.zeros(tuple(meta.shape), jax_dtype(meta.dtype))
     key = jax.random.key(seed, impl=SEED_IMPL) if seed is not None else None
-    counter = iter(range(1 << 30))
+    counter = itertools.count()
 
     def next_key() -> Any:
         if key is None:  # pragma: no cover - ProgramGraph.seeded is set from the graph

@@ -120,10 +120,5 @@ class OpContext:
         return self.key_source()
 
 
-def np_scalar(value: Any, dtype: torch.dtype) -> Any:
-    """A Python number as a 0-d numpy array of ``dtype`` (a constant of the program)."""
-    return np.asarray(value, dtype=np.dtype(jax_dtype(dtype)))
-
-
 def is_array(x: Any) -> bool:
     return isinstance(x, (jax.Array, np.ndarray)) or hasattr(x, "aval")

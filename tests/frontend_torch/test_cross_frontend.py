@@ -22,8 +22,7 @@ from stepbundle.export_torch import NO_TORCH_XLA
 RECIPES = [
     "linear_adamw:recipe",  # the seed case
     "equiv_models:gpt_no_dropout",  # tied weights, two param groups, lr declared, clipping
-    "equiv_models:cnn_no_dropout",  # BatchNorm buffers, max pooling, SGD momentum
-    "torch_cases:mlp_two_buckets",  # an eval entry, two shape buckets
+    "torch_cases:mlp_two_buckets",  # BatchNorm buffers, an eval entry, two shape buckets
 ]
 CHILD = Path(__file__).resolve().parent / "xla_export_child.py"
 

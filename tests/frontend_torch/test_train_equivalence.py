@@ -134,14 +134,14 @@ def _initial(recipe_fn: Callable[[], Any]) -> dict[str, Any]:
 @pytest.mark.parametrize("name", list(CASES))
 def test_bundle_trains_like_eager_pytorch(runs: dict[str, Runs], name: str) -> None:
     case, r = CASES[name], runs[name]
-    c = compare(
-        r.bundle, r.eager, case.bounds, name, tied_aliases(case.recipe), _initial(case.recipe)
-    )
+    initial = _initial(case.recipe)
+    c = compare(r.bundle, r.eager, case.bounds, name, tied_aliases(case.recipe), initial)
     check_failures(c, case.bounds, f"{name}: the torch front-end's bundle against eager PyTorch")
     # Not vacuous: training moved every parameter.
-    for pname, init in _initial(case.recipe).items():
-        moved = r.bundle.state[pname].astype("float64") - init
-        if pname in dict(case.recipe().model.named_parameters()):
+    params = dict(case.recipe().model.named_parameters())
+    for pname, init in initial.items():
+        if pname in params:
+            moved = r.bundle.state[pname].astype("float64") - init
             assert float(abs(moved).max()) > 0, f"the bundle never moved {pname}"
 
 

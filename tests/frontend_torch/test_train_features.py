@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import equiv_models
 import jax
 import linear_adamw
 import numpy as np
@@ -120,3 +121,20 @@ def test_accumulation_clipping_and_bf16_autocast_train_like_pytorch(
     check_failures(compare(got, want, bounds, name), bounds, name)
     if name == "mlp_accum":  # clipping acted: the reported norm is the unclipped one
         assert (got.series("grad_norm") > 0.5).any()
+
+
+def test_the_gpt_with_tied_weights_and_dropout_exports_and_trains(exported: Any) -> None:
+    """equiv_models' GPT with its dropout on: seeded, deterministic, and not the same run as
+    without dropout (test_train_equivalence compares the dropout-free one with PyTorch)."""
+    with_p = exported("equiv_models:gpt_dropout")
+    without = exported("equiv_models:gpt_no_dropout")
+    m = load(with_p).manifest
+    assert m.rng is not None and m.rng.seed == 4321
+    assert any(s.aliases == ("head.weight",) for s in m.state)  # the tied embedding
+    batches = make_batches(equiv_models.gpt_dropout(), 2)
+    a = run_bundle_inprocess(with_p, batches, 2)
+    b = run_bundle_inprocess(with_p, batches, 2)
+    off = run_bundle_inprocess(without, batches, 1)
+    assert a.series("loss").tolist() == b.series("loss").tolist()
+    assert a.series("loss")[0] != off.series("loss")[0]
+    assert np.isfinite(a.series("loss")).all()

@@ -276,6 +276,8 @@ def export(
 
     Args:
       recipe: the model, optimizer, step and example batches (``stepbundle.exporter.Recipe``).
+        ``Recipe.seed`` is the seed the first step's program receives; ``None`` takes
+        ``torch.initial_seed()`` (what ``torch.manual_seed`` last set).
       path: where to write the bundle (atomically).
       mlir_dir: if given, each program is also written there as ``.mlir`` text.
       progress: called with a line per stage.

@@ -1,7 +1,7 @@
-"""``stepbundle export``: build a recipe and write its bundle.
+"""``stepbundle export``: build a recipe and write its bundle, with either front-end.
 
-Imports the exporter (torch, torch_xla) only when the command runs, so the rest of the
-CLI works in the lean environment.
+Imports a front-end (torch and torch_xla, or torch and jax) only when the command runs,
+so the rest of the CLI works in the lean environment.
 """
 
 from __future__ import annotations
@@ -39,15 +39,41 @@ def _load_recipe(spec: str) -> Any:
     return fn
 
 
-def cmd_export(args: argparse.Namespace) -> int:
-    try:
-        import torch  # noqa: F401
-        import torch_xla  # noqa: F401
-    except ImportError as e:
-        return _die(
-            f"`stepbundle export` needs torch and torch_xla ({e}). Install the export extra: "
-            "pip install 'stepbundle[export]'. Running bundles (`stepbundle run`) does not."
+def _installed(name: str) -> bool:
+    return importlib.util.find_spec(name) is not None
+
+
+def _choose_frontend(asked: str) -> tuple[str, str]:
+    """The front-end to use and why; raises SystemExit when it cannot run here."""
+    if asked == "auto":
+        if _installed("torch_xla"):
+            return "torch_xla", "torch_xla is installed"
+        if _installed("torch"):
+            return "torch", "torch_xla is not installed"
+        raise SystemExit(
+            _die(
+                "`stepbundle export` needs torch: install a front-end, "
+                "pip install 'stepbundle[export-torch]' (current torch and jax) or "
+                "'stepbundle[export]' (torch 2.9 + torch_xla). Running bundles "
+                "(`stepbundle run`) needs neither."
+            )
         )
+    need = ("torch", "torch_xla") if asked == "torch_xla" else ("torch", "jax")
+    extra = "export" if asked == "torch_xla" else "export-torch"
+    missing = [n for n in need if not _installed(n)]
+    if missing:
+        raise SystemExit(
+            _die(
+                f"--frontend {asked} needs {' and '.join(need)}, and {', '.join(missing)} "
+                f"is not installed. Install its extra: pip install 'stepbundle[{extra}]'. "
+                "Running bundles (`stepbundle run`) does not need it."
+            )
+        )
+    return asked, "asked for"
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    frontend, why = _choose_frontend(getattr(args, "frontend", "auto"))
     recipe_file = args.recipe.rpartition(":")[0]
     outputs_exist = Path(recipe_file).exists() and Path(args.output).exists()
     if recipe_file and outputs_exist and os.path.samefile(recipe_file, args.output):
@@ -57,13 +83,24 @@ def cmd_export(args: argparse.Namespace) -> int:
     folder = Path(args.output).parent
     if not os.access(folder if str(folder) else ".", os.W_OK) or not folder.is_dir():
         return _die(f"-o {args.output!r}: the folder {str(folder)!r} is missing or not writable.")
-    from stepbundle.exporter import ExportError, Recipe, export
-    from stepbundle.exporter.workspace import xla_device
+    print(f"[export] front-end: {frontend} ({why})", file=sys.stderr)
+    from stepbundle.exporter.errors import ExportError
+    from stepbundle.exporter.recipe import Recipe
 
     t0 = time.perf_counter()
-    # Create the XLA device before the recipe runs any CPU autograd (torch_xla asserts
-    # in autograd's engine otherwise).
-    xla_device()
+    export: Any
+    if frontend == "torch_xla":
+        from stepbundle.exporter import export as export_xla
+        from stepbundle.exporter.workspace import xla_device
+
+        # Create the XLA device before the recipe runs any CPU autograd (torch_xla
+        # asserts in autograd's engine otherwise).
+        xla_device()
+        export = export_xla
+    else:
+        from stepbundle.export_torch.export import export as export_torch
+
+        export = export_torch
     fn = _load_recipe(args.recipe)
     recipe = fn()
     if not isinstance(recipe, Recipe):

@@ -85,6 +85,14 @@ def _add_export(sub: Any) -> None:
         "from a checkpoint (stepbundle run --init-from); a fresh optimizer's state is "
         "described by rule",
     )
+    e.add_argument(
+        "--frontend",
+        choices=("auto", "torch_xla", "torch"),
+        default="auto",
+        help="what captures the step: torch_xla (stepbundle[export]: torch 2.9 + torch_xla), "
+        "torch (stepbundle[export-torch]: current torch and jax, no torch_xla), or auto: "
+        "torch_xla when it is installed, else torch (the choice is printed)",
+    )
     e.set_defaults(fn=cmd_export)
 
 

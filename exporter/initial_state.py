@@ -19,17 +19,31 @@ export --no-state``) stores no weights (format 1.1, ``state_initializers``):
 - non-persistent buffers with differing elements (``inv_freq`` of rotary embeddings)
   are stored: they are part of the model's code, and no checkpoint holds them.
 
-Imports: torch, stepbundle.schema.
+Imports: torch, stepbundle.schema (no torch_xla: the torch front-end shares it).
 """
 
 from __future__ import annotations
+
+from typing import Protocol
 
 import torch
 
 from stepbundle.schema.manifest import SectionKind, StateKind
 
 from .dtypes import tensor_bytes
-from .workspace import StateTensor
+
+
+class StateRow(Protocol):
+    """What ``initial_section`` reads of a state tensor: both front-ends' state records
+    (``workspace.StateTensor``, ``export_torch``'s ``Slot``) have these."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def kind(self) -> StateKind: ...
+    @property
+    def aliases(self) -> tuple[str, ...]: ...
+
 
 __all__ = ["initial_section", "non_persistent_buffers"]
 
@@ -61,7 +75,7 @@ def _fill_element(value: torch.Tensor) -> bytes | None:
 
 
 def initial_section(
-    s: StateTensor, value: torch.Tensor, *, include_state: bool, non_persistent: set[str]
+    s: StateRow, value: torch.Tensor, *, include_state: bool, non_persistent: set[str]
 ) -> tuple[SectionKind, bytes]:
     """The kind and bytes of state ``s``'s section, whose initial value is ``value``."""
     if include_state:

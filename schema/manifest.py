@@ -111,7 +111,9 @@ class Producer:
     Attributes:
       stepbundle: version of the exporter package.
       torch: torch version the step was traced with.
-      torch_xla: torch_xla version the step was traced with.
+      torch_xla: torch_xla version the step was traced with; a bundle written without
+        torch_xla says so and names its front-end: ``"none (front-end
+        stepbundle.export_torch)"``.
       jax: jax version whose StableHLO tooling serialized the programs.
     """
 

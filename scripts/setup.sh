@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Create the two environments this project uses, from nothing, idempotently:
+# Create the three environments this project uses, from nothing, idempotently:
 #   .venv       exporter + tests: torch 2.9.0, torch_xla 2.9.0, jax 0.7.1 (pinned)
+#   .venv-torch the torch front-end: current torch and jax 0.10.2, no torch_xla
 #   .venv-lean  runtime only: the newest jax/jaxlib pip offers, and no torch at all
 # Re-running is cheap: an environment is rebuilt only when pyproject.toml changed.
 set -euo pipefail
@@ -22,7 +23,13 @@ make_env() {  # make_env DIR SPEC
 }
 
 make_env .venv ".[export,test]"
+make_env .venv-torch ".[export-torch,export-torch-test]"
 make_env .venv-lean ".[lean-test]"
+# The torch front-end's environment must not have torch_xla: its tests prove it needs none.
+if .venv-torch/bin/python -c "import torch_xla" 2>/dev/null; then
+  echo "[setup] .venv-torch has torch_xla installed; it must not" >&2
+  exit 1
+fi
 # The lean environment must never have torch: the runtime's promise depends on it.
 if .venv-lean/bin/python -c "import torch" 2>/dev/null; then
   echo "[setup] .venv-lean has torch installed; it must not" >&2

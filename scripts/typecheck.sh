@@ -13,6 +13,7 @@ t=build/typecheck/stepbundle
 rm -rf build/typecheck && mkdir -p "$t"
 for f in package/*; do ln -s "$PWD/$f" "$t/$(basename "$f")"; done
 for pkg in schema stablehlo runtime exporter cli; do ln -s "$PWD/$pkg" "$t/$pkg"; done
+ln -s "$PWD/frontend_torch" "$t/export_torch"
 cd build/typecheck
 ../../.venv/bin/mypy --config-file ../../pyproject.toml \
   -p stepbundle.schema -p stepbundle.stablehlo -p stepbundle.runtime -p stepbundle.cli

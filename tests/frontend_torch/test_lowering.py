@@ -1,0 +1,251 @@
+"""Each aten lowering against torch itself: the same function, run by torch and by jax.
+
+A small torch function (forward, and backward through autograd where it has one) is
+captured the way the front-end captures a step (make_fx, functionalized, decomposed to
+core aten), then evaluated by the front-end's jax lowering; torch's own eager result is
+the oracle. Floats agree to a few ulp (rtol 2e-5), integers and booleans exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from stepbundle.export_torch.capture import DECOMPOSITIONS, DURING_STEP
+from stepbundle.export_torch.lowering import ProgramGraph, UnsupportedOperator, evaluate
+
+
+def _numpy(t: torch.Tensor) -> np.ndarray:
+    t = t.detach()
+    if t.dtype == torch.bfloat16:
+        return t.float().numpy()
+    return t.numpy()
+
+
+def lowered(fn: Callable[..., list[torch.Tensor]], *args: torch.Tensor) -> list[np.ndarray]:
+    """``fn(*args)`` computed by the front-end's lowering (jax, eagerly)."""
+    first = make_fx(fn, tracing_mode="fake", decomposition_table=DURING_STEP)(*args)
+    gm = make_fx(
+        torch.func.functionalize(first, remove="mutations_and_views"),
+        tracing_mode="fake",
+        decomposition_table=DECOMPOSITIONS,
+    )(*args)
+    (out,) = [n for n in gm.graph.nodes if n.op == "output"]
+    graph = ProgramGraph(gm, tuple(range(len(args))), tuple(out.args[0]), seeded=False)
+    with jax.enable_x64(True):
+        inputs = [
+            jnp.asarray(a.detach().float().numpy(), jnp.bfloat16)
+            if a.dtype == torch.bfloat16
+            else jnp.asarray(a.detach().numpy())
+            for a in args
+        ]
+        # One compiled program (jax would otherwise compile every operator on its own).
+        results = jax.jit(lambda *xs: evaluate(graph, xs, None))(*inputs)
+        return [
+            np.asarray(jnp.asarray(v, jnp.float32) if v.dtype == jnp.bfloat16 else v)
+            for v in results
+        ]
+
+
+def check(fn: Callable[..., list[torch.Tensor]], *args: torch.Tensor, rtol: float = 2e-5) -> None:
+    want = [_numpy(t) for t in fn(*[a.clone() for a in args])]
+    got = lowered(fn, *args)
+    assert len(got) == len(want)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert g.shape == w.shape, (i, g.shape, w.shape)
+        if w.dtype.kind in "biu":
+            np.testing.assert_array_equal(g, w, err_msg=f"output {i}")
+        else:
+            scale = max(float(np.max(np.abs(w))) if w.size else 0.0, 1e-6)
+            np.testing.assert_allclose(g, w, rtol=rtol, atol=rtol * scale, err_msg=f"output {i}")
+
+
+g = torch.Generator().manual_seed(0)
+
+
+def rand(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.randn(*shape, generator=g).to(dtype)
+
+
+def grads(loss: torch.Tensor, *wrt: torch.Tensor) -> list[torch.Tensor]:
+    return list(torch.autograd.grad(loss, wrt))
+
+
+def _leaf(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().requires_grad_(True)
+
+
+CASES: dict[str, tuple[Callable[..., Any], tuple[torch.Tensor, ...]]] = {
+    "elementwise and promotion": (
+        lambda x, i: [
+            x * 2.5 - 1,
+            i * 0.5,
+            i / 3,
+            torch.div(i, 3, rounding_mode="floor"),
+            torch.div(-i, 3, rounding_mode="trunc"),
+            torch.remainder(-i, 3),
+            x.abs().sqrt(),
+            x.abs().rsqrt(),
+            x.pow(2),
+            x.abs().pow(0.5),
+            x.abs().pow(1.7),
+            torch.exp(x),
+            torch.log1p(x.abs()),
+            torch.tanh(x),
+            torch.sigmoid(x),
+            torch.erf(x),
+            F.gelu(x),
+            F.gelu(x, approximate="tanh"),
+            F.silu(x),
+            torch.relu(x),
+            x.clamp(-0.5, 0.5),
+            torch.where(x > 0, x, i.float()),
+            (x > 0) & (i > 2),
+            ~(i > 2),
+            x.sign(),
+            x.floor(),
+            (x * 3).round(),
+            torch.maximum(x, -x.flip(0)),
+        ],
+        (rand(6, 4), torch.arange(24).reshape(6, 4) - 5),
+    ),
+    "reductions": (
+        lambda x, t: [
+            x.sum(1, keepdim=True),
+            x.mean(),
+            x.amax(0),
+            t.argmax(1),  # ties: the first one, as torch
+            (x > 1).any(1),
+            *torch.var_mean(x, dim=0),
+            x.var(1, unbiased=False),
+            x.std(),
+            x.cumsum(1),
+            F.softmax(x, -1),
+            F.log_softmax(x, 0),
+            torch.logsumexp(x, 1),
+            x.max(1).values,
+            x.max(1).indices,
+        ],
+        (rand(5, 7), torch.tensor([[1.0, 3.0, 3.0], [2.0, 2.0, 0.0]])),
+    ),
+    "matrices": (
+        lambda a, b, c, w: [
+            a @ b,
+            torch.bmm(c, c.transpose(1, 2)),
+            F.linear(a, w, torch.ones(3)),
+            torch.einsum("bij,bkj->bik", c, c),
+        ],
+        (rand(4, 5), rand(5, 3), rand(2, 3, 4), rand(3, 5)),
+    ),
+    "shapes": (
+        lambda x: [
+            x.view(4, 6).permute(1, 0).contiguous(),
+            x[None].expand(2, 2, 3, 4),
+            torch.cat([x, x * 2], 1),
+            torch.stack([x, -x], 0),
+            *x.split([1, 2], 1),
+            x[:, ::2, -3:],
+            x[1],
+            F.pad(x, (1, 2, 0, 1), value=-1.0),
+            F.pad(x, (-1, 0)),
+            x.flip(2),
+            x.roll(1, 1),
+            torch.tril(x[0]),
+            x.squeeze(0).unsqueeze(-1),
+            *x.unbind(1),
+        ],
+        (rand(2, 3, 4),),
+    ),
+    "indexing": (
+        lambda x, idx, src: [
+            x[idx],
+            x[:, idx[:2]],
+            x.index_put((idx,), torch.ones(3, 4), accumulate=True),
+            torch.gather(x, 1, idx[:2].reshape(1, 2).expand(5, 2)),
+            torch.zeros(5, 4).scatter(0, idx.reshape(3, 1).expand(3, 4), src),
+            torch.zeros(5, 4).scatter_add(0, idx.reshape(3, 1).expand(3, 4), src),
+            x.index_select(0, idx),
+        ],
+        (rand(5, 4), torch.tensor([3, 0, 3]), rand(3, 4)),
+    ),
+    "creation": (
+        lambda x: [
+            torch.arange(5) * x.sum(),
+            torch.arange(0.0, 1.0, 0.1) + x.mean(),
+            torch.full((2, 3), 7, dtype=torch.int64),
+            torch.zeros_like(x) + torch.ones(1),
+        ],
+        (rand(3),),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_forward_operators_match_torch(name: str) -> None:
+    fn, args = CASES[name]
+    check(fn, *args)
+
+
+def test_convolutions_forward_and_backward() -> None:
+    def fn(x: torch.Tensor, w: torch.Tensor, wt: torch.Tensor, b: torch.Tensor) -> Any:
+        x, w, wt, b = map(_leaf, (x, w, wt, b))
+        y = F.conv2d(x, w, b, stride=2, padding=1, dilation=1, groups=2)
+        z = F.conv_transpose2d(y, wt, stride=2, padding=1, output_padding=1)
+        loss = (z * z).sum() + y.sum()
+        return [y, z, *grads(loss, x, w, wt, b)]
+
+    check(fn, rand(2, 4, 9, 9), rand(6, 2, 3, 3), rand(6, 3, 3, 3), rand(6))
+
+
+def test_pooling_forward_and_backward_with_ties() -> None:
+    def fn(x: torch.Tensor) -> Any:
+        x = _leaf(x)
+        r = torch.relu(x)  # zeros: ties inside a window, which torch breaks by position
+        m, idx = F.max_pool2d(r, 3, 2, padding=1, return_indices=True)
+        a = F.avg_pool2d(x, 3, 2, padding=1, ceil_mode=True, count_include_pad=False)
+        a2 = F.avg_pool2d(x, 2)
+        loss = (m * m).sum() + (a * a).sum() + a2.sum()
+        return [m, idx, a, a2, *grads(loss, x)]
+
+    check(fn, rand(2, 3, 8, 7))
+
+
+def test_norms_embedding_attention_loss_forward_and_backward() -> None:
+    def fn(x: torch.Tensor, ids: torch.Tensor, emb: torch.Tensor, w: torch.Tensor) -> Any:
+        x, emb, w = map(_leaf, (x, emb, w))
+        rm, rv = torch.zeros(4), torch.ones(4)
+        bn = F.batch_norm(x, rm, rv, w, None, training=True, momentum=0.1)
+        ln = F.layer_norm(x.permute(0, 2, 3, 1), (4,), w)
+        gn = F.group_norm(x, 2, w)
+        e = F.embedding(ids, emb)
+        q = e.view(2, 3, 2, 2).transpose(1, 2)
+        att = F.scaled_dot_product_attention(q, q, q, is_causal=True)
+        ce = F.cross_entropy(e.sum(-1), ids[:, 0] % 3, label_smoothing=0.1)
+        loss = (bn * bn).sum() + ln.sum() + (gn * x).sum() + (att * att).sum() + ce
+        return [bn, rm, rv, ln, gn, att, ce, *grads(loss, x, emb, w)]
+
+    check(fn, rand(3, 4, 2, 2), torch.tensor([[1, 2, 0], [4, 4, 1]]), rand(5, 4), rand(4))
+
+
+def test_half_precision_matches_torch_rounding() -> None:
+    # bf16 results are computed in float32 and rounded once per operator, as torch does.
+    check(
+        lambda a, b: [a @ b, F.softmax(a, -1), (a * 3).exp(), a.sum(0)],
+        rand(4, 8, dtype=torch.bfloat16),
+        rand(8, 3, dtype=torch.bfloat16),
+        rtol=1e-2,
+    )
+
+
+def test_an_operator_without_lowering_is_named() -> None:
+    with pytest.raises(UnsupportedOperator) as info:
+        lowered(lambda x: [torch.linalg.qr(x)[0]], rand(3, 3))
+    assert "qr" in str(info.value.op)

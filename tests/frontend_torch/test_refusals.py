@@ -1,0 +1,207 @@
+"""Steps a bundle could not replay faithfully are refused, with the value and the fix; the
+user's objects are left exactly as they were, refused or not.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import linear_adamw
+import pytest
+import torch
+import torch.nn.functional as F
+
+from stepbundle.export_torch import ExportError, export
+
+_EXPORTED: dict[str, Any] = {}
+
+
+def _recipe(step: Any = None, **kw: Any) -> Any:
+    r = linear_adamw.recipe()
+    if step is not None:
+        r.step = step
+    for k, v in kw.items():
+        setattr(r, k, v)
+    return r
+
+
+def _loss(model: Any, batch: Any) -> Any:
+    return F.mse_loss(model(batch["x"]), batch["y"])
+
+
+def _refusal(recipe: Any, tmp_path: Path) -> str:
+    path = tmp_path / "refused.stepbundle"
+    with pytest.raises(ExportError) as info:
+        export(recipe, path)
+    assert not path.exists(), "a refused export must write nothing"
+    return str(info.value)
+
+
+def test_a_python_decision_on_a_tensor_is_refused(tmp_path: Path) -> None:
+    def step(model: Any, opt: Any, batch: Any) -> Any:
+        opt.zero_grad()
+        loss = _loss(model, batch)
+        if loss > 1.0:  # decided on the host, once, at trace time
+            loss = loss * 2
+        loss.backward()
+        opt.step()
+        return {"loss": loss}
+
+    msg = _refusal(_recipe(step), tmp_path)
+    assert "Python decision on a tensor's value" in msg and "torch.where" in msg
+
+
+def test_a_data_dependent_shape_is_refused(tmp_path: Path) -> None:
+    def step(model: Any, opt: Any, batch: Any) -> Any:
+        opt.zero_grad()
+        out = model(batch["x"])
+        loss = out[out > 0].sum()  # boolean masking: the shape depends on the data
+        loss.backward()
+        opt.step()
+        return {"loss": loss}
+
+    msg = _refusal(_recipe(step), tmp_path)
+    assert "output shape depends on the values" in msg
+
+
+def test_a_learning_rate_changed_inside_the_step_is_named(tmp_path: Path) -> None:
+    r = _recipe()
+    sched = torch.optim.lr_scheduler.StepLR(r.optimizer, step_size=1, gamma=0.5)
+    inner = r.step
+
+    def step(model: Any, opt: Any, batch: Any) -> Any:
+        out = inner(model, opt, batch)
+        sched.step()
+        return out
+
+    r.step = step
+    msg = _refusal(r, tmp_path)
+    assert "changed between two consecutive traced steps" in msg
+    assert "param_groups[0]['lr'] changed from" in msg
+    assert "hyperparameters=('lr',)" in msg
+
+
+def test_a_declared_hyperparameter_changed_by_the_step_is_refused(tmp_path: Path) -> None:
+    inner = linear_adamw.train_step
+
+    def step(model: Any, opt: Any, batch: Any) -> Any:
+        out = inner(model, opt, batch)
+        opt.param_groups[0]["lr"] = 0.01
+        return out
+
+    msg = _refusal(_recipe(step, hyperparameters=("lr",)), tmp_path)
+    assert "changed hyperparameter 'lr' itself" in msg
+
+
+def test_an_undeclared_hyperparameter_key_is_refused(tmp_path: Path) -> None:
+    msg = _refusal(_recipe(hyperparameters=("learning_rate",)), tmp_path)
+    assert "'learning_rate' is not a key" in msg and "hyperparameters=('lr',)" in msg
+
+
+def test_a_write_to_a_tensor_outside_the_state_is_refused(tmp_path: Path) -> None:
+    counter = torch.zeros(())
+    inner = linear_adamw.train_step
+
+    def step(model: Any, opt: Any, batch: Any) -> Any:
+        out = inner(model, opt, batch)
+        counter.add_(1)  # a tensor the bundle does not know, updated every step
+        return out
+
+    msg = _refusal(_recipe(step), tmp_path)
+    assert "not part of the training state" in msg and "register_buffer" in msg
+
+
+def test_optimizer_state_created_by_the_first_step_is_refused(tmp_path: Path) -> None:
+    r = _recipe()
+    r.optimizer = torch.optim.RMSprop(r.model.parameters(), lr=0.01)
+    msg = _refusal(r, tmp_path)
+    assert "created new optimizer state" in msg and "take one optimizer step" in msg
+
+
+def test_metrics_must_be_tensors_and_include_the_loss(tmp_path: Path) -> None:
+    def item(model: Any, opt: Any, batch: Any) -> Any:
+        return {"loss": 1.0}
+
+    assert "metrics must be tensors" in _refusal(_recipe(item), tmp_path)
+
+    def no_loss(model: Any, opt: Any, batch: Any) -> Any:
+        return {"error": _loss(model, batch)}
+
+    assert 'must return "loss"' in _refusal(_recipe(no_loss), tmp_path)
+
+
+def test_an_eval_entry_that_changes_state_is_refused(tmp_path: Path) -> None:
+    def bad_eval(model: Any, batch: Any) -> Any:
+        with torch.no_grad():
+            model.weight.mul_(0.5)
+        return {"loss": _loss(model, batch)}
+
+    msg = _refusal(_recipe(eval_step=bad_eval), tmp_path)
+    assert "eval step changed state (weight)" in msg
+
+
+def test_an_operator_without_lowering_is_refused_with_the_way_out(tmp_path: Path) -> None:
+    def step(model: Any, opt: Any, batch: Any) -> Any:
+        opt.zero_grad()
+        loss = torch.linalg.qr(model(batch["x"]))[1].abs().sum()
+        loss.backward()
+        opt.step()
+        return {"loss": loss}
+
+    msg = _refusal(_recipe(step), tmp_path)
+    assert "cannot lower to StableHLO" in msg and "--frontend torch_xla" in msg
+
+
+def _snapshot(r: Any) -> dict[str, Any]:
+    return {
+        "params": {n: (p, p.detach().clone(), p.grad) for n, p in r.model.named_parameters()},
+        "buffers": {n: (b, b.clone()) for n, b in r.model.named_buffers()},
+        "groups": [dict(g) for g in r.optimizer.param_groups],
+        "state": r.optimizer.state,
+        "state_values": {
+            id(p): {k: v.clone() for k, v in s.items()} for p, s in r.optimizer.state.items()
+        },
+        "training": [m.training for m in r.model.modules()],
+        "rng": torch.random.get_rng_state(),
+    }
+
+
+def _assert_same(before: dict[str, Any], r: Any) -> None:
+    after = _snapshot(r)
+    for n, (p, v, grad) in before["params"].items():
+        q, w, grad2 = after["params"][n]
+        assert q is p and torch.equal(v, w) and grad2 is grad, n
+    for n, (b, v) in before["buffers"].items():
+        assert after["buffers"][n][0] is b and torch.equal(v, after["buffers"][n][1]), n
+    for g0, g1 in zip(before["groups"], after["groups"]):
+        assert g0.keys() == g1.keys() and all(g0[k] is g1[k] for k in g0)
+    assert after["state"] is before["state"]
+    for pid, st in before["state_values"].items():
+        assert all(torch.equal(v, after["state_values"][pid][k]) for k, v in st.items())
+    assert after["training"] == before["training"]
+    assert torch.equal(after["rng"], before["rng"])
+
+
+def test_the_users_objects_are_untouched_by_an_export(tmp_path: Path) -> None:
+    r = _recipe(hyperparameters=("lr",))
+    for g in r.optimizer.param_groups:  # eager torch refuses capturable=True on the CPU
+        g["capturable"] = False
+    r.step(r.model, r.optimizer, dict(r.example_batch))  # real state and gradients
+    r.model.eval()
+    before = _snapshot(r)
+    export(r, tmp_path / "ok.stepbundle")
+    _assert_same(before, r)
+
+
+def test_the_users_objects_are_untouched_by_a_refused_export(tmp_path: Path) -> None:
+    def step(model: Any, opt: Any, batch: Any) -> Any:
+        out = linear_adamw.train_step(model, opt, batch)
+        if out["loss"] > 0:
+            pass
+        return out
+
+    r = _recipe(step)
+    before = _snapshot(r)
+    _refusal(r, tmp_path)
+    _assert_same(before, r)

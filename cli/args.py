@@ -84,8 +84,12 @@ def positive_seconds(text: str) -> float:
 
 
 def checkpoint_path(text: str) -> str:
-    """``--init-from``: a file or folder that exists (what it holds is checked at load)."""
-    if not os.path.exists(text):
+    """``--init-from``: a URL, or a file or folder that exists (what it holds is checked at
+    load)."""
+    if "://" in text and not text.startswith("file://"):
+        return text  # read through fsspec at load; a missing object is refused there
+    local = text.removeprefix("file://")
+    if not os.path.exists(local):
         raise argparse.ArgumentTypeError(
             f"{text!r} does not exist; give a .safetensors file, a "
             "model.safetensors.index.json or the folder save_pretrained wrote"

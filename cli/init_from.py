@@ -40,10 +40,12 @@ def add_init_options(p: Any) -> None:
     )
 
 
-def _has_no_weights(bundle: str) -> bool:
+def _has_no_weights(bundle: str, expect_digest: str | None) -> bool:
+    from stepbundle.runtime.store import resolve_bundle
     from stepbundle.schema import SectionKind, read_manifest
 
-    manifest = read_manifest(bundle)
+    # A URL or sha256:<digest> is found (or fetched once) through the store, as load does.
+    manifest = read_manifest(resolve_bundle(bundle, expect_digest=expect_digest))
     kinds = {s.name: s.kind for s in manifest.sections}
     return any(kinds[s.section] is SectionKind.EXTERNAL for s in manifest.state)
 
@@ -51,7 +53,11 @@ def _has_no_weights(bundle: str) -> bool:
 def init_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """``load``'s initial-state arguments for this command line."""
     init_from = args.init_from
-    if init_from is None and args.resume and _has_no_weights(args.bundle):
+    if (
+        init_from is None
+        and args.resume
+        and _has_no_weights(args.bundle, getattr(args, "expect_digest", None))
+    ):
         init_from = args.resume
     return {"init_from": init_from, "init_strict": args.init_strict}
 

@@ -122,9 +122,12 @@ def cmd_compile(args: argparse.Namespace) -> int:
             devices=args.devices,
             pack_state=args.pack_state,
             shard_optimizer_state=args.shard_optimizer_state,
+            compile_only=True,
         )
     except (BundleError, ValueError) as e:
         return die(str(e), 1)
+    except OSError as e:  # a local bundle that is missing or cannot be read
+        return die(f"cannot read {args.bundle!r}: {e.strerror or e}", 2)
     info = trainer.load_info
     failed = 0
     writer = trainer.placement.writes_files

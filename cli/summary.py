@@ -87,6 +87,22 @@ def _state_line(m: Manifest) -> list[str]:
     return out
 
 
+def _origin_line(m: Manifest) -> list[str]:
+    """Where the initial state comes from, when the bundle does not store all of it."""
+    kinds = {s.name: s.kind for s in m.sections}
+    stored = [e for e in m.state if kinds[e.section] is SectionKind.TENSOR]
+    rule = [e for e in m.state if kinds[e.section] is SectionKind.FILL]
+    external = [e for e in m.state if kinds[e.section] is SectionKind.EXTERNAL]
+    if not rule and not external:
+        return []
+    line = f"initial   {len(stored)} stored ({nbytes(sum(e.spec.nbytes for e in stored))})"
+    line += f", {len(rule)} by rule"
+    if external:
+        size = nbytes(sum(e.spec.nbytes for e in external))
+        line += f", {len(external)} from a checkpoint ({size}; run with --init-from CKPT)"
+    return [line]
+
+
 def _batch_text(specs: Iterable[Any]) -> str:
     return ", ".join(f"{b.name}: {b.spec}" for b in specs) or "(none)"
 
@@ -111,6 +127,7 @@ def summary_lines(bundle: Any, shown: str) -> list[str]:
     if m.required_features:
         out.append(f"requires  {', '.join(m.required_features)}")
     out += _state_line(m)
+    out += _origin_line(m)
     if m.hyperparameters:
         out.append("hyperparameters (set with --set NAME=VALUE or a schedule):")
         out += [f"  {h.name} = {h.value!r} ({h.spec})" for h in m.hyperparameters]

@@ -44,12 +44,12 @@ class InitSource:
     """The open files of a checkpoint and where each of its tensors lies.
 
     Attributes:
-      path: what was given (a file, an index or a folder).
+      path: what was given (a file, an index or a folder; a URL as its text).
       tensors: every tensor name -> its file and record; for an index, the names of its
         ``weight_map``.
     """
 
-    path: Path
+    path: Path | str
     tensors: dict[str, tuple[SafetensorsFile, TensorRecord]]
     _files: tuple[SafetensorsFile, ...]
 
@@ -118,9 +118,10 @@ def open_source(path: str | os.PathLike[str]) -> InitSource:
       CheckpointError: nothing to read there, or a file or the index is malformed, or
         the index names a tensor its shard does not hold.
     """
-    if remote.local_path(path) is None:
+    local = remote.local_path(path)  # a path, or a file:// URL's path
+    if local is None:
         return _open_remote(os.fspath(path))
-    given = Path(path)
+    given = local
     target = _resolve(given)
     if not target.name.endswith(".json"):
         f = open_safetensors(target)
@@ -178,6 +179,8 @@ def _open_remote(url: str) -> InitSource:
             for shard in sorted(set(_read_index(local).values())):
                 (folder / shard).parent.mkdir(parents=True, exist_ok=True)
                 _fetch(remote.join(base, shard), folder / shard)
-        return open_source(local)
+        opened = open_source(local)
+        opened.path = url  # messages name what the user gave, not the temporary copy
+        return opened
     finally:
         shutil.rmtree(folder, ignore_errors=True)

@@ -27,7 +27,7 @@ from .load_info import LoadInfo
 from .plan import Plan, RefusedPlan, batch_text, build_plan, refused_plan
 from .program import compile_program, default_cache_dir
 from .sharding import Placement, zero1_split
-from .store import resolve_bundle
+from .store import is_digest, resolve_bundle
 from .trainer import Trainer
 
 __all__ = ["load", "parse_device"]
@@ -158,6 +158,7 @@ def load(
     shard_optimizer_state: bool = False,
     init_from: str | os.PathLike[str] | None = None,
     init_strict: bool = True,
+    compile_only: bool = False,
 ) -> Trainer:
     """Load a bundle and return a ``Trainer`` that owns its state on ``device``.
 
@@ -202,11 +203,17 @@ def load(
         table does not name, or lacks a parameter (default). False ignores the first
         and keeps the bundle's value for the second; a missing entry the bundle has no
         value for, and any dtype or shape mismatch, are refused either way.
+      compile_only: compile every program (filling the compile cache) and place nothing:
+        no state is read or copied to the device, so a bundle without weights needs no
+        ``init_from``. The trainer returned has ``load_info`` and refuses to step
+        (``stepbundle compile`` uses it to pre-warm a shared cache).
     """
     t0 = time.perf_counter()
     info = LoadInfo()
     source: InitSource | None = None  # init_from's files, open while the state is placed
     platform, index = parse_device(device)
+    if expect_digest is None and is_digest(path):
+        expect_digest = os.fspath(path)  # a digest names one bundle: hold the file to it
     bundle = codec.open_bundle(resolve_bundle(path, expect_digest=expect_digest))
     try:
         if expect_digest is not None and bundle.digest != expect_digest:
@@ -233,10 +240,15 @@ def load(
         if stop_on_nonfinite:
             _check_loss_metrics(manifest, wanted)
         # ---- where the initial state comes from: checked before anything is compiled
+        if compile_only and init_from is not None:
+            raise BindingError("compile_only places no state: drop init_from.")
         source = open_source(init_from) if init_from is not None else None
-        init_plan = plan_initial_state(manifest, source, strict=init_strict)
-        info.state_origins = {name: o.value for name, o in init_plan.origins.items()}
-        info.ignored_tensors = init_plan.unexpected
+        init_plan = (
+            None if compile_only else plan_initial_state(manifest, source, strict=init_strict)
+        )
+        if init_plan is not None:
+            info.state_origins = {name: o.value for name, o in init_plan.origins.items()}
+            info.ignored_tensors = init_plan.unexpected
         info.seconds["open"] = time.perf_counter() - t0
         client = _client(platform)
         run_devices = _select_devices(client, platform, device, devices)
@@ -292,9 +304,13 @@ def load(
         # ---- state and constants on the device
         t2 = time.perf_counter()
 
-        state = place_state(manifest, layout, init_plan, bundle.section, placement.put_state)
+        state = (
+            []
+            if init_plan is None
+            else place_state(manifest, layout, init_plan, bundle.section, placement.put_state)
+        )
         constants: dict[str, Any] = {}
-        for name in wanted:
+        for name in [] if compile_only else wanted:
             for program in manifest.entries[name].programs:
                 for inp in program.inputs:
                     if isinstance(inp, ConstantInput) and inp.section not in constants:
@@ -303,15 +319,19 @@ def load(
                         )
         info.seconds["state"] = time.perf_counter() - t2
         info.transfer = _compat.transfer_path()
-        plans: dict[str, list[Plan]] = {
-            name: [
-                p
-                if isinstance(p, RefusedPlan)
-                else build_plan(name, i, p, state_index, constants, placement)
-                for i, p in enumerate(progs)
-            ]
-            for name, progs in compiled.items()
-        }
+        plans: dict[str, list[Plan]] = (
+            {
+                name: [
+                    p
+                    if isinstance(p, RefusedPlan)
+                    else build_plan(name, i, p, state_index, constants, placement)
+                    for i, p in enumerate(progs)
+                ]
+                for name, progs in compiled.items()
+            }
+            if not compile_only
+            else {name: [] for name in compiled}
+        )
         digest = bundle.digest
     finally:
         bundle.close()
@@ -337,6 +357,11 @@ def load(
         check_state=check_state,
         load_info=info,
     )
+    if compile_only:
+        trainer._broken = (
+            "This trainer was loaded with compile_only=True: it compiled the programs and "
+            "holds no state. Load the bundle again without compile_only to run it."
+        )
     return trainer
 
 

@@ -115,7 +115,15 @@ def filesystem(url: str) -> tuple[Any, str]:
             f"Reading {url!r} needs fsspec, which is not installed: pip install fsspec.", url
         ) from None
     try:
-        fs, path = fsspec.core.url_to_fs(url)
+        options: dict[str, Any] = {}
+        if scheme in ("http", "https"):
+            import aiohttp
+
+            # aiohttp's default limits a whole request to 300 s, which cuts every long
+            # download (a server without range requests sends a bundle in one response);
+            # a stalled connection is what should fail, after a minute without data.
+            options["client_kwargs"] = {"timeout": aiohttp.ClientTimeout(total=None, sock_read=60)}
+        fs, path = fsspec.core.url_to_fs(url, **options)
         return fs, str(path)
     except ImportError as e:
         from fsspec.registry import known_implementations

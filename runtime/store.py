@@ -7,7 +7,8 @@ enters the store only whole and verified, through ``atomic_write``: every sectio
 SHA-256 and all padding are checked on the finished temporary file before it is renamed
 to its digest's name, so a truncated or damaged download never enters it. A bundle in
 the store is never fetched again: with a pinned digest the store answers without any
-request; without one, the header and manifest (two small ranged reads) name the digest.
+request (each hit's header and manifest are checked against its name first; an entry that
+fails is removed and fetched again); without one, the header and manifest (two small ranged reads) name the digest.
 
 A pinned digest (``expect_digest``) is compared with the header and manifest before the
 body is requested: another bundle is refused after ``64 + manifest length`` bytes.
@@ -22,6 +23,7 @@ Imports: the standard library, stepbundle.schema, this package's ``remote`` and
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import re
@@ -30,7 +32,7 @@ from pathlib import Path
 from typing import BinaryIO, Protocol
 
 from stepbundle.schema.atomic import atomic_write
-from stepbundle.schema.errors import BundleFormatError, IntegrityError
+from stepbundle.schema.errors import BundleError, BundleFormatError, IntegrityError
 from stepbundle.schema.layout import HEADER_SIZE, MAGIC, align, unpack_header
 from stepbundle.schema.limits import MAX_MANIFEST_BYTES
 from stepbundle.schema.reader import open_bundle
@@ -131,9 +133,10 @@ def resolve_bundle(
                 "give one of them."
             )
         path = stored_path(source, store)
-        if not path.is_file():
+        if not _intact(path, source):
             raise NotInStoreError(
-                f"The bundle {source} is not in the local store ({path.parent}). Fetch it "
+                f"The bundle {source} is not in the local store ({path.parent}), or its "
+                "entry there was damaged and has been removed. Fetch it "
                 f"first: stepbundle pull URL --expect-digest {source} (or load the URL, "
                 "which fills the store)."
             )
@@ -163,7 +166,7 @@ def pull(
     root = store or store_dir()
     if expect_digest is not None:
         known = stored_path(expect_digest, root)
-        if known.is_file():
+        if _intact(known, expect_digest):
             return Pulled(known, expect_digest, False, 0)
     text = os.fspath(source)
     local = remote.local_path(source)
@@ -177,6 +180,28 @@ def pull(
         raise remote.RemoteError(
             f"There is no bundle at {text!r} (not found). Check the URL.", text
         ) from None
+
+
+def _intact(path: Path, digest: str) -> bool:
+    """Whether the store entry ``path`` exists and is the bundle ``digest`` names.
+
+    Every hit is checked, not trusted by its name: the header, the manifest (against the
+    header's SHA-256), the file's length against the manifest, and the digest of header
+    and manifest against ``digest`` (which pins every section's SHA-256; sections are
+    checked on first use, as for any bundle). An entry that fails (truncated, damaged,
+    another bundle copied over it) is removed, so the next pull fetches it again.
+    """
+    if not path.is_file():
+        return False
+    try:
+        with open_bundle(path) as bundle:
+            if bundle.digest == digest:
+                return True
+    except (BundleError, OSError):
+        pass
+    with contextlib.suppress(OSError):
+        path.unlink()
+    return False
 
 
 class _Reader(Protocol):
@@ -245,7 +270,7 @@ def _pull_from(f: _Reader, source: str, expect_digest: str | None, root: Path) -
             f"pinned (only its {read}-byte header and manifest were read)."
         )
     target = stored_path(digest, root)
-    if target.is_file():
+    if _intact(target, digest):
         return Pulled(target, digest, False, read)
     manifest = decode_manifest(manifest_bytes, minor=header.version[1])
     check_version(header.version, manifest.required_features)

@@ -258,8 +258,14 @@ def test_the_cli_exports_without_state_runs_from_a_file_and_resumes(
     capsys.readouterr()
 
     assert main(["inspect", str(free)]) == 0
+    summary = capsys.readouterr().out.splitlines()
+    assert "requires  state_initializers" in summary
+    origin = next(line for line in summary if line.startswith("initial "))
+    # Linear(5, 3): weight and bias (15 + 3 f32) from a file; AdamW step, exp_avg, exp_avg_sq
+    # of each by rule.
+    assert "0 stored (0 B), 6 by rule, 2 from a checkpoint (72 B; run with --init-from" in origin
+    assert main(["inspect", str(free), "--full"]) == 0
     shown = capsys.readouterr().out.splitlines()
-    assert "requires  state_initializers" in shown
     row = {line.split()[1]: line for line in shown if line.startswith("  parameter ")}
     assert "from file  trainable" in row["weight"]
     state = {

@@ -19,6 +19,7 @@ import pytest
 from runtime_helpers import GOLDEN_SCHEDULES, GOLDEN_STEPS, golden_batches, golden_bundle
 
 from stepbundle.runtime import (
+    BindingError,
     CheckpointError,
     MissingStateError,
     StateDtypeError,
@@ -287,3 +288,25 @@ def test_a_checkpoint_at_a_url_starts_the_run(made: dict[str, Any]) -> None:
             load(made["free"], init_from=f"{server.url}/ckpt/absent.safetensors")
     finally:
         server.stop()
+
+
+def test_compile_needs_no_weights_and_places_nothing(made: dict[str, Any], tmp_path: Path) -> None:
+    """``stepbundle compile`` of a weights-free bundle fills the cache without a checkpoint;
+    the run that follows (its checkpoint given as a file:// URL) compiles nothing."""
+    from stepbundle.cli.main import main
+
+    cache = tmp_path / "xla"
+    assert main(["compile", str(made["free"]), "--cache-dir", str(cache)]) == 0
+    t = load(made["free"], cache_dir=cache, compile_only=True)
+    assert t.load_info.compiled == 0 and t.load_info.cache_hits > 0
+    assert t.load_info.state_origins == {}
+    with pytest.raises(BindingError, match="compile_only"):
+        t.step(golden_batches(NAME)[0])
+    got = _run(made["free"], init_from=made["single"].as_uri(), cache_dir=cache)
+    assert got[2].load_info.compiled == 0
+    _assert_same_run(made, got)
+    data = tmp_path / "d.npz"
+    batches = golden_batches(NAME)
+    np.savez(data, **{k: np.stack([b[k] for b in batches]) for k in batches[0]})
+    run = ["run", str(made["free"]), "--steps", "2", "--data", str(data), "--cache-dir"]
+    assert main([*run, str(cache), "--init-from", made["single"].as_uri()]) == 0

@@ -198,3 +198,44 @@ def test_cli_pull_run_by_digest_and_inspect_a_url(
     assert f"digest    {DIGEST}" in out and f"OK {url} {DIGEST}" in out
     assert main(["pull", url, "--expect-digest", "sha256:" + "0" * 64]) == 1
     assert "not the expected" in capsys.readouterr().err
+
+
+def test_a_store_entry_is_held_to_its_name(
+    server: BundleServer, store: Path, xla_cache: Path
+) -> None:
+    """Another bundle copied over a store entry, or a truncated entry, is never run under
+    the entry's digest: the hit is checked, the entry removed, and a pull fetches it again."""
+    url = f"{server.url}/b.stepbundle"
+    entry = pull(url, expect_digest=DIGEST).path
+    entry.write_bytes(golden_bundle("dropout_sgd").read_bytes())  # a valid, other bundle
+    with pytest.raises(NotInStoreError, match="damaged and has been removed"):
+        load(DIGEST, cache_dir=xla_cache)
+    assert not entry.exists()
+    server.reset()
+    again = pull(url, expect_digest=DIGEST)
+    assert again.fetched and server.body_bytes == len(DATA)
+    entry.write_bytes(DATA[:20000])  # truncated in place
+    server.reset()
+    assert pull(url, expect_digest=DIGEST).fetched  # fetched again, not "already there"
+    assert load(DIGEST, cache_dir=xla_cache, entry="train").digest == DIGEST
+
+
+def test_cli_resume_a_bundle_given_by_digest(
+    server: BundleServer,
+    store: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    xla_cache: Path,
+) -> None:
+    pull(f"{server.url}/b.stepbundle", expect_digest=DIGEST)
+    batches = golden_batches(NAME)
+    data = tmp_path / "d.npz"
+    np.savez(data, **{k: np.stack([b[k] for b in batches]) for k in batches[0]})
+    common = ["--data", str(data), "--json", "--cache-dir", str(xla_cache)]
+    ckpt = tmp_path / "ck"
+    assert main(["run", DIGEST, "--steps", "2", "--checkpoint-dir", str(ckpt), *common]) == 0
+    resumed = sorted(ckpt.glob("step-*.safetensors"))[-1]
+    assert main(["run", DIGEST, "--steps", "1", "--resume", str(resumed), *common]) == 0
+    assert main(["eval", DIGEST, "--data", str(data), "--resume", str(resumed)]) == 0
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "No such file" not in err

@@ -132,6 +132,12 @@ class Case:
       xla, cpu: the bounds for the bundle against torch_xla and against the CPU.
       cpu_recipe: what runs on the CPU when it is not the (dropout-free) recipe itself:
         torch_xla's syncfree optimizers only run on XLA.
+      float64_arbiter: why torch_xla eager is not an exact reference for this case, or
+        None. When set, the recipe also trains in PyTorch float64 on the CPU (ground
+        truth), and a difference between the bundle and torch_xla beyond the ``xla``
+        bounds passes only if float64 shows it is torch_xla's error: the bundle must be
+        within the ``cpu`` bounds of float64, and nearer float64 than torch_xla on every
+        metric and tensor where the two disagree.
     """
 
     name: str
@@ -145,6 +151,7 @@ class Case:
     xla: Bounds = FP32_XLA
     cpu: Bounds = FP32_CPU
     cpu_recipe: Callable[[], Recipe] | None = None
+    float64_arbiter: str | None = None
 
 
 # ------------------------------------------------------------------------- steps
@@ -626,6 +633,15 @@ RESNET_XLA = Bounds(
     update_rtol=UPDATES,
 )
 
+RESNET_ARBITER = (
+    "torch_xla expands batch_norm_training with the variance as E[x^2] - E[x]^2, which "
+    "cancels, and how much depends on the machine's XLA code generation: on this "
+    "project's machine the bundle (newest jax) and torch_xla agree to 2.5e-5, while a CI "
+    "machine measured torch_xla 5% of the parameters' movement away from the bundle, "
+    "with the bundle within the CPU bounds of PyTorch (PyTorch float32 itself is 2.4e-3 "
+    "of the movement from float64 here). Issue #16."
+)
+
 CASES: dict[str, Case] = {
     c.name: c
     for c in [
@@ -682,6 +698,7 @@ CASES: dict[str, Case] = {
             None,
             steps=3,
             xla=RESNET_XLA,
+            float64_arbiter=RESNET_ARBITER,
             # Layer 4 is 1x1: its BatchNorms see RESNET_BATCH values per channel.
             cpu=Bounds(1e-4, 1e-4, CPU_REASON, (bessel(RESNET_BATCH),), UPDATES),
         ),

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from equiv_harness import compare
-from equiv_models import FP32_XLA
+from equiv_harness import arbitrate, compare
+from equiv_models import FP32_CPU, FP32_XLA
 from support import Run
 
 
@@ -54,3 +54,40 @@ def test_tied_names_are_compared_and_empty_placeholders_ignored() -> None:
     wrong = _run([1.0], emb=np.ones(4), head=np.zeros(4))
     assert compare(wrong, ref, FP32_XLA, "untied", aliases={"head": "emb"}).failures
     assert compare(wrong, ref, FP32_XLA, "unknown name").failures  # head is not known
+
+
+def _three_runs(
+    xla_error: float, bundle_error: float
+) -> tuple[Run, Run, Run, dict[str, np.ndarray]]:
+    """float64 truth, then torch_xla and the bundle, each off it by its own error."""
+    rng = np.random.default_rng(2)
+    w0 = rng.standard_normal(200)
+    w = w0 + 1e-2 * rng.standard_normal(200)
+    truth = _run([1.0, 0.9], w=w)
+    off = rng.standard_normal(200)
+    xla = _run([1.0, 0.9 * (1 + 1e-2 * xla_error)], w=w + xla_error * 1e-2 * off)
+    bundle = _run([1.0, 0.9 * (1 - 1e-2 * bundle_error)], w=w - bundle_error * 1e-2 * off)
+    return truth, xla, bundle, {"w": w0}
+
+
+def test_float64_sides_with_the_bundle_when_torch_xla_is_off() -> None:
+    """torch_xla 5% of the movement off float64, the bundle 1e-6: the disagreement is
+    torch_xla's, so the arbiter finds nothing against the bundle."""
+    truth, xla, bundle, w0 = _three_runs(xla_error=5e-2, bundle_error=1e-6)
+    assert compare(bundle, xla, FP32_XLA, "off", initial=w0).failures
+    assert arbitrate(bundle, xla, truth, FP32_XLA, FP32_CPU, {}, w0, "off") == []
+
+
+def test_float64_does_not_excuse_a_wrong_bundle() -> None:
+    # The bundle is the one 5% off: both the float64 bound and the nearer test catch it.
+    truth, xla, bundle, w0 = _three_runs(xla_error=1e-6, bundle_error=5e-2)
+    problems = " ".join(arbitrate(bundle, xla, truth, FP32_XLA, FP32_CPU, {}, w0, "wrong"))
+    assert "against PyTorch float64" in problems
+    assert "bundle is the farther from float64" in problems
+    assert "the bundle is the farther one" in problems  # the loss at step 1
+    # Both off by the same 3e-3 of the movement, on opposite sides: within the CPU bounds
+    # of float64, yet the bundle is no nearer than torch_xla on the tensor, so it fails.
+    truth, xla, bundle, w0 = _three_runs(xla_error=3e-3, bundle_error=3e-3 * (1 + 1e-9))
+    problems = " ".join(arbitrate(bundle, xla, truth, FP32_XLA, FP32_CPU, {}, w0, "even"))
+    assert "against PyTorch float64" not in problems
+    assert "state w: bundle and torch_xla disagree" in problems

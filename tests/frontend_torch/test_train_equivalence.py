@@ -24,7 +24,7 @@ import equiv_models as em
 import linear_adamw
 import pytest
 from equiv_harness import check_failures, compare
-from equiv_models import UPDATES, Bounds
+from equiv_models import SQUARES, UPDATES, Bounds
 from support import Run, make_batches, run_bundle_lean
 from torch_cases import mlp_no_dropout
 from torch_refs import eager32, exact64, f64_failures, same32, tied_aliases
@@ -38,7 +38,10 @@ EAGER_REASON = (
     "bundle computes it, as the recipe's capturable=True asks, in float32 (measured up to "
     "9e-6 on these cases)."
 )
-EAGER = Bounds(1e-5, 1e-5, EAGER_REASON, update_rtol=UPDATES)
+# Adam's second moments square the gradients, doubling their relative difference (the
+# torch_xla suite's SQUARES): measured 1.07e-5 on a GPT LayerNorm bias whose bundle state
+# is within twice PyTorch float32's own distance of float64 (the float64 test below).
+EAGER = Bounds(1e-5, 1e-5, EAGER_REASON, (SQUARES,), update_rtol=UPDATES)
 RESNET = Bounds(
     1e-5,
     5e-5,

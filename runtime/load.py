@@ -387,8 +387,8 @@ def load(
         for i, p in enumerate(entry_plans)
         if not isinstance(p, RefusedPlan)
     }
-    for i, kp in stacked_plans.items():
-        info.dispatch[f"train[{i}]x{steps_per_call}"] = kp.dispatch.path
+    for i, stacked_plan in stacked_plans.items():
+        info.dispatch[f"train[{i}]x{steps_per_call}"] = stacked_plan.dispatch.path
     info.seconds["total"] = time.perf_counter() - t0
     trainer = Trainer(
         manifest=manifest,

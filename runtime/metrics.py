@@ -58,7 +58,8 @@ class StepMetric:
 
     @property
     def dtype(self) -> np.dtype[Any]:
-        return np.dtype(self.stack.dtype)
+        dtype: np.dtype[Any] = np.dtype(self.stack.dtype)
+        return dtype
 
     @property
     def ndim(self) -> int:

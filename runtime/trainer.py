@@ -368,9 +368,11 @@ class Trainer(StateAndCheckpoints):
         but the state moves K steps at a time: ``on_step`` is called for each of a
         call's K steps after the call, and sees ``step_count``, the state (and
         checkpoints it saves) and ``data_position`` as they are at the end of the call.
-        ``request_stop()`` ends the run after the current call. Batches that do not
-        fill a call of one bucket (the last ones, a short last batch) run one step at
-        a time. A batch no bucket takes is refused after the steps before it ran.
+        ``request_stop()`` ends the run after the current call. Calls start at
+        multiples of K steps (``step_count``); steps before the first multiple (a
+        resumed run), and batches that do not fill a call of one bucket (the last ones,
+        a short last batch), run one step at a time. A batch no bucket takes is
+        refused after the steps before it ran.
         """
         out: list[dict[str, Any]] = []
         self._stop_requested = False
@@ -579,7 +581,10 @@ class Trainer(StateAndCheckpoints):
                 group.append((plan, arrays, position() if position is not None else None))
             return group, None
 
-        group, error = read(min(k, left))
+        # Calls start at multiples of K steps, so a resumed run's calls end where a
+        # run from step 0 would end them (and checkpoints every multiple of K steps
+        # fall between calls): single steps up to the next multiple first.
+        group, error = read(min((-self._step) % k or k, left))
         prepared = self._stack(group)
         while group:
             left -= len(group)

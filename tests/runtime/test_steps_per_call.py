@@ -9,13 +9,17 @@ program on the same values as a single step.
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-from runtime_helpers import GOLDEN_SCHEDULES, golden_batches, golden_bundle
+from runtime_helpers import GOLDEN_DIR, GOLDEN_SCHEDULES, golden_batches, golden_bundle
 
 from stepbundle.runtime import BindingError, NonFiniteLossError, load
+from stepbundle.runtime.checkpoint import read_safetensors
 from stepbundle.runtime.errors import BatchStackError
 from stepbundle.runtime.metrics import StepMetric
 
@@ -179,3 +183,82 @@ def test_data_parallel_k_steps_match_data_parallel_single_steps() -> None:
     m_many = many.run(batches, 2 * K)
     assert all(isinstance(m["loss"], StepMetric) for m in m_many)
     _assert_identical(one, many, m_one, m_many)
+
+
+def test_a_resumed_run_aligns_its_calls_to_multiples_of_k(tmp_path: Path) -> None:
+    """Resumed at step 3 with K=4, the run takes one single step, then K-step calls: the
+    checkpoint it resumed from and the one it writes mean the same as without K."""
+    name = "linear_adamw"
+    one, many = _pair(name)
+    batches = golden_batches(name)
+    one.run(batches, 3)
+    ckpt = tmp_path / "at3.safetensors"
+    one.save_checkpoint(ckpt)
+    many.load_checkpoint(ckpt)
+    counts: list[int] = []
+    m_many = many.run(batches, 9, offset=3, on_step=lambda i, m: counts.append(many.step_count))
+    m_one = one.run(batches, 9, offset=3)
+    assert counts == [4, 8, 8, 8, 8, 12, 12, 12, 12]
+    _assert_identical(one, many, m_one, m_many)
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "stepbundle", *args], capture_output=True, text=True, timeout=300
+    )
+
+
+def test_cli_steps_per_call_prints_the_same_lines_and_checkpoints(tmp_path: Path) -> None:
+    name = "batchnorm_lr"
+    common = [
+        "run",
+        str(golden_bundle(name)),
+        "--steps",
+        "10",
+        "--data",
+        str(GOLDEN_DIR / f"{name}.inputs.npz"),
+        "--lr-schedule",
+        GOLDEN_SCHEDULES[name],
+        "--json",
+        "--no-cache",
+        "--checkpoint-every",
+        "4",
+    ]
+    single = _cli(*common, "--checkpoint-dir", str(tmp_path / "one"))
+    multi = _cli(*common, "--checkpoint-dir", str(tmp_path / "k"), "--steps-per-call", "4")
+    assert single.returncode == 0, single.stderr
+    assert multi.returncode == 0, multi.stderr
+    assert "4 steps per call" in multi.stderr
+    assert multi.stdout == single.stdout  # every step's metrics, bit for bit
+    assert len(multi.stdout.splitlines()) == 10
+    files = sorted(p.name for p in (tmp_path / "k").iterdir())
+    assert files == sorted(p.name for p in (tmp_path / "one").iterdir())
+    assert "step-00000004.safetensors" in files and "step-00000008.safetensors" in files
+    for f in files:
+        a, meta_a = read_safetensors(tmp_path / "one" / f)
+        b, meta_b = read_safetensors(tmp_path / "k" / f)
+        assert meta_b == meta_a  # step, seed, hyperparameters, schedules, data position
+        assert sorted(a) == sorted(b)
+        for key in a:
+            np.testing.assert_array_equal(b[key], a[key], err_msg=f"{f}: {key}")
+
+
+def test_cli_refuses_intervals_that_are_not_multiples_of_k(tmp_path: Path) -> None:
+    name = "linear_adamw"
+    out = _cli(
+        "run",
+        str(golden_bundle(name)),
+        "--steps",
+        "10",
+        "--data",
+        str(GOLDEN_DIR / f"{name}.inputs.npz"),
+        "--steps-per-call",
+        "4",
+        "--checkpoint-every",
+        "6",
+        "--checkpoint-dir",
+        str(tmp_path),
+    )
+    assert out.returncode == 2
+    assert "--checkpoint-every 6 is not a multiple of --steps-per-call 4" in out.stderr
+    assert "--checkpoint-every 4 or 8" in out.stderr

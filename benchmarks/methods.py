@@ -216,6 +216,26 @@ class Stepbundle(Method):
         return time.perf_counter() - t0
 
 
+class StepbundleK(Method):
+    """``trainer.run(batches, n)`` on a trainer loaded with ``steps_per_call=K``: K steps
+    per PJRT call (host batches, stacked by the trainer for each call). A block runs a
+    whole number of calls; its time is scaled to the k steps asked for."""
+
+    def __init__(self, trainer: Any, batches: Sequence[dict[str, Any]], k: int) -> None:
+        self.trainer, self.batches, self.k = trainer, list(batches), k
+        self.name = f"stepbundle_k{k}"
+        # run() takes batches[i % len] for step i: a list of K batches per call.
+        self.cycle = [self.batches[i % len(self.batches)] for i in range(k)]
+
+    def block(self, k: int) -> float:
+        calls = max(1, round(k / self.k))
+        steps = calls * self.k
+        t0 = time.perf_counter()
+        out = self.trainer.run(self.cycle, steps, keep_metrics=False)
+        float(out[-1]["loss"])
+        return (time.perf_counter() - t0) * k / steps
+
+
 class StepbundleDeviceBatch(Stepbundle):
     """Diagnostic: ``trainer.step`` with batches already on the device (no transfer)."""
 

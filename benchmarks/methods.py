@@ -72,6 +72,63 @@ class TorchXlaLazy(Method):
         return dt
 
 
+class TorchXlaDynamo(TorchXlaLazy):
+    """torch_xla's dynamo bridge: ``torch.compile(..., backend="openxla")``.
+
+    ``whole_step``: the whole training step (zero_grad, forward, loss, backward,
+    optimizer step) is compiled, torch_xla's own answer to "trace once, replay".
+    Otherwise only the model is compiled and backward and the optimizer stay lazy
+    tensors, synced every step. Compilation happens in set-up and is never counted.
+    """
+
+    def __init__(
+        self, case: Any, batches: Sequence[dict[str, np.ndarray]], *, whole_step: bool
+    ) -> None:
+        super().__init__(case, batches)
+        self.whole_step = whole_step
+        self.name = "torch_xla_dynamo_step" if whole_step else "torch_xla_dynamo_model"
+
+    def setup(self) -> None:
+        import torch
+        import torch_xla
+
+        super().setup()
+        if self.whole_step:
+            plain = self.step
+            model, opt = self.model, self.opt
+
+            def whole(batch: dict[str, Any]) -> Any:
+                return plain(model, opt, batch)["loss"]
+
+            compiled = torch.compile(whole, backend="openxla")
+            self.run = lambda b: compiled(b)
+        else:
+            compiled_model = torch.compile(self.model, backend="openxla")
+            plain = self.step
+
+            def run(b: dict[str, Any]) -> Any:
+                out = plain(compiled_model, self.opt, b)["loss"]
+                torch_xla.sync()
+                return out
+
+            self.run = run
+        self.block(3)  # compiles (the first optimizer step creates its state)
+
+    def block(self, k: int) -> float:
+        import torch
+        import torch_xla.core.xla_model as xm
+
+        host = [{n: torch.from_numpy(v) for n, v in b.items()} for b in self.batches]
+        t0 = time.perf_counter()
+        for _ in range(k):
+            b = host[self.i % len(host)]
+            self.i += 1
+            loss = self.run({n: v.to(self.dev) for n, v in b.items()})
+        float(loss.detach().cpu())
+        xm.wait_device_ops()
+        return time.perf_counter() - t0
+
+
 class TorchEager(Method):
     """Plain PyTorch on the CPU, default AdamW (every step synchronous)."""
 

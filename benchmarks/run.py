@@ -364,6 +364,7 @@ def main(argv: list[str] | None = None) -> int:
         "the default for these small models, so the stronger baseline; 0 keeps torch's default)",
     )
     args = ap.parse_args(argv)
+    git = git_state()  # before anything runs: the tree the figures are measured from
     cfg = dict(QUICK if args.quick else FULL)
     if args.depths:
         cfg["depths"] = args.depths
@@ -390,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
     work = out / "work"
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
-    results: dict[str, Any] = {"machine": machine(), "config": cfg, "git": git_state()}
+    results: dict[str, Any] = {"machine": machine(), "config": cfg, "git": git}
     phases: dict[str, float] = {"imports": time.perf_counter() - t_start}
     results["phase_s"] = phases
     t_phase = time.perf_counter()

@@ -173,6 +173,8 @@ def time_case(case: Any, bundle: Path, cfg: dict[str, Any], cache: Path) -> list
     multi = [load(bundle, cache_dir=cache, steps_per_call=k) for k in STEPS_PER_CALL]
     ms: list[mt.Method] = [
         mt.TorchXlaLazy(case, batches),
+        mt.TorchXlaDynamo(case, batches, whole_step=False),
+        mt.TorchXlaDynamo(case, batches, whole_step=True),
         mt.TorchEager(case, batches),
         mt.TorchCompile(case, batches),
         mt.JaxJit(case, batches),

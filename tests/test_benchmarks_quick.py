@@ -23,6 +23,8 @@ pytest.importorskip("matplotlib")
 ROOT = Path(__file__).resolve().parent.parent
 METHODS = {
     "torch_xla_lazy",
+    "torch_xla_dynamo_model",
+    "torch_xla_dynamo_step",
     "torch_eager",
     "torch_compile",
     "jax_jit",

@@ -72,6 +72,63 @@ class TorchXlaLazy(Method):
         return dt
 
 
+class TorchXlaDynamo(TorchXlaLazy):
+    """torch_xla's dynamo bridge: ``torch.compile(..., backend="openxla")``.
+
+    ``whole_step``: the whole training step (zero_grad, forward, loss, backward,
+    optimizer step) is compiled, torch_xla's own answer to "trace once, replay".
+    Otherwise only the model is compiled and backward and the optimizer stay lazy
+    tensors, synced every step. Compilation happens in set-up and is never counted.
+    """
+
+    def __init__(
+        self, case: Any, batches: Sequence[dict[str, np.ndarray]], *, whole_step: bool
+    ) -> None:
+        super().__init__(case, batches)
+        self.whole_step = whole_step
+        self.name = "torch_xla_dynamo_step" if whole_step else "torch_xla_dynamo_model"
+
+    def setup(self) -> None:
+        import torch
+        import torch_xla
+
+        super().setup()
+        if self.whole_step:
+            plain = self.step
+            model, opt = self.model, self.opt
+
+            def whole(batch: dict[str, Any]) -> Any:
+                return plain(model, opt, batch)["loss"]
+
+            compiled = torch.compile(whole, backend="openxla")
+            self.run = lambda b: compiled(b)
+        else:
+            compiled_model = torch.compile(self.model, backend="openxla")
+            plain = self.step
+
+            def run(b: dict[str, Any]) -> Any:
+                out = plain(compiled_model, self.opt, b)["loss"]
+                torch_xla.sync()
+                return out
+
+            self.run = run
+        self.block(3)  # compiles (the first optimizer step creates its state)
+
+    def block(self, k: int) -> float:
+        import torch
+        import torch_xla.core.xla_model as xm
+
+        host = [{n: torch.from_numpy(v) for n, v in b.items()} for b in self.batches]
+        t0 = time.perf_counter()
+        for _ in range(k):
+            b = host[self.i % len(host)]
+            self.i += 1
+            loss = self.run({n: v.to(self.dev) for n, v in b.items()})
+        float(loss.detach().cpu())
+        xm.wait_device_ops()
+        return time.perf_counter() - t0
+
+
 class TorchEager(Method):
     """Plain PyTorch on the CPU, default AdamW (every step synchronous)."""
 
@@ -214,6 +271,26 @@ class Stepbundle(Method):
             self.i += 1
         float(m["loss"])
         return time.perf_counter() - t0
+
+
+class StepbundleK(Method):
+    """``trainer.run(batches, n)`` on a trainer loaded with ``steps_per_call=K``: K steps
+    per PJRT call (host batches, stacked by the trainer for each call). A block runs a
+    whole number of calls; its time is scaled to the k steps asked for."""
+
+    def __init__(self, trainer: Any, batches: Sequence[dict[str, Any]], k: int) -> None:
+        self.trainer, self.batches, self.k = trainer, list(batches), k
+        self.name = f"stepbundle_k{k}"
+        # run() takes batches[i % len] for step i: a list of K batches per call.
+        self.cycle = [self.batches[i % len(self.batches)] for i in range(k)]
+
+    def block(self, k: int) -> float:
+        calls = max(1, round(k / self.k))
+        steps = calls * self.k
+        t0 = time.perf_counter()
+        out = self.trainer.run(self.cycle, steps, keep_metrics=False)
+        float(out[-1]["loss"])
+        return (time.perf_counter() - t0) * k / steps
 
 
 class StepbundleDeviceBatch(Stepbundle):

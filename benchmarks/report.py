@@ -12,10 +12,14 @@ from typing import Any
 
 METHODS = (
     "torch_xla_lazy",
+    "torch_xla_dynamo_model",
+    "torch_xla_dynamo_step",
     "torch_eager",
     "torch_compile",
     "jax_jit",
     "stepbundle",
+    "stepbundle_k8",
+    "stepbundle_k32",
     "floor",
 )
 DIAGNOSTIC_METHODS = ("stepbundle_devbatch",)
@@ -80,6 +84,30 @@ def targets(records: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
                 "met": lazy / sb >= 20.0,
             }
         )
+    for depth in (4, TARGET_DEPTH):  # issue #17: against torch_xla's own compiled step
+        sb4, dyn = ms("mlp", depth, "stepbundle"), ms("mlp", depth, "torch_xla_dynamo_step")
+        if sb4 is not None and dyn is not None:
+            out.append(
+                {
+                    "target": f"stepbundle >= 10x faster than torch_xla dynamo (whole step) "
+                    f"at MLP depth {depth}",
+                    "figure": dyn / sb4,
+                    "text": f"{dyn / sb4:.1f}x faster ({dyn:.2f} vs {sb4:.2f} ms)",
+                    "met": dyn / sb4 >= 10.0,
+                }
+            )
+    for depth, limit in ((4, 0.3), (TARGET_DEPTH, 0.8)):  # issue #17
+        k32, fl = ms("mlp", depth, "stepbundle_k32"), ms("mlp", depth, "floor")
+        if k32 is not None and fl is not None:
+            out.append(
+                {
+                    "target": f"stepbundle K=32 steps per call <= {limit}x the single-step "
+                    f"floor at MLP depth {depth}",
+                    "figure": k32 / fl,
+                    "text": f"{k32 / fl:.2f}x floor ({k32:.3f} vs {fl:.3f} ms per step)",
+                    "met": k32 / fl <= limit,
+                }
+            )
     for case, depth in _cases(records):
         s, e, j = (ms(case, depth, m) for m in ("stepbundle", "torch_eager", "jax_jit"))
         if case == "mlp" and depth >= 16 and s is not None and e is not None:
@@ -109,6 +137,15 @@ def markdown(results: Mapping[str, Any]) -> str:
     methods = [m for m in METHODS + DIAGNOSTIC_METHODS if any(r["method"] == m for r in records)]
     lines = []
     mach = results["machine"]
+    git = results.get("git") or {}
+    commit = git.get("commit")
+    lines.append(
+        f"Commit: {commit[:12] if commit else 'not recorded'}"
+        + (" (with uncommitted changes)" if git.get("dirty") else "")
+        + ". Times are wall-clock medians; the CPU time of this process (every thread, "
+        "not other processes' time on the cores) is beside them in the second table."
+    )
+    lines.append("")
     lines.append(
         f"Machine: {mach['cpu']}, {mach['cpus']} CPUs, Python {mach['python']}, torch "
         f"{mach['torch']}, torch_xla {mach['torch_xla']}, jax {mach['jax']}. Mode: "

@@ -71,6 +71,25 @@ QUICK = {
 }
 
 
+STEPS_PER_CALL = (8, 32)
+"""The K of the ``stepbundle_k<K>`` methods (``load(steps_per_call=K)``); K = 1 is
+``stepbundle``."""
+
+
+def git_state() -> dict[str, Any]:
+    """The commit the figures were measured at, and whether the tree had changes."""
+
+    def git(*a: str) -> str:
+        return subprocess.run(
+            ["git", *a], capture_output=True, text=True, timeout=30, cwd=ROOT, check=True
+        ).stdout.strip()
+
+    try:
+        return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain"))}
+    except (OSError, subprocess.SubprocessError):
+        return {"commit": None, "dirty": None}
+
+
 def say(msg: str) -> None:
     print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
@@ -151,12 +170,16 @@ def time_case(case: Any, bundle: Path, cfg: dict[str, Any], cache: Path) -> list
 
     batches = models.make_batches(case, 4)
     trainer = load(bundle, cache_dir=cache)
+    multi = [load(bundle, cache_dir=cache, steps_per_call=k) for k in STEPS_PER_CALL]
     ms: list[mt.Method] = [
         mt.TorchXlaLazy(case, batches),
+        mt.TorchXlaDynamo(case, batches, whole_step=False),
+        mt.TorchXlaDynamo(case, batches, whole_step=True),
         mt.TorchEager(case, batches),
         mt.TorchCompile(case, batches),
         mt.JaxJit(case, batches),
         mt.Stepbundle(trainer, batches),
+        *(mt.StepbundleK(t, batches, k) for t, k in zip(multi, STEPS_PER_CALL)),
         mt.StepbundleDeviceBatch(trainer, batches),
         mt.Floor(trainer, batches),
     ]
@@ -343,6 +366,7 @@ def main(argv: list[str] | None = None) -> int:
         "the default for these small models, so the stronger baseline; 0 keeps torch's default)",
     )
     args = ap.parse_args(argv)
+    git = git_state()  # before anything runs: the tree the figures are measured from
     cfg = dict(QUICK if args.quick else FULL)
     if args.depths:
         cfg["depths"] = args.depths
@@ -369,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
     work = out / "work"
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
-    results: dict[str, Any] = {"machine": machine(), "config": cfg}
+    results: dict[str, Any] = {"machine": machine(), "config": cfg, "git": git}
     phases: dict[str, float] = {"imports": time.perf_counter() - t_start}
     results["phase_s"] = phases
     t_phase = time.perf_counter()

@@ -246,6 +246,15 @@ def _add_run(sub: Any) -> None:
         metavar="N",
         help="hold state tensors of up to N elements in one buffer per dtype (default 65536; 0: off)",
     )
+    r.add_argument(
+        "--steps-per-call",
+        type=types.at_least(1),
+        default=1,
+        metavar="K",
+        help="run K steps per dispatch, in a loop compiled around the bundle's step (default "
+        "1). Same numbers, bit for bit; checkpoints, --eval-every and stops happen between "
+        "calls, so --checkpoint-every and --eval-every must be multiples of K",
+    )
     _add_device_options(r)
     r.set_defaults(fn=cmd_run)
 

@@ -100,6 +100,18 @@ def check_outputs(args: argparse.Namespace) -> None:
         )
     if args.eval_every and not args.eval_data:
         raise ValueError("--eval-every evaluates --eval-data, which is missing: add it.")
+    k = getattr(args, "steps_per_call", 1)
+    for flag, every in (
+        ("--checkpoint-every", args.checkpoint_every),
+        ("--eval-every", args.eval_every),
+    ):
+        if every and k > 1 and every % k:
+            lower = max(k, every - every % k)
+            raise ValueError(
+                f"{flag} {every} is not a multiple of --steps-per-call {k}: the state moves {k} "
+                f"steps per call, so it is only there to save or evaluate between calls. Use "
+                f"{flag} {lower} or {lower + k}."
+            )
     if args.entry != "train" and args.steps is None:
         raise ValueError(f"--entry {args.entry} runs --steps batches: give --steps.")
     dataset_only = ("batch_size", "epochs")

@@ -86,6 +86,9 @@ def add_compile(sub: Any, add_device_options: Callable[[Any], None]) -> None:
     c.add_argument("--shard-optimizer-state", action="store_true", help=same)
     c.add_argument("--stop-on-nonfinite", action="store_true", help=same)
     c.add_argument("--pack-state", type=types.at_least(0), default=65536, metavar="N", help=same)
+    c.add_argument(
+        "--steps-per-call", type=types.at_least(1), default=1, metavar="K", help="as for run"
+    )
     job = "as for run, to compile for a multi-process job's devices"
     c.add_argument("--coordinator", metavar="HOST:PORT", help=job)
     c.add_argument("--num-processes", type=types.at_least(1), metavar="P", help=job)
@@ -123,6 +126,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
             pack_state=args.pack_state,
             shard_optimizer_state=args.shard_optimizer_state,
             compile_only=True,
+            steps_per_call=args.steps_per_call,
         )
     except (BundleError, ValueError) as e:
         return die(str(e), 1)

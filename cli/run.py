@@ -161,6 +161,7 @@ def _open_trainer(args: argparse.Namespace) -> Any:
         devices=args.devices,
         pack_state=args.pack_state,
         shard_optimizer_state=args.shard_optimizer_state,
+        steps_per_call=args.steps_per_call if args.entry == "train" else 1,
         **init_kwargs(args),
     )
     if args.resume:
@@ -196,7 +197,8 @@ def _report_load(args: argparse.Namespace, trainer: Any, load_s: float) -> None:
     print(
         f"[run] loaded {args.bundle} in {load_s:.2f}s ({trainer.load_info.compiled} compiled, "
         f"{trainer.load_info.cache_hits} from cache) on {args.device}"
-        + (f" x{n_dev} (data parallel)" if n_dev > 1 else ""),
+        + (f" x{n_dev} (data parallel)" if n_dev > 1 else "")
+        + (f", {trainer.steps_per_call} steps per call" if trainer.steps_per_call > 1 else ""),
         file=sys.stderr,
     )
     report_origins(trainer, args)
@@ -323,13 +325,20 @@ def _run_train(
         if watchdog is not None:
             watchdog.feed()
         step = start_step + i
-        last = i + 1 == steps or stopper.exit_code is not None
+        # With --steps-per-call K the state moves K steps per call, and the callbacks of
+        # a call's steps come after it: evaluations, checkpoints and stops happen where
+        # the state is this step's, between calls (the run aligns calls to multiples of
+        # K, and check_outputs made the intervals multiples of K).
+        boundary = trainer.step_count == step + 1
+        last = i + 1 == steps or (stopper.exit_code is not None and boundary)
         try:
             reporter.step(i, step, metrics, last=last)
-            if args.eval_every and (step + 1) % args.eval_every == 0:
+            if boundary and args.eval_every and (step + 1) % args.eval_every == 0:
                 _evaluate(args, trainer, reporter, step)
         except BrokenPipeError:
             stopper.request(EXIT_PIPE_CLOSED, "stdout was closed")
+        if not boundary:
+            return
         if stopper.exit_code is not None:
             reporter.close()  # end the bar's line before the stop is reported
         if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:

@@ -8,6 +8,7 @@ from __future__ import annotations
 from stepbundle.schema.errors import BundleError
 
 __all__ = [
+    "BatchStackError",
     "BindingError",
     "CheckpointError",
     "DeviceError",
@@ -18,6 +19,14 @@ __all__ = [
 
 class BindingError(BundleError):
     """A call's arguments do not match what the bundle's programs expect.
+
+    Raised before anything is dispatched: no state buffer has been donated.
+    """
+
+
+class BatchStackError(BindingError):
+    """A stack of K batches (``Trainer.step_many``) does not have the shape a K-step
+    call takes: K rows of one shape bucket on every batch input.
 
     Raised before anything is dispatched: no state buffer has been donated.
     """

@@ -55,6 +55,7 @@ class Hyperparameters:
         self._dtypes = {h.name: to_numpy(h.spec.dtype) for h in manifest.hyperparameters}
         self._put_scalar = put_scalar
         self._zero_lr_refused = _has_capturable_adam(manifest)
+        self._stacked: dict[str, tuple[tuple[float, ...], Any]] = {}
 
     def resolve(self, name: str) -> list[str]:
         """The full names ``name`` stands for: itself, or every group's ``<name>``."""
@@ -130,6 +131,36 @@ class Hyperparameters:
             else:
                 self.schedules[n] = schedule
                 self.specs[n] = spec
+
+    def rows(self, step: int, k: int) -> dict[str, tuple[float, ...]]:
+        """Every hyperparameter's values for the ``k`` steps from ``step`` (a K-step
+        call): its schedule's, each checked as a single step checks it, or its
+        current value ``k`` times."""
+        out: dict[str, tuple[float, ...]] = {}
+        for name, value in self.values.items():
+            fn = self.schedules.get(name)
+            if fn is None:
+                out[name] = (value,) * k
+                continue
+            row = []
+            for j in range(k):
+                v = float(fn(step + j))
+                if v != value:
+                    self.check(name, v, source=f"the schedule of {name!r} at step {step + j}")
+                    value = v
+                row.append(v)
+            out[name] = tuple(row)
+        return out
+
+    def stacked_buffer(self, name: str, row: tuple[float, ...]) -> Any:
+        """The device copy of ``row``, one value per step of a K-step call (the last
+        row's copy is kept: without a schedule every call reuses it)."""
+        kept = self._stacked.get(name)
+        if kept is not None and kept[0] == row:
+            return kept[1]
+        buf = self._put_scalar(np.asarray(row, dtype=self._dtypes[name]))
+        self._stacked[name] = (row, buf)
+        return buf
 
     def buffer(self, name: str) -> Any:
         """The device copy of ``name``'s current value (made once per value)."""

@@ -24,7 +24,7 @@ from .errors import BindingError, PlatformError
 from .init_source import InitSource, open_source
 from .init_state import place_state, plan_initial_state
 from .load_info import LoadInfo
-from .plan import Plan, RefusedPlan, batch_text, build_plan, refused_plan
+from .plan import CompiledPlan, Plan, RefusedPlan, batch_text, build_plan, refused_plan
 from .program import compile_program, default_cache_dir
 from .sharding import Placement, zero1_split
 from .store import is_digest, resolve_bundle
@@ -159,6 +159,7 @@ def load(
     init_from: str | os.PathLike[str] | None = None,
     init_strict: bool = True,
     compile_only: bool = False,
+    steps_per_call: int = 1,
 ) -> Trainer:
     """Load a bundle and return a ``Trainer`` that owns its state on ``device``.
 
@@ -207,6 +208,12 @@ def load(
         no state is read or copied to the device, so a bundle without weights needs no
         ``init_from``. The trainer returned has ``load_info`` and refuses to step
         (``stepbundle compile`` uses it to pre-warm a shared cache).
+      steps_per_call: K > 1 also compiles each train program behind a loop of K steps
+        (``multistep.py``): ``Trainer.run`` then dispatches K steps per call, and
+        ``Trainer.step_many`` takes a stack of K batches. The results are bit for bit
+        those of K single steps; callbacks see the state at the end of each call (see
+        ``Trainer.run``). The single-step programs are compiled too (for ``step`` and
+        for a run's last steps when they do not fill a call).
     """
     t0 = time.perf_counter()
     info = LoadInfo()
@@ -239,6 +246,15 @@ def load(
             )
         if stop_on_nonfinite:
             _check_loss_metrics(manifest, wanted)
+        if isinstance(steps_per_call, bool) or not isinstance(steps_per_call, int):
+            raise BindingError(
+                f"steps_per_call must be a whole number of at least 1, got {steps_per_call!r}."
+            )
+        if steps_per_call < 1:
+            raise BindingError(
+                f"steps_per_call must be a whole number of at least 1, got {steps_per_call}."
+            )
+        stacked_entry = "train" if steps_per_call > 1 and "train" in wanted else None
         # ---- where the initial state comes from: checked before anything is compiled
         if compile_only and init_from is not None:
             raise BindingError("compile_only places no state: drop init_from.")
@@ -253,6 +269,12 @@ def load(
         client = _client(platform)
         run_devices = _select_devices(client, platform, device, devices)
         n = len(run_devices)
+        if stacked_entry is not None and len({d.process_index for d in run_devices}) > 1:
+            raise BindingError(
+                f"steps_per_call={steps_per_call} is not supported in a multi-process job "
+                "yet (each process would stack only its own rows of every batch). Run "
+                "with steps_per_call=1 (--steps-per-call 1)."
+            )
         if cache_dir is True:
             cache: Path | str | None = default_cache_dir()
         elif cache_dir is False or cache_dir is None:
@@ -272,6 +294,7 @@ def load(
         placement = Placement(run_devices, apart)
         state_index = {name: i for i, name in enumerate(layout.buffer_names)}
         compiled: dict[str, list[Any]] = {}
+        stacked: list[Any] = []  # the train programs behind a loop of K steps
         for name in wanted:
             ent = manifest.entries[name]
             progs: list[Any] = []
@@ -295,6 +318,22 @@ def load(
                 info.compiled += int(not cp.cache_hit)
                 info.cache[f"{name}[{i}]"] = cp.cache
                 progs.append(cp)
+                if name == stacked_entry:
+                    kp = compile_program(
+                        client,
+                        placement,
+                        bundle.section(program.section),
+                        program,
+                        where=where,
+                        donate=ent.updates_state and not stop_on_nonfinite,
+                        cache_dir=cache,
+                        layout=layout,
+                        steps_per_call=steps_per_call,
+                    )
+                    info.cache_hits += int(kp.cache_hit)
+                    info.compiled += int(not kp.cache_hit)
+                    info.cache[f"{name}[{i}]x{steps_per_call}"] = kp.cache
+                    stacked.append((i, kp))
             refused = [p for p in progs if isinstance(p, RefusedPlan)]
             if refused and len(refused) == len(progs) and ent.updates_state:
                 raise PlatformError(refused[0].refusal)
@@ -332,6 +371,11 @@ def load(
             if not compile_only
             else {name: [] for name in compiled}
         )
+        stacked_plans: dict[int, CompiledPlan] = (
+            {i: build_plan("train", i, kp, state_index, constants, placement) for i, kp in stacked}
+            if not compile_only
+            else {}
+        )
         digest = bundle.digest
     finally:
         bundle.close()
@@ -343,6 +387,8 @@ def load(
         for i, p in enumerate(entry_plans)
         if not isinstance(p, RefusedPlan)
     }
+    for i, stacked_plan in stacked_plans.items():
+        info.dispatch[f"train[{i}]x{steps_per_call}"] = stacked_plan.dispatch.path
     info.seconds["total"] = time.perf_counter() - t0
     trainer = Trainer(
         manifest=manifest,
@@ -356,6 +402,8 @@ def load(
         stop_on_nonfinite=stop_on_nonfinite,
         check_state=check_state,
         load_info=info,
+        steps_per_call=steps_per_call if stacked_entry is not None else 1,
+        stacked_plans=stacked_plans,
     )
     if compile_only:
         trainer._broken = (

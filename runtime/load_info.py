@@ -24,6 +24,8 @@ class LoadInfo:
       cache: per program (``"entry[i]"``), what the compile cache did and why: a hit,
         a miss with its reason (no entry, damaged, another program's entry, ...), or off;
         and any error writing the new entry.
+        With ``steps_per_call`` K > 1 each train bucket's K-step loop has its own
+        entry, ``"train[i]xK"`` (here and in ``dispatch``).
       transfer: how arrays are copied to the device (jaxlib's fast transfer, or the
         ``jax.device_put`` fallback and why); None until load() has placed the state.
       dispatch: per compiled program (``"entry[i]"``), how its steps are dispatched

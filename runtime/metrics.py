@@ -22,12 +22,67 @@ from typing import Any, TypeAlias
 
 import numpy as np
 
-__all__ = ["JsonFloat", "json_float", "json_safe", "to_floats", "to_json_floats"]
+__all__ = [
+    "JsonFloat",
+    "StepMetric",
+    "json_float",
+    "json_safe",
+    "to_floats",
+    "to_json_floats",
+]
 
 # What a float becomes in strict JSON: the number itself when finite, else one of the
 # strings "NaN", "Infinity", "-Infinity" (the spellings Python's float() and
 # JavaScript's Number() parse back).
 JsonFloat: TypeAlias = float | str
+
+
+class StepMetric:
+    """One step's metric from a K-step call: row ``index`` of the call's metric stack.
+
+    It behaves like the device array a single step returns (``float(m)``,
+    ``np.asarray(m)``, ``shape``, ``dtype``). Reading it waits for the call and copies
+    the whole stack to the host once: the other K - 1 steps' rows are then read from
+    that copy, not from the device.
+    """
+
+    __slots__ = ("index", "stack")
+
+    def __init__(self, stack: Any, index: int) -> None:
+        self.stack = stack
+        self.index = index
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.stack.shape[1:])
+
+    @property
+    def dtype(self) -> np.dtype[Any]:
+        dtype: np.dtype[Any] = np.dtype(self.stack.dtype)
+        return dtype
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray[Any, Any]:
+        row = np.asarray(self.stack)[self.index]  # jax keeps the host copy of the stack
+        return row.astype(dtype) if dtype is not None else np.array(row)
+
+    def __float__(self) -> float:
+        return float(np.asarray(self).reshape(()))
+
+    def __int__(self) -> int:
+        return int(np.asarray(self).reshape(()))
+
+    def block_until_ready(self) -> StepMetric:
+        self.stack.block_until_ready()
+        return self
+
+    def __repr__(self) -> str:
+        return (
+            f"StepMetric({np.asarray(self)!r}, step {self.index} of a {len(self.stack)}-step call)"
+        )
 
 
 def _value(v: Any) -> float | list[float]:

@@ -23,7 +23,7 @@ from stepbundle.schema.errors import SchemaValidationError
 from stepbundle.schema.manifest import Program, StateUpdateOutput
 from stepbundle.stablehlo import artifact as mlir
 
-from . import _compat, packing, remote
+from . import _compat, multistep, packing, remote
 from .errors import PlatformError
 from .fallback import StepbundleFallbackWarning, warn_once
 from .sharding import AXIS, MESH, Placement
@@ -138,6 +138,7 @@ def compile_program(
     donate: bool,
     cache_dir: Path | str | None,
     layout: packing.Layout | None = None,
+    steps_per_call: int = 1,
 ) -> CompiledProgram:
     """Check, re-attribute and compile ``program`` for ``devices``.
 
@@ -154,6 +155,9 @@ def compile_program(
       layout: how the trainer holds the state; with packs, the program is compiled
         behind a wrapper that takes and returns them, and the returned
         ``CompiledProgram.program`` describes the wrapper's arguments and results.
+      steps_per_call: with K > 1, the program is compiled behind a loop of K steps
+        over stacked batches (``multistep.py``); ``CompiledProgram.program`` then
+        describes the loop's stacked arguments and results.
     """
     platform = str(client.platform)
     if program.platforms and platform not in program.platforms:
@@ -189,11 +193,13 @@ def compile_program(
     module.strip_attributes()
     if layout is not None and layout.packs:
         module, program = packing.wrap_program(module, program, layout)
+    if steps_per_call > 1:
+        module, program = multistep.wrap_steps(module, program, steps_per_call)
     devices = list(placement.devices)
     n = len(devices)
     if placement.partitioned:
         module.set_mesh(MESH, [(AXIS, n)])
-        arg_shardings, result_shardings = placement.annotations(program)
+        arg_shardings, result_shardings = placement.annotations(program, stacked=steps_per_call > 1)
         module.set_arg_attributes(_aliases(program, donate), arg_shardings)
         module.set_result_shardings(result_shardings)
     else:

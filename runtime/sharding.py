@@ -46,10 +46,10 @@ AXIS = "data"
 MESH = "stepbundle_mesh"
 
 
-def _sdy(rank: int, split: bool) -> str:
+def _sdy(rank: int, split: bool, dim: int = 0) -> str:
     dims = ["{}"] * rank
     if split:
-        dims[0] = '{"' + AXIS + '"}'
+        dims[dim] = '{"' + AXIS + '"}'
     return f"#sdy.sharding<@{MESH}, [{', '.join(dims)}]>"
 
 
@@ -67,10 +67,13 @@ class Placement:
         if self.n == 1:
             self.replicated: Any = _compat.single_device_sharding(self.devices[0])
             self.split: Any = self.replicated
+            self.split_stacked: Any = self.replicated
         else:
             mesh = Mesh(np.array(self.devices, dtype=object), (AXIS,))
             self.replicated = NamedSharding(mesh, PartitionSpec())
             self.split = NamedSharding(mesh, PartitionSpec(AXIS))
+            # A stack of K batches (steps_per_call): the rows are its second dimension.
+            self.split_stacked = NamedSharding(mesh, PartitionSpec(None, AXIS))
         me = jax.process_index()
         # This process's own devices (all of them, outside a multi-process job).
         self.local_devices = tuple(d for d in self.devices if d.process_index == me)
@@ -84,17 +87,28 @@ class Placement:
         return self.n > 1
 
     # ---------------------------------------------------------- annotations
-    def _splits_input(self, row: Any) -> bool:
+    def _splits_input(self, row: Any, stacked: bool = False) -> bool:
         if isinstance(row, BatchInput):
-            return len(row.spec.shape) >= 1
+            return len(row.spec.shape) >= (2 if stacked else 1)
         return isinstance(row, StateInput) and row.name in self.split_state
 
     def _splits_output(self, row: Any) -> bool:
         return isinstance(row, StateUpdateOutput) and row.state in self.split_state
 
-    def annotations(self, program: Program) -> tuple[list[str], list[str]]:
-        """Shardy shardings of the program's arguments and results, as MLIR text."""
-        args = [_sdy(len(r.spec.shape), self._splits_input(r)) for r in program.inputs]
+    def annotations(self, program: Program, stacked: bool = False) -> tuple[list[str], list[str]]:
+        """Shardy shardings of the program's arguments and results, as MLIR text.
+
+        ``stacked``: the program takes stacks of K batches (``multistep.py``), whose
+        rows are their second dimension.
+        """
+        args = [
+            _sdy(
+                len(r.spec.shape),
+                self._splits_input(r, stacked),
+                1 if stacked and isinstance(r, BatchInput) else 0,
+            )
+            for r in program.inputs
+        ]
         results = [_sdy(len(r.spec.shape), self._splits_output(r)) for r in program.outputs]
         return args, results
 
@@ -124,6 +138,10 @@ class Placement:
     def put_batch(self, x: np.ndarray[Any, Any]) -> Any:
         """A global batch array: split on dim 0 (replicated when it is a scalar)."""
         return _compat.put_sharded(x, self.split if x.ndim >= 1 else self.replicated)
+
+    def put_stacked_batch(self, x: np.ndarray[Any, Any]) -> Any:
+        """A stack of K global batch arrays: split on dim 1 (replicated below rank 2)."""
+        return _compat.put_sharded(x, self.split_stacked if x.ndim >= 2 else self.replicated)
 
     def put_local_batch(self, x: np.ndarray[Any, Any]) -> Any:
         """This process's rows of a global batch: the global array is assembled from every

@@ -25,14 +25,15 @@ from stepbundle.schema.rng import TORCH_XLA_MARK_STEP, advance_seed
 from . import _compat
 from .batches import mismatch_message
 from .checkpointing import StateAndCheckpoints
-from .errors import BindingError, DeviceError
+from .errors import BatchStackError, BindingError, DeviceError
 from .evaluation import Evaluation, evaluate_dataset
 from .hyper import Hyperparameters
 from .load_info import LoadInfo
+from .metrics import StepMetric
 from .packing import Layout
 from .plan import CompiledPlan, Plan, RefusedPlan
 from .sharding import Placement
-from .watch import check_step
+from .watch import check_step, finite
 
 __all__ = ["LoadInfo", "Trainer"]
 
@@ -62,6 +63,8 @@ class Trainer(StateAndCheckpoints):
         stop_on_nonfinite: bool,
         load_info: LoadInfo,
         check_state: bool = False,
+        steps_per_call: int = 1,
+        stacked_plans: Mapping[int, CompiledPlan] | None = None,
     ) -> None:
         self.manifest = manifest
         self.digest = digest
@@ -97,6 +100,9 @@ class Trainer(StateAndCheckpoints):
         self._pending_schedules: set[str] = set()
         self.data_position: Any = None
         """Where the data stands for the next step (a loader's ``state()``), or None."""
+        # K steps per call (multistep.py): the train buckets' K-step plans, by bucket.
+        self._k = steps_per_call
+        self._stacked_plans = dict(stacked_plans or {})
 
     # ------------------------------------------------------------ properties
     @property
@@ -107,6 +113,11 @@ class Trainer(StateAndCheckpoints):
     def step_count(self) -> int:
         """Number of training steps taken (restored from checkpoints)."""
         return self._step
+
+    @property
+    def steps_per_call(self) -> int:
+        """Steps ``run`` dispatches per call (``load(steps_per_call=K)``); 1 by default."""
+        return self._k
 
     @property
     def seed(self) -> int | None:
@@ -189,13 +200,20 @@ class Trainer(StateAndCheckpoints):
         the global batch (a ``Loader`` with ``process_count`` > 1 delivers that).
         Everything that can be wrong with a batch is found here, before dispatch.
         """
+        chosen, arrays = self._match(entry, self._plans_for(entry), batch, local)
+        return chosen, self._transfer(chosen, arrays, local)
+
+    def _match(
+        self, entry: str, plans: Sequence[Plan], batch: Mapping[str, Any], local: bool = False
+    ) -> tuple[CompiledPlan, dict[str, Any]]:
+        """The shape bucket of ``plans`` that takes ``batch``, and its arrays (on the host
+        or where they were): everything that can be wrong with a batch is found here."""
         if self._broken is not None:
             raise BindingError(self._broken)
         if not isinstance(batch, Mapping):
             raise BindingError(
                 f"A batch must be a dict of name -> array, got {type(batch).__name__}."
             )
-        plans = self._plans_for(entry)
         arrays: dict[str, Any] = {}
         for k, v in batch.items():
             if not hasattr(v, "shape") or not hasattr(v, "dtype"):
@@ -226,14 +244,20 @@ class Trainer(StateAndCheckpoints):
             raise BindingError(mismatch_message(entry, plans, arrays))
         if isinstance(chosen, RefusedPlan):  # replaces a None test; no slower
             raise BindingError(chosen.refusal)
+        return chosen, arrays
+
+    def _transfer(
+        self, chosen: CompiledPlan, arrays: Mapping[str, Any], local: bool = False
+    ) -> dict[str, Any]:
+        """Move a matched batch to the device (this process's rows, with ``local``)."""
         dev: dict[str, Any] = {}
-        if rows != 1:
+        if local and self.placement.process_count != 1:
             for k in chosen.batch_sig:
                 dev[k] = self.placement.put_local_batch(np.asarray(arrays[k]))
-            return chosen, dev
+            return dev
         for k in chosen.batch_sig:
             dev[k] = self._to_device(arrays[k])
-        return chosen, dev
+        return dev
 
     def _to_device(self, a: Any) -> Any:
         if isinstance(a, np.ndarray):
@@ -338,6 +362,17 @@ class Trainer(StateAndCheckpoints):
         may call ``request_stop()`` to end the run after this step (early stopping).
         Returns every step's metrics; for long runs pass ``keep_metrics=False`` (and read
         them in ``on_step``), which returns only the last step's, so memory stays flat.
+
+        With ``steps_per_call`` K > 1 (``load(steps_per_call=K)``), every K batches of
+        one shape bucket run as one call; the steps and their metrics are the same,
+        but the state moves K steps at a time: ``on_step`` is called for each of a
+        call's K steps after the call, and sees ``step_count``, the state (and
+        checkpoints it saves) and ``data_position`` as they are at the end of the call.
+        ``request_stop()`` ends the run after the current call. Calls start at
+        multiples of K steps (``step_count``); steps before the first multiple (a
+        resumed run), and batches that do not fill a call of one bucket (the last ones,
+        a short last batch), run one step at a time. A batch no bucket takes is
+        refused after the steps before it ran.
         """
         out: list[dict[str, Any]] = []
         self._stop_requested = False
@@ -357,6 +392,8 @@ class Trainer(StateAndCheckpoints):
             return out
         if position is not None:
             self.data_position = position()
+        if self._k > 1:
+            return self._run_calls(source, steps, on_step, position, local, keep_metrics)
         first = next(source, _END)
         if first is _END:
             return out
@@ -382,6 +419,212 @@ class Trainer(StateAndCheckpoints):
                 out.append(metrics)
             if not more or self._stop_requested:
                 break
+        return out
+
+    # ------------------------------------------------- K steps per call
+    def step_many(self, batches: Mapping[str, Any]) -> dict[str, Any]:
+        """Run K training steps (K = ``steps_per_call``) in one call on a stack of batches.
+
+        ``batches`` maps every batch input to an array with a leading axis of K: row
+        ``i`` is step ``i``'s batch, all of one shape bucket. Returns every metric
+        stacked the same way (``metrics["loss"][i]`` is step ``i``'s loss). The result
+        is bit for bit that of K calls of ``step``.
+
+        Raises:
+          BatchStackError: the trainer runs one step per call, or the stack's arrays do
+            not have K rows of one bucket's shapes (nothing was dispatched).
+          NonFiniteLossError: with ``stop_on_nonfinite``, a step's loss was not finite;
+            the state is the state from before that step (the call is replayed one
+            step at a time up to it).
+        """
+        self._check_schedules_set()
+        k = self._k
+        if k == 1:
+            raise BatchStackError(
+                "step_many() runs K steps per call, but this trainer was loaded with "
+                "steps_per_call=1. Load the bundle with steps_per_call=K (K > 1), or "
+                "call step() once per batch."
+            )
+        plans = [self._stacked_plans[i] for i in sorted(self._stacked_plans)]
+        if not plans:
+            raise BatchStackError(
+                "No shape bucket of the 'train' entry can run here, so there is nothing "
+                "for step_many() to run."
+            )
+        try:
+            plan, arrays = self._match("train", plans, batches)
+        except BatchStackError:
+            raise
+        except BindingError as e:
+            raise BatchStackError(
+                f"step_many() takes a stack of {k} batches: every batch input with a "
+                f"leading axis of {k} (this trainer's steps_per_call). {e}"
+            ) from None
+        dev = {name: self._to_device_stacked(arrays[name]) for name in plan.batch_sig}
+        metrics = self._dispatch_stacked(plan, dev)
+        if metrics is not None:
+            return metrics
+        # Something was not finite: run the call's steps one at a time, so the step at
+        # fault is refused with the state from before it (check_step says which).
+        single = self._plans_for("train")[plan.index]
+        assert isinstance(single, CompiledPlan)
+        host = {
+            name: _compat.to_host(a) if hasattr(a, "sharding") else np.asarray(a)
+            for name, a in arrays.items()
+        }
+        rows = [
+            self._dispatch(single, self._transfer(single, {n: h[j] for n, h in host.items()}))
+            for j in range(k)
+        ]
+        return {name: np.stack([np.asarray(r[name]) for r in rows]) for name in rows[0]}
+
+    def _to_device_stacked(self, a: Any) -> Any:
+        if not isinstance(a, np.ndarray) and getattr(a, "sharding", None) is not None:
+            want = self.placement.split_stacked if a.ndim >= 2 else self.placement.replicated
+            try:
+                if a.sharding.is_equivalent_to(want, a.ndim):
+                    return a
+            except (ValueError, TypeError, NotImplementedError, AttributeError):
+                pass
+            a = _compat.to_host(a)
+        return self.placement.put_stacked_batch(np.asarray(a))
+
+    def _dispatch_stacked(
+        self, plan: CompiledPlan, dev: Mapping[str, Any]
+    ) -> dict[str, Any] | None:
+        """Run one K-step call; None (nothing applied) when, with ``stop_on_nonfinite``,
+        a value is not finite or a scheduled value is refused: the caller then replays
+        the call one step at a time, which refuses the step at fault exactly as single
+        steps would."""
+        k = self._k
+        try:
+            rows = self._hp.rows(self._step, k)
+        except BindingError:
+            return None  # the replay raises it at its step, after the steps before it
+        args = plan.template.copy()
+        st = self._state
+        for pos, si in plan.state_slots:
+            args[pos] = st[si]
+        for pos, name in plan.batch_slots:
+            args[pos] = dev[name]
+        if plan.seed_slot is not None:
+            assert self._seed is not None
+            seeds = [self._seed]
+            for _ in range(k - 1):
+                seeds.append(advance_seed(self._seed_rule, seeds[-1]))
+            args[plan.seed_slot] = self._put_scalar(np.array(seeds, dtype=np.uint64).view(np.int64))
+        for pos, name in plan.hyper_slots:
+            args[pos] = self._hp.stacked_buffer(name, rows[name])
+        try:
+            outs = plan.dispatch(args)
+        except _compat.JaxRuntimeError as e:
+            raise self._device_error(plan, e) from e
+        metrics = {name: outs[pos] for pos, name in plan.metric_slots}
+        if self._stop_on_nonfinite and not finite(
+            metrics, [outs[pos] for pos, _ in plan.update_slots] if self._check_state else None
+        ):
+            return None  # compiled without donation: the old state is intact
+        for pos, si in plan.update_slots:
+            st[si] = outs[pos]
+        self._step += k
+        if self._seed is not None:
+            self._seed = advance_seed(self._seed_rule, self._seed, k)
+        for name, row in rows.items():
+            if self._hyper[name] != row[-1]:  # the value the last step received
+                self._hyper[name] = row[-1]
+                self._hyper_bufs.pop(name, None)
+        return metrics
+
+    def _stack(self, group: list[tuple[CompiledPlan, dict[str, Any], Any]]) -> Any:
+        """The K-step plan and device stacks for a group of batches, or None when the
+        group does not fill a call of one bucket (it then runs one step at a time)."""
+        if len(group) != self._k:
+            return None
+        plan = group[0][0]
+        if any(p is not plan for p, _, _ in group):
+            return None
+        stacked = self._stacked_plans.get(plan.index)
+        if stacked is None:
+            return None
+        dev = {}
+        for name in plan.batch_sig:
+            rows = [a[name] for _, a, _ in group]
+            host = [_compat.to_host(r) if hasattr(r, "sharding") else np.asarray(r) for r in rows]
+            dev[name] = self.placement.put_stacked_batch(np.stack(host))
+        return stacked, dev
+
+    def _run_calls(
+        self,
+        source: Iterator[Mapping[str, Any]],
+        steps: int,
+        on_step: Callable[[int, dict[str, Any]], object] | None,
+        position: Callable[[], Any] | None,
+        local: bool,
+        keep_metrics: bool,
+    ) -> list[dict[str, Any]]:
+        """``run`` with K steps per call (see ``run``)."""
+        k = self._k
+        out: list[dict[str, Any]] = []
+        left = steps
+        i = 0
+
+        def read(n: int) -> tuple[list[tuple[CompiledPlan, dict[str, Any], Any]], Exception | None]:
+            group: list[tuple[CompiledPlan, dict[str, Any], Any]] = []
+            for _ in range(n):
+                b = next(source, _END)
+                if b is _END:
+                    break
+                try:
+                    plan, arrays = self._match("train", self._plans_for("train"), b, local)
+                except BindingError as e:
+                    return group, e  # the steps before it run first
+                group.append((plan, arrays, position() if position is not None else None))
+            return group, None
+
+        # Calls start at multiples of K steps, so a resumed run's calls end where a
+        # run from step 0 would end them (and checkpoints every multiple of K steps
+        # fall between calls): single steps up to the next multiple first.
+        group, error = read(min((-self._step) % k or k, left))
+        prepared = self._stack(group)
+        while group:
+            left -= len(group)
+            metrics = self._dispatch_stacked(*prepared) if prepared is not None else None
+            if metrics is not None:
+                # The call runs: read and move the next group meanwhile.
+                nxt, nxt_error = read(min(k, left)) if left > 0 and error is None else ([], error)
+                nxt_prepared = self._stack(nxt)
+                if group[-1][2] is not None:
+                    self.data_position = group[-1][2]
+                for j in range(len(group)):
+                    m = {name: StepMetric(v, j) for name, v in metrics.items()}
+                    if on_step is not None:
+                        on_step(i, m)
+                    i += 1
+                    if keep_metrics:
+                        out.append(m)
+                    else:
+                        out[:] = [m]
+            else:
+                for plan, arrays, pos in group:
+                    m = self._dispatch(plan, self._transfer(plan, arrays, local))
+                    if pos is not None:
+                        self.data_position = pos
+                    if on_step is not None:
+                        on_step(i, m)
+                    i += 1
+                    if keep_metrics:
+                        out.append(m)
+                    else:
+                        out[:] = [m]
+                    if self._stop_requested:
+                        return out
+                nxt, nxt_error = read(min(k, left)) if left > 0 and error is None else ([], error)
+                nxt_prepared = self._stack(nxt)
+            if self._stop_requested:
+                return out
+            group, error, prepared = nxt, nxt_error, nxt_prepared
+        if error is not None:
+            raise error
         return out
 
     def request_stop(self) -> None:

@@ -23,7 +23,7 @@ import numpy as np
 
 from .errors import NonFiniteLossError
 
-__all__ = ["check_step"]
+__all__ = ["check_step", "finite"]
 
 
 def _all_finite(*arrays: Any) -> Any:
@@ -41,6 +41,17 @@ def _scalars(metrics: Mapping[str, Any]) -> dict[str, float]:
         if a.size == 1:
             out[k] = float(a.reshape(()))
     return out
+
+
+def finite(metrics: Mapping[str, Any], new_state: Sequence[Any] | None) -> bool:
+    """Whether every metric (and ``new_state``, unless None) is finite: a K-step call's
+    quick check (the trainer replays a call that fails it step by step, so the step
+    at fault is found and refused by ``check_step``)."""
+    for v in metrics.values():
+        a = np.asarray(v)
+        if a.dtype.kind in "fc" and not np.isfinite(a).all():
+            return False
+    return not new_state or bool(_ALL_FINITE(*new_state))
 
 
 def check_step(step: int, metrics: Mapping[str, Any], new_state: Sequence[Any] | None) -> None:

@@ -21,7 +21,18 @@ pytest.importorskip("optax")
 pytest.importorskip("matplotlib")
 
 ROOT = Path(__file__).resolve().parent.parent
-METHODS = {"torch_xla_lazy", "torch_eager", "torch_compile", "jax_jit", "stepbundle", "floor"}
+METHODS = {
+    "torch_xla_lazy",
+    "torch_xla_dynamo_model",
+    "torch_xla_dynamo_step",
+    "torch_eager",
+    "torch_compile",
+    "jax_jit",
+    "stepbundle",
+    "stepbundle_k8",
+    "stepbundle_k32",
+    "floor",
+}
 DIAGNOSTIC = {
     "stepbundle",
     "stepbundle_gc_frozen",
@@ -71,6 +82,8 @@ def test_step_time_records(quick: tuple[Path, subprocess.CompletedProcess[str]])
     out, _ = quick
     r = json.loads((out / "results.json").read_text())
     assert {"machine", "config", "step_times", "targets", "export", "diagnostics"} <= set(r)
+    # The commit the figures were measured at (and whether the tree was clean).
+    assert len(r["git"]["commit"]) == 40 and isinstance(r["git"]["dirty"], bool)
     cases = {("mlp", d) for d in r["config"]["depths"]} | {("gpt", r["gpt_config"]["layers"])}
     assert len(r["config"]["depths"]) >= 2
     by_case: dict[tuple[str, int], dict[str, dict[str, Any]]] = {}
@@ -80,7 +93,7 @@ def test_step_time_records(quick: tuple[Path, subprocess.CompletedProcess[str]])
         key = (rec["case"], rec["depth"])
         assert rec["method"] not in by_case.setdefault(key, {}), "one record per method"
         by_case[key][rec["method"]] = rec
-        for k in ("median_ms", "p25_ms", "p75_ms", "min_ms", "ratio_to_floor"):
+        for k in ("median_ms", "p25_ms", "p75_ms", "min_ms", "ratio_to_floor", "cpu_median_ms"):
             assert positive(rec[k]), (key, rec["method"], k, rec[k])
         assert rec["p25_ms"] <= rec["median_ms"] <= rec["p75_ms"]
         assert positive(rec["graph_inputs"])

@@ -48,7 +48,8 @@ _STATE_INPUT_KIND = {
 class BoundProgram:
     """A program's tables before its sections are named.
 
-    ``constants`` holds the value of each ConstantInput, by the input's name.
+    ``constants`` holds the value of each ConstantInput, by the input's name;
+    ``eval_modules`` the modules the step ran in eval mode (``Entry.eval_modules``).
     """
 
     inputs: tuple[InputBinding, ...]
@@ -56,6 +57,7 @@ class BoundProgram:
     constants: Mapping[str, torch.Tensor]
     bytecode: bytes
     text: str
+    eval_modules: tuple[str, ...] = ()
 
 
 def _first_difference(a: str, b: str) -> str:
@@ -188,4 +190,12 @@ def bind(
                 f"({inputs[donates].spec} -> {spec}); state must keep its dtype and shape."
             )
         outputs.append(StateUpdateOutput(name, spec, donates))
-    return BoundProgram(tuple(inputs), tuple(outputs), constants, tb.bytecode, tb.text)
+    if ta.eval_modules != tb.eval_modules:
+        raise ExportError(
+            f"The {what} left different modules in eval mode in two consecutive traced steps "
+            f"({list(ta.eval_modules)[:5]} then {list(tb.eval_modules)[:5]}). Set the modes "
+            "the same way every step (model.train(), then .eval() on the frozen modules)."
+        )
+    return BoundProgram(
+        tuple(inputs), tuple(outputs), constants, tb.bytecode, tb.text, tb.eval_modules
+    )

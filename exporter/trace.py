@@ -20,6 +20,7 @@ from stepbundle.schema.manifest import StateKind
 
 from . import xla
 from .errors import ExportError
+from .modes import eval_batchnorm
 from .workspace import StateTensor, Workspace
 
 __all__ = ["InputOrigin", "StepTrace", "trace_eval", "trace_train"]
@@ -54,6 +55,7 @@ class StepTrace:
       metric_specs / update_specs: (dtype, shape) of each output.
       hyper_values: hyperparameter-like values of the param_groups before the step,
         for error messages.
+      eval_modules: the modules in eval mode when the step returned (``Entry.eval_modules``).
     """
 
     text: str
@@ -64,6 +66,7 @@ class StepTrace:
     updated_state: tuple[str, ...]
     update_specs: tuple[tuple[torch.dtype, tuple[int, ...]], ...]
     hyper_values: tuple[tuple[str, float], ...]
+    eval_modules: tuple[str, ...] = ()
 
 
 def _check_no_host_round_trip(before: dict[str, int], after: dict[str, int], what: str) -> None:
@@ -222,8 +225,13 @@ def trace_train(
     hyper_ids = {tid: name for name, tid in hyper_before.items()}
     hvals = _hyper_values(ws)
     counters = xla.counters()
-    ws.model.train()
-    result = step_fn(ws.model, ws.optimizer, dict(batch))
+    # The modes the user left each module in, not model.train(): a frozen BatchNorm or a
+    # dropout turned off stays so. The modes are read back after the step, which may set
+    # them itself (model.train() at its top).
+    ws.user_modes()
+    with eval_batchnorm():  # torch_xla cannot differentiate eval-mode BatchNorm
+        result = step_fn(ws.model, ws.optimizer, dict(batch))
+    eval_modules = ws.eval_modules()
     _check_no_host_round_trip(counters, xla.counters(), "training step")
     metrics = _metrics(result, "training step", need_loss=True)
 
@@ -318,6 +326,7 @@ def trace_train(
             (s.tensor.dtype, tuple(int(d) for d in s.tensor.shape)) for s in updated
         ),
         hyper_values=hvals,
+        eval_modules=eval_modules,
     )
     del roots, metrics, result, values
     if execute:
@@ -341,6 +350,7 @@ def trace_eval(
     try:
         with torch.no_grad():
             result = eval_fn(ws.model, dict(batch))
+        eval_modules = ws.eval_modules()
         _check_no_host_round_trip(counters, xla.counters(), what)
         metrics = _metrics(result, what, need_loss=False)
         after = _on_device(ws.state_tensors())
@@ -372,6 +382,7 @@ def trace_eval(
             updated_state=(),
             update_specs=(),
             hyper_values=(),
+            eval_modules=eval_modules,
         )
     finally:
-        ws.model.train()
+        ws.user_modes()

@@ -281,6 +281,20 @@ class Workspace:
             group.update(saved)
         self.optimizer.state = self._saved_state
 
+    def user_modes(self) -> None:
+        """Put every module back in the mode (train or eval) the user left it in.
+
+        The training step is traced in those modes, as the user's own loop would run it:
+        a frozen BatchNorm stays in eval mode (running statistics read, not updated), a
+        dropout the user turned off stays off.
+        """
+        for m, training in zip(self._modules, self._saved_training):
+            m.training = training
+
+    def eval_modules(self) -> tuple[str, ...]:
+        """The ``named_modules()`` names of the modules now in eval mode, in model order."""
+        return tuple(name for name, m in self.model.named_modules() if not m.training)
+
     def __enter__(self) -> Workspace:
         return self
 

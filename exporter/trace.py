@@ -21,6 +21,7 @@ from stepbundle.schema.manifest import StateKind
 from . import xla
 from .errors import ExportError
 from .modes import eval_batchnorm
+from .optimizers import traced_optimizer
 from .workspace import StateTensor, Workspace
 
 __all__ = ["InputOrigin", "StepTrace", "trace_eval", "trace_train"]
@@ -229,7 +230,9 @@ def trace_train(
     # dropout turned off stays so. The modes are read back after the step, which may set
     # them itself (model.train() at its top).
     ws.user_modes()
-    with eval_batchnorm():  # torch_xla cannot differentiate eval-mode BatchNorm
+    # torch_xla cannot differentiate eval-mode BatchNorm; torch.optim keeps step counts
+    # tensors only when it believes it is compiling (exporter/optimizers.py).
+    with eval_batchnorm(), traced_optimizer(ws.optimizer):
         result = step_fn(ws.model, ws.optimizer, dict(batch))
     eval_modules = ws.eval_modules()
     _check_no_host_round_trip(counters, xla.counters(), "training step")

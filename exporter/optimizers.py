@@ -165,9 +165,9 @@ def check_optimizer(opt: torch.optim.Optimizer) -> None:
             )
         if name in _NEEDS_CAPTURABLE and not g.get("capturable", False):
             raise ExportError(
-                f"{where} was built with capturable=False: its update then computes the "
-                "step-count-dependent factors on the host (and branches on them), so every "
-                "step would bake in different numbers. Build it with "
+                f"{where} was built with capturable=False: its update then turns the "
+                "step-count-dependent factors into Python numbers (and branches on them), "
+                "so every step would bake different numbers into the graph. Build it with "
                 f"torch.optim.{name}(..., capturable=True): it keeps them on the device and "
                 "matches the non-capturable update."
             )

@@ -178,9 +178,6 @@ def _worst(got: Run, ref: Run) -> tuple[float, float]:
     return loss, state
 
 
-_TABLE: list[str] = []
-
-
 @pytest.mark.parametrize("case", list(CASES))
 def test_fresh_optimizer_matches_eager_from_step_one(case: str, tmp_path: Path) -> None:
     make, kwargs = CASES[case]
@@ -200,11 +197,11 @@ def test_fresh_optimizer_matches_eager_from_step_one(case: str, tmp_path: Path) 
     loss, state = _worst(got, xla)
     loss64, state64 = _worst(got, f64)
     ref64 = _worst(f32, f64)
-    _TABLE.append(
-        f"| {case} | {kwargs} | {loss:.2g} | {state:.2g} | {loss64:.2g} / {state64:.2g} | "
+    settings = ", ".join(f"{k}={v}" for k, v in kwargs.items())
+    print(
+        f"| {case} | {settings} | {loss:.2g} | {state:.2g} | {loss64:.2g} / {state64:.2g} | "
         f"{ref64[0]:.2g} / {ref64[1]:.2g} |"
     )
-    print(_TABLE[-1])
     if loss > RTOL or state > RTOL:
         # When the bundle and torch_xla disagree, PyTorch float64 decides: the bundle
         # must be as close to it as PyTorch float32 is.
@@ -221,3 +218,18 @@ def test_non_capturable_settings_are_refused_with_the_fix(name: str) -> None:
     make = getattr(torch.optim, name)
     with pytest.raises(ExportError, match=rf"torch\.optim\.{name}\(\.\.\., capturable=True\)"):
         export(_recipe(make, {"lr": 0.01})(), "/nonexistent/x.stepbundle")
+
+
+@pytest.mark.parametrize(
+    ("make", "kwargs", "message"),
+    [
+        (torch.optim.Adam, {"fused": True, "capturable": True}, r"fused=True.*fused=False"),
+        (torch.optim.SGD, {"differentiable": True}, r"differentiable=True.*differentiable=False"),
+    ],
+    ids=["fused", "differentiable"],
+)
+def test_settings_torch_xla_cannot_run_are_refused_up_front(
+    make: Opt, kwargs: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(ExportError, match=message):
+        export(_recipe(make, {"lr": 0.01, **kwargs})(), "/nonexistent/x.stepbundle")

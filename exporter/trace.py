@@ -20,6 +20,7 @@ from stepbundle.schema.manifest import StateKind
 
 from . import xla
 from .errors import ExportError
+from .host_reads import guard_host_reads
 from .modes import eval_batchnorm
 from .optimizers import traced_optimizer
 from .workspace import StateTensor, Workspace
@@ -232,7 +233,7 @@ def trace_train(
     ws.user_modes()
     # torch_xla cannot differentiate eval-mode BatchNorm; torch.optim keeps step counts
     # tensors only when it believes it is compiling (exporter/optimizers.py).
-    with eval_batchnorm(), traced_optimizer(ws.optimizer):
+    with eval_batchnorm(), traced_optimizer(ws.optimizer), guard_host_reads("training step"):
         result = step_fn(ws.model, ws.optimizer, dict(batch))
     eval_modules = ws.eval_modules()
     _check_no_host_round_trip(counters, xla.counters(), "training step")
@@ -351,7 +352,7 @@ def trace_eval(
     counters = xla.counters()
     ws.model.eval()
     try:
-        with torch.no_grad():
+        with torch.no_grad(), guard_host_reads(what):
             result = eval_fn(ws.model, dict(batch))
         eval_modules = ws.eval_modules()
         _check_no_host_round_trip(counters, xla.counters(), what)

@@ -197,9 +197,9 @@ class guard_host_reads(TorchFunctionMode):  # noqa: N801 - a context manager, us
         kwargs: Mapping[str, Any] | None = None,
     ) -> Any:
         read = _READS.get(func)
-        if read is not None and args and isinstance(args[0], torch.Tensor):
-            if args[0].device.type == "xla":
-                raise self._refusal(read)
+        t = args[0] if args else None
+        if read is not None and isinstance(t, torch.Tensor) and t.device.type == "xla":
+            raise self._refusal(read)
         return func(*args, **(kwargs or {}))
 
     def _refusal(self, read: str) -> HostReadError:

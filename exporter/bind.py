@@ -138,6 +138,16 @@ def bind(
             f"updated {len(ta.updated_state)} then {len(tb.updated_state)} state tensors). "
             "A step must do the same work every time."
         )
+    seeds = [i for i, a in enumerate(ta.inputs) if a.kind == "rng_seed"]
+    if len(seeds) > 1:
+        raise ExportError(
+            f"The {what} reads the RNG seed {len(seeds)} times (graph inputs "
+            f"{', '.join(map(str, seeds))}): something in the step set torch_xla's RNG state "
+            "mid-step. torch_xla.utils.checkpoint does that to replay dropout in the "
+            "recomputation (preserve_rng_state=True), which bundles do not support yet. Keep "
+            "random ops (dropout) out of checkpointed segments, or export without "
+            "activation checkpointing."
+        )
     inputs: list[InputBinding] = []
     constants: dict[str, torch.Tensor] = {}
     state_input_index: dict[str, int] = {}

@@ -93,6 +93,24 @@ def _check_no_host_round_trip(before: dict[str, int], after: dict[str, int], wha
         )
 
 
+def _refuse_torch_checkpoint(e: AttributeError) -> None:
+    """torch.utils.checkpoint cannot run on XLA (it looks up ``torch.xla``, which does not
+    exist): say so, and point to torch_xla's checkpoint, instead of torch's traceback."""
+    tb = e.__traceback__
+    inside = False
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename.replace("\\", "/").endswith("torch/utils/checkpoint.py"):
+            inside = True
+        tb = tb.tb_next
+    if inside and "'xla'" in str(e):
+        raise ExportError(
+            f"The training step uses torch.utils.checkpoint, which fails on XLA devices "
+            f"({e}). Use torch_xla's activation checkpointing instead: "
+            "torch_xla.utils.checkpoint.checkpoint(fn, *args, use_reentrant=True), without "
+            "dropout inside the checkpointed segments."
+        ) from e
+
+
 def _origins(
     ids: list[int],
     values: list[torch.Tensor],
@@ -233,8 +251,17 @@ def trace_train(
     ws.user_modes()
     # torch_xla cannot differentiate eval-mode BatchNorm; torch.optim keeps step counts
     # tensors only when it believes it is compiling (exporter/optimizers.py).
-    with eval_batchnorm(), traced_optimizer(ws.optimizer), guard_host_reads("training step"):
-        result = step_fn(ws.model, ws.optimizer, dict(batch))
+    try:
+        with (
+            eval_batchnorm(),
+            traced_optimizer(ws.optimizer),
+            guard_host_reads("training step"),
+            xla.counting_checkpoints() as checkpoints,
+        ):
+            result = step_fn(ws.model, ws.optimizer, dict(batch))
+    except AttributeError as e:
+        _refuse_torch_checkpoint(e)
+        raise
     eval_modules = ws.eval_modules()
     _check_no_host_round_trip(counters, xla.counters(), "training step")
     metrics = _metrics(result, "training step", need_loss=True)
@@ -307,6 +334,16 @@ def trace_train(
         batch_ids=batch_ids,
         hyper_ids=hyper_ids,
     )
+    seeds = sum(1 for i in inputs if i.kind == "rng_seed")
+    if checkpoints[0] and seeds:
+        raise ExportError(
+            "The training step uses torch_xla.utils.checkpoint and random numbers "
+            f"(dropout){' inside a checkpointed segment' if seeds > 1 else ''}. The "
+            "recomputation's RNG does not follow the seed rule a bundle replays (measured: "
+            "losses 3e-3 away from eager torch_xla from the second step), so the export is "
+            "refused. Remove dropout (p=0 or model.eval() on the dropout modules) or "
+            "export without activation checkpointing."
+        )
     missing_hp = [
         n
         for n in ws.hyperparameters

@@ -10,7 +10,7 @@ tensor is passed where it wants a number), and refuses at the first one
 with the file and line of the code that asked (the innermost frame outside torch,
 torch_xla and the exporter), the frames that called it, and a fix where one is known.
 
-Imports: torch, stepbundle.exporter.errors.
+Imports: torch; torch_xla through ``xla.py`` only.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from . import xla
 from .errors import ExportError
 
 __all__ = ["HostReadError", "guard_host_reads"]
@@ -77,10 +78,11 @@ _GENERIC_FIX = (
 def _skipped_roots() -> tuple[str, ...]:
     """Folders whose frames are not the user's or a library's: torch, torch_xla, the
     exporter itself and the standard library."""
-    roots = [os.path.dirname(torch.__file__), os.path.dirname(os.path.abspath(__file__))]
-    xla = sys.modules.get("torch_xla")
-    if xla is not None and getattr(xla, "__file__", None):
-        roots.append(os.path.dirname(str(xla.__file__)))
+    roots = [
+        os.path.dirname(torch.__file__),
+        os.path.dirname(os.path.abspath(__file__)),
+        xla.package_dir(),
+    ]
     stdlib = sysconfig.get_paths().get("stdlib")
     if stdlib:
         roots.append(stdlib)

@@ -40,6 +40,7 @@ __all__ = [
     "graph_inputs",
     "is_spmd",
     "lower",
+    "package_dir",
     "round_trips",
     "seed_input_id",
     "set_rng_state",
@@ -72,6 +73,11 @@ _version_checked = False
 def _module(name: str) -> Any:
     """A torch_xla module, untyped: torch_xla ships no type information for these."""
     return importlib.import_module(name)
+
+
+def package_dir() -> str:
+    """The folder torch_xla is installed in (host-read refusals skip its frames)."""
+    return os.path.dirname(str(_module("torch_xla").__file__))
 
 
 def torch_xla_version() -> str:

@@ -17,8 +17,8 @@ from typing import Any
 
 from .common import die as _die
 from .common import is_remote
+from .summary import modes_text, summary_lines
 from .summary import nbytes as _nbytes
-from .summary import summary_lines
 
 __all__ = ["cmd_inspect", "cmd_verify"]
 
@@ -114,6 +114,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                 f"entry {name!r}: {len(entry.programs)} program(s), "
                 + ("updates state" if entry.updates_state else "read-only")
             )
+            out.append(f"  modules in eval mode: {modes_text(entry.eval_modules, shown=10**6)}")
             for i, p in enumerate(entry.programs):
                 batch = ", ".join(f"{b.name}: {b.spec}" for b in p.batch)
                 out.append(

@@ -25,7 +25,7 @@ from stepbundle.schema.manifest import (
     TensorSpec,
 )
 
-__all__ = ["nbytes", "summary_lines"]
+__all__ = ["modes_text", "nbytes", "summary_lines"]
 
 # Constants with at most this many elements are shown with their values.
 _SHOWN_ELEMENTS = 8
@@ -64,6 +64,15 @@ def _value_text(spec: TensorSpec, data: bytes | memoryview) -> str:
     values = [f"{v:.6g}" if isinstance(v, float) else str(v) for v in _values(spec, data)]
     shown = values[0] if not spec.shape else f"[{', '.join(values)}]"
     return f"{shown} ({spec})"
+
+
+def modes_text(eval_modules: tuple[str, ...], *, shown: int = 6) -> str:
+    """The modules an entry ran in eval mode, for people: ``"bn1, layer1.0.bn1 (2)"``."""
+    if not eval_modules:
+        return "none (every module in train mode)"
+    names = ["the model" if n == "" else n for n in eval_modules]
+    more = f", ... ({len(names)} modules)" if len(names) > shown else f" ({len(names)})"
+    return ", ".join(names[:shown]) + (more if len(names) > 1 else "")
 
 
 def _count(n: int) -> str:
@@ -141,6 +150,7 @@ def summary_lines(bundle: Any, shown: str) -> list[str]:
         first = entry.programs[0]
         metrics = [o for o in first.outputs if isinstance(o, MetricOutput)]
         out.append(f"  metrics  {', '.join(f'{o.name}: {o.spec}' for o in metrics) or '(none)'}")
+        out.append(f"  eval mode  {modes_text(entry.eval_modules)}")
         constants: dict[str, tuple[ConstantInput, int, int]] = {}
         for i, p in enumerate(entry.programs):
             for j, inp in enumerate(p.inputs):

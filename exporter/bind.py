@@ -48,7 +48,8 @@ _STATE_INPUT_KIND = {
 class BoundProgram:
     """A program's tables before its sections are named.
 
-    ``constants`` holds the value of each ConstantInput, by the input's name.
+    ``constants`` holds the value of each ConstantInput, by the input's name;
+    ``eval_modules`` the modules the step ran in eval mode (``Entry.eval_modules``).
     """
 
     inputs: tuple[InputBinding, ...]
@@ -56,6 +57,7 @@ class BoundProgram:
     constants: Mapping[str, torch.Tensor]
     bytecode: bytes
     text: str
+    eval_modules: tuple[str, ...] = ()
 
 
 def _first_difference(a: str, b: str) -> str:
@@ -136,6 +138,16 @@ def bind(
             f"updated {len(ta.updated_state)} then {len(tb.updated_state)} state tensors). "
             "A step must do the same work every time."
         )
+    seeds = [i for i, a in enumerate(ta.inputs) if a.kind == "rng_seed"]
+    if len(seeds) > 1:
+        raise ExportError(
+            f"The {what} reads the RNG seed {len(seeds)} times (graph inputs "
+            f"{', '.join(map(str, seeds))}): something in the step set torch_xla's RNG state "
+            "mid-step. torch_xla.utils.checkpoint does that to replay dropout in the "
+            "recomputation (preserve_rng_state=True), which bundles do not support yet. Keep "
+            "random ops (dropout) out of checkpointed segments, or export without "
+            "activation checkpointing."
+        )
     inputs: list[InputBinding] = []
     constants: dict[str, torch.Tensor] = {}
     state_input_index: dict[str, int] = {}
@@ -188,4 +200,12 @@ def bind(
                 f"({inputs[donates].spec} -> {spec}); state must keep its dtype and shape."
             )
         outputs.append(StateUpdateOutput(name, spec, donates))
-    return BoundProgram(tuple(inputs), tuple(outputs), constants, tb.bytecode, tb.text)
+    if ta.eval_modules != tb.eval_modules:
+        raise ExportError(
+            f"The {what} left different modules in eval mode in two consecutive traced steps "
+            f"({list(ta.eval_modules)[:5]} then {list(tb.eval_modules)[:5]}). Set the modes "
+            "the same way every step (model.train(), then .eval() on the frozen modules)."
+        )
+    return BoundProgram(
+        tuple(inputs), tuple(outputs), constants, tb.bytecode, tb.text, tb.eval_modules
+    )

@@ -364,7 +364,11 @@ def export(
                     batch=batch_sig,
                 )
             )
-        entries[entry_name] = Entry(programs=tuple(programs), updates_state=updates)
+        entries[entry_name] = Entry(
+            programs=tuple(programs),
+            updates_state=updates,
+            eval_modules=progs[0][0].eval_modules,
+        )
     hypers = tuple(
         Hyperparameter(
             name=n, spec=spec_of(HYPERPARAMETER_DTYPE, (), f"Hyperparameter {n!r}"), value=v

@@ -20,6 +20,9 @@ from stepbundle.schema.manifest import StateKind
 
 from . import xla
 from .errors import ExportError
+from .host_reads import guard_host_reads
+from .modes import eval_batchnorm
+from .optimizers import traced_optimizer
 from .workspace import StateTensor, Workspace
 
 __all__ = ["InputOrigin", "StepTrace", "trace_eval", "trace_train"]
@@ -54,6 +57,7 @@ class StepTrace:
       metric_specs / update_specs: (dtype, shape) of each output.
       hyper_values: hyperparameter-like values of the param_groups before the step,
         for error messages.
+      eval_modules: the modules in eval mode when the step returned (``Entry.eval_modules``).
     """
 
     text: str
@@ -64,6 +68,7 @@ class StepTrace:
     updated_state: tuple[str, ...]
     update_specs: tuple[tuple[torch.dtype, tuple[int, ...]], ...]
     hyper_values: tuple[tuple[str, float], ...]
+    eval_modules: tuple[str, ...] = ()
 
 
 def _check_no_host_round_trip(before: dict[str, int], after: dict[str, int], what: str) -> None:
@@ -86,6 +91,24 @@ def _check_no_host_round_trip(before: dict[str, int], after: dict[str, int], wha
             "the values on the device (torch.where instead of `if`, return tensors as "
             "metrics instead of calling .item()) and export again."
         )
+
+
+def _refuse_torch_checkpoint(e: AttributeError) -> None:
+    """torch.utils.checkpoint cannot run on XLA (it looks up ``torch.xla``, which does not
+    exist): say so, and point to torch_xla's checkpoint, instead of torch's traceback."""
+    tb = e.__traceback__
+    inside = False
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename.replace("\\", "/").endswith("torch/utils/checkpoint.py"):
+            inside = True
+        tb = tb.tb_next
+    if inside and "'xla'" in str(e):
+        raise ExportError(
+            f"The training step uses torch.utils.checkpoint, which fails on XLA devices "
+            f"({e}). Use torch_xla's activation checkpointing instead: "
+            "torch_xla.utils.checkpoint.checkpoint(fn, *args, use_reentrant=True), without "
+            "dropout inside the checkpointed segments."
+        ) from e
 
 
 def _origins(
@@ -222,8 +245,24 @@ def trace_train(
     hyper_ids = {tid: name for name, tid in hyper_before.items()}
     hvals = _hyper_values(ws)
     counters = xla.counters()
-    ws.model.train()
-    result = step_fn(ws.model, ws.optimizer, dict(batch))
+    # The modes the user left each module in, not model.train(): a frozen BatchNorm or a
+    # dropout turned off stays so. The modes are read back after the step, which may set
+    # them itself (model.train() at its top).
+    ws.user_modes()
+    # torch_xla cannot differentiate eval-mode BatchNorm; torch.optim keeps step counts
+    # tensors only when it believes it is compiling (exporter/optimizers.py).
+    try:
+        with (
+            eval_batchnorm(),
+            traced_optimizer(ws.optimizer),
+            guard_host_reads("training step"),
+            xla.counting_checkpoints() as checkpoints,
+        ):
+            result = step_fn(ws.model, ws.optimizer, dict(batch))
+    except AttributeError as e:
+        _refuse_torch_checkpoint(e)
+        raise
+    eval_modules = ws.eval_modules()
     _check_no_host_round_trip(counters, xla.counters(), "training step")
     metrics = _metrics(result, "training step", need_loss=True)
 
@@ -295,6 +334,16 @@ def trace_train(
         batch_ids=batch_ids,
         hyper_ids=hyper_ids,
     )
+    seeds = sum(1 for i in inputs if i.kind == "rng_seed")
+    if checkpoints[0] and seeds:
+        raise ExportError(
+            "The training step uses torch_xla.utils.checkpoint and random numbers "
+            f"(dropout){' inside a checkpointed segment' if seeds > 1 else ''}. The "
+            "recomputation's RNG does not follow the seed rule a bundle replays (measured: "
+            "losses 3e-3 away from eager torch_xla from the second step), so the export is "
+            "refused. Remove dropout (p=0 or model.eval() on the dropout modules) or "
+            "export without activation checkpointing."
+        )
     missing_hp = [
         n
         for n in ws.hyperparameters
@@ -318,6 +367,7 @@ def trace_train(
             (s.tensor.dtype, tuple(int(d) for d in s.tensor.shape)) for s in updated
         ),
         hyper_values=hvals,
+        eval_modules=eval_modules,
     )
     del roots, metrics, result, values
     if execute:
@@ -339,8 +389,9 @@ def trace_eval(
     counters = xla.counters()
     ws.model.eval()
     try:
-        with torch.no_grad():
+        with torch.no_grad(), guard_host_reads(what):
             result = eval_fn(ws.model, dict(batch))
+        eval_modules = ws.eval_modules()
         _check_no_host_round_trip(counters, xla.counters(), what)
         metrics = _metrics(result, what, need_loss=False)
         after = _on_device(ws.state_tensors())
@@ -372,6 +423,7 @@ def trace_eval(
             updated_state=(),
             update_specs=(),
             hyper_values=(),
+            eval_modules=eval_modules,
         )
     finally:
-        ws.model.train()
+        ws.user_modes()

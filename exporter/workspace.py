@@ -23,6 +23,7 @@ from stepbundle.schema.manifest import StateKind
 from . import xla
 from .dtypes import HYPERPARAMETER_DTYPE
 from .errors import ExportError
+from .optimizers import check_optimizer, fresh_state
 from .recipe import Recipe
 
 __all__ = ["StateTensor", "Workspace", "move_to_device", "named_state", "xla_device"]
@@ -207,6 +208,7 @@ class Workspace:
 
     def _swap_in(self, zero_grads: bool) -> None:
         device, model, optimizer = self.device, self.model, self.optimizer
+        check_optimizer(optimizer)
         params: dict[int, torch.nn.Parameter] = {}
         for m, saved in zip(self._modules, self._saved_params):
             for k, p in saved.items():
@@ -281,6 +283,20 @@ class Workspace:
             group.update(saved)
         self.optimizer.state = self._saved_state
 
+    def user_modes(self) -> None:
+        """Put every module back in the mode (train or eval) the user left it in.
+
+        The training step is traced in those modes, as the user's own loop would run it:
+        a frozen BatchNorm stays in eval mode (running statistics read, not updated), a
+        dropout the user turned off stays off.
+        """
+        for m, training in zip(self._modules, self._saved_training):
+            m.training = training
+
+    def eval_modules(self) -> tuple[str, ...]:
+        """The ``named_modules()`` names of the modules now in eval mode, in model order."""
+        return tuple(name for name, m in self.model.named_modules() if not m.training)
+
     def __enter__(self) -> Workspace:
         return self
 
@@ -342,8 +358,13 @@ class Workspace:
                         )
                     if s:
                         opt.state[p] = s
-                # Other optimizers: if their first step creates state, the tracer notices
-                # and asks the user to step once before exporting.
+                else:
+                    # Every other torch.optim optimizer, by its own creation rule.
+                    fresh = fresh_state(opt, group, p)
+                    if fresh is not None:
+                        opt.state[p] = fresh
+                # An optimizer stepbundle does not know: if its first step creates state,
+                # the tracer notices and asks the user to step once before exporting.
 
     def _declare_hyperparameters(self, keys: tuple[str, ...] | list[str] | Any) -> None:
         groups = self.optimizer.param_groups

@@ -193,10 +193,16 @@ class Entry:
       programs: its shape buckets, at least one; batch signatures differ pairwise.
       updates_state: True when calling it advances the training state (train);
         False for read-only entries (eval), which then donate nothing.
+      eval_modules: the modules that were in eval mode (``training`` False) while the
+        entry was traced, by their ``named_modules()`` names in model order, the model
+        itself being ``""`` as PyTorch names it (1.1). A train entry lists the modules the
+        user left in eval mode (frozen BatchNorm, dropout off): their layers ran as in
+        inference. Empty when every module trained (or the producer did not record it).
     """
 
     programs: tuple[Program, ...]
     updates_state: bool
+    eval_modules: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

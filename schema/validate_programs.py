@@ -108,6 +108,12 @@ def check_entry(name: str, entry: Entry, tables: Tables) -> None:
     check_nonempty(name, "entries", "an entry name")
     if not entry.programs:
         raise fail(f"{path}.programs", f"entry {name!r} has no program; it needs at least one.")
+    if len(set(entry.eval_modules)) != len(entry.eval_modules):
+        twice = sorted({m for m in entry.eval_modules if entry.eval_modules.count(m) > 1})
+        raise fail(
+            f"{path}.eval_modules",
+            f"entry {name!r} lists module(s) {twice} more than once; names must be unique.",
+        )
     signatures: dict[tuple[tuple[str, str, tuple[int, ...]], ...], int] = {}
     for p, program in enumerate(entry.programs):
         ppath = f"{path}.programs[{p}]"

@@ -35,7 +35,8 @@ __all__ = [
 #   - Manifest.metadata (a map of strings for people and tools; default {});
 #   - section kinds ``fill`` (one element, repeated over a state's shape) and ``external``
 #     (no bytes: the state's value is supplied at load), for state entries only, under the
-#     required feature ``state_initializers``: bundles without weights.
+#     required feature ``state_initializers``: bundles without weights;
+#   - Entry.eval_modules (the modules in eval mode while the entry was traced; default []).
 FORMAT_VERSION: tuple[int, int] = (1, 1)
 
 STATE_INITIALIZERS = "state_initializers"

@@ -95,7 +95,8 @@ def train_eager_xla(
     if seed is not None:
         xm.set_rng_state(seed)
     metrics = []
-    r.model.train()
+    # The modes the recipe left each module in (a frozen BatchNorm stays in eval mode),
+    # as the exporter traces them.
     for i in range(steps):
         if schedule is not None:
             for g in r.optimizer.param_groups:
@@ -123,7 +124,8 @@ def train_eager_cpu(
 
     r = recipe_fn()
     metrics = []
-    r.model.train()
+    # The modes the recipe left each module in (a frozen BatchNorm stays in eval mode),
+    # as the exporter traces them.
     for i in range(steps):
         if schedule is not None:
             for g in r.optimizer.param_groups:

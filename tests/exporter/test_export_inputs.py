@@ -227,7 +227,9 @@ def test_host_read_inside_the_step_is_refused() -> None:
 
     r = linear_sgd_recipe(step)
     with pytest.raises(
-        ExportError, match=r"read a device value on the host in the middle of the step \(\.item\(\)"
+        ExportError,
+        match=r"read a device value on the host at \S*test_export_inputs\.py:\d+ "
+        r"\(`if loss\.item\(\) > 100:  # reads the device on the host`\), through Tensor\.item",
     ):
         export(r, "/nonexistent/x.stepbundle")
 

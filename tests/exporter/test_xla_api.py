@@ -137,6 +137,25 @@ def test_plain_mlir_from_torch_xla_would_be_an_export_error() -> None:
 # Private API (_XLAC).
 
 
+def test_package_dir_holds_torch_xla() -> None:
+    assert Path(xla.package_dir(), "__init__.py").is_file()
+    assert Path(xla.package_dir()) == Path(torch_xla.__file__).parent
+
+
+def test_counting_checkpoints_counts_torch_xla_checkpoint_calls() -> None:
+    import torch_xla.utils.checkpoint as xcp
+
+    seg = torch.nn.Linear(3, 3).to(xla.device())
+    x = torch.ones(2, 3, device=xla.device(), requires_grad=True)
+    before = xcp.CheckpointFunction.__dict__["forward"]
+    with xla.counting_checkpoints() as calls:
+        xcp.checkpoint(seg, x, use_reentrant=True).sum().backward()
+        xcp.checkpoint(seg, x, use_reentrant=True)
+    assert calls == [2]
+    assert xcp.CheckpointFunction.__dict__["forward"] is before  # put back
+    xla.sync()
+
+
 def test_tensor_id() -> None:
     a, b = _data(3), _data(3)
     ia, ib = xla.tensor_id(a), xla.tensor_id(b)

@@ -322,6 +322,17 @@ CASES: list[tuple[str, Callable[[Manifest], Manifest], str, str]] = [
         "expected a StateKind member",
     ),
     (
+        "module named twice in eval_modules",
+        lambda m: dataclasses.replace(
+            m,
+            entries={
+                "train": dataclasses.replace(m.entries["train"], eval_modules=("bn", "drop", "bn"))
+            },
+        ),
+        "entries.train.eval_modules",
+        "lists module(s) ['bn'] more than once",
+    ),
+    (
         "bool instead of int",
         lambda m: dataclasses.replace(
             m, sections=(dataclasses.replace(m.sections[0], offset=False), m.sections[1])

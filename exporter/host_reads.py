@@ -1,0 +1,235 @@
+"""Refuse a host read of a device value inside a traced step, naming the line that did it.
+
+A step that reads an XLA tensor on the host (``.item()``, ``if t:``, ``float(t)``,
+``t.tolist()``, a tensor where torch wants an int) splits into several graphs whose
+host-side decisions would be frozen into the bundle. torch_xla's counters can only say
+*that* it happened (``trace.py`` still checks them); ``guard_host_reads`` intercepts the
+reads themselves as they happen (a ``TorchFunctionMode`` for Python's conversions, a
+``TorchDispatchMode`` for ``aten._local_scalar_dense``, which torch's C++ calls when a
+tensor is passed where it wants a number), and refuses at the first one
+with the file and line of the code that asked (the innermost frame outside torch,
+torch_xla and the exporter), the frames that called it, and a fix where one is known.
+
+Imports: torch; torch_xla through ``xla.py`` only.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import sysconfig
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from . import xla
+from .errors import ExportError
+
+__all__ = ["HostReadError", "guard_host_reads"]
+
+
+class HostReadError(ExportError):
+    """The traced step read a device value on the host.
+
+    Attributes:
+      location: ``file:line`` of the code that read it (a library's file relative to its
+        site-packages folder).
+      read: what read it (``Tensor.__bool__``, ``Tensor.item``, ...).
+    """
+
+    def __init__(self, message: str, *, location: str, read: str) -> None:
+        super().__init__(message)
+        self.location = location
+        self.read = read
+
+
+_T = torch.Tensor
+_READS: dict[Any, str] = {
+    _T.__bool__: "Tensor.__bool__ (a Python `if`, `and`, `or` or `not` on a tensor)",
+    _T.item: "Tensor.item()",
+    _T.tolist: "Tensor.tolist()",
+    _T.__float__: "Tensor.__float__ (float(t))",
+    _T.__int__: "Tensor.__int__ (int(t))",
+    _T.__index__: "Tensor.__index__ (a tensor where Python wants an integer)",
+}
+
+# Known host reads in libraries, by the file's tail: the fix to give.
+_KNOWN_FIXES: dict[str, str] = {
+    "transformers/modeling_attn_mask_utils.py": (
+        "This is Hugging Face's sdpa attention checking on the host whether the "
+        "attention_mask is all ones (torch.all(mask == 1)). Load the model with "
+        'attn_implementation="eager" (from_pretrained(..., attn_implementation="eager"), '
+        'or config._attn_implementation = "eager" before building it), or leave out an '
+        "all-ones attention_mask."
+    ),
+}
+
+_GENERIC_FIX = (
+    "Keep the value on the device: torch.where instead of `if`, return tensors as metrics "
+    "instead of calling .item(), pass Python numbers (not tensors) where torch wants a "
+    "number."
+)
+
+
+def _skipped_roots() -> tuple[str, ...]:
+    """Folders whose frames are not the user's or a library's: torch, torch_xla, the
+    exporter itself and the standard library."""
+    roots = [
+        os.path.dirname(torch.__file__),
+        os.path.dirname(os.path.abspath(__file__)),
+        xla.package_dir(),
+    ]
+    stdlib = sysconfig.get_paths().get("stdlib")
+    if stdlib:
+        roots.append(stdlib)
+    return tuple(os.path.realpath(r) + os.sep for r in roots)
+
+
+def _shown(filename: str) -> str:
+    """A library file relative to its site-packages folder; other files as given."""
+    parts = Path(filename).parts
+    for marker in ("site-packages", "dist-packages"):
+        if marker in parts:
+            return "/".join(parts[parts.index(marker) + 1 :])
+    return filename
+
+
+def _frames() -> list[tuple[str, int, str]]:
+    """(shown file, line, function) of the caller's frames, innermost first, outside the
+    skipped folders, up to the exporter's own frame that called the step."""
+    skipped = _skipped_roots()
+    exporter = os.path.realpath(os.path.dirname(os.path.abspath(__file__))) + os.sep
+    out: list[tuple[str, int, str]] = []
+    frame = sys._getframe(2)
+    while frame is not None:
+        name = os.path.realpath(frame.f_code.co_filename)
+        if out and name.startswith(exporter):
+            break  # the tracer that called the step: what follows is not the step's
+        if not name.startswith(skipped) and not frame.f_code.co_filename.startswith("<"):
+            out.append((_shown(frame.f_code.co_filename), frame.f_lineno, frame.f_code.co_name))
+        frame = frame.f_back  # type: ignore[assignment]
+    return out
+
+
+def _source_line(filename: str, line: int) -> str:
+    import linecache
+
+    return linecache.getline(filename, line).strip()
+
+
+def _optimizer_fix() -> str | None:
+    """The fix when the read happened inside an optimizer's update (torch.optim or
+    torch_xla's syncfree optimizers), naming torch's line."""
+    frame = sys._getframe(0)
+    while frame is not None:
+        path = frame.f_code.co_filename.replace(os.sep, "/")
+        for marker in ("/torch/optim/", "/torch_xla/amp/syncfree/"):
+            if marker in path:
+                where = f"{marker.strip('/')}/{path.split(marker, 1)[1]}:{frame.f_lineno}"
+                return (
+                    f"The read is inside the optimizer's update ({where}): with these "
+                    "settings it turns a device value into a Python number. Known causes: "
+                    "capturable=False with a declared hyperparameter (build the optimizer "
+                    "with capturable=True); a declared hyperparameter the optimizer branches "
+                    "on in Python (weight_decay, momentum: declare only lr); torch_xla's "
+                    "syncfree optimizers stepped without found_inf (pass "
+                    "optimizer.step(found_inf=...) as torch_xla's GradScaler does)."
+                )
+        frame = frame.f_back  # type: ignore[assignment]
+    return None
+
+
+_SCALAR_READ = "aten._local_scalar_dense (a tensor passed where torch wants a Python number)"
+
+
+class _ReadsInTorch(TorchDispatchMode):
+    """Host reads made by torch's C++ (a tensor given as a Scalar argument, such as
+    ``addcdiv_(value=t)``), which no Python method sees: every one goes through
+    ``aten._local_scalar_dense``."""
+
+    def __init__(self, refuse: Callable[[str], HostReadError]) -> None:
+        super().__init__()
+        self.refuse = refuse
+
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Any,
+        args: Sequence[Any] = (),
+        kwargs: Mapping[str, Any] | None = None,
+    ) -> Any:
+        if func is torch.ops.aten._local_scalar_dense.default:
+            t = args[0] if args else None
+            if isinstance(t, torch.Tensor) and t.device.type == "xla":
+                raise self.refuse(_SCALAR_READ)
+        return func(*args, **(kwargs or {}))
+
+
+class guard_host_reads(TorchFunctionMode):  # noqa: N801 - a context manager, used like a function
+    """Within it, reading an XLA tensor on the host raises ``HostReadError``.
+
+    Python-level reads are caught as calls (``Tensor.item`` ...), reads inside torch's
+    C++ at the dispatcher (``aten._local_scalar_dense``). Reads of CPU tensors (a
+    non-capturable optimizer's host step count) are allowed: they are not device values.
+    """
+
+    def __init__(self, what: str) -> None:
+        super().__init__()
+        self.what = what
+        self._dispatch = _ReadsInTorch(self._refusal)
+
+    def __enter__(self) -> guard_host_reads:
+        super().__enter__()
+        self._dispatch.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._dispatch.__exit__(*exc)
+        super().__exit__(*exc)
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: Sequence[Any] = (),
+        kwargs: Mapping[str, Any] | None = None,
+    ) -> Any:
+        read = _READS.get(func)
+        t = args[0] if args else None
+        if read is not None and isinstance(t, torch.Tensor) and t.device.type == "xla":
+            raise self._refusal(read)
+        return func(*args, **(kwargs or {}))
+
+    def _refusal(self, read: str) -> HostReadError:
+        frames = _frames()
+        if not frames:  # pragma: no cover - a read from torch itself, called by nothing else
+            location, chain, code = "(inside torch)", "", ""
+        else:
+            f, line, _ = frames[0]
+            location = f"{f}:{line}"
+            chain = " <- ".join(f"{g}:{n} ({fn})" for g, n, fn in frames[1:5])
+            code = ""
+            raw = sys._getframe(0)
+            while raw is not None:  # the innermost frame's real path, for its source
+                if _shown(raw.f_code.co_filename) == f and raw.f_lineno == line:
+                    code = _source_line(raw.f_code.co_filename, line)
+                    break
+                raw = raw.f_back  # type: ignore[assignment]
+        fix = next(
+            (fix for tail, fix in _KNOWN_FIXES.items() if location.startswith(tail)),
+            _optimizer_fix() or _GENERIC_FIX,
+        )
+        return HostReadError(
+            f"The {self.what} read a device value on the host at {location}"
+            + (f" (`{code}`)" if code else "")
+            + f", through {read}"
+            + (f"; called from {chain}" if chain else "")
+            + ". That splits the step into several graphs whose host-side decisions would "
+            f"be frozen into the bundle, so the export is refused. {fix}",
+            location=location,
+            read=read.split(" ")[0],
+        )

@@ -212,8 +212,9 @@ def traced_optimizer(opt: torch.optim.Optimizer) -> Iterator[None]:
         tc._is_compiling_flag = saved_flag
         for h in handles:
             h.remove()
-        for g, f in zip(opt.param_groups, saved_foreach):
-            g["foreach"] = f
+        if foreach is not None:
+            for g, f in zip(opt.param_groups, saved_foreach):
+                g["foreach"] = f
 
 
 def _adafactor_step(

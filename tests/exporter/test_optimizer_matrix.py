@@ -233,3 +233,24 @@ def test_settings_torch_xla_cannot_run_are_refused_up_front(
 ) -> None:
     with pytest.raises(ExportError, match=message):
         export(_recipe(make, {"lr": 0.01, **kwargs})(), "/nonexistent/x.stepbundle")
+
+
+@pytest.mark.parametrize("case", ["Adagrad", "NAdam capturable", "Adafactor"])
+def test_the_users_optimizer_is_left_as_it_was(case: str, tmp_path: Path) -> None:
+    import torch.compiler
+    import torch.optim._adafactor as adafactor_module
+
+    make, kwargs = CASES[case]
+    r = _recipe(make, kwargs)()
+    groups = [dict(g) for g in r.optimizer.param_groups]
+    state = {id(p): {k: v.clone() for k, v in s.items()} for p, s in r.optimizer.state.items()}
+    single = adafactor_module._single_tensor_adafactor
+    export(r, tmp_path / "x.stepbundle")
+    assert [dict(g) for g in r.optimizer.param_groups] == groups  # foreach put back
+    assert {id(p) for p in r.optimizer.state} == set(state)  # no state made up on the user's
+    for p, s in r.optimizer.state.items():
+        for k, v in s.items():
+            assert v.device.type == "cpu" and torch.equal(v, state[id(p)][k])
+    assert not torch.compiler.is_compiling()
+    assert adafactor_module._single_tensor_adafactor is single
+    assert not r.optimizer._optimizer_step_pre_hooks and not r.optimizer._optimizer_step_post_hooks

@@ -275,12 +275,14 @@ class Stepbundle(Method):
 
 class StepbundleK(Method):
     """``trainer.run(batches, n)`` on a trainer loaded with ``steps_per_call=K``: K steps
-    per PJRT call (host batches, stacked by the trainer for each call). A block runs a
-    whole number of calls; its time is scaled to the k steps asked for."""
+    per PJRT call (host batches, stacked by the trainer for each call). Timed blocks are
+    whole calls (``granularity``); a warm-up block of other k runs whole calls and is
+    scaled to k steps."""
 
     def __init__(self, trainer: Any, batches: Sequence[dict[str, Any]], k: int) -> None:
         self.trainer, self.batches, self.k = trainer, list(batches), k
         self.name = f"stepbundle_k{k}"
+        self.granularity = k  # timing.measure times whole calls
         # run() takes batches[i % len] for step i: a list of K batches per call.
         self.cycle = [self.batches[i % len(self.batches)] for i in range(k)]
 

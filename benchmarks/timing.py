@@ -62,6 +62,15 @@ def warm_up(method: Method, warmup_s: float, min_steps: int = 3) -> float:
     return statistics.median(per_step[-3:])
 
 
+def _block_size(method: Method, steps: float, max_k: int) -> int:
+    """About ``steps`` steps, at most ``max_k``, and a whole number of the method's
+    ``granularity`` (K for K steps per call), so that a timed block runs exactly the
+    steps its time and CPU time are divided by."""
+    g = int(getattr(method, "granularity", 1))
+    k = max(1, min(max_k, round(steps)))
+    return max(g, -(-k // g) * g)
+
+
 def measure(
     methods: Sequence[Method],
     *,
@@ -72,8 +81,7 @@ def measure(
 ) -> dict[str, Timing]:
     estimates = {m.name: warm_up(m, warmup_s) for m in methods}
     out = {
-        m.name: Timing(m.name, max(1, min(max_k, round(target_s / estimates[m.name]))))
-        for m in methods
+        m.name: Timing(m.name, _block_size(m, target_s / estimates[m.name], max_k)) for m in methods
     }
     n = len(methods)
     for r in range(rounds):

@@ -2,8 +2,9 @@
 
 Stages: copy the model and optimizer to the XLA device (``workspace.py``); trace each
 shape bucket's training step twice and the read-only entries twice (``trace.py``);
-prove the two traces agree and build the binding tables (``bind.py``); serialize each
-graph as a StableHLO portable artifact; write the bundle (``stepbundle.schema``).
+prove the two traces agree and build the binding tables (``bind.py``); rewrite each
+graph for ``Recipe.numerics`` (``numerics.py``) and serialize it as a StableHLO portable
+artifact; write the bundle (``stepbundle.schema``).
 
 Imports: torch, torch_xla (through ``xla.py`` only), jaxlib's MLIR bindings (through
 stepbundle.stablehlo), stepbundle.schema.
@@ -45,6 +46,7 @@ from .bind import BoundProgram, bind
 from .dtypes import HYPERPARAMETER_DTYPE, spec_of, tensor_bytes
 from .errors import ExportError
 from .initial_state import initial_section, non_persistent_buffers
+from .numerics import apply_numerics, checked_numerics
 from .recipe import Recipe, checked_metadata
 from .trace import trace_eval, trace_train
 from .workspace import Workspace
@@ -100,8 +102,9 @@ def _to_device(
     return out
 
 
-def _parse(bound: BoundProgram, what: str) -> mlir.Module:
-    """torch_xla's graph, as the portable artifact it serializes (never plain MLIR)."""
+def _parse(bound: BoundProgram, what: str, numerics: str) -> mlir.Module:
+    """torch_xla's graph, as the portable artifact it serializes (never plain MLIR),
+    rewritten for ``numerics`` (``exporter/numerics.py``)."""
     try:
         module = mlir.parse_artifact(bound.bytecode)
     except ValueError as e:  # stablehlo's ArtifactError, or jaxlib's own read failure
@@ -113,11 +116,14 @@ def _parse(bound: BoundProgram, what: str) -> mlir.Module:
         ) from e
     # Serializing converts the module to VHLO in place: every use starts from a fresh parse.
     module.strip_attributes()
+    apply_numerics(module, numerics, what)
     return module
 
 
-def _lower(bound: BoundProgram, n_outputs: int, what: str) -> tuple[bytes, str, str]:
-    module = _parse(bound, what)
+def _lower(
+    bound: BoundProgram, n_outputs: int, what: str, numerics: str
+) -> tuple[bytes, str, str]:
+    module = _parse(bound, what, numerics)
     sig = module.signature()
     if len(sig.inputs) != len(bound.inputs) or len(sig.results) != n_outputs:
         raise ExportError(
@@ -135,7 +141,7 @@ def _lower(bound: BoundProgram, n_outputs: int, what: str) -> tuple[bytes, str, 
     text = module.text()
     errors = []
     for target in mlir.TARGET_CANDIDATES:
-        attempt = _parse(bound, what)
+        attempt = _parse(bound, what, numerics)
         try:
             return attempt.portable_artifact(target), target, text
         except Exception as e:  # the program needs a newer StableHLO than this target
@@ -275,6 +281,7 @@ def export(
         )
     _refuse_spmd()
     metadata = checked_metadata(recipe.metadata)
+    numerics = checked_numerics(recipe.numerics)
     # Read the RNG state before anything syncs: every sync advances it.
     saved_rng = xla.get_rng_state()
     base_seed = saved_rng if recipe.seed is None else int(recipe.seed)
@@ -344,7 +351,7 @@ def export(
                     raise ExportError(f"Internal error: {what} reads unknown state {inp.name!r}.")
                 if inp.kind is InputKind.RNG_SEED:
                     uses_seed = True
-            artifact, target, text = _lower(bound, len(bound.outputs), what)
+            artifact, target, text = _lower(bound, len(bound.outputs), what, numerics)
             section = f"program/{entry_name}/{i}"
             payloads.append(codec.SectionPayload(section, SectionKind.PROGRAM, artifact))
             for inp in bound.inputs:
@@ -380,6 +387,7 @@ def export(
         sections=(),
         metadata=metadata,
         required_features=(codec.STATE_INITIALIZERS,) if by_rule else (),
+        numerics=numerics,
     )
     times["lower"] = time.perf_counter() - t2
     t3 = time.perf_counter()

@@ -120,9 +120,7 @@ def _parse(bound: BoundProgram, what: str, numerics: str) -> mlir.Module:
     return module
 
 
-def _lower(
-    bound: BoundProgram, n_outputs: int, what: str, numerics: str
-) -> tuple[bytes, str, str]:
+def _lower(bound: BoundProgram, n_outputs: int, what: str, numerics: str) -> tuple[bytes, str, str]:
     module = _parse(bound, what, numerics)
     sig = module.signature()
     if len(sig.inputs) != len(bound.inputs) or len(sig.results) != n_outputs:

@@ -243,6 +243,7 @@ def test_cnn_both_numerics(tmp_path: Path) -> None:
     }
     assert err["default"] < err["xla"] / 30, err
     assert err["default"] <= 10 * err["f32"], err
+
     # State: every floating tensor but the running variances, which torch_xla updates with
     # the biased batch variance where PyTorch uses the unbiased one (a factor n / (n - 1)
     # that no rewrite of the BatchNorm ops changes; equiv_models.bessel).

@@ -65,6 +65,9 @@ class ExportReport:
       size: the file size in bytes.
       stage_seconds: wall time of each stage.
       input_counts: number of graph inputs of each kind, over the train programs.
+      numerics_rewrites: ops the exporter rewrote for ``Recipe.numerics`` over all
+        programs (training BatchNorm's ``batch_norm_training`` / ``batch_norm_grad``);
+        0 with ``numerics="torch_xla"``, or when the step has none.
     """
 
     path: Path
@@ -73,6 +76,7 @@ class ExportReport:
     size: int
     stage_seconds: dict[str, float] = field(default_factory=dict)
     input_counts: dict[str, int] = field(default_factory=dict)
+    numerics_rewrites: int = 0
 
 
 def _versions() -> Producer:
@@ -102,9 +106,9 @@ def _to_device(
     return out
 
 
-def _parse(bound: BoundProgram, what: str, numerics: str) -> mlir.Module:
+def _parse(bound: BoundProgram, what: str, numerics: str) -> tuple[mlir.Module, int]:
     """torch_xla's graph, as the portable artifact it serializes (never plain MLIR),
-    rewritten for ``numerics`` (``exporter/numerics.py``)."""
+    rewritten for ``numerics`` (``exporter/numerics.py``), and the number of ops rewritten."""
     try:
         module = mlir.parse_artifact(bound.bytecode)
     except ValueError as e:  # stablehlo's ArtifactError, or jaxlib's own read failure
@@ -139,9 +143,9 @@ def _lower(bound: BoundProgram, n_outputs: int, what: str, numerics: str) -> tup
     text = module.text()
     errors = []
     for target in mlir.TARGET_CANDIDATES:
-        attempt = _parse(bound, what, numerics)
+        attempt, _ = _parse(bound, what, numerics)
         try:
-            return attempt.portable_artifact(target), target, text
+            return attempt.portable_artifact(target), target, text, rewrites
         except Exception as e:  # the program needs a newer StableHLO than this target
             errors.append(f"{target}: {e}")
     raise ExportError(
@@ -336,6 +340,7 @@ def export(
     known = {e.name for e in state_entries}
     by_rule = {SectionKind.FILL, SectionKind.EXTERNAL} & {p.kind for p in payloads}
     uses_seed = False
+    rewrites = 0
     entries: dict[str, Entry] = {}
     texts: dict[str, str] = {}
     for entry_name, progs, updates in [("train", train_bound, True)] + [
@@ -349,7 +354,8 @@ def export(
                     raise ExportError(f"Internal error: {what} reads unknown state {inp.name!r}.")
                 if inp.kind is InputKind.RNG_SEED:
                     uses_seed = True
-            artifact, target, text = _lower(bound, len(bound.outputs), what, numerics)
+            artifact, target, text, rewritten = _lower(bound, len(bound.outputs), what, numerics)
+            rewrites += rewritten
             section = f"program/{entry_name}/{i}"
             payloads.append(codec.SectionPayload(section, SectionKind.PROGRAM, artifact))
             for inp in bound.inputs:
@@ -404,7 +410,7 @@ def export(
         for inp in prog.inputs:
             counts[inp.kind.value] = counts.get(inp.kind.value, 0) + 1
     say(f"wrote {bundle_path} ({size / 1e6:.2f} MB, {digest})")
-    return ExportReport(bundle_path, manifest, digest, size, times, counts)
+    return ExportReport(bundle_path, manifest, digest, size, times, counts, rewrites)
 
 
 def _batch_signature(batch: Mapping[str, torch.Tensor]) -> tuple[NamedSpec, ...]:

@@ -35,6 +35,7 @@ which a lost update of one step puts near 1/K.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -67,11 +68,21 @@ class CaseRuns:
 
     case: Case
     xla: Run  # (a)
-    bundle: Run  # (b), the recipe of (a)
+    bundle: Run  # (b), the recipe of (a), exported with numerics="torch_xla"
     cpu: Run  # (c)
-    bundle_cpu: Run  # (b) of the recipe compared with (c) (the dropout-free one)
+    bundle_cpu: Run  # (b) of the recipe compared with (c): dropout-free, default numerics
+    f64: Run | None = None  # (d), the recipe of (c) in float64; None without case.float64
     seconds: float = 0.0
     stages: dict[str, float] = field(default_factory=dict)
+
+
+def with_numerics(recipe_fn: Callable[[], Recipe], numerics: str) -> Callable[[], Recipe]:
+    """The recipe exported with ``Recipe(numerics=numerics)``."""
+
+    def make() -> Recipe:
+        return dataclasses.replace(recipe_fn(), numerics=numerics)
+
+    return make
 
 
 def on_cpu(recipe_fn: Callable[[], Recipe]) -> Callable[[], Recipe]:
@@ -96,7 +107,13 @@ def _slug(name: str) -> str:
 
 
 def train_three_ways(case: Case, lean_python: str, workdir: Path) -> CaseRuns:
-    """Export the case (twice when it has dropout) and run (a), (b) and (c)."""
+    """Export the case (twice when it has dropout or BatchNorm) and run (a) to (d).
+
+    The bundle compared with torch_xla eager (a) is exported with ``numerics="torch_xla"``:
+    it keeps torch_xla's BatchNorm ops, so it computes what (a) computes. The bundle
+    compared with the CPU, (c) and (d), is exported with the default numerics (PyTorch's).
+    Without BatchNorm the two exports are the same program, and one serves both.
+    """
     t0 = time.perf_counter()
     stages: dict[str, float] = {}
     sched_fn: Callable[[int], float] | None = None
@@ -113,45 +130,43 @@ def train_three_ways(case: Case, lean_python: str, workdir: Path) -> CaseRuns:
     batches = make_batches(case.recipe(), case.n_batches)
     slug = _slug(case.name)
     with ThreadPoolExecutor(max_workers=2) as pool:
+
+        def run_lean(path: Path, sub: str, seed: int | None) -> Future[Run]:
+            (workdir / sub).mkdir(exist_ok=True)
+            return pool.submit(
+                run_bundle_lean, lean_python, path, batches, case.steps, workdir / sub,
+                seed=seed, **lean_kw,
+            )  # fmt: skip
+
+        nodrop = case.nodrop_recipe or case.recipe
         t = time.perf_counter()
         path = workdir / f"{slug}.stepbundle"
-        export_recipe(case.recipe, path)
+        report = export_recipe(nodrop, path)
         stages["export"] = time.perf_counter() - t
-        (workdir / "b").mkdir(exist_ok=True)
-        bundle_f: Future[Run] = pool.submit(
-            run_bundle_lean,
-            lean_python,
-            path,
-            batches,
-            case.steps,
-            workdir / "b",
-            seed=case.seed,
-            **lean_kw,
-        )
-        nodrop = case.nodrop_recipe or case.recipe
-        bundle_cpu_f = bundle_f
-        if case.nodrop_recipe is not None:
+        bundle_cpu_f = run_lean(path, "b", case.seed if case.nodrop_recipe is None else None)
+        bundle_f = bundle_cpu_f
+        if case.nodrop_recipe is not None or report.numerics_rewrites:
             t = time.perf_counter()
-            path2 = workdir / f"{slug}-no-dropout.stepbundle"
-            export_recipe(case.nodrop_recipe, path2)
-            stages["export (no dropout)"] = time.perf_counter() - t
-            (workdir / "b-nodrop").mkdir(exist_ok=True)
-            bundle_cpu_f = pool.submit(
-                run_bundle_lean, lean_python, path2, batches, case.steps, workdir / "b-nodrop",
-                **lean_kw,
-            )  # fmt: skip
+            path2 = workdir / f"{slug}-torch-xla-numerics.stepbundle"
+            export_recipe(with_numerics(case.recipe, "torch_xla"), path2)
+            stages["export (for torch_xla)"] = time.perf_counter() - t
+            bundle_f = run_lean(path2, "b-xla", case.seed)
         t = time.perf_counter()
         xla = train_eager_xla(case.recipe, batches, case.steps, seed=case.seed, schedule=sched_fn)
         stages["torch_xla"] = time.perf_counter() - t
         t = time.perf_counter()
-        cpu = train_eager_cpu(
-            on_cpu(case.cpu_recipe or nodrop), batches, case.steps, schedule=sched_fn
-        )
+        cpu_fn = on_cpu(case.cpu_recipe or nodrop)
+        cpu = train_eager_cpu(cpu_fn, batches, case.steps, schedule=sched_fn)
         stages["cpu"] = time.perf_counter() - t
+        f64 = None
+        if case.float64:
+            t = time.perf_counter()
+            f64 = train_eager_cpu(cpu_fn, batches, case.steps, schedule=sched_fn, float64=True)
+            stages["cpu float64"] = time.perf_counter() - t
         t = time.perf_counter()
         bundle, bundle_cpu = bundle_f.result(), bundle_cpu_f.result()
         stages["wait for the lean runs"] = time.perf_counter() - t
-    return CaseRuns(case, xla, bundle, cpu, bundle_cpu, time.perf_counter() - t0, stages)
+    return CaseRuns(case, xla, bundle, cpu, bundle_cpu, f64, time.perf_counter() - t0, stages)
 
 
 # ------------------------------------------------------------------- comparing
@@ -318,15 +333,47 @@ def record(case: Case, column: str, value: str) -> None:
         row["seconds"] = RUNS[case.name].seconds
 
 
+_AGAINST = {"b_vs_a": "torch_xla", "b_vs_c": "the CPU", "b_vs_d": "the CPU in float64"}
+
+
 def check_and_record(got: Run, ref: Run, case: Case, against: str) -> Comparison:
-    """Compare (b) with the reference, record the worst differences, then assert."""
+    """Compare (b) with the reference, record the worst differences, then assert.
+
+    Against torch_xla (a) the bounds are ``case.xla``; against PyTorch on the CPU, in
+    float32 (c) or float64 (d), ``case.cpu``: float32 bounds either way, since PyTorch
+    float32 itself is that near float64 (the report's (c) vs (d) column shows it).
+    """
     bounds = case.xla if against == "b_vs_a" else case.cpu
-    what = f"{case.name}, bundle against {'torch_xla' if against == 'b_vs_a' else 'the CPU'}"
+    what = f"{case.name}, bundle against {_AGAINST[against]}"
     c = compare(got, ref, bounds, what, tied_aliases(case), initial_state(case))
     record(case, against, c.summary() + (" FAILED" if c.failures else ""))
     record(case, against + "_where", c.where())
     check_failures(c, bounds, what)
     return c
+
+
+def record_float64(runs: CaseRuns) -> None:
+    """The report's float64 columns: (a), (b) and (c) each against (d).
+
+    Recorded, not asserted (``assert_matches_float64`` asserts (b) for the cases whose
+    tests call it). (a) trains the recipe with dropout where the case has one, whose
+    masks (d) cannot draw, so (a) vs (d) is left out there.
+    """
+    case = runs.case
+    if runs.f64 is None:
+        for col in ("a_vs_d", "b_vs_d", "c_vs_d"):
+            record(case, col, "n/a (bf16)")
+        return
+    init = initial_state(case)
+    aliases = tied_aliases(case)
+    cells = [("b_vs_d", runs.bundle_cpu, aliases), ("c_vs_d", runs.cpu, None)]
+    if case.nodrop_recipe is None:
+        cells.insert(0, ("a_vs_d", runs.xla, None))
+    else:
+        record(case, "a_vs_d", "n/a (dropout)")
+    for col, run, al in cells:
+        c = compare(run, runs.f64, case.cpu, col, al, init)
+        record(case, col, c.summary())
 
 
 def tied_aliases(case: Case) -> dict[str, str]:
@@ -359,17 +406,27 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         "(c) PyTorch on the CPU (dropout disabled in both (b) and (c)). Tensors with a "
         "documented bound of their own (equiv_models.py) are listed after the semicolon.",
         "",
-        "| case | steps | (b) vs (a) | (b) vs (c) | time (s) |",
-        "|---|---|---|---|---|",
+        "",
+        '(b) against (a) is the bundle exported with `numerics="torch_xla"` (torch_xla\'s '
+        "BatchNorm ops, what (a) computes); against (c) and (d) the default export "
+        "(PyTorch's BatchNorm numerics). (d) is PyTorch on the CPU in float64, the ground "
+        "truth: the last three columns say how near each run comes to it, under (c)'s "
+        "bounds.",
+        "",
+        "| case | steps | (b) vs (a) | (b) vs (c) | (a) vs (d) | (b) vs (d) | (c) vs (d) "
+        "| time (s) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        lines.append(
-            f"| {r['case']} | {r['steps']} | {r.get('b_vs_a', 'not run')} | "
-            f"{r.get('b_vs_c', 'not run')} | {r['seconds']:.0f} |"
-        )
+        cells = [r.get(c, "not run") for c in ("b_vs_a", "b_vs_c", "a_vs_d", "b_vs_d", "c_vs_d")]
+        lines.append(f"| {r['case']} | {r['steps']} | {' | '.join(cells)} | {r['seconds']:.0f} |")
     lines += ["", "Where the worst differences (under the default bounds) are:", ""]
     for r in rows:
-        for col, label in (("b_vs_a_where", "(b) vs (a)"), ("b_vs_c_where", "(b) vs (c)")):
+        for col, label in (
+            ("b_vs_a_where", "(b) vs (a)"),
+            ("b_vs_c_where", "(b) vs (c)"),
+            ("b_vs_d_where", "(b) vs (d)"),
+        ):
             if col in r:
                 lines.append(f"- {r['case']}, {label}: {r[col]}")
     return "\n".join(lines) + "\n"
@@ -427,3 +484,9 @@ def assert_replays_torch_xla(runs: CaseRuns) -> Comparison:
 def assert_matches_cpu(runs: CaseRuns) -> Comparison:
     """(b) against (c), both without dropout."""
     return check_and_record(runs.bundle_cpu, runs.cpu, runs.case, "b_vs_c")
+
+
+def assert_matches_float64(runs: CaseRuns) -> Comparison:
+    """(b), default numerics, against (d), PyTorch float64 on the CPU, under (c)'s bounds."""
+    assert runs.f64 is not None, f"{runs.case.name} has no float64 run"
+    return check_and_record(runs.bundle_cpu, runs.f64, runs.case, "b_vs_d")

@@ -120,12 +120,14 @@ def _parse(bound: BoundProgram, what: str, numerics: str) -> tuple[mlir.Module, 
         ) from e
     # Serializing converts the module to VHLO in place: every use starts from a fresh parse.
     module.strip_attributes()
-    apply_numerics(module, numerics, what)
-    return module
+    return module, apply_numerics(module, numerics, what)
 
 
-def _lower(bound: BoundProgram, n_outputs: int, what: str, numerics: str) -> tuple[bytes, str, str]:
-    module = _parse(bound, what, numerics)
+def _lower(
+    bound: BoundProgram, n_outputs: int, what: str, numerics: str
+) -> tuple[bytes, str, str, int]:
+    """The program's portable artifact, its target, its text and the ops rewritten."""
+    module, rewrites = _parse(bound, what, numerics)
     sig = module.signature()
     if len(sig.inputs) != len(bound.inputs) or len(sig.results) != n_outputs:
         raise ExportError(

@@ -18,7 +18,7 @@ Imports: stepbundle.stablehlo, stepbundle.schema, stepbundle.exporter.errors.
 
 from __future__ import annotations
 
-from stepbundle.schema.version import NUMERICS
+from stepbundle.schema.version import NUMERICS, NUMERICS_PYTORCH, NUMERICS_TORCH_XLA
 from stepbundle.stablehlo import artifact as mlir
 from stepbundle.stablehlo.batch_norm import decompose_batch_norm
 
@@ -26,7 +26,7 @@ from .errors import ExportError
 
 __all__ = ["DEFAULT_NUMERICS", "apply_numerics", "checked_numerics"]
 
-DEFAULT_NUMERICS = "pytorch"
+DEFAULT_NUMERICS = NUMERICS_PYTORCH
 """What ``Recipe.numerics`` defaults to: PyTorch's formulas, the accurate ones."""
 
 
@@ -43,7 +43,7 @@ def checked_numerics(value: object) -> str:
 
 def apply_numerics(module: mlir.Module, numerics: str, what: str) -> int:
     """Rewrite ``module`` for ``numerics`` (checked already); returns the ops replaced."""
-    if numerics == "torch_xla":
+    if numerics == NUMERICS_TORCH_XLA:
         return 0
     try:
         return decompose_batch_norm(module)

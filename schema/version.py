@@ -23,6 +23,8 @@ __all__ = [
     "FORMAT_VERSION",
     "KNOWN_FEATURES",
     "NUMERICS",
+    "NUMERICS_PYTORCH",
+    "NUMERICS_TORCH_XLA",
     "STATE_INITIALIZERS",
     "check_major",
     "check_version",
@@ -53,7 +55,9 @@ reader that does not know it would find no stored value for those states."""
 KNOWN_FEATURES: frozenset[str] = frozenset({STATE_INITIALIZERS})
 
 
-NUMERICS: frozenset[str] = frozenset({"pytorch", "torch_xla"})
+NUMERICS_PYTORCH = "pytorch"
+NUMERICS_TORCH_XLA = "torch_xla"
+NUMERICS: frozenset[str] = frozenset({NUMERICS_PYTORCH, NUMERICS_TORCH_XLA})
 """The values ``Manifest.numerics`` may take (1.1): ``pytorch``, the programs compute
 training BatchNorm as PyTorch's kernels do (mean first, then the mean of squared
 deviations), in plain StableHLO ops; ``torch_xla``, the programs are as torch_xla lowered

@@ -102,6 +102,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             f"torch_xla {m.producer.torch_xla}, jax {m.producer.jax}",
         ]
         out += [f"metadata  {k} = {v}" for k, v in m.metadata.items()]
+        if m.numerics is not None:
+            out.append(f"numerics  {m.numerics}")
         if m.required_features:
             out.append(f"requires  {', '.join(m.required_features)}")
         if m.rng is not None:

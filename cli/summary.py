@@ -135,6 +135,8 @@ def summary_lines(bundle: Any, shown: str) -> list[str]:
     out += [f"{k:9s} {m.metadata[k]}" for k in keys]
     if m.required_features:
         out.append(f"requires  {', '.join(m.required_features)}")
+    if m.numerics is not None:
+        out.append(f"numerics  {m.numerics}")
     out += _state_line(m)
     out += _origin_line(m)
     if m.hyperparameters:

@@ -2,8 +2,9 @@
 
 Stages: copy the model and optimizer to the XLA device (``workspace.py``); trace each
 shape bucket's training step twice and the read-only entries twice (``trace.py``);
-prove the two traces agree and build the binding tables (``bind.py``); serialize each
-graph as a StableHLO portable artifact; write the bundle (``stepbundle.schema``).
+prove the two traces agree and build the binding tables (``bind.py``); rewrite each
+graph for ``Recipe.numerics`` (``numerics.py``) and serialize it as a StableHLO portable
+artifact; write the bundle (``stepbundle.schema``).
 
 Imports: torch, torch_xla (through ``xla.py`` only), jaxlib's MLIR bindings (through
 stepbundle.stablehlo), stepbundle.schema.
@@ -45,6 +46,7 @@ from .bind import BoundProgram, bind
 from .dtypes import HYPERPARAMETER_DTYPE, spec_of, tensor_bytes
 from .errors import ExportError
 from .initial_state import initial_section, non_persistent_buffers
+from .numerics import apply_numerics, checked_numerics
 from .recipe import Recipe, checked_metadata
 from .trace import trace_eval, trace_train
 from .workspace import Workspace
@@ -63,6 +65,9 @@ class ExportReport:
       size: the file size in bytes.
       stage_seconds: wall time of each stage.
       input_counts: number of graph inputs of each kind, over the train programs.
+      numerics_rewrites: ops the exporter rewrote for ``Recipe.numerics`` over all
+        programs (training BatchNorm's ``batch_norm_training`` / ``batch_norm_grad``);
+        0 with ``numerics="torch_xla"``, or when the step has none.
     """
 
     path: Path
@@ -71,6 +76,7 @@ class ExportReport:
     size: int
     stage_seconds: dict[str, float] = field(default_factory=dict)
     input_counts: dict[str, int] = field(default_factory=dict)
+    numerics_rewrites: int = 0
 
 
 def _versions() -> Producer:
@@ -100,8 +106,9 @@ def _to_device(
     return out
 
 
-def _parse(bound: BoundProgram, what: str) -> mlir.Module:
-    """torch_xla's graph, as the portable artifact it serializes (never plain MLIR)."""
+def _parse(bound: BoundProgram, what: str, numerics: str) -> tuple[mlir.Module, int]:
+    """torch_xla's graph, as the portable artifact it serializes (never plain MLIR),
+    rewritten for ``numerics`` (``exporter/numerics.py``), and the number of ops rewritten."""
     try:
         module = mlir.parse_artifact(bound.bytecode)
     except ValueError as e:  # stablehlo's ArtifactError, or jaxlib's own read failure
@@ -113,11 +120,14 @@ def _parse(bound: BoundProgram, what: str) -> mlir.Module:
         ) from e
     # Serializing converts the module to VHLO in place: every use starts from a fresh parse.
     module.strip_attributes()
-    return module
+    return module, apply_numerics(module, numerics, what)
 
 
-def _lower(bound: BoundProgram, n_outputs: int, what: str) -> tuple[bytes, str, str]:
-    module = _parse(bound, what)
+def _lower(
+    bound: BoundProgram, n_outputs: int, what: str, numerics: str
+) -> tuple[bytes, str, str, int]:
+    """The program's portable artifact, its target, its text and the ops rewritten."""
+    module, rewrites = _parse(bound, what, numerics)
     sig = module.signature()
     if len(sig.inputs) != len(bound.inputs) or len(sig.results) != n_outputs:
         raise ExportError(
@@ -135,9 +145,9 @@ def _lower(bound: BoundProgram, n_outputs: int, what: str) -> tuple[bytes, str, 
     text = module.text()
     errors = []
     for target in mlir.TARGET_CANDIDATES:
-        attempt = _parse(bound, what)
+        attempt, _ = _parse(bound, what, numerics)
         try:
-            return attempt.portable_artifact(target), target, text
+            return attempt.portable_artifact(target), target, text, rewrites
         except Exception as e:  # the program needs a newer StableHLO than this target
             errors.append(f"{target}: {e}")
     raise ExportError(
@@ -275,6 +285,7 @@ def export(
         )
     _refuse_spmd()
     metadata = checked_metadata(recipe.metadata)
+    numerics = checked_numerics(recipe.numerics)
     # Read the RNG state before anything syncs: every sync advances it.
     saved_rng = xla.get_rng_state()
     base_seed = saved_rng if recipe.seed is None else int(recipe.seed)
@@ -331,6 +342,7 @@ def export(
     known = {e.name for e in state_entries}
     by_rule = {SectionKind.FILL, SectionKind.EXTERNAL} & {p.kind for p in payloads}
     uses_seed = False
+    rewrites = 0
     entries: dict[str, Entry] = {}
     texts: dict[str, str] = {}
     for entry_name, progs, updates in [("train", train_bound, True)] + [
@@ -344,7 +356,8 @@ def export(
                     raise ExportError(f"Internal error: {what} reads unknown state {inp.name!r}.")
                 if inp.kind is InputKind.RNG_SEED:
                     uses_seed = True
-            artifact, target, text = _lower(bound, len(bound.outputs), what)
+            artifact, target, text, rewritten = _lower(bound, len(bound.outputs), what, numerics)
+            rewrites += rewritten
             section = f"program/{entry_name}/{i}"
             payloads.append(codec.SectionPayload(section, SectionKind.PROGRAM, artifact))
             for inp in bound.inputs:
@@ -384,6 +397,7 @@ def export(
         sections=(),
         metadata=metadata,
         required_features=(codec.STATE_INITIALIZERS,) if by_rule else (),
+        numerics=numerics,
     )
     times["lower"] = time.perf_counter() - t2
     t3 = time.perf_counter()
@@ -402,7 +416,7 @@ def export(
         for inp in prog.inputs:
             counts[inp.kind.value] = counts.get(inp.kind.value, 0) + 1
     say(f"wrote {bundle_path} ({size / 1e6:.2f} MB, {digest})")
-    return ExportReport(bundle_path, manifest, digest, size, times, counts)
+    return ExportReport(bundle_path, manifest, digest, size, times, counts, rewrites)
 
 
 def _batch_signature(batch: Mapping[str, torch.Tensor]) -> tuple[NamedSpec, ...]:

@@ -48,6 +48,14 @@ class Recipe:
         buffers have no stored value (a run takes them from a checkpoint,
         ``load(init_from=...)``), a fresh optimizer's state is described by rule (zeros),
         and the bundle is its programs and tables (``exporter/initial_state.py``).
+      numerics: ``"pytorch"`` (the default) writes training BatchNorm as PyTorch's
+        kernels compute it (the mean first, then the mean of squared deviations), in
+        plain StableHLO that every XLA release runs the same way; ``"torch_xla"``
+        keeps torch_xla's ``batch_norm_training`` / ``batch_norm_grad`` ops, which XLA
+        expands with the cancellation-prone E[x^2] - E[x]^2, so that a bundle equals
+        torch_xla eager (``exporter/numerics.py``). Recorded as ``Manifest.numerics``.
+        The torch front-end (``stepbundle.export_torch``) computes PyTorch's numerics
+        only and refuses ``"torch_xla"``.
     """
 
     model: torch.nn.Module
@@ -61,6 +69,7 @@ class Recipe:
     seed: int | None = None
     metadata: Mapping[str, str] = field(default_factory=dict)
     include_state: bool = True
+    numerics: str = "pytorch"
 
     def all_batches(self) -> list[Mapping[str, torch.Tensor]]:
         """The example batches, one per shape bucket, first bucket first."""

@@ -294,6 +294,15 @@ def export(
             f"export() needs a stepbundle.exporter.Recipe, got {type(recipe).__name__}."
         )
     metadata = checked_metadata(recipe.metadata)
+    if recipe.numerics != "pytorch":
+        # Its programs are written from torch's own decompositions (BatchNorm's statistics
+        # by two passes, aten_reduce.py): there are no torch_xla ops to keep.
+        raise ExportError(
+            f"Recipe.numerics is {recipe.numerics!r}, but the torch front-end computes "
+            'PyTorch\'s numerics only ("pytorch"): without torch_xla there are no '
+            "torch_xla BatchNorm ops to keep. Leave numerics at its default, or export "
+            'with stepbundle.exporter.export for numerics="torch_xla".'
+        )
     base_seed = torch.initial_seed() if recipe.seed is None else int(recipe.seed)
     if not 0 <= base_seed < 2**64:
         raise ExportError(f"Recipe.seed must be in [0, 2**64), got {base_seed}.")
@@ -378,6 +387,7 @@ def export(
         sections=(),
         metadata=metadata,
         required_features=(codec.STATE_INITIALIZERS,) if by_rule else (),
+        numerics="pytorch",
     )
     times["lower"] = time.perf_counter() - t1
     t2 = time.perf_counter()

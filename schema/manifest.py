@@ -254,6 +254,14 @@ class Manifest:
         (``Recipe(metadata=...)``): by convention ``name``, ``description`` and
         ``source_commit``, plus any labels. Informational: readers never branch on it.
         (Format 1.1.)
+      numerics: how the programs compute ops whose numerics differ between
+        implementations (format 1.1). ``"pytorch"``: as PyTorch's kernels do, in plain
+        StableHLO (training BatchNorm's variance from centred values, not XLA's
+        E[x^2] - E[x]^2); ``"torch_xla"``: exactly as torch_xla lowered the step, to
+        ops each XLA release expands its own way. ``None``: not recorded (1.0 bundles,
+        1.1 bundles written before the field). Informational: the programs are plain
+        StableHLO either way, and readers never branch on it. Known values are
+        ``schema.version.NUMERICS``; readers accept any non-empty string.
     """
 
     producer: Producer
@@ -264,6 +272,7 @@ class Manifest:
     sections: tuple[Section, ...]
     required_features: tuple[str, ...] = field(default=())
     metadata: Mapping[str, str] = field(default_factory=dict)
+    numerics: str | None = None
 
     def state_entry(self, name: str) -> StateEntry:
         """The state entry called ``name`` (its primary name). KeyError if absent."""

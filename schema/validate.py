@@ -72,6 +72,11 @@ def validate(manifest: Manifest, file_size: int, *, manifest_length: int | None 
     _check_required_features(manifest.required_features)
     for key in manifest.metadata:
         check_nonempty(key, "metadata", "a metadata key")
+    # Any non-empty value is accepted, not only version.NUMERICS: the field is
+    # informational, and a reader that refused a newer writer's value would refuse a
+    # bundle it runs correctly.
+    if manifest.numerics is not None:
+        check_nonempty(manifest.numerics, "numerics", "numerics")
     # Built once, not per program: a hostile manifest with many programs and many state
     # entries must cost their sum, not their product.
     tables = Tables(

@@ -22,6 +22,9 @@ from .errors import UnsupportedVersionError
 __all__ = [
     "FORMAT_VERSION",
     "KNOWN_FEATURES",
+    "NUMERICS",
+    "NUMERICS_PYTORCH",
+    "NUMERICS_TORCH_XLA",
     "STATE_INITIALIZERS",
     "check_major",
     "check_version",
@@ -37,6 +40,10 @@ __all__ = [
 #     (no bytes: the state's value is supplied at load), for state entries only, under the
 #     required feature ``state_initializers``: bundles without weights;
 #   - Entry.eval_modules (the modules in eval mode while the entry was traced; default []).
+#   - Manifest.numerics (``"pytorch"`` or ``"torch_xla"``; default nil: not recorded): whether
+#     the exporter replaced ops XLA expands in numerically weak forms (training BatchNorm) by
+#     PyTorch's formulas in plain StableHLO. Informational, so no required feature: any
+#     reader runs both kinds of program correctly.
 FORMAT_VERSION: tuple[int, int] = (1, 1)
 
 STATE_INITIALIZERS = "state_initializers"
@@ -47,6 +54,15 @@ reader that does not know it would find no stored value for those states."""
 # feature a reader must understand to use the bundle correctly; a reader refuses a bundle
 # naming one that is not here. 1.0 had none.
 KNOWN_FEATURES: frozenset[str] = frozenset({STATE_INITIALIZERS})
+
+
+NUMERICS_PYTORCH = "pytorch"
+NUMERICS_TORCH_XLA = "torch_xla"
+NUMERICS: frozenset[str] = frozenset({NUMERICS_PYTORCH, NUMERICS_TORCH_XLA})
+"""The values ``Manifest.numerics`` may take (1.1): ``pytorch``, the programs compute
+training BatchNorm as PyTorch's kernels do (mean first, then the mean of squared
+deviations), in plain StableHLO ops; ``torch_xla``, the programs are as torch_xla lowered
+them (``batch_norm_training`` / ``batch_norm_grad``, which XLA expands with E[x^2] - E[x]^2)."""
 
 
 def format_version_string(version: tuple[int, int]) -> str:

@@ -116,14 +116,24 @@ def train_eager_cpu(
     steps: int,
     *,
     schedule: Callable[[int], float] | None = None,
+    float64: bool = False,
 ) -> Run:
-    """Train with plain PyTorch on the CPU."""
+    """Train with plain PyTorch on the CPU.
+
+    ``float64``: the recipe moved to float64 (the model, and every floating batch input),
+    the ground truth that float32 implementations are measured against. The optimizer
+    must hold no state yet: ``model.double()`` converts the parameters in place, so it
+    keeps pointing at them.
+    """
     import torch
 
     from stepbundle.exporter.workspace import named_state
 
     r = recipe_fn()
     metrics = []
+    if float64:
+        assert not r.optimizer.state, "float64 needs an optimizer without state"
+        r.model.double()
     # The modes the recipe left each module in (a frozen BatchNorm stays in eval mode),
     # as the exporter traces them.
     for i in range(steps):
@@ -134,6 +144,8 @@ def train_eager_cpu(
             k: torch.from_numpy(np.ascontiguousarray(batches[i % len(batches)][k]))
             for k in batches[0]
         }
+        if float64:
+            b = {k: v.double() if v.is_floating_point() else v for k, v in b.items()}
         metrics.append(_floats(r.step(r.model, r.optimizer, b)))
     state = {s.name: to_numpy(s.tensor) for s in named_state(r.model, r.optimizer)}
     return Run(metrics, state)

@@ -12,7 +12,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from equiv_harness import RUNS, TABLE_PATH, CaseRuns, report_text, train_three_ways
+from equiv_harness import (
+    RUNS,
+    TABLE_PATH,
+    CaseRuns,
+    record_float64,
+    report_text,
+    train_three_ways,
+)
 from equiv_models import CASES
 
 
@@ -26,6 +33,7 @@ def equiv_runs(
         if name not in RUNS:
             workdir = tmp_path_factory.mktemp("equiv")
             RUNS[name] = train_three_ways(CASES[name], lean_python, workdir)
+            record_float64(RUNS[name])
         return RUNS[name]
 
     return get

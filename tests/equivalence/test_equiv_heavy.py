@@ -1,5 +1,5 @@
 """Equivalence, models nobody here wrote: torchvision's resnet18 (random init, 32x32
-inputs) and a Hugging Face Llama built from a tiny config (random init, nothing
+inputs; also against PyTorch float64) and a Hugging Face Llama built from a tiny config (random init, nothing
 downloaded), trained with the model's own loss. Marked heavy; the default test command
 still runs them.
 
@@ -12,7 +12,12 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import pytest
-from equiv_harness import CaseRuns, assert_matches_cpu, assert_replays_torch_xla
+from equiv_harness import (
+    CaseRuns,
+    assert_matches_cpu,
+    assert_matches_float64,
+    assert_replays_torch_xla,
+)
 
 pytestmark = pytest.mark.heavy
 
@@ -27,3 +32,9 @@ def test_bundle_replays_torch_xla(name: str, equiv_runs: Callable[[str], CaseRun
 @pytest.mark.parametrize("name", NAMES)
 def test_bundle_matches_pytorch_cpu(name: str, equiv_runs: Callable[[str], CaseRuns]) -> None:
     assert_matches_cpu(equiv_runs(name))
+
+
+def test_resnet18_matches_pytorch_float64(equiv_runs: Callable[[str], CaseRuns]) -> None:
+    """The default export computes BatchNorm as PyTorch does: against float64, the
+    ground truth, it is held to the float32 bounds, where torch_xla's own ops are not."""
+    assert_matches_float64(equiv_runs("torchvision resnet18"))

@@ -13,7 +13,12 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
-from equiv_harness import CaseRuns, assert_matches_cpu, assert_replays_torch_xla
+from equiv_harness import (
+    CaseRuns,
+    assert_matches_cpu,
+    assert_matches_float64,
+    assert_replays_torch_xla,
+)
 from equiv_models import CASES
 
 NAMES = [
@@ -32,6 +37,11 @@ def test_bundle_replays_torch_xla(name: str, equiv_runs: Callable[[str], CaseRun
 @pytest.mark.parametrize("name", NAMES)
 def test_bundle_matches_pytorch_cpu(name: str, equiv_runs: Callable[[str], CaseRuns]) -> None:
     assert_matches_cpu(equiv_runs(name))
+
+
+@pytest.mark.parametrize("name", [n for n in NAMES if CASES[n].float64])
+def test_bundle_matches_pytorch_float64(name: str, equiv_runs: Callable[[str], CaseRuns]) -> None:
+    assert_matches_float64(equiv_runs(name))
 
 
 def test_adam_state_is_all_there(equiv_runs: Callable[[str], CaseRuns]) -> None:

@@ -131,7 +131,7 @@ def test_plain_mlir_from_torch_xla_would_be_an_export_error() -> None:
 
     bound = BoundProgram((), (), {}, b"module {}", "module {}")
     with pytest.raises(ExportError, match="training step's graph, as torch_xla .* is not a"):
-        _parse(bound, "training step")
+        _parse(bound, "training step", "pytorch")
 
 
 # Private API (_XLAC).

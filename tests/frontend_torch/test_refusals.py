@@ -205,3 +205,22 @@ def test_the_users_objects_are_untouched_by_a_refused_export(tmp_path: Path) -> 
     before = _snapshot(r)
     _refusal(r, tmp_path)
     _assert_same(before, r)
+
+
+def test_torch_xla_numerics_is_refused_and_pytorch_recorded(tmp_path: Path) -> None:
+    """The torch front-end has no torch_xla BatchNorm ops to keep: numerics="torch_xla" is
+    refused, and what it writes computes BatchNorm from torch's decompositions (two passes,
+    no batch_norm_training / batch_norm_grad ops), recorded as "pytorch"."""
+    import torch_cases
+
+    from stepbundle.schema import open_bundle
+
+    msg = _refusal(_recipe(numerics="torch_xla"), tmp_path)
+    assert "Recipe.numerics is 'torch_xla'" in msg and "stepbundle.exporter.export" in msg
+    path = tmp_path / "mlp.stepbundle"
+    export(torch_cases.mlp(), path, mlir_dir=tmp_path)
+    with open_bundle(path) as b:
+        assert b.manifest.numerics == "pytorch"
+    text = (tmp_path / "mlp.stepbundle.train.0.mlir").read_text()
+    assert "batch_norm" not in text
+    assert text.count("stablehlo.reduce") >= 2  # the statistics, as plain reductions

@@ -43,6 +43,7 @@ def test_description_covers_the_schema() -> None:
         "sections",
         "required_features",
         "metadata",
+        "numerics",
     ]
     fields = {f["name"]: f for f in d["dataclasses"]["Program"]["fields"]}
     assert fields["inputs"]["type"] == "tuple[InputBinding, ...]"

@@ -237,9 +237,9 @@ def test_manifest_with_an_extension_type(tiny: Path, tmp_path: Path, value: Any)
 
 def test_manifest_with_duplicate_keys(tiny: Path, tmp_path: Path) -> None:
     body = pack(wire_of(tiny_manifest()))
-    assert body[0] == 0x88
-    # Append a second "rng" key to the top-level map (8 -> 9 entries).
-    duplicate = b"\x89" + body[1:] + pack("rng") + pack(None)
+    assert body[0] == 0x89
+    # Append a second "rng" key to the top-level map (9 -> 10 entries).
+    duplicate = b"\x8a" + body[1:] + pack("rng") + pack(None)
     path = _rewrite(tmp_path, raw_bundle(duplicate, data_area(tiny.read_bytes())))
     with pytest.raises(BundleFormatError, match="key 'rng' twice"):
         open_bundle(path)

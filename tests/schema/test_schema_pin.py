@@ -1,7 +1,8 @@
 """Byte-exact pin of the format: one small bundle, written deterministically.
 
 The expected digests below were computed once from the writer and are hard-coded on
-purpose. They pin format 1.1 (1.0 plus the manifest's empty `metadata` map and the
+purpose. They pin format 1.1 (1.0 plus the manifest's empty `metadata` map and nil `numerics`,
+each entry's empty `eval_modules` list, and the
 header's minor): if this test fails, the bytes a writer produces changed, and
 old readers may no longer read new bundles (or the reverse). Do not update the constants
 unless the change is a deliberate, versioned format change (see schema/version.py).
@@ -17,9 +18,9 @@ from schema_helpers import PROGRAM_BYTES, WEIGHT_BYTES, write_tiny
 
 from stepbundle.schema import open_bundle
 
-EXPECTED_FILE_SHA256 = "8769e54de2fd0fc7c2b9fe86c0b2327c3c677b632eaa63a7a6c8ffc878e6d067"
-EXPECTED_BUNDLE_DIGEST = "sha256:de28cb274b09eae2fffcf08535fef59c8f320ef963d8321fc1fe83e9b765cfe7"
-EXPECTED_MANIFEST_LENGTH = 994
+EXPECTED_FILE_SHA256 = "b25776a096a64c55432062f3c40f310fc11734c3e8b94d776266b1cfc2b80cc5"
+EXPECTED_BUNDLE_DIGEST = "sha256:eb144a59b359310786debd482c8fc469d2f9c4d8d6b6f0382a0baa8814b5faca"
+EXPECTED_MANIFEST_LENGTH = 1018
 
 
 def test_tiny_bundle_bytes_are_pinned(tmp_path: Path) -> None:
@@ -41,7 +42,7 @@ def test_tiny_bundle_bytes_are_pinned(tmp_path: Path) -> None:
     assert data[56:64] == bytes(8)
 
     # Padding to the data area, then the two sections at offsets 0 and 64.
-    data_start = 1088  # align64(64 + 994)
+    data_start = 1088  # align64(64 + 1018)
     assert data[64 + manifest_length : data_start] == bytes(data_start - 64 - manifest_length)
     assert data[data_start : data_start + len(PROGRAM_BYTES)] == PROGRAM_BYTES
     assert data[data_start + len(PROGRAM_BYTES) : data_start + 64] == bytes(64 - len(PROGRAM_BYTES))
@@ -49,7 +50,7 @@ def test_tiny_bundle_bytes_are_pinned(tmp_path: Path) -> None:
     assert len(data) == data_start + 64 + len(WEIGHT_BYTES)
 
     # The manifest starts as a map whose first key is "producer" (field order).
-    assert manifest_bytes[0] == 0x88  # fixmap of 8 entries
+    assert manifest_bytes[0] == 0x89  # fixmap of 9 entries
     assert manifest_bytes[1:10] == b"\xa8producer"
 
 

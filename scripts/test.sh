@@ -23,7 +23,8 @@ echo "== pytest (torch 2.9 + torch_xla + jax 0.7.1) =="
 echo "== pytest, the runtime on jax 0.7.1 (the oldest jax the runtime supports) =="
 .venv/bin/python -m pytest -q --durations=5 tests/runtime/test_runtime_golden.py \
   tests/runtime/test_runtime_step.py tests/runtime/test_cache_integrity.py \
-  tests/runtime/test_steps_per_call.py tests/runtime/test_data_parallel.py
+  tests/runtime/test_steps_per_call.py tests/runtime/test_data_parallel.py \
+  -k "not fuzzed"  # the cache fuzz (2.5 minutes) runs in the lean stage
 echo "== pytest, torch front-end (current torch + jax, no torch_xla) =="
 .venv-torch/bin/python -m pytest -q --durations=5 tests/frontend_torch
 echo "== pytest, lean environment (newest jax, no torch) =="

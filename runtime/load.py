@@ -304,32 +304,23 @@ def load(
                 if why is not None:
                     progs.append(_refusal(name, i, program, why, placement, ent.programs))
                     continue
-                cp = compile_program(
-                    client,
-                    placement,
-                    bundle.section(program.section),
-                    program,
-                    where=where,
-                    donate=ent.updates_state and not stop_on_nonfinite,
-                    cache_dir=cache,
-                    layout=layout,
-                )
+                compile_kw: dict[str, Any] = {
+                    "where": where,
+                    "donate": ent.updates_state and not stop_on_nonfinite,
+                    "cache_dir": cache,
+                    "layout": layout,
+                }
+                section = bundle.section(program.section)
+                cp = compile_program(client, placement, section, program, **compile_kw)
                 info.cache_hits += int(cp.cache_hit)
                 info.compiled += int(not cp.cache_hit)
                 info.cache[f"{name}[{i}]"] = cp.cache
                 progs.append(cp)
                 if name == stacked_entry:
                     kp = compile_program(
-                        client,
-                        placement,
-                        bundle.section(program.section),
-                        program,
-                        where=where,
-                        donate=ent.updates_state and not stop_on_nonfinite,
-                        cache_dir=cache,
-                        layout=layout,
+                        client, placement, section, program, **compile_kw,
                         steps_per_call=steps_per_call,
-                    )
+                    )  # fmt: skip
                     info.cache_hits += int(kp.cache_hit)
                     info.compiled += int(not kp.cache_hit)
                     info.cache[f"{name}[{i}]x{steps_per_call}"] = kp.cache

@@ -1,10 +1,12 @@
 """Batches: what is wrong with a batch no shape bucket takes, and data files as batches.
 
-``mismatch_message`` explains, in whole sentences, why a batch matches none of an
-entry's shape buckets (the trainer calls it only once a batch was refused, never on the
-hot path). ``iter_batches`` splits an npz-style dict of stacked arrays into batches.
+``BatchChecks`` is the trainer's part that picks a batch's shape bucket and moves the
+batch to the device (``Trainer`` sets its attributes). ``mismatch_message`` explains, in
+whole sentences, why a batch matches none of an entry's shape buckets (called only once
+a batch was refused, never on the hot path). ``iter_batches`` splits an npz-style dict
+of stacked arrays into batches.
 
-Imports: numpy, stepbundle.schema.
+Imports: numpy, jax/jaxlib (through _compat), stepbundle.schema.
 """
 
 from __future__ import annotations
@@ -14,11 +16,115 @@ from typing import Any
 
 import numpy as np
 
+from . import _compat
 from .dtypes import describe
 from .errors import BindingError
-from .plan import Plan
+from .plan import CompiledPlan, Plan, RefusedPlan
+from .sharding import Placement
 
-__all__ = ["iter_batches", "mismatch_message"]
+__all__ = ["BatchChecks", "iter_batches", "mismatch_message"]
+
+
+class BatchChecks:
+    """Choosing a batch's shape bucket and placing the batch, for ``Trainer``."""
+
+    placement: Placement
+    _plans: Mapping[str, list[Plan]]
+    _broken: str | None
+
+    def _plans_for(self, entry: str) -> list[Plan]:
+        plans = self._plans.get(entry)
+        if plans is None:
+            raise BindingError(
+                f"The bundle has no {entry!r} entry (it has: {', '.join(self._plans)}). "
+                + ("Export it with Recipe(eval_step=...)." if entry == "eval" else "")
+            )
+        return plans
+
+    def _pick(
+        self, entry: str, batch: Mapping[str, Any], local: bool = False
+    ) -> tuple[CompiledPlan, dict[str, Any]]:
+        """Choose the shape bucket for ``batch`` and move the batch to the device.
+
+        ``local``: in a multi-process job, ``batch`` holds only this process's rows of
+        the global batch (a ``Loader`` with ``process_count`` > 1 delivers that).
+        Everything that can be wrong with a batch is found here, before dispatch.
+        """
+        chosen, arrays = self._match(entry, self._plans_for(entry), batch, local)
+        return chosen, self._transfer(chosen, arrays, local)
+
+    def _match(
+        self, entry: str, plans: Sequence[Plan], batch: Mapping[str, Any], local: bool = False
+    ) -> tuple[CompiledPlan, dict[str, Any]]:
+        """The shape bucket of ``plans`` that takes ``batch``, and its arrays (on the host
+        or where they were): everything that can be wrong with a batch is found here."""
+        if self._broken is not None:
+            raise BindingError(self._broken)
+        if not isinstance(batch, Mapping):
+            raise BindingError(
+                f"A batch must be a dict of name -> array, got {type(batch).__name__}."
+            )
+        arrays: dict[str, Any] = {}
+        for k, v in batch.items():
+            if not hasattr(v, "shape") or not hasattr(v, "dtype"):
+                v = np.asarray(v)
+            arrays[k] = v
+        rows = self.placement.process_count if local else 1
+        chosen: Plan | None = None
+        for plan in plans:
+            sig = plan.batch_sig
+            if len(sig) != len(arrays):
+                continue
+            ok = True
+            for k, (shape, dt) in sig.items():
+                a = arrays.get(k)
+                if a is None or np.dtype(a.dtype) != dt:
+                    ok = False
+                    break
+                got = tuple(a.shape)
+                if rows != 1 and got:
+                    got = (got[0] * rows, *got[1:])
+                if got != shape:
+                    ok = False
+                    break
+            if ok:
+                chosen = plan
+                break
+        if chosen is None:
+            raise BindingError(mismatch_message(entry, plans, arrays))
+        if isinstance(chosen, RefusedPlan):  # replaces a None test; no slower
+            raise BindingError(chosen.refusal)
+        return chosen, arrays
+
+    def _transfer(
+        self, chosen: CompiledPlan, arrays: Mapping[str, Any], local: bool = False
+    ) -> dict[str, Any]:
+        """Move a matched batch to the device (this process's rows, with ``local``)."""
+        dev: dict[str, Any] = {}
+        if local and self.placement.process_count != 1:
+            for k in chosen.batch_sig:
+                dev[k] = self.placement.put_local_batch(np.asarray(arrays[k]))
+            return dev
+        for k in chosen.batch_sig:
+            dev[k] = self._to_device(arrays[k])
+        return dev
+
+    def _to_device(self, a: Any) -> Any:
+        if isinstance(a, np.ndarray):
+            return self.placement.put_batch(a)
+        # A device array: use it where it is when it already has the sharding needed.
+        if self.placement.holds(a, split=a.ndim >= 1):
+            return a
+        if getattr(a, "is_fully_addressable", True) is False:
+            # Gathering it would be a collective the other processes are not running.
+            raise BindingError(
+                "A batch array spread over other processes' devices must already have the "
+                f"batch sharding ({self.placement.split}); pass numpy arrays instead, and "
+                "every process copies its own rows."
+            )
+        return self.placement.put_batch(
+            _compat.to_host(a) if hasattr(a, "sharding") else np.asarray(a)
+        )
 
 
 def mismatch_message(entry: str, plans: Sequence[Plan], arrays: Mapping[str, Any]) -> str:

@@ -18,7 +18,7 @@ Imports: numpy, jax/jaxlib (through _compat), stepbundle.schema.
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -102,6 +102,16 @@ class CompiledPlan:
     @property
     def executable(self) -> Any:
         return self.compiled.executable
+
+    def arguments(self, state: Sequence[Any], batch: Mapping[str, Any]) -> list[Any]:
+        """A fresh argument list: the template with the state and batch slots filled
+        (the seed and hyperparameter slots are the caller's)."""
+        args = self.template.copy()
+        for pos, si in self.state_slots:
+            args[pos] = state[si]
+        for pos, name in self.batch_slots:
+            args[pos] = batch[name]
+        return args
 
 
 @dataclass(frozen=True, eq=False)

@@ -6,7 +6,8 @@ the batch to the device, assemble the argument list from the plan's precomputed 
 execute asynchronously, and swap the donated state buffers for their updates. Metrics
 come back as device arrays; reading one (``float(m["loss"])``) is what waits for the
 step. State access and checkpoints (which state, which metadata, the agreement of a
-multi-process job) are ``checkpointing.py``'s part of the class; the checkpoint file
+multi-process job) are ``checkpointing.py``'s part of the class, K steps per call
+(``step_many`` and ``run``'s grouped dispatch) ``calls.py``'s; the checkpoint file
 format is ``checkpoint.py``'s.
 
 Imports: numpy, jax/jaxlib (through _compat), stepbundle.schema.
@@ -23,17 +24,16 @@ from stepbundle.schema.manifest import Manifest
 from stepbundle.schema.rng import TORCH_XLA_MARK_STEP, advance_seed
 
 from . import _compat
-from .batches import mismatch_message
+from .calls import StepCalls
 from .checkpointing import StateAndCheckpoints
-from .errors import BatchStackError, BindingError, DeviceError
+from .errors import BindingError, DeviceError
 from .evaluation import Evaluation, evaluate_dataset
 from .hyper import Hyperparameters
 from .load_info import LoadInfo
-from .metrics import StepMetric
 from .packing import Layout
-from .plan import CompiledPlan, Plan, RefusedPlan
+from .plan import CompiledPlan, Plan
 from .sharding import Placement
-from .watch import check_step, finite
+from .watch import check_step
 
 __all__ = ["LoadInfo", "Trainer"]
 
@@ -42,7 +42,7 @@ _END: Any = object()  # what next() returns from an exhausted batch iterator
 _U64 = 2**64
 
 
-class Trainer(StateAndCheckpoints):
+class Trainer(StateAndCheckpoints, StepCalls):
     """Runs a bundle's entries on one device (or, data-parallel, on several).
 
     Build it with ``stepbundle.runtime.load``. State names are PyTorch's: a module's
@@ -181,111 +181,11 @@ class Trainer(StateAndCheckpoints):
                 "stepping (or set_schedule(name, None) to keep the checkpoint's value)."
             )
 
-    # ---------------------------------------------------------------- checks
-    def _plans_for(self, entry: str) -> list[Plan]:
-        plans = self._plans.get(entry)
-        if plans is None:
-            raise BindingError(
-                f"The bundle has no {entry!r} entry (it has: {', '.join(self._plans)}). "
-                + ("Export it with Recipe(eval_step=...)." if entry == "eval" else "")
-            )
-        return plans
-
-    def _pick(
-        self, entry: str, batch: Mapping[str, Any], local: bool = False
-    ) -> tuple[CompiledPlan, dict[str, Any]]:
-        """Choose the shape bucket for ``batch`` and move the batch to the device.
-
-        ``local``: in a multi-process job, ``batch`` holds only this process's rows of
-        the global batch (a ``Loader`` with ``process_count`` > 1 delivers that).
-        Everything that can be wrong with a batch is found here, before dispatch.
-        """
-        chosen, arrays = self._match(entry, self._plans_for(entry), batch, local)
-        return chosen, self._transfer(chosen, arrays, local)
-
-    def _match(
-        self, entry: str, plans: Sequence[Plan], batch: Mapping[str, Any], local: bool = False
-    ) -> tuple[CompiledPlan, dict[str, Any]]:
-        """The shape bucket of ``plans`` that takes ``batch``, and its arrays (on the host
-        or where they were): everything that can be wrong with a batch is found here."""
-        if self._broken is not None:
-            raise BindingError(self._broken)
-        if not isinstance(batch, Mapping):
-            raise BindingError(
-                f"A batch must be a dict of name -> array, got {type(batch).__name__}."
-            )
-        arrays: dict[str, Any] = {}
-        for k, v in batch.items():
-            if not hasattr(v, "shape") or not hasattr(v, "dtype"):
-                v = np.asarray(v)
-            arrays[k] = v
-        rows = self.placement.process_count if local else 1
-        chosen: Plan | None = None
-        for plan in plans:
-            sig = plan.batch_sig
-            if len(sig) != len(arrays):
-                continue
-            ok = True
-            for k, (shape, dt) in sig.items():
-                a = arrays.get(k)
-                if a is None or np.dtype(a.dtype) != dt:
-                    ok = False
-                    break
-                got = tuple(a.shape)
-                if rows != 1 and got:
-                    got = (got[0] * rows, *got[1:])
-                if got != shape:
-                    ok = False
-                    break
-            if ok:
-                chosen = plan
-                break
-        if chosen is None:
-            raise BindingError(mismatch_message(entry, plans, arrays))
-        if isinstance(chosen, RefusedPlan):  # replaces a None test; no slower
-            raise BindingError(chosen.refusal)
-        return chosen, arrays
-
-    def _transfer(
-        self, chosen: CompiledPlan, arrays: Mapping[str, Any], local: bool = False
-    ) -> dict[str, Any]:
-        """Move a matched batch to the device (this process's rows, with ``local``)."""
-        dev: dict[str, Any] = {}
-        if local and self.placement.process_count != 1:
-            for k in chosen.batch_sig:
-                dev[k] = self.placement.put_local_batch(np.asarray(arrays[k]))
-            return dev
-        for k in chosen.batch_sig:
-            dev[k] = self._to_device(arrays[k])
-        return dev
-
-    def _to_device(self, a: Any) -> Any:
-        if isinstance(a, np.ndarray):
-            return self.placement.put_batch(a)
-        # A device array: use it where it is when it already has the sharding needed.
-        if self.placement.holds(a, split=a.ndim >= 1):
-            return a
-        if getattr(a, "is_fully_addressable", True) is False:
-            # Gathering it would be a collective the other processes are not running.
-            raise BindingError(
-                "A batch array spread over other processes' devices must already have the "
-                f"batch sharding ({self.placement.split}); pass numpy arrays instead, and "
-                "every process copies its own rows."
-            )
-        return self.placement.put_batch(
-            _compat.to_host(a) if hasattr(a, "sharding") else np.asarray(a)
-        )
-
     # -------------------------------------------------------------- stepping
     def _args(
         self, plan: CompiledPlan, dev_batch: Mapping[str, Any], seed: int | None
     ) -> list[Any]:
-        args = plan.template.copy()
-        st = self._state
-        for pos, si in plan.state_slots:
-            args[pos] = st[si]
-        for pos, name in plan.batch_slots:
-            args[pos] = dev_batch[name]
+        args = plan.arguments(self._state, dev_batch)
         if plan.seed_slot is not None:
             assert seed is not None
             args[plan.seed_slot] = self._put_scalar(np.array(seed, dtype=np.uint64).view(np.int64))
@@ -422,211 +322,6 @@ class Trainer(StateAndCheckpoints):
         return out
 
     # ------------------------------------------------- K steps per call
-    def step_many(self, batches: Mapping[str, Any]) -> dict[str, Any]:
-        """Run K training steps (K = ``steps_per_call``) in one call on a stack of batches.
-
-        ``batches`` maps every batch input to an array with a leading axis of K: row
-        ``i`` is step ``i``'s batch, all of one shape bucket. Returns every metric
-        stacked the same way (``metrics["loss"][i]`` is step ``i``'s loss). The result
-        is bit for bit that of K calls of ``step``.
-
-        Raises:
-          BatchStackError: the trainer runs one step per call, or the stack's arrays do
-            not have K rows of one bucket's shapes (nothing was dispatched).
-          NonFiniteLossError: with ``stop_on_nonfinite``, a step's loss was not finite;
-            the state is the state from before that step (the call is replayed one
-            step at a time up to it).
-        """
-        self._check_schedules_set()
-        k = self._k
-        if k == 1:
-            raise BatchStackError(
-                "step_many() runs K steps per call, but this trainer was loaded with "
-                "steps_per_call=1. Load the bundle with steps_per_call=K (K > 1), or "
-                "call step() once per batch."
-            )
-        plans = [self._stacked_plans[i] for i in sorted(self._stacked_plans)]
-        if not plans:
-            raise BatchStackError(
-                "No shape bucket of the 'train' entry can run here, so there is nothing "
-                "for step_many() to run."
-            )
-        try:
-            plan, arrays = self._match("train", plans, batches)
-        except BatchStackError:
-            raise
-        except BindingError as e:
-            raise BatchStackError(
-                f"step_many() takes a stack of {k} batches: every batch input with a "
-                f"leading axis of {k} (this trainer's steps_per_call). {e}"
-            ) from None
-        dev = {name: self._to_device_stacked(arrays[name]) for name in plan.batch_sig}
-        metrics = self._dispatch_stacked(plan, dev)
-        if metrics is not None:
-            return metrics
-        # Something was not finite: run the call's steps one at a time, so the step at
-        # fault is refused with the state from before it (check_step says which).
-        single = self._plans_for("train")[plan.index]
-        assert isinstance(single, CompiledPlan)
-        host = {
-            name: _compat.to_host(a) if hasattr(a, "sharding") else np.asarray(a)
-            for name, a in arrays.items()
-        }
-        rows = [
-            self._dispatch(single, self._transfer(single, {n: h[j] for n, h in host.items()}))
-            for j in range(k)
-        ]
-        return {name: np.stack([np.asarray(r[name]) for r in rows]) for name in rows[0]}
-
-    def _to_device_stacked(self, a: Any) -> Any:
-        if not isinstance(a, np.ndarray) and getattr(a, "sharding", None) is not None:
-            want = self.placement.split_stacked if a.ndim >= 2 else self.placement.replicated
-            try:
-                if a.sharding.is_equivalent_to(want, a.ndim):
-                    return a
-            except (ValueError, TypeError, NotImplementedError, AttributeError):
-                pass
-            a = _compat.to_host(a)
-        return self.placement.put_stacked_batch(np.asarray(a))
-
-    def _dispatch_stacked(
-        self, plan: CompiledPlan, dev: Mapping[str, Any]
-    ) -> dict[str, Any] | None:
-        """Run one K-step call; None (nothing applied) when, with ``stop_on_nonfinite``,
-        a value is not finite or a scheduled value is refused: the caller then replays
-        the call one step at a time, which refuses the step at fault exactly as single
-        steps would."""
-        k = self._k
-        try:
-            rows = self._hp.rows(self._step, k)
-        except BindingError:
-            return None  # the replay raises it at its step, after the steps before it
-        args = plan.template.copy()
-        st = self._state
-        for pos, si in plan.state_slots:
-            args[pos] = st[si]
-        for pos, name in plan.batch_slots:
-            args[pos] = dev[name]
-        if plan.seed_slot is not None:
-            assert self._seed is not None
-            seeds = [self._seed]
-            for _ in range(k - 1):
-                seeds.append(advance_seed(self._seed_rule, seeds[-1]))
-            args[plan.seed_slot] = self._put_scalar(np.array(seeds, dtype=np.uint64).view(np.int64))
-        for pos, name in plan.hyper_slots:
-            args[pos] = self._hp.stacked_buffer(name, rows[name])
-        try:
-            outs = plan.dispatch(args)
-        except _compat.JaxRuntimeError as e:
-            raise self._device_error(plan, e) from e
-        metrics = {name: outs[pos] for pos, name in plan.metric_slots}
-        if self._stop_on_nonfinite and not finite(
-            metrics, [outs[pos] for pos, _ in plan.update_slots] if self._check_state else None
-        ):
-            return None  # compiled without donation: the old state is intact
-        for pos, si in plan.update_slots:
-            st[si] = outs[pos]
-        self._step += k
-        if self._seed is not None:
-            self._seed = advance_seed(self._seed_rule, self._seed, k)
-        for name, row in rows.items():
-            if self._hyper[name] != row[-1]:  # the value the last step received
-                self._hyper[name] = row[-1]
-                self._hyper_bufs.pop(name, None)
-        return metrics
-
-    def _stack(self, group: list[tuple[CompiledPlan, dict[str, Any], Any]]) -> Any:
-        """The K-step plan and device stacks for a group of batches, or None when the
-        group does not fill a call of one bucket (it then runs one step at a time)."""
-        if len(group) != self._k:
-            return None
-        plan = group[0][0]
-        if any(p is not plan for p, _, _ in group):
-            return None
-        stacked = self._stacked_plans.get(plan.index)
-        if stacked is None:
-            return None
-        dev = {}
-        for name in plan.batch_sig:
-            rows = [a[name] for _, a, _ in group]
-            host = [_compat.to_host(r) if hasattr(r, "sharding") else np.asarray(r) for r in rows]
-            dev[name] = self.placement.put_stacked_batch(np.stack(host))
-        return stacked, dev
-
-    def _run_calls(
-        self,
-        source: Iterator[Mapping[str, Any]],
-        steps: int,
-        on_step: Callable[[int, dict[str, Any]], object] | None,
-        position: Callable[[], Any] | None,
-        local: bool,
-        keep_metrics: bool,
-    ) -> list[dict[str, Any]]:
-        """``run`` with K steps per call (see ``run``)."""
-        k = self._k
-        out: list[dict[str, Any]] = []
-        left = steps
-        i = 0
-
-        def read(n: int) -> tuple[list[tuple[CompiledPlan, dict[str, Any], Any]], Exception | None]:
-            group: list[tuple[CompiledPlan, dict[str, Any], Any]] = []
-            for _ in range(n):
-                b = next(source, _END)
-                if b is _END:
-                    break
-                try:
-                    plan, arrays = self._match("train", self._plans_for("train"), b, local)
-                except BindingError as e:
-                    return group, e  # the steps before it run first
-                group.append((plan, arrays, position() if position is not None else None))
-            return group, None
-
-        # Calls start at multiples of K steps, so a resumed run's calls end where a
-        # run from step 0 would end them (and checkpoints every multiple of K steps
-        # fall between calls): single steps up to the next multiple first.
-        group, error = read(min((-self._step) % k or k, left))
-        prepared = self._stack(group)
-        while group:
-            left -= len(group)
-            metrics = self._dispatch_stacked(*prepared) if prepared is not None else None
-            if metrics is not None:
-                # The call runs: read and move the next group meanwhile.
-                nxt, nxt_error = read(min(k, left)) if left > 0 and error is None else ([], error)
-                nxt_prepared = self._stack(nxt)
-                if group[-1][2] is not None:
-                    self.data_position = group[-1][2]
-                for j in range(len(group)):
-                    m = {name: StepMetric(v, j) for name, v in metrics.items()}
-                    if on_step is not None:
-                        on_step(i, m)
-                    i += 1
-                    if keep_metrics:
-                        out.append(m)
-                    else:
-                        out[:] = [m]
-            else:
-                for plan, arrays, pos in group:
-                    m = self._dispatch(plan, self._transfer(plan, arrays, local))
-                    if pos is not None:
-                        self.data_position = pos
-                    if on_step is not None:
-                        on_step(i, m)
-                    i += 1
-                    if keep_metrics:
-                        out.append(m)
-                    else:
-                        out[:] = [m]
-                    if self._stop_requested:
-                        return out
-                nxt, nxt_error = read(min(k, left)) if left > 0 and error is None else ([], error)
-                nxt_prepared = self._stack(nxt)
-            if self._stop_requested:
-                return out
-            group, error, prepared = nxt, nxt_error, nxt_prepared
-        if error is not None:
-            raise error
-        return out
-
     def request_stop(self) -> None:
         """End the ``run`` in progress after the current step (call it from ``on_step``)."""
         self._stop_requested = True

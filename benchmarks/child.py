@@ -5,7 +5,10 @@ object on its last line. Imports stepbundle.runtime and numpy only (no torch), l
 user's training process that runs a bundle.
 
 Modes:
-  load BUNDLE BATCH CACHE_DIR        import, load (compile or cache hit), first step
+  load BUNDLE BATCH CACHE_DIR [--no-pack]
+                                     import, load (compile or cache hit), first step;
+                                     --no-pack loads with pack_state=False (one buffer per
+                                     state tensor, the program without the packing wrapper)
   read BUNDLE                        open the bundle and digest-check every section, first
                                      with its pages evicted from the page cache, then cached
   rss BUNDLE BATCH CACHE_DIR STEPS --donate|--no-donate
@@ -59,7 +62,7 @@ def _evict(path: str) -> None:
         os.close(fd)
 
 
-def load(bundle: str, batch_path: str, cache_dir: str) -> dict[str, object]:
+def load(bundle: str, batch_path: str, cache_dir: str, pack: bool = True) -> dict[str, object]:
     t0 = time.perf_counter()
     import numpy as np  # noqa: F401
 
@@ -68,11 +71,12 @@ def load(bundle: str, batch_path: str, cache_dir: str) -> dict[str, object]:
     t1 = time.perf_counter()
     batch = _batch(batch_path)
     t2 = time.perf_counter()
-    trainer = sb_load(bundle, cache_dir=cache_dir)
+    trainer = sb_load(bundle, cache_dir=cache_dir, pack_state=pack)
     t3 = time.perf_counter()
     loss = float(trainer.step(batch)["loss"])
     t4 = time.perf_counter()
     return {
+        "pack_state": pack,
         "import_s": t1 - t0,
         "load_s": t3 - t2,
         "first_step_s": t4 - t3,
@@ -160,7 +164,7 @@ def rss(
 def main(argv: list[str]) -> int:
     mode, *rest = argv
     if mode == "load":
-        out = load(rest[0], rest[1], rest[2])
+        out = load(rest[0], rest[1], rest[2], pack="--no-pack" not in rest)
     elif mode == "read":
         out = read(rest[0])
     elif mode == "rss":

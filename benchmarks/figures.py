@@ -73,6 +73,7 @@ def table(results: Mapping[str, Any]) -> str:
             cell = "-" if r is None else _ms(float(r["median_ms"]))
             cells.append(f"**{cell}**" if method == "stepbundle" and r is not None else cell)
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    lines += _first_step_rows(results.get("load") or [], cases)
     git = results.get("git") or {}
     commit = git.get("commit")
     where = (
@@ -88,6 +89,30 @@ def table(results: Mapping[str, Any]) -> str:
         "`benchmarks/results/results.md` has CPU-time medians beside them."
     )
     return "\n".join(lines) + "\n"
+
+
+FIRST_STEP_ROWS: Sequence[tuple[str, str]] = (
+    ("cold", "time to first step, fresh lean process, compile cache empty"),
+    ("warm", "time to first step, fresh lean process, compile cache warm"),
+    ("torch_xla_cold", "time to first step, torch_xla (import, trace, compile)"),
+)
+"""(load_times key, row label): fresh processes to the first loss, interpreter included."""
+
+
+def _first_step_rows(
+    loads: Sequence[Mapping[str, Any]], cases: Sequence[tuple[str, int]]
+) -> list[str]:
+    by = {(r["case"], r["depth"]): r for r in loads}
+    rows = []
+    for key, label in FIRST_STEP_ROWS:
+        cells = []
+        for c in cases:
+            r = by.get(c, {}).get(key)
+            wall = None if r is None else r.get("process_wall_s")  # older results lack it
+            cells.append("-" if wall is None else f"{float(wall):.1f} s")
+        if any(x != "-" for x in cells):
+            rows.append(f"| {label} | " + " | ".join(cells) + " |")
+    return rows
 
 
 def replace_in(readme: str, new_table: str) -> str:

@@ -43,6 +43,7 @@ FULL = {
     "target_s": 0.15,
     "warmup_s": 1.0,
     "load_cases": "all",
+    "first_step_torch_xla": True,
     "wide": {"width": 2048, "state_mb": 500},
     "rss_steps": 5,
     "read_repeats": 3,
@@ -60,6 +61,7 @@ QUICK = {
     "target_s": 0.02,
     "warmup_s": 0.1,
     "load_cases": "first",
+    "first_step_torch_xla": False,  # two torch_xla processes: ~20 s
     "wide": {"width": 1024, "state_mb": 40},
     "rss_steps": 3,
     "read_repeats": 1,
@@ -131,13 +133,19 @@ def machine() -> dict[str, Any]:
     }
 
 
-def child(*args: str, timeout: float = 600) -> dict[str, Any]:
+def child(*args: str, timeout: float = 600, script: str = "child.py") -> dict[str, Any]:
+    """Run ``script`` in a fresh process; its JSON result, plus ``process_wall_s``: the
+    wall time of the whole process, interpreter start-up and exit included."""
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    cmd = [sys.executable, str(HERE / "child.py"), *args]
+    cmd = [sys.executable, str(HERE / script), *args]
+    t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    wall = time.perf_counter() - t0
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    out: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    out["process_wall_s"] = wall
+    return out
 
 
 def export_case(case: Any, batch: dict[str, Any], path: Path) -> dict[str, Any]:
@@ -259,13 +267,38 @@ def diagnose(
     return {"case": case, "depth": depth, "facts": facts, "records": records, "profile": profile}
 
 
-def load_times(case: Any, bundle: Path, batch_npz: Path, cache_root: Path) -> dict[str, Any]:
-    cache = cache_root / case.label
-    shutil.rmtree(cache, ignore_errors=True)
-    cache.mkdir(parents=True)
-    cold = child("load", str(bundle), str(batch_npz), str(cache))
-    warm = child("load", str(bundle), str(batch_npz), str(cache))
-    return {"case": case.name, "depth": case.depth, "cold": cold, "warm": warm}
+def load_times(
+    case: Any, bundle: Path, batch_npz: Path, cache_root: Path, torch_xla: bool
+) -> dict[str, Any]:
+    """Fresh processes, each to its first step's loss: the bundle cold (empty compile
+    cache) and warm (the cache the cold one filled), cold without state packing, and
+    torch_xla's own first step (trace + compile), cold and with its persistent cache warm."""
+
+    def fresh(name: str) -> str:
+        path = cache_root / f"{case.label}-{name}"
+        shutil.rmtree(path, ignore_errors=True)
+        path.mkdir(parents=True)
+        return str(path)
+
+    cache, unpacked, xla = fresh("packed"), fresh("unpacked"), fresh("torch_xla")
+    cold = child("load", str(bundle), str(batch_npz), cache)
+    warm = child("load", str(bundle), str(batch_npz), cache)
+    cold_unpacked = child("load", str(bundle), str(batch_npz), unpacked, "--no-pack")
+    out = {
+        "case": case.name,
+        "depth": case.depth,
+        "cold": cold,
+        "warm": warm,
+        "cold_unpacked": cold_unpacked,
+    }
+    if torch_xla:
+        spec = json.dumps(
+            {"name": case.name, "depth": case.depth, "gpt": asdict(case.gpt) if case.gpt else None}
+        )
+        xla_cold = child(spec, str(batch_npz), xla, script="xla_first_step.py")
+        xla_warm = child(spec, str(batch_npz), xla, script="xla_first_step.py")
+        out["torch_xla_cold"], out["torch_xla_warm"] = xla_cold, xla_warm
+    return out
 
 
 def wide_bundle(cfg: dict[str, Any], work: Path) -> tuple[Path, Path, dict[str, Any]]:
@@ -461,9 +494,16 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_extras:
         load_cases = cases if cfg["load_cases"] == "all" else cases[:1]
         results["load"] = [
-            load_times(c, bundles[c.label], work / f"{c.label}-batch.npz", work / "load-cache")
+            load_times(
+                c,
+                bundles[c.label],
+                work / f"{c.label}-batch.npz",
+                work / "load-cache",
+                cfg["first_step_torch_xla"],
+            )
             for c in load_cases
         ]
+        results["targets"] += report.load_targets(results["load"])
         say("load times measured")
         phase("load")
         wide, npz, info = wide_bundle(cfg["wide"], work)

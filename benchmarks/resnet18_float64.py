@@ -233,6 +233,77 @@ def report(runs: dict[str, Run], steps: int, lr: float, wd: float, n_batches: in
     return "\n".join(lines) + "\n"
 
 
+def bisect(steps: int, n_batches: int, lr: float, wd: float) -> str:
+    """Which op's float32 rounding moves the trajectory: float64 training with one kind of
+    module (BatchNorm, convolution, max-pool, linear, the loss) computed in float32
+    (inputs cast down, result cast up; autograd runs that op's backward in float32 too),
+    with PyTorch's native kernels (oneDNN off) and with oneDNN's."""
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    class In32(nn.Module):
+        def __init__(self, m: nn.Module) -> None:
+            super().__init__()
+            self.m = m
+
+        def forward(self, x: Any) -> Any:
+            m = self.m
+            x = x.float()
+            if isinstance(m, nn.BatchNorm2d):
+                w, b = m.weight.float(), m.bias.float()
+                y = F.batch_norm(x, None, None, w, b, True, 0.1, m.eps)
+            elif isinstance(m, nn.Conv2d):
+                y = F.conv2d(x, m.weight.float(), None, m.stride, m.padding, m.dilation, m.groups)
+            elif isinstance(m, nn.Linear):
+                y = F.linear(x, m.weight.float(), m.bias.float())
+            else:
+                y = m(x)
+            return y.double()
+
+    kinds = {"BatchNorm": nn.BatchNorm2d, "conv": nn.Conv2d, "max-pool": nn.MaxPool2d}
+    kinds["linear"] = nn.Linear
+    batches = make_batches(recipe(), n_batches)
+
+    def train(kind: str) -> list[float]:
+        r = recipe(lr=lr, weight_decay=wd)
+        r.model.double()
+        for m in list(r.model.modules()):
+            for cname, child in list(m.named_children()):
+                types = tuple(kinds.values()) if kind == "all" else kinds.get(kind, ())
+                if types and isinstance(child, types):
+                    setattr(m, cname, In32(child))
+        out = []
+        for i in range(steps):
+            b = batches[i % n_batches]
+            x, y = torch.from_numpy(b["x"]).double(), torch.from_numpy(b["y"])
+            r.optimizer.zero_grad()
+            logits = r.model(x)
+            if kind in ("loss", "all"):
+                loss = F.cross_entropy(logits.float(), y).double()
+            else:
+                loss = F.cross_entropy(logits, y)
+            loss.backward()
+            r.optimizer.step()
+            out.append(float(loss))
+        return out
+
+    lines = [
+        "| in float32 (the rest float64) | convolutions by | losses per step, relative to "
+        "float64 |",
+        "|---|---|---|",
+    ]
+    for mkldnn in (False, True):
+        torch.backends.mkldnn.enabled = mkldnn
+        ref = train("none")
+        for kind in [*kinds, "loss", "all"]:
+            got = train(kind)
+            cells = ", ".join(f"{abs(a - c) / abs(c):.1e}" for a, c in zip(got, ref))
+            lines.append(f"| {kind} | {'oneDNN' if mkldnn else 'PyTorch native'} | {cells} |")
+    torch.backends.mkldnn.enabled = True
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=4)
@@ -242,7 +313,11 @@ def main() -> None:
     ap.add_argument("--runs", default="f64,f32,xla,bundle,bundle-xla")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--top", type=int, default=40, help="tensors printed (all go to --out)")
+    ap.add_argument("--bisect", action="store_true", help="float64 with one op in float32")
     args = ap.parse_args()
+    if args.bisect:
+        print(bisect(args.steps, args.batches, args.lr, args.weight_decay))
+        return
     which = args.runs.split(",")
     # torch_xla (eager or exporting) first: its autograd engine cannot start after the
     # CPU's has run (an internal assert on the device index), as in the equivalence harness.

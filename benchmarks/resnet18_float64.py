@@ -73,9 +73,7 @@ def recipe(numerics: str = "pytorch", lr: float = 0.01, weight_decay: float = 5e
     from stepbundle.exporter import Recipe
 
     torch.manual_seed(6)
-    model = torchvision.models.resnet18(
-        weights=None, num_classes=int(os.environ.get("R18_CLASSES", "10"))
-    )
+    model = torchvision.models.resnet18(weights=None, num_classes=10)
     opt = torch.optim.SGD(
         model.parameters(), lr=lr, momentum=0.9, nesterov=True, weight_decay=weight_decay
     )

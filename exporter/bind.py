@@ -90,7 +90,9 @@ def _name_the_value(a: InputOrigin, b: InputOrigin, ta: StepTrace, tb: StepTrace
         if xb is None or xa == xb:
             continue
         if any(_close(va, s * xa) and _close(vb, s * xb) for s in (1.0, -1.0)):
-            key = label.split("'")[1]
+            key, tail = label.split("'")[1], label.split("'")[-1]
+            if tail.startswith("]["):  # an element of a tuple setting: betas.0
+                key = f"{key}.{tail[2:-1]}"
             return [
                 f"It is the optimizer's {label}, which changed from {xa!r} to {xb!r} between "
                 "the steps (a learning-rate scheduler, or other code that edits "

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,6 +49,7 @@ from .errors import ExportError
 from .initial_state import initial_section, non_persistent_buffers
 from .numerics import apply_numerics, checked_numerics
 from .recipe import Recipe, checked_metadata
+from .schedulers import scheduler_notes
 from .trace import trace_eval, trace_train
 from .workspace import Workspace
 
@@ -68,6 +70,9 @@ class ExportReport:
       numerics_rewrites: ops the exporter rewrote for ``Recipe.numerics`` over all
         programs (training BatchNorm's ``batch_norm_training`` / ``batch_norm_grad``);
         0 with ``numerics="torch_xla"``, or when the step has none.
+      notes: what the user should know about the bundle written (optimizer settings a
+        scheduler set and the bundle keeps fixed, ``exporter/schedulers.py``); each is
+        also given to ``progress`` and issued as a ``UserWarning``.
     """
 
     path: Path
@@ -77,6 +82,7 @@ class ExportReport:
     stage_seconds: dict[str, float] = field(default_factory=dict)
     input_counts: dict[str, int] = field(default_factory=dict)
     numerics_rewrites: int = 0
+    notes: list[str] = field(default_factory=list)
 
 
 def _versions() -> Producer:
@@ -286,6 +292,8 @@ def export(
     _refuse_spmd()
     metadata = checked_metadata(recipe.metadata)
     numerics = checked_numerics(recipe.numerics)
+    # Read before the workspace puts tensors in param_groups.
+    notes = scheduler_notes(recipe.optimizer, recipe.hyperparameters)
     # Read the RNG state before anything syncs: every sync advances it.
     saved_rng = xla.get_rng_state()
     base_seed = saved_rng if recipe.seed is None else int(recipe.seed)
@@ -416,7 +424,10 @@ def export(
         for inp in prog.inputs:
             counts[inp.kind.value] = counts.get(inp.kind.value, 0) + 1
     say(f"wrote {bundle_path} ({size / 1e6:.2f} MB, {digest})")
-    return ExportReport(bundle_path, manifest, digest, size, times, counts, rewrites)
+    for note in notes:
+        say(f"note: {note}")
+        warnings.warn(note, UserWarning, stacklevel=2)
+    return ExportReport(bundle_path, manifest, digest, size, times, counts, rewrites, notes)
 
 
 def _batch_signature(batch: Mapping[str, torch.Tensor]) -> tuple[NamedSpec, ...]:

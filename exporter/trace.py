@@ -266,8 +266,9 @@ def trace_train(
     _check_no_host_round_trip(counters, xla.counters(), "training step")
     metrics = _metrics(result, "training step", need_loss=True)
 
+    replaced = ws.replaced_hyperparameters()
     for name, t in ws.hyperparameters.items():
-        if xla.tensor_id(t) != hyper_before[name]:
+        if xla.tensor_id(t) != hyper_before[name] or name in replaced:
             raise ExportError(
                 f"The training step changed hyperparameter {name!r} itself (a "
                 "scheduler.step() inside the step?). A declared hyperparameter is set by "

@@ -12,6 +12,7 @@ stepbundle.stablehlo), stepbundle.schema.
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 import warnings
@@ -43,9 +44,10 @@ from stepbundle.schema.manifest import (
 from stepbundle.stablehlo import artifact as mlir
 
 from . import xla
-from .bind import BoundProgram, bind
+from .bind import BoundProgram, GraphChanged, bind
 from .dtypes import HYPERPARAMETER_DTYPE, spec_of, tensor_bytes
 from .errors import ExportError
+from .graphdiff import explain_graph_change
 from .initial_state import initial_section, non_persistent_buffers
 from .numerics import apply_numerics, checked_numerics
 from .recipe import Recipe, checked_metadata
@@ -245,6 +247,10 @@ def _trace_recipe(
         return initial, initial_values, initial_hyper, train_bound, eval_bound
 
 
+def _quiet(_msg: str) -> None:
+    pass
+
+
 def _refuse_spmd() -> None:
     """torch_xla's SPMD mode is not exported: its sharded device data do not keep the
     tensor identities the binding tables are built from."""
@@ -309,6 +315,11 @@ def export(
                 break
             except _GradientsDropped:
                 continue
+            except GraphChanged as e:
+                retrace = functools.partial(
+                    _trace_recipe, recipe, device, base_seed, zero_grads=zero_grads, say=_quiet
+                )
+                explain_graph_change(e, retrace)
     finally:
         xla.set_rng_state(saved_rng)
     initial, initial_values, initial_hyper, train_bound, eval_bound = traced

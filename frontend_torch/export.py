@@ -370,7 +370,9 @@ def export(
                     batch=batch_sig,
                 )
             )
-        entries[entry_name] = Entry(programs=tuple(programs), updates_state=updates)
+        entries[entry_name] = Entry(
+            programs=tuple(programs), updates_state=updates, eval_modules=progs[0][0].eval_modules
+        )
     hyper_records = tuple(
         Hyperparameter(
             name=h.name, spec=spec_of(HYPERPARAMETER_DTYPE, (), f"Hyperparameter {h.name!r}"),

@@ -218,6 +218,18 @@ class Sandbox:
         for (i, key), t in hyperparameters.items():
             self.optimizer.param_groups[i][key] = t
 
+    def user_modes(self) -> None:
+        """Put every module back in the mode (train or eval) the user left it in: the
+        training step is captured in those modes, as the user's own loop runs it (a
+        frozen BatchNorm stays in eval mode, a dropout turned off stays off)."""
+        for m, training in zip(self._modules, self._saved_training):
+            m.training = training
+
+    def eval_modules(self) -> tuple[str, ...]:
+        """The ``named_modules()`` names of the modules now in eval mode, in model order
+        (``Entry.eval_modules``)."""
+        return tuple(name for name, m in self.model.named_modules() if not m.training)
+
     def _param_object(self, pid: int) -> torch.Tensor:
         for saved in self._saved_params:
             for p in saved.values():

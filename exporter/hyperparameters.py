@@ -21,7 +21,7 @@ import torch
 from .dtypes import HYPERPARAMETER_DTYPE
 from .errors import ExportError
 
-__all__ = ["Declared", "declare_hyperparameters"]
+__all__ = ["Declared", "declare_hyperparameters", "place_of"]
 
 
 @dataclass
@@ -46,11 +46,32 @@ class Declared:
         return out
 
 
-def _place(key: str, group: dict[str, Any], i: int) -> tuple[str, int | None]:
-    """Where a declared hyperparameter lives in a param group: ``"lr"`` is the key itself,
-    ``"betas.0"`` the first element of the tuple ``betas``."""
+def place_of(
+    optimizer: torch.optim.Optimizer, key: str, group: dict[str, Any], i: int
+) -> tuple[str, int | None]:
+    """Where a declared hyperparameter lives in param group ``i``: ``"lr"`` is the key
+    itself, ``"betas.0"`` the first element of the tuple ``betas``.
+
+    Raises:
+      ExportError: no such key or element, or Adam's beta2 (which torch reads as a
+        Python number).
+    """
     if isinstance(key, str) and key in group and key != "params":
         return key, None
+    base, index = _element(key, group, i)
+    adam = isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW))
+    if adam and base == "betas" and index == 1:
+        raise ExportError(
+            f"Hyperparameter {key!r} (beta2) cannot be declared for "
+            f"{type(optimizer).__name__}: torch's update reads beta2 as a Python number "
+            "(exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2) in "
+            "torch/optim/adam.py), which a bundle would freeze. Declare 'betas.0' (beta1, "
+            "which OneCycleLR and CyclicLR cycle) and keep beta2 fixed."
+        )
+    return base, index
+
+
+def _element(key: str, group: dict[str, Any], i: int) -> tuple[str, int]:
     base, _, index = key.rpartition(".") if isinstance(key, str) else ("", "", "")
     elems = group.get(base)
     if base and index.isdigit() and isinstance(elems, (tuple, list)):
@@ -80,16 +101,7 @@ def declare_hyperparameters(
     out = Declared()
     for key in keys:
         for i, group in enumerate(groups):
-            base, index = _place(key, group, i)
-            if family == "adam" and (base, index) == ("betas", 1):
-                raise ExportError(
-                    f"Hyperparameter {key!r} (beta2) cannot be declared for "
-                    f"{type(optimizer).__name__}: torch's update reads beta2 as a Python "
-                    "number (exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2) "
-                    "in torch/optim/adam.py), which a bundle would freeze. Declare "
-                    "'betas.0' (beta1, which OneCycleLR and CyclicLR cycle) and keep beta2 "
-                    "fixed."
-                )
+            base, index = place_of(optimizer, key, group, i)
             value = group[base] if index is None else group[base][index]
             if isinstance(value, torch.Tensor):
                 value = float(value.detach().cpu())

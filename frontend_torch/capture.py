@@ -78,12 +78,21 @@ DECOMPOSITIONS: dict[Any, Callable[..., Any]] = {
 
 @dataclass(frozen=True)
 class Hyper:
-    """A declared hyperparameter: its bundle name, where it lives, its value at export."""
+    """A declared hyperparameter: its bundle name, where it lives (param group, key, and
+    the element of a tuple setting such as ``betas``, or None), its value at export."""
 
     name: str
     group: int
     key: str
     value: float
+    index: int | None = None
+
+    def held(self, optimizer: torch.optim.Optimizer) -> Any:
+        """What ``param_groups`` holds in this hyperparameter's place now."""
+        v = optimizer.param_groups[self.group].get(self.key)
+        if self.index is None:
+            return v
+        return v[self.index] if isinstance(v, (tuple, list)) and len(v) > self.index else None
 
 
 @dataclass(frozen=True)
@@ -216,7 +225,8 @@ def capture(
 
     def pure(*flat: torch.Tensor) -> list[torch.Tensor]:
         values = {s.name: t for s, t in zip(slots, flat[:n_state])}
-        hyper = {(h.group, h.key): t for h, t in zip(hypers, flat[n_state : n_state + n_hyper])}
+        hyper = {(h.group, h.key, h.index): t
+                 for h, t in zip(hypers, flat[n_state : n_state + n_hyper])}  # fmt: skip
         b = dict(zip(batch_keys, flat[n_state + n_hyper :]))
         sandbox.install(slots, values, hyper)
         if train:
@@ -231,7 +241,7 @@ def capture(
         info["eval_modules"] = sandbox.eval_modules()
         after = sandbox.read(slots)
         for h, t in zip(hypers, flat[n_state : n_state + n_hyper]):
-            if recipe.optimizer.param_groups[h.group][h.key] is not t:
+            if h.held(recipe.optimizer) is not t:
                 raise ExportError(
                     f"The {what} changed hyperparameter {h.name!r} itself (a "
                     "scheduler.step() inside the step?). A declared hyperparameter is set by "

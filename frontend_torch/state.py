@@ -185,10 +185,10 @@ class Sandbox:
         self,
         slots: list[Slot],
         values: Mapping[str, torch.Tensor],
-        hyperparameters: Mapping[tuple[int, str], torch.Tensor],
+        hyperparameters: Mapping[tuple[int, str, int | None], torch.Tensor],
     ) -> None:
         """Put ``values`` (by slot name) in place of the state, and the hyperparameter
-        tensors (by (group index, key)) into ``param_groups``."""
+        tensors (by (group index, key, tuple element or None)) into ``param_groups``."""
         new: dict[int, torch.nn.Parameter] = {}
         for s in slots:
             if s.kind is StateKind.PARAMETER:
@@ -215,8 +215,14 @@ class Sandbox:
             elif s.kind is StateKind.GRADIENT:
                 new[s.param].grad = values[s.name]
         self.optimizer.state = state
-        for (i, key), t in hyperparameters.items():
-            self.optimizer.param_groups[i][key] = t
+        for (i, key, index), t in hyperparameters.items():
+            group = self.optimizer.param_groups[i]
+            if index is None:
+                group[key] = t
+            else:  # one element of a tuple setting (Adam's betas.0); the rest stay numbers
+                elems = list(group[key])
+                elems[index] = t
+                group[key] = type(group[key])(elems)
 
     def user_modes(self) -> None:
         """Put every module back in the mode (train or eval) the user left it in: the

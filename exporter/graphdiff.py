@@ -148,6 +148,26 @@ def _first_stablehlo_difference(a: str, b: str) -> str | None:
     return None
 
 
+def _changed_settings(ta: StepTrace, tb: StepTrace) -> list[str]:
+    """Optimizer settings that changed between the traces: torch bakes them into the graph
+    as numbers (or, for some values, as other ops), so they change it."""
+    after = dict(tb.hyper_values)
+    changed = [(k, v, after[k]) for k, v in ta.hyper_values if k in after and after[k] != v]
+    if not changed:
+        return []
+    keys = []
+    for label, _, _ in changed:
+        key, tail = label.split("'")[1], label.split("'")[-1]
+        keys.append(f"{key}.{tail[2:-1]}" if tail.startswith("][") else key)
+    shown = ", ".join(f"{k} from {a:.6g} to {b:.6g}" for k, a, b in changed[:_MAX_ROWS])
+    return [
+        f"optimizer settings changed between the steps: {shown} (a scheduler stepped "
+        "inside the step, or other code that edits param_groups). Declare them, "
+        f"Recipe(hyperparameters={tuple(dict.fromkeys(keys))!r}), and set them from the "
+        "runtime (trainer.set_schedule, stepbundle run --lr-schedule NAME=SPEC) instead"
+    ]
+
+
 def describe_change(ta: StepTrace, tb: StepTrace) -> str:
     """What differs between two traces whose graphs differ, one item a line."""
     rows = []
@@ -155,6 +175,7 @@ def describe_change(ta: StepTrace, tb: StepTrace) -> str:
         rows.append(
             f"metric keys: {list(ta.metric_names)} in step 1, {list(tb.metric_names)} in step 2"
         )
+    rows += _changed_settings(ta, tb)
     rows += _table_diff("input", [_input(o) for o in ta.inputs], [_input(o) for o in tb.inputs])
     rows += _table_diff("output", _outputs(ta), _outputs(tb))
     op = first_ir_difference(ta.ir, tb.ir) if ta.ir and tb.ir else None

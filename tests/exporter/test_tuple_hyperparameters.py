@@ -148,6 +148,16 @@ def test_a_scheduler_stepped_inside_the_step_is_refused(tmp_path: Path) -> None:
     r = _recipe(hyperparameters=("betas.0",), eager=True)
     with pytest.raises(ExportError, match=r"changed hyperparameter 'betas.0' itself"):
         export(r, tmp_path / "x.stepbundle")
+    # Undeclared, the settings change the graph: the refusal names them and the fix.
+    with pytest.raises(ExportError) as e:
+        export(_recipe(hyperparameters=(), eager=True), tmp_path / "y.stepbundle")
+    msg = str(e.value)
+    assert "changed between two consecutive traced steps" in msg
+    assert (
+        "optimizer settings changed between the steps: param_groups[0]['lr'] from 0.002 to "
+        "0.0375001, param_groups[0]['betas'][0] from 0.95 to 0.8375" in msg
+    )
+    assert "Declare them, Recipe(hyperparameters=('lr', 'betas.0'))" in msg
 
 
 def test_values_a_scheduler_set_are_reported(tmp_path: Path) -> None:

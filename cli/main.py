@@ -174,7 +174,8 @@ def _add_run(sub: Any) -> None:
         "--lr-schedule",
         action="append",
         metavar="[NAME=]SPEC",
-        help="e.g. warmup_cosine:peak=1e-3,warmup=100,total=10000 (NAME defaults to lr)",
+        help="e.g. warmup_cosine:peak=1e-3,warmup=100,total=10000 (NAME defaults to lr; "
+        "betas.0=linear:start=0.95,end=0.85,total=1000 schedules Adam's declared beta1)",
     )
     r.add_argument(
         "--set",

@@ -10,7 +10,6 @@ Imports: torch, stepbundle.schema.
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -32,9 +31,10 @@ from stepbundle.schema.manifest import (
 
 from .dtypes import spec_of, tensor_bytes
 from .errors import ExportError
+from .graphdiff import describe_change
 from .trace import InputOrigin, StepTrace
 
-__all__ = ["BoundProgram", "bind"]
+__all__ = ["BoundProgram", "GraphChanged", "bind"]
 
 _STATE_INPUT_KIND = {
     StateKind.PARAMETER: InputKind.PARAMETER,
@@ -60,13 +60,16 @@ class BoundProgram:
     eval_modules: tuple[str, ...] = ()
 
 
-def _first_difference(a: str, b: str) -> str:
-    la, lb = a.splitlines(), b.splitlines()
-    for i, (x, y) in enumerate(zip(la, lb)):
-        if x != y:
-            return f"line {i + 1}:\n  step 1: {x.strip()[:300]}\n  step 2: {y.strip()[:300]}"
-    diff = list(difflib.unified_diff(la, lb, lineterm="", n=0))
-    return "\n".join(diff[:6])
+class GraphChanged(ExportError):
+    """The graph of a step differs between its two traces (``graphdiff.py`` says how).
+
+    ``located``: the message names torch_xla's source locations (the traces ran under
+    ``xla.ir_debug()``); ``export`` traces again so when it is not.
+    """
+
+    def __init__(self, message: str, *, located: bool) -> None:
+        super().__init__(message)
+        self.located = located
 
 
 def _fmt(t: torch.Tensor) -> str:
@@ -90,7 +93,9 @@ def _name_the_value(a: InputOrigin, b: InputOrigin, ta: StepTrace, tb: StepTrace
         if xb is None or xa == xb:
             continue
         if any(_close(va, s * xa) and _close(vb, s * xb) for s in (1.0, -1.0)):
-            key = label.split("'")[1]
+            key, tail = label.split("'")[1], label.split("'")[-1]
+            if tail.startswith("]["):  # an element of a tuple setting: betas.0
+                key = f"{key}.{tail[2:-1]}"
             return [
                 f"It is the optimizer's {label}, which changed from {xa!r} to {xb!r} between "
                 "the steps (a learning-rate scheduler, or other code that edits "
@@ -121,13 +126,14 @@ def bind(
     """
     hint_text = "".join(f"\n  - {h}" for h in hints)
     if ta.text != tb.text:
-        raise ExportError(
+        raise GraphChanged(
             f"The graph of the {what} changed between two consecutive traced steps, so "
             "no single program can replay it. This happens with Python control flow on "
             "step-dependent values (a step counter, a value read from a tensor), or when "
             "a Python number flips between values torch_xla inlines (0 or 1) and others. "
-            f"First difference, {_first_difference(ta.text, tb.text)}"
-            + (f"\nLikely causes:{hint_text}" if hints else "")
+            f"What changed:{describe_change(ta, tb)}"
+            + (f"\nLikely causes:{hint_text}" if hints else ""),
+            located=bool(ta.ir and tb.ir),
         )
     if len(ta.inputs) != len(tb.inputs):  # pragma: no cover - implied by equal text
         raise ExportError(f"The {what} has a different number of graph inputs in each traced step.")

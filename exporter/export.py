@@ -12,8 +12,10 @@ stepbundle.stablehlo), stepbundle.schema.
 
 from __future__ import annotations
 
+import functools
 import os
 import time
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,12 +44,14 @@ from stepbundle.schema.manifest import (
 from stepbundle.stablehlo import artifact as mlir
 
 from . import xla
-from .bind import BoundProgram, bind
+from .bind import BoundProgram, GraphChanged, bind
 from .dtypes import HYPERPARAMETER_DTYPE, spec_of, tensor_bytes
 from .errors import ExportError
+from .graphdiff import explain_graph_change
 from .initial_state import initial_section, non_persistent_buffers
 from .numerics import apply_numerics, checked_numerics
 from .recipe import Recipe, checked_metadata
+from .schedulers import scheduler_notes
 from .trace import trace_eval, trace_train
 from .workspace import Workspace
 
@@ -68,6 +72,9 @@ class ExportReport:
       numerics_rewrites: ops the exporter rewrote for ``Recipe.numerics`` over all
         programs (training BatchNorm's ``batch_norm_training`` / ``batch_norm_grad``);
         0 with ``numerics="torch_xla"``, or when the step has none.
+      notes: what the user should know about the bundle written (optimizer settings a
+        scheduler set and the bundle keeps fixed, ``exporter/schedulers.py``); each is
+        also given to ``progress`` and issued as a ``UserWarning``.
     """
 
     path: Path
@@ -77,6 +84,7 @@ class ExportReport:
     stage_seconds: dict[str, float] = field(default_factory=dict)
     input_counts: dict[str, int] = field(default_factory=dict)
     numerics_rewrites: int = 0
+    notes: list[str] = field(default_factory=list)
 
 
 def _versions() -> Producer:
@@ -239,6 +247,10 @@ def _trace_recipe(
         return initial, initial_values, initial_hyper, train_bound, eval_bound
 
 
+def _quiet(_msg: str) -> None:
+    pass
+
+
 def _refuse_spmd() -> None:
     """torch_xla's SPMD mode is not exported: its sharded device data do not keep the
     tensor identities the binding tables are built from."""
@@ -286,6 +298,8 @@ def export(
     _refuse_spmd()
     metadata = checked_metadata(recipe.metadata)
     numerics = checked_numerics(recipe.numerics)
+    # Read before the workspace puts tensors in param_groups.
+    notes = scheduler_notes(recipe.optimizer, recipe.hyperparameters)
     # Read the RNG state before anything syncs: every sync advances it.
     saved_rng = xla.get_rng_state()
     base_seed = saved_rng if recipe.seed is None else int(recipe.seed)
@@ -301,6 +315,11 @@ def export(
                 break
             except _GradientsDropped:
                 continue
+            except GraphChanged as e:
+                retrace = functools.partial(
+                    _trace_recipe, recipe, device, base_seed, zero_grads=zero_grads, say=_quiet
+                )
+                explain_graph_change(e, retrace)
     finally:
         xla.set_rng_state(saved_rng)
     initial, initial_values, initial_hyper, train_bound, eval_bound = traced
@@ -416,7 +435,10 @@ def export(
         for inp in prog.inputs:
             counts[inp.kind.value] = counts.get(inp.kind.value, 0) + 1
     say(f"wrote {bundle_path} ({size / 1e6:.2f} MB, {digest})")
-    return ExportReport(bundle_path, manifest, digest, size, times, counts, rewrites)
+    for note in notes:
+        say(f"note: {note}")
+        warnings.warn(note, UserWarning, stacklevel=2)
+    return ExportReport(bundle_path, manifest, digest, size, times, counts, rewrites, notes)
 
 
 def _batch_signature(batch: Mapping[str, torch.Tensor]) -> tuple[NamedSpec, ...]:

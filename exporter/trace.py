@@ -10,6 +10,7 @@ Imports: torch; torch_xla through ``xla.py`` only.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -58,6 +59,8 @@ class StepTrace:
       hyper_values: hyperparameter-like values of the param_groups before the step,
         for error messages.
       eval_modules: the modules in eval mode when the step returned (``Entry.eval_modules``).
+      ir: torch_xla's IR of the graph with source locations, recorded only under
+        ``xla.ir_debug()`` (to explain a graph that changed, ``graphdiff.py``); else "".
     """
 
     text: str
@@ -69,6 +72,7 @@ class StepTrace:
     update_specs: tuple[tuple[torch.dtype, tuple[int, ...]], ...]
     hyper_values: tuple[tuple[str, float], ...]
     eval_modules: tuple[str, ...] = ()
+    ir: str = ""
 
 
 def _check_no_host_round_trip(before: dict[str, int], after: dict[str, int], what: str) -> None:
@@ -251,11 +255,14 @@ def trace_train(
     ws.user_modes()
     # torch_xla cannot differentiate eval-mode BatchNorm; torch.optim keeps step counts
     # tensors only when it believes it is compiling (exporter/optimizers.py).
+    # Tracing again to explain a changed graph (xla.ir_debug()): no Python modes, whose
+    # frames would stand where torch_xla records each op's source location.
+    plain = xla.ir_debugging()
     try:
         with (
-            eval_batchnorm(),
+            contextlib.nullcontext() if plain else eval_batchnorm(),
             traced_optimizer(ws.optimizer),
-            guard_host_reads("training step"),
+            contextlib.nullcontext() if plain else guard_host_reads("training step"),
             xla.counting_checkpoints() as checkpoints,
         ):
             result = step_fn(ws.model, ws.optimizer, dict(batch))
@@ -266,8 +273,9 @@ def trace_train(
     _check_no_host_round_trip(counters, xla.counters(), "training step")
     metrics = _metrics(result, "training step", need_loss=True)
 
+    replaced = ws.replaced_hyperparameters()
     for name, t in ws.hyperparameters.items():
-        if xla.tensor_id(t) != hyper_before[name]:
+        if xla.tensor_id(t) != hyper_before[name] or name in replaced:
             raise ExportError(
                 f"The training step changed hyperparameter {name!r} itself (a "
                 "scheduler.step() inside the step?). A declared hyperparameter is set by "
@@ -368,6 +376,7 @@ def trace_train(
         ),
         hyper_values=hvals,
         eval_modules=eval_modules,
+        ir=xla.ir_text(roots) if xla.ir_debugging() else "",
     )
     del roots, metrics, result, values
     if execute:
@@ -389,7 +398,8 @@ def trace_eval(
     counters = xla.counters()
     ws.model.eval()
     try:
-        with torch.no_grad(), guard_host_reads(what):
+        plain = xla.ir_debugging()  # as in trace_train
+        with torch.no_grad(), contextlib.nullcontext() if plain else guard_host_reads(what):
             result = eval_fn(ws.model, dict(batch))
         eval_modules = ws.eval_modules()
         _check_no_host_round_trip(counters, xla.counters(), what)
@@ -424,6 +434,7 @@ def trace_eval(
             update_specs=(),
             hyper_values=(),
             eval_modules=eval_modules,
+            ir=xla.ir_text(roots) if xla.ir_debugging() else "",
         )
     finally:
         ws.user_modes()

@@ -21,8 +21,8 @@ import torch
 from stepbundle.schema.manifest import StateKind
 
 from . import xla
-from .dtypes import HYPERPARAMETER_DTYPE
 from .errors import ExportError
+from .hyperparameters import declare_hyperparameters
 from .optimizers import check_optimizer, fresh_state
 from .recipe import Recipe
 
@@ -262,8 +262,9 @@ class Workspace:
         for p in model.parameters():
             if zero_grads and p.requires_grad and p.grad is None:
                 p.grad = torch.zeros_like(p)
-        self.hyperparameters: dict[str, torch.Tensor] = {}
-        self._declare_hyperparameters(self._hyper_keys)
+        family = _optimizer_family(optimizer)
+        self._declared = declare_hyperparameters(optimizer, self._hyper_keys, device, family)
+        self.hyperparameters: dict[str, torch.Tensor] = self._declared.tensors
 
     def restore(self) -> None:
         """Put the user's original parameters, buffers and optimizer contents back."""
@@ -366,36 +367,10 @@ class Workspace:
                 # An optimizer stepbundle does not know: if its first step creates state,
                 # the tracer notices and asks the user to step once before exporting.
 
-    def _declare_hyperparameters(self, keys: tuple[str, ...] | list[str] | Any) -> None:
-        groups = self.optimizer.param_groups
-        for key in keys:
-            for i, group in enumerate(groups):
-                if key not in group:
-                    raise ExportError(
-                        f"Hyperparameter {key!r} is not a key of the optimizer's "
-                        f"param_groups[{i}] (keys: {sorted(k for k in group if k != 'params')}). "
-                        "Declare only param_groups keys, for example hyperparameters=('lr',)."
-                    )
-                value = group[key]
-                if isinstance(value, torch.Tensor):
-                    value = float(value.detach().cpu())
-                if not isinstance(value, (int, float)) or isinstance(value, bool):
-                    raise ExportError(
-                        f"Hyperparameter {key!r} of param_groups[{i}] is {value!r}; only real "
-                        "scalars can be exported as hyperparameters."
-                    )
-                name = key if len(groups) == 1 else f"param_groups.{i}.{key}"
-                # Each declared value gets a device buffer of its own: torch_xla hands out
-                # one shared buffer for equal scalars uploaded from the host, so two
-                # groups with the same lr would be one graph input, bound to one name.
-                t = torch.tensor(float(value), dtype=HYPERPARAMETER_DTYPE).to(self.device).clone()
-                if _optimizer_family(self.optimizer) in ("sgd",) and key == "lr":
-                    # torch's SGD turns a plain tensor lr into a Python number
-                    # (alpha=-lr), which reads it on the host; a tensor that requires
-                    # grad takes its addcmul path, which keeps lr in the graph.
-                    t.requires_grad_(True)
-                group[key] = t
-                self.hyperparameters[name] = t
+    def replaced_hyperparameters(self) -> list[str]:
+        """Declared hyperparameters whose tensor is no longer in ``param_groups`` (code in
+        the step, such as a scheduler, put another value there)."""
+        return self._declared.replaced(self.optimizer)
 
     def state_tensors(self) -> list[StateTensor]:
         """Every state tensor of the workspace (see ``named_state``)."""

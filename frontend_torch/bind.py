@@ -53,11 +53,13 @@ _STATE_INPUT_KIND = {
 
 @dataclass(frozen=True)
 class BoundProgram:
-    """A program's binding tables and the graph to lower for it."""
+    """A program's binding tables and the graph to lower for it; ``eval_modules`` the
+    modules the step ran in eval mode (``Entry.eval_modules``)."""
 
     inputs: tuple[InputBinding, ...]
     outputs: tuple[OutputBinding, ...]
     graph: ProgramGraph
+    eval_modules: tuple[str, ...] = ()
 
 
 def _spec(node: Any, what: str) -> TensorSpec:
@@ -145,6 +147,13 @@ def bind(
         tensor's dtype or shape.
     """
     _same(a, b, what)
+    if a.eval_modules != b.eval_modules:
+        raise ExportError(
+            f"The {what} left different modules in eval mode in two consecutive captured "
+            f"steps ({list(a.eval_modules)[:5]} then {list(b.eval_modules)[:5]}). Set the "
+            "modes the same way every step (model.train(), then .eval() on the frozen "
+            "modules)."
+        )
     f = functional(b, what)
     gm = f.gm
     ph = g.placeholders(gm)
@@ -245,4 +254,4 @@ def bind(
         outputs=(*metric_nodes, *(node for _, node in updated)),
         seeded=seeded,
     )
-    return BoundProgram(tuple(inputs), tuple(outputs), graph)
+    return BoundProgram(tuple(inputs), tuple(outputs), graph, b.eval_modules)

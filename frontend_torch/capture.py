@@ -14,6 +14,10 @@ correction is computed from the step-count input. A value the step reads on the 
 (``.item()`` feeding an operator) stays a 0-d tensor in the graph; a Python decision on
 one (``if loss > 0``) cannot be captured and is refused.
 
+The training step runs with each module in the mode the user left it in (a frozen
+BatchNorm in eval mode), as ``stepbundle.exporter`` traces it; read-only entries run
+under ``model.eval()``.
+
 Imports: torch, stepbundle.schema, stepbundle.exporter's torch_xla-free modules.
 """
 
@@ -74,12 +78,21 @@ DECOMPOSITIONS: dict[Any, Callable[..., Any]] = {
 
 @dataclass(frozen=True)
 class Hyper:
-    """A declared hyperparameter: its bundle name, where it lives, its value at export."""
+    """A declared hyperparameter: its bundle name, where it lives (param group, key, and
+    the element of a tuple setting such as ``betas``, or None), its value at export."""
 
     name: str
     group: int
     key: str
     value: float
+    index: int | None = None
+
+    def held(self, optimizer: torch.optim.Optimizer) -> Any:
+        """What ``param_groups`` holds in this hyperparameter's place now."""
+        v = optimizer.param_groups[self.group].get(self.key)
+        if self.index is None:
+            return v
+        return v[self.index] if isinstance(v, (tuple, list)) and len(v) > self.index else None
 
 
 @dataclass(frozen=True)
@@ -99,6 +112,7 @@ class Capture:
       text: the graph as text, for comparing two captures.
       constants: tensors the step captured from Python (graph attributes), by name.
       hyper_values: the scalar settings of ``param_groups`` before the step, for messages.
+      eval_modules: the modules in eval mode when the step returned (``Entry.eval_modules``).
     """
 
     gm: fx.GraphModule
@@ -110,6 +124,7 @@ class Capture:
     text: str
     constants: Mapping[str, torch.Tensor]
     hyper_values: tuple[tuple[str, float], ...]
+    eval_modules: tuple[str, ...] = ()
 
 
 @contextmanager
@@ -210,19 +225,23 @@ def capture(
 
     def pure(*flat: torch.Tensor) -> list[torch.Tensor]:
         values = {s.name: t for s, t in zip(slots, flat[:n_state])}
-        hyper = {(h.group, h.key): t for h, t in zip(hypers, flat[n_state : n_state + n_hyper])}
+        hyper = {(h.group, h.key, h.index): t
+                 for h, t in zip(hypers, flat[n_state : n_state + n_hyper])}  # fmt: skip
         b = dict(zip(batch_keys, flat[n_state + n_hyper :]))
         sandbox.install(slots, values, hyper)
         if train:
-            recipe.model.train()
+            # The modes the user left each module in, not model.train(); read back after
+            # the step, which may set them itself.
+            sandbox.user_modes()
             metrics = _metrics(fn(recipe.model, recipe.optimizer, b), what, need_loss=True)
         else:
             recipe.model.eval()
             with torch.no_grad():
                 metrics = _metrics(fn(recipe.model, b), what, need_loss=False)
+        info["eval_modules"] = sandbox.eval_modules()
         after = sandbox.read(slots)
         for h, t in zip(hypers, flat[n_state : n_state + n_hyper]):
-            if recipe.optimizer.param_groups[h.group][h.key] is not t:
+            if h.held(recipe.optimizer) is not t:
                 raise ExportError(
                     f"The {what} changed hyperparameter {h.name!r} itself (a "
                     "scheduler.step() inside the step?). A declared hyperparameter is set by "
@@ -271,6 +290,7 @@ def capture(
         raise refusal from e
     finally:
         sandbox.uninstall()
+        sandbox.user_modes()
         torch.random.set_rng_state(rng)
     return Capture(
         gm=first,
@@ -282,6 +302,7 @@ def capture(
         text=g.graph_text(first),
         constants=g.constants(first),
         hyper_values=hyper_values,
+        eval_modules=info["eval_modules"],
     )
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,8 +26,10 @@ import stepbundle.schema as codec
 from stepbundle import __version__
 from stepbundle.exporter.dtypes import HYPERPARAMETER_DTYPE, spec_of
 from stepbundle.exporter.errors import ExportError
+from stepbundle.exporter.hyperparameters import place_of
 from stepbundle.exporter.initial_state import initial_section, non_persistent_buffers
 from stepbundle.exporter.recipe import Recipe, checked_metadata
+from stepbundle.exporter.schedulers import scheduler_notes
 from stepbundle.schema.manifest import (
     Entry,
     Hyperparameter,
@@ -66,6 +69,8 @@ class ExportReport:
       path: the bundle written; manifest: its manifest; digest: "sha256:..."; size: bytes.
       stage_seconds: wall time of each stage.
       input_counts: number of graph inputs of each kind, over the train programs.
+      notes: optimizer settings a scheduler set that the bundle keeps fixed
+        (``stepbundle.exporter.schedulers``), also given to ``progress`` and warned.
     """
 
     path: Path
@@ -74,6 +79,7 @@ class ExportReport:
     size: int
     stage_seconds: dict[str, float] = field(default_factory=dict)
     input_counts: dict[str, int] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
 
 
 def _producer() -> Producer:
@@ -105,25 +111,24 @@ def _hyperparameters(recipe: Recipe) -> list[Hyper]:
     out = []
     for key in recipe.hyperparameters:
         for i, group in enumerate(groups):
-            if key not in group:
-                raise ExportError(
-                    f"Hyperparameter {key!r} is not a key of the optimizer's "
-                    f"param_groups[{i}] (keys: {sorted(k for k in group if k != 'params')}). "
-                    "Declare only param_groups keys, for example hyperparameters=('lr',)."
-                )
-            value = group[key]
+            # A key ("lr") or an element of a tuple one ("betas.0"), as for torch_xla.
+            base, index = place_of(recipe.optimizer, key, group, i)
+            value = group[base] if index is None else group[base][index]
             if isinstance(value, torch.Tensor):
                 value = float(value.detach().cpu())
             if not isinstance(value, (int, float)) or isinstance(value, bool):
                 raise ExportError(
                     f"Hyperparameter {key!r} of param_groups[{i}] is {value!r}; only real "
-                    "scalars can be exported as hyperparameters."
-                )
+                    "scalars can be exported as hyperparameters"
+                    + (". Declare a tuple's elements one by one: "
+                       + ", ".join(repr(f"{key}.{j}") for j in range(len(value))) + "."
+                       if isinstance(value, (tuple, list)) else ".")
+                )  # fmt: skip
             name = key if len(groups) == 1 else f"param_groups.{i}.{key}"
             # The value the program input holds (float32), as the torch_xla front-end
             # records it.
             held = float(torch.tensor(float(value), dtype=HYPERPARAMETER_DTYPE))
-            out.append(Hyper(name, i, key, held))
+            out.append(Hyper(name, i, base, held, index))
     return out
 
 
@@ -294,6 +299,7 @@ def export(
             f"export() needs a stepbundle.exporter.Recipe, got {type(recipe).__name__}."
         )
     metadata = checked_metadata(recipe.metadata)
+    notes = scheduler_notes(recipe.optimizer, recipe.hyperparameters)
     if recipe.numerics != "pytorch":
         # Its programs are written from torch's own decompositions (BatchNorm's statistics
         # by two passes, aten_reduce.py): there are no torch_xla ops to keep.
@@ -370,7 +376,9 @@ def export(
                     batch=batch_sig,
                 )
             )
-        entries[entry_name] = Entry(programs=tuple(programs), updates_state=updates)
+        entries[entry_name] = Entry(
+            programs=tuple(programs), updates_state=updates, eval_modules=progs[0][0].eval_modules
+        )
     hyper_records = tuple(
         Hyperparameter(
             name=h.name, spec=spec_of(HYPERPARAMETER_DTYPE, (), f"Hyperparameter {h.name!r}"),
@@ -406,4 +414,7 @@ def export(
         for inp in prog.inputs:
             counts[inp.kind.value] = counts.get(inp.kind.value, 0) + 1
     say(f"wrote {bundle_path} ({size / 1e6:.2f} MB, {digest})")
-    return ExportReport(bundle_path, manifest, digest, size, times, counts)
+    for note in notes:
+        say(f"note: {note}")
+        warnings.warn(note, UserWarning, stacklevel=2)
+    return ExportReport(bundle_path, manifest, digest, size, times, counts, notes)

@@ -185,10 +185,10 @@ class Sandbox:
         self,
         slots: list[Slot],
         values: Mapping[str, torch.Tensor],
-        hyperparameters: Mapping[tuple[int, str], torch.Tensor],
+        hyperparameters: Mapping[tuple[int, str, int | None], torch.Tensor],
     ) -> None:
         """Put ``values`` (by slot name) in place of the state, and the hyperparameter
-        tensors (by (group index, key)) into ``param_groups``."""
+        tensors (by (group index, key, tuple element or None)) into ``param_groups``."""
         new: dict[int, torch.nn.Parameter] = {}
         for s in slots:
             if s.kind is StateKind.PARAMETER:
@@ -215,8 +215,26 @@ class Sandbox:
             elif s.kind is StateKind.GRADIENT:
                 new[s.param].grad = values[s.name]
         self.optimizer.state = state
-        for (i, key), t in hyperparameters.items():
-            self.optimizer.param_groups[i][key] = t
+        for (i, key, index), t in hyperparameters.items():
+            group = self.optimizer.param_groups[i]
+            if index is None:
+                group[key] = t
+            else:  # one element of a tuple setting (Adam's betas.0); the rest stay numbers
+                elems = list(group[key])
+                elems[index] = t
+                group[key] = type(group[key])(elems)
+
+    def user_modes(self) -> None:
+        """Put every module back in the mode (train or eval) the user left it in: the
+        training step is captured in those modes, as the user's own loop runs it (a
+        frozen BatchNorm stays in eval mode, a dropout turned off stays off)."""
+        for m, training in zip(self._modules, self._saved_training):
+            m.training = training
+
+    def eval_modules(self) -> tuple[str, ...]:
+        """The ``named_modules()`` names of the modules now in eval mode, in model order
+        (``Entry.eval_modules``)."""
+        return tuple(name for name, m in self.model.named_modules() if not m.training)
 
     def _param_object(self, pid: int) -> torch.Tensor:
         for saved in self._saved_params:

@@ -3,7 +3,7 @@
 ``Hyperparameters`` holds each hyperparameter's current value, its device copy (made
 when a step first needs it, dropped when the value changes) and the schedules that set
 values before every training step. A short name reaches every optimizer group: ``lr``
-means each ``param_groups.<i>.lr``.
+means each ``param_groups.<i>.lr``, ``betas.0`` (Adam's beta1) each ``param_groups.<i>.betas.0``.
 
 The trainer's hot path reads ``values``, ``buffers`` and ``schedules`` directly (the
 same dict objects), so a step costs no more than it did with them on the trainer.
@@ -61,8 +61,11 @@ class Hyperparameters:
         """The full names ``name`` stands for: itself, or every group's ``<name>``."""
         if name in self.values:
             return [name]
+        # ``param_groups.<i>.<key>``: the key may itself be dotted (``betas.0``).
         matches = [
-            n for n in self.values if n.startswith("param_groups.") and n.rsplit(".", 1)[-1] == name
+            n
+            for n in self.values
+            if n.startswith("param_groups.") and n.split(".", 2)[2:] == [name]
         ]
         if matches:
             return matches

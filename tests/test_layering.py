@@ -46,13 +46,16 @@ ALLOWED: dict[str, frozenset[str]] = {
     "cli": frozenset({"stepbundle", "schema", "stablehlo", "runtime", "exporter", "export_torch"}),
 }
 # The exporter's modules the torch front-end shares (the Recipe, the error type, the dtype
-# table, the rule for a state's initial section): torch only, no torch_xla.
+# table, the rule for a state's initial section, where a declared hyperparameter lives,
+# the scheduler notes): torch only, no torch_xla.
 TORCH_XLA_FREE_EXPORTER: frozenset[str] = frozenset(
     {
         "stepbundle.exporter.recipe",
         "stepbundle.exporter.errors",
         "stepbundle.exporter.dtypes",
         "stepbundle.exporter.initial_state",
+        "stepbundle.exporter.hyperparameters",
+        "stepbundle.exporter.schedulers",
     }
 )
 # layer -> third-party top-level modules it must never import.

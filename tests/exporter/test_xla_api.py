@@ -237,6 +237,25 @@ def test_round_trips_name_cpu_fallback_ops() -> None:
     assert trips == xla.RoundTrips(("nonzero", "unique2"), False)
 
 
+def _where_it_is_computed(a: torch.Tensor) -> torch.Tensor:
+    return (a * 3.0).sin()  # the traced line
+
+
+def test_ir_debug_records_source_locations_in_the_ir_text() -> None:
+    a = _data(3)
+    assert not xla.ir_debugging()
+    plain = xla.ir_text([_where_it_is_computed(a)])
+    assert "aten::sin" in plain and "location=" not in plain
+    with xla.ir_debug():
+        assert xla.ir_debugging()
+        located = xla.ir_text([_where_it_is_computed(a)])
+    assert not xla.ir_debugging()  # put back as it was
+    line = _where_it_is_computed.__code__.co_firstlineno + 1
+    assert "aten::sin(%" in located
+    assert f"location=_where_it_is_computed@test_xla_api.py:{line}" in located
+    xla.sync()
+
+
 # Loud failures when torch_xla's private API changes shape.
 
 

@@ -87,3 +87,62 @@ def test_dropout_with_torch_xla_checkpoint_is_refused(kwargs: dict, where: str) 
         match=rf"uses torch_xla\.utils\.checkpoint and random numbers \(dropout\){where}\. ",
     ):
         export(_recipe(**kwargs), "/nonexistent/x.stepbundle")
+
+
+class _GradlessSegment(torch.nn.Module):
+    """The checkpointed segment reads the batch directly, which needs no grad."""
+
+    def __init__(self, fix: bool = False) -> None:
+        super().__init__()
+        self.seg = torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.Tanh())
+        self.out = torch.nn.Linear(8, 3)
+        self.fix = fix
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import torch_xla.utils.checkpoint as xla_checkpoint
+
+        if self.fix:
+            x = x.detach().requires_grad_()
+        return self.out(xla_checkpoint.checkpoint(self.seg, x, use_reentrant=True))
+
+
+def _gradless_recipe(fix: bool = False) -> Recipe:
+    torch.manual_seed(0)
+    model = _GradlessSegment(fix)
+    return Recipe(
+        model=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        step=mse_step,
+        example_batch=regression_batch(),
+        seed=SEED,
+    )
+
+
+def test_reentrant_segment_without_grad_inputs_loses_its_gradients_in_torch() -> None:
+    # The behaviour the refusal below guards against, shown with torch itself on the CPU.
+    import torch.utils.checkpoint as torch_checkpoint
+
+    torch.manual_seed(0)
+    seg = torch.nn.Linear(5, 8)
+    with pytest.warns(UserWarning, match="None of the inputs have requires_grad=True"):
+        y = torch_checkpoint.checkpoint(seg, torch.ones(2, 5), use_reentrant=True)
+    assert not y.requires_grad
+    assert seg.weight.grad is None
+
+
+def test_reentrant_segment_without_grad_inputs_is_refused_with_the_fix() -> None:
+    with pytest.raises(ExportError, match=r"receives no input that requires grad") as e:
+        export(_gradless_recipe(), "/nonexistent/x.stepbundle")
+    msg = str(e.value)
+    assert "parameters (0.weight, 0.bias)" in msg
+    assert "x.requires_grad_()" in msg
+
+
+def test_reentrant_segment_whose_input_requires_grad_trains_its_parameters(
+    tmp_path: Path,
+) -> None:
+    m = check_equivalent(
+        lambda: _gradless_recipe(fix=True), tmp_path, steps=3, rtol=1e-6, name="rg"
+    )
+    updated = {getattr(o, "state", None) for o in m.entries["train"].programs[0].outputs}
+    assert {"seg.0.weight", "seg.0.bias", "out.weight"} <= updated

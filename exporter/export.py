@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 import stepbundle.schema as codec
+from stepbundle.schema.version import RNG_RESTORED_DRAWS
 from stepbundle import __version__
 from stepbundle.schema.manifest import (
     ConstantInput,
@@ -50,6 +51,7 @@ from .errors import ExportError
 from .graphdiff import explain_graph_change
 from .initial_state import initial_section, non_persistent_buffers
 from .numerics import apply_numerics, checked_numerics
+from .rng_seeds import derive_seeds
 from .recipe import Recipe, checked_metadata
 from .schedulers import scheduler_notes
 from .trace import trace_eval, trace_train
@@ -114,6 +116,15 @@ def _to_device(
     return out
 
 
+def _rng(seed: int, train: BoundProgram) -> Rng:
+    """The manifest's RNG state: the seed, and the draws a mid-step restore implies."""
+    return Rng(
+        seed=seed,
+        restored_after_draws=tuple(k for _, k in train.derived_seeds),
+        step_after_draws=train.step_draws or 0,
+    )
+
+
 def _parse(bound: BoundProgram, what: str, numerics: str) -> tuple[mlir.Module, int]:
     """torch_xla's graph, as the portable artifact it serializes (never plain MLIR),
     rewritten for ``numerics`` (``exporter/numerics.py``), and the number of ops rewritten."""
@@ -128,6 +139,9 @@ def _parse(bound: BoundProgram, what: str, numerics: str) -> tuple[mlir.Module, 
         ) from e
     # Serializing converts the module to VHLO in place: every use starts from a fresh parse.
     module.strip_attributes()
+    if bound.derived_seeds:
+        assert bound.seed_input is not None
+        derive_seeds(module, bound.seed_input, bound.derived_seeds)
     return module, apply_numerics(module, numerics, what)
 
 
@@ -412,10 +426,11 @@ def export(
         entries=entries,
         state=tuple(state_entries),
         hyperparameters=hypers,
-        rng=Rng(seed=base_seed) if uses_seed else None,
+        rng=_rng(base_seed, train_bound[0][0]) if uses_seed else None,
         sections=(),
         metadata=metadata,
-        required_features=(codec.STATE_INITIALIZERS,) if by_rule else (),
+        required_features=((codec.STATE_INITIALIZERS,) if by_rule else ())
+        + ((RNG_RESTORED_DRAWS,) if uses_seed and train_bound[0][0].step_draws else ()),
         numerics=numerics,
     )
     times["lower"] = time.perf_counter() - t2

@@ -24,7 +24,6 @@ from typing import Any
 import torch
 
 import stepbundle.schema as codec
-from stepbundle.schema.version import RNG_RESTORED_DRAWS
 from stepbundle import __version__
 from stepbundle.schema.manifest import (
     ConstantInput,
@@ -42,6 +41,7 @@ from stepbundle.schema.manifest import (
     StateKind,
     StateUpdateOutput,
 )
+from stepbundle.schema.version import RNG_RESTORED_DRAWS
 from stepbundle.stablehlo import artifact as mlir
 
 from . import xla
@@ -51,8 +51,8 @@ from .errors import ExportError
 from .graphdiff import explain_graph_change
 from .initial_state import initial_section, non_persistent_buffers
 from .numerics import apply_numerics, checked_numerics
-from .rng_seeds import derive_seeds
 from .recipe import Recipe, checked_metadata
+from .rng_seeds import derive_seeds
 from .schedulers import scheduler_notes
 from .trace import trace_eval, trace_train
 from .workspace import Workspace

@@ -116,12 +116,19 @@ def _to_device(
     return out
 
 
-def _rng(seed: int, train: BoundProgram) -> Rng:
+def _rng(seed: int, trains: list[BoundProgram]) -> Rng:
     """The manifest's RNG state: the seed, and the draws a mid-step restore implies."""
+    draws = sorted({b.step_draws or 0 for b in trains})
+    if len(draws) > 1:
+        raise ExportError(
+            f"The training step's shape buckets leave torch_xla's RNG state after different "
+            f"numbers of draws ({draws}), so one seed rule cannot serve them all. Export one "
+            "bundle per batch shape, or draw the same random numbers for every shape."
+        )
     return Rng(
         seed=seed,
-        restored_after_draws=tuple(k for _, k in train.derived_seeds),
-        step_after_draws=train.step_draws or 0,
+        restored_after_draws=tuple(k for _, k in trains[0].derived_seeds),
+        step_after_draws=draws[0],
     )
 
 
@@ -426,7 +433,7 @@ def export(
         entries=entries,
         state=tuple(state_entries),
         hyperparameters=hypers,
-        rng=_rng(base_seed, train_bound[0][0]) if uses_seed else None,
+        rng=_rng(base_seed, [b for b, _ in train_bound]) if uses_seed else None,
         sections=(),
         metadata=metadata,
         required_features=((codec.STATE_INITIALIZERS,) if by_rule else ())

@@ -108,6 +108,12 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             out.append(f"requires  {', '.join(m.required_features)}")
         if m.rng is not None:
             out.append(f"rng       seed {m.rng.seed} ({m.rng.rule})")
+            if m.rng.restored_after_draws or m.rng.step_after_draws:
+                out.append(
+                    "          RNG state restored mid-step (activation checkpointing): restored "
+                    f"seeds after {list(m.rng.restored_after_draws)} draws, derived in the program; "
+                    f"each next seed follows {m.rng.step_after_draws} draws"
+                )
         for h in m.hyperparameters:
             out.append(f"hyper     {h.name} = {h.value!r} ({h.spec})")
         for name, entry in m.entries.items():

@@ -59,7 +59,7 @@ from .manifest import (
     TensorSpec,
 )
 from .reader import Bundle, open_bundle, read_manifest
-from .rng import UnknownSeedRuleError, advance_seed
+from .rng import UnknownSeedRuleError, advance_seed, draw_seed
 from .validate import validate
 from .version import FORMAT_VERSION, KNOWN_FEATURES, NUMERICS, STATE_INITIALIZERS
 from .wire import decode_manifest, encode_manifest
@@ -108,6 +108,7 @@ __all__ = [
     "UnknownSeedRuleError",
     "UnsupportedVersionError",
     "advance_seed",
+    "draw_seed",
     "assemble",
     "atomic_write",
     "decode_manifest",

@@ -230,10 +230,20 @@ class Rng:
         ``next = (1012031 + seed * 7012063) mod 2**64``, the rule torch_xla applies at
         every ``mark_step``; the seed is passed to the program as the i64 with the same
         64 bits. ``rng.advance_seed`` applies it.
+      restored_after_draws: informational (1.2): for each time the step restored
+        torch_xla's RNG state mid-step (``torch_xla.utils.checkpoint`` recomputing a
+        segment), how many draws after the step's seed the restored seed was: the
+        programs derive that seed from their one seed input themselves,
+        ``rng.draw_seed(seed, K)``. Default ``()``.
+      step_after_draws: (1.2, required feature ``rng_restored_draws`` when not 0) the
+        draws ``N`` whose seed torch_xla's last restore left behind: the next step's
+        seed is ``rule(draw_seed(seed, N))`` instead of ``rule(seed)``. Default 0.
     """
 
     seed: int
     rule: Literal["torch_xla.mark_step"] = "torch_xla.mark_step"
+    restored_after_draws: tuple[int, ...] = ()
+    step_after_draws: int = 0
 
 
 @dataclass(frozen=True)

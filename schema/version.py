@@ -25,6 +25,7 @@ __all__ = [
     "NUMERICS",
     "NUMERICS_PYTORCH",
     "NUMERICS_TORCH_XLA",
+    "RNG_RESTORED_DRAWS",
     "STATE_INITIALIZERS",
     "check_major",
     "check_version",
@@ -44,7 +45,11 @@ __all__ = [
 #     the exporter replaced ops XLA expands in numerically weak forms (training BatchNorm) by
 #     PyTorch's formulas in plain StableHLO. Informational, so no required feature: any
 #     reader runs both kinds of program correctly.
-FORMAT_VERSION: tuple[int, int] = (1, 1)
+# 2026-12-02: 1.2, additions:
+#   - Rng.restored_after_draws and Rng.step_after_draws (default [] and 0), under the
+#     required feature ``rng_restored_draws``: a step that restores torch_xla's RNG state
+#     mid-step (torch_xla.utils.checkpoint recomputing dropout).
+FORMAT_VERSION: tuple[int, int] = (1, 2)
 
 STATE_INITIALIZERS = "state_initializers"
 """Required by a bundle whose state entries name ``fill`` or ``external`` sections (1.1): a
@@ -53,7 +58,11 @@ reader that does not know it would find no stored value for those states."""
 # Features this reader understands. A writer lists in ``Manifest.required_features`` every
 # feature a reader must understand to use the bundle correctly; a reader refuses a bundle
 # naming one that is not here. 1.0 had none.
-KNOWN_FEATURES: frozenset[str] = frozenset({STATE_INITIALIZERS})
+RNG_RESTORED_DRAWS = "rng_restored_draws"
+"""Required by a bundle whose ``Rng.step_after_draws`` is not 0 (1.2): a reader that does
+not know it would advance the seed by the plain rule and draw other random numbers."""
+
+KNOWN_FEATURES: frozenset[str] = frozenset({STATE_INITIALIZERS, RNG_RESTORED_DRAWS})
 
 
 NUMERICS_PYTORCH = "pytorch"

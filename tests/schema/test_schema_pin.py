@@ -18,9 +18,9 @@ from schema_helpers import PROGRAM_BYTES, WEIGHT_BYTES, write_tiny
 
 from stepbundle.schema import open_bundle
 
-EXPECTED_FILE_SHA256 = "b25776a096a64c55432062f3c40f310fc11734c3e8b94d776266b1cfc2b80cc5"
-EXPECTED_BUNDLE_DIGEST = "sha256:eb144a59b359310786debd482c8fc469d2f9c4d8d6b6f0382a0baa8814b5faca"
-EXPECTED_MANIFEST_LENGTH = 1018
+EXPECTED_FILE_SHA256 = "b5896915582a717ff8b760c8325215d7c08318c0c62e1880f4147dbd6026d0cb"
+EXPECTED_BUNDLE_DIGEST = "sha256:61fc20eb6e3ef9ed3bea6bbcc2a1e371423bc5141626b00a70f1fd012223cd3b"
+EXPECTED_MANIFEST_LENGTH = 1058
 
 
 def test_tiny_bundle_bytes_are_pinned(tmp_path: Path) -> None:
@@ -33,7 +33,7 @@ def test_tiny_bundle_bytes_are_pinned(tmp_path: Path) -> None:
     # The header, field by field.
     assert data[0:8] == b"\x89SBNDL\r\n"
     assert data[8:10] == b"\x01\x00"  # major 1, little-endian u16
-    assert data[10:12] == b"\x01\x00"  # minor 1
+    assert data[10:12] == b"\x02\x00"  # minor 2
     assert data[12:16] == bytes(4)  # reserved
     (manifest_length,) = struct.unpack("<Q", data[16:24])
     assert manifest_length == EXPECTED_MANIFEST_LENGTH
@@ -42,7 +42,7 @@ def test_tiny_bundle_bytes_are_pinned(tmp_path: Path) -> None:
     assert data[56:64] == bytes(8)
 
     # Padding to the data area, then the two sections at offsets 0 and 64.
-    data_start = 1088  # align64(64 + 1018)
+    data_start = 1152  # align64(64 + 1058)
     assert data[64 + manifest_length : data_start] == bytes(data_start - 64 - manifest_length)
     assert data[data_start : data_start + len(PROGRAM_BYTES)] == PROGRAM_BYTES
     assert data[data_start + len(PROGRAM_BYTES) : data_start + 64] == bytes(64 - len(PROGRAM_BYTES))
@@ -62,5 +62,5 @@ def test_tiny_bundle_digest_is_pinned(tmp_path: Path) -> None:
         assert bundle.digest == EXPECTED_BUNDLE_DIGEST
         length = EXPECTED_MANIFEST_LENGTH
         assert bundle.digest == "sha256:" + hashlib.sha256(data[: 64 + length]).hexdigest()
-        assert bundle.version == (1, 1)
+        assert bundle.version == (1, 2)
         assert bundle.file_size == len(data)

@@ -68,9 +68,10 @@ def _nodrop(model: Any) -> None:
     import torch
 
     for m in model.modules():
-        if isinstance(m, torch.nn.modules.dropout._DropoutNd):
-            m.p = 0.0
-        elif type(m).__name__ == "StochasticDepth":
+        if (
+            isinstance(m, torch.nn.modules.dropout._DropoutNd)
+            or type(m).__name__ == "StochasticDepth"
+        ):
             m.p = 0.0
         elif type(m).__name__ == "DropPath":
             m.drop_prob = 0.0

@@ -224,10 +224,15 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=HERE / "results" / "heldout.json")
     ap.add_argument("--timeout", type=float, default=400)
     ap.add_argument("--render", type=Path, help="write the markdown table from --out's JSON")
+    ap.add_argument("--also", type=Path, nargs="*", default=[], help="reruns replacing cases")
     args = ap.parse_args()
     if args.render:
+        results = json.loads(args.out.read_text())
+        for extra in args.also:
+            again = {r["case"]: r for r in json.loads(extra.read_text())}
+            results = [again.get(r["case"], r) for r in results]
         cmd = "PYTHONPATH=/tmp/heldout-site .venv/bin/python benchmarks/heldout.py"
-        args.render.write_text(render(json.loads(args.out.read_text()), cmd))
+        args.render.write_text(render(results, cmd))
         return
     if args.one:
         print("HELDOUT " + json.dumps(one(args.one)), flush=True)

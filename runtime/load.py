@@ -218,8 +218,8 @@ def load(
         for a run's last steps when they do not fill a call).
       matmul_precision: "default", "high" or "highest": set on every matmul and
         convolution of every program before it is compiled (``stablehlo/precision.py``;
-        part of the compile-cache key). On the CPU all three compute the same. None
-        compiles the programs as exported.
+        part of the compile-cache key). On the CPU all three compute the same. None: the
+        precision the manifest records (``"default"`` for bundles before format 1.2).
     """
     t0 = time.perf_counter()
     info = LoadInfo()
@@ -265,6 +265,9 @@ def load(
                 f"matmul_precision must be one of {', '.join(MATMUL_PRECISIONS)} or None, "
                 f"got {matmul_precision!r}."
             )
+        if matmul_precision is None:
+            matmul_precision = manifest.matmul_precision
+        info.matmul_precision = matmul_precision
         stacked_entry = "train" if steps_per_call > 1 and "train" in wanted else None
         # ---- where the initial state comes from: checked before anything is compiled
         if compile_only and init_from is not None:

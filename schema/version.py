@@ -22,6 +22,7 @@ from .errors import UnsupportedVersionError
 __all__ = [
     "FORMAT_VERSION",
     "KNOWN_FEATURES",
+    "MATMUL_PRECISIONS",
     "NUMERICS",
     "NUMERICS_PYTORCH",
     "NUMERICS_TORCH_XLA",
@@ -44,7 +45,11 @@ __all__ = [
 #     the exporter replaced ops XLA expands in numerically weak forms (training BatchNorm) by
 #     PyTorch's formulas in plain StableHLO. Informational, so no required feature: any
 #     reader runs both kinds of program correctly.
-FORMAT_VERSION: tuple[int, int] = (1, 1)
+# 2026-12-02: 1.2, additions:
+#   - Manifest.matmul_precision (``"default"``, ``"high"`` or ``"highest"``; default
+#     ``"default"``): the matmul precision the step was traced under. Old readers may ignore
+#     it; the runtime sets it on every dot_general and convolution at load.
+FORMAT_VERSION: tuple[int, int] = (1, 2)
 
 STATE_INITIALIZERS = "state_initializers"
 """Required by a bundle whose state entries name ``fill`` or ``external`` sections (1.1): a
@@ -63,6 +68,11 @@ NUMERICS: frozenset[str] = frozenset({NUMERICS_PYTORCH, NUMERICS_TORCH_XLA})
 training BatchNorm as PyTorch's kernels do (mean first, then the mean of squared
 deviations), in plain StableHLO ops; ``torch_xla``, the programs are as torch_xla lowered
 them (``batch_norm_training`` / ``batch_norm_grad``, which XLA expands with E[x^2] - E[x]^2)."""
+
+MATMUL_PRECISIONS: tuple[str, ...] = ("default", "high", "highest")
+"""The values ``Manifest.matmul_precision`` may take (1.2), StableHLO's ``precision_config``
+values in lower case: ``default`` lets the backend choose (TF32 or bf16 passes on some
+accelerators), ``highest`` asks for full float32 accuracy."""
 
 
 def format_version_string(version: tuple[int, int]) -> str:

@@ -7,7 +7,10 @@ results, the same bundle loaded as exported (no precision set) with the cache of
 
 from __future__ import annotations
 
+import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -74,3 +77,25 @@ def test_a_cached_executable_is_never_reused_for_another_precision(tmp_path: Pat
     t = load(BUNDLE, cache_dir=cache, entry="train")
     assert t.load_info.matmul_precision == recorded
     assert t.load_info.cache_hits == first.load_info.compiled and t.load_info.compiled == 0
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "stepbundle", *args], capture_output=True, text=True, timeout=300
+    )
+
+
+def test_cli_inspect_shows_and_run_takes_the_precision() -> None:
+    shown = _cli("inspect", str(BUNDLE))
+    assert shown.returncode == 0, shown.stderr
+    assert "matmul    precision default" in shown.stdout
+    data = str(BUNDLE.parent / f"{NAME}.inputs.npz")
+    out = _cli(
+        "run", str(BUNDLE), "--steps", "2", "--data", data, "--json", "--no-cache",
+        "--matmul-precision", "highest",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    want = _losses(load(BUNDLE, cache_dir=False))[:2]
+    assert [json.loads(line)["loss"] for line in out.stdout.splitlines()] == want
+    bad = _cli("run", str(BUNDLE), "--steps", "1", "--data", data, "--matmul-precision", "tf32")
+    assert bad.returncode != 0 and "--matmul-precision" in bad.stderr

@@ -1,7 +1,8 @@
 """Byte-exact pin of the format: one small bundle, written deterministically.
 
 The expected digests below were computed once from the writer and are hard-coded on
-purpose. They pin format 1.1 (1.0 plus the manifest's empty `metadata` map and nil `numerics`,
+purpose. They pin format 1.2 (1.0 plus the manifest's empty `metadata` map, nil `numerics`
+and `matmul_precision` "default",
 each entry's empty `eval_modules` list, and the
 header's minor): if this test fails, the bytes a writer produces changed, and
 old readers may no longer read new bundles (or the reverse). Do not update the constants

@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import stepbundle.schema as codec
-from stepbundle.stablehlo.precision import MATMUL_PRECISIONS
 from stepbundle.schema.manifest import ConstantInput, Manifest, MetricOutput
+from stepbundle.stablehlo.precision import MATMUL_PRECISIONS
 
 from . import _compat, packing, remote
 from .dtypes import array_from_section

@@ -8,7 +8,8 @@ computes the same thing. ``set_matmul_precision`` writes one setting onto every 
 of a module, in place, so that the precision a program runs at is decided by whoever
 loads it rather than by the backend.
 
-Imports: jaxlib's MLIR bindings, stepbundle.stablehlo.artifact.
+Imports: jaxlib's MLIR bindings, stepbundle.schema.version (the settings, as the manifest
+spells them), stepbundle.stablehlo.artifact.
 """
 
 from __future__ import annotations
@@ -18,15 +19,14 @@ from typing import Any
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import stablehlo as _stablehlo
 
+from stepbundle.schema.version import MATMUL_PRECISIONS
+
 from .artifact import Module
 
 # jaxlib's stubs do not cover the StableHLO dialect's attribute builders.
 hlo: Any = _stablehlo
 
 __all__ = ["MATMUL_PRECISIONS", "PRECISION_OPS", "set_matmul_precision"]
-
-MATMUL_PRECISIONS: tuple[str, ...] = ("default", "high", "highest")
-"""The settings, as the manifest and ``load(matmul_precision=...)`` spell them."""
 
 PRECISION_OPS: frozenset[str] = frozenset({"stablehlo.dot_general", "stablehlo.convolution"})
 """The ops ``set_matmul_precision`` sets ``precision_config`` on."""
@@ -44,8 +44,7 @@ def set_matmul_precision(module: Module, precision: str) -> int:
     """
     if precision not in MATMUL_PRECISIONS:
         raise ValueError(
-            f"matmul precision must be one of {', '.join(MATMUL_PRECISIONS)}, "
-            f"got {precision!r}"
+            f"matmul precision must be one of {', '.join(MATMUL_PRECISIONS)}, got {precision!r}"
         )
     targets = [op for op in module._operations() if op.name in PRECISION_OPS]
     with module._ctx:

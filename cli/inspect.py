@@ -104,6 +104,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         out += [f"metadata  {k} = {v}" for k, v in m.metadata.items()]
         if m.numerics is not None:
             out.append(f"numerics  {m.numerics}")
+        out.append(f"matmul    precision {m.matmul_precision}")
         if m.required_features:
             out.append(f"requires  {', '.join(m.required_features)}")
         if m.rng is not None:

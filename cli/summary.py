@@ -137,6 +137,7 @@ def summary_lines(bundle: Any, shown: str) -> list[str]:
         out.append(f"requires  {', '.join(m.required_features)}")
     if m.numerics is not None:
         out.append(f"numerics  {m.numerics}")
+    out.append(f"matmul    precision {m.matmul_precision}")
     out += _state_line(m)
     out += _origin_line(m)
     if m.hyperparameters:

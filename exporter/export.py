@@ -319,6 +319,8 @@ def export(
     _refuse_spmd()
     metadata = checked_metadata(recipe.metadata)
     numerics = checked_numerics(recipe.numerics)
+    # The precision torch_xla traces at, recorded so the runtime compiles at the same.
+    matmul_precision = xla.matmul_precision()
     # Read before the workspace puts tensors in param_groups.
     notes = scheduler_notes(recipe.optimizer, recipe.hyperparameters)
     # Read the RNG state before anything syncs: every sync advances it.
@@ -439,6 +441,7 @@ def export(
         required_features=((codec.STATE_INITIALIZERS,) if by_rule else ())
         + ((RNG_RESTORED_DRAWS,) if uses_seed and train_bound[0][0].step_draws else ()),
         numerics=numerics,
+        matmul_precision=matmul_precision,
     )
     times["lower"] = time.perf_counter() - t2
     t3 = time.perf_counter()

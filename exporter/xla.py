@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from stepbundle.schema.version import MATMUL_PRECISIONS
+
 from .errors import ExportError
 
 __all__ = [
@@ -154,6 +156,15 @@ def sync() -> None:
 def get_rng_state() -> int:
     """torch_xla's current device RNG seed (every sync advances it)."""
     return int(_module("torch_xla.core.xla_model").get_rng_state())
+
+
+def matmul_precision() -> str:
+    """The matmul/convolution precision torch_xla lowers float32 ops at
+    (``_XLAC._xla_get_mat_mul_precision``, what ``torch_xla.backends`` reads)."""
+    got = _xlac()._xla_get_mat_mul_precision()
+    if got not in MATMUL_PRECISIONS:
+        raise _api_changed("_XLAC._xla_get_mat_mul_precision", got, "default, high or highest")
+    return str(got)
 
 
 def set_rng_state(seed: int) -> None:

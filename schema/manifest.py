@@ -272,6 +272,9 @@ class Manifest:
         1.1 bundles written before the field). Informational: the programs are plain
         StableHLO either way, and readers never branch on it. Known values are
         ``schema.version.NUMERICS``; readers accept any non-empty string.
+      matmul_precision: the matmul precision the step was traced under, one of
+        ``schema.version.MATMUL_PRECISIONS`` (format 1.2; ``"default"`` when absent). The
+        runtime sets it on every dot_general and convolution at load unless told otherwise.
     """
 
     producer: Producer
@@ -283,6 +286,7 @@ class Manifest:
     required_features: tuple[str, ...] = field(default=())
     metadata: Mapping[str, str] = field(default_factory=dict)
     numerics: str | None = None
+    matmul_precision: str = "default"
 
     def state_entry(self, name: str) -> StateEntry:
         """The state entry called ``name`` (its primary name). KeyError if absent."""

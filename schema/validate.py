@@ -39,7 +39,7 @@ from .validate_programs import (
     check_tensor_section,
     fail,
 )
-from .version import RNG_RESTORED_DRAWS, STATE_INITIALIZERS
+from .version import MATMUL_PRECISIONS, RNG_RESTORED_DRAWS, STATE_INITIALIZERS
 from .wire import encode_manifest, manifest_to_wire
 
 __all__ = ["PLATFORMS", "validate"]
@@ -80,6 +80,12 @@ def validate(manifest: Manifest, file_size: int, *, manifest_length: int | None 
     # bundle it runs correctly.
     if manifest.numerics is not None:
         check_nonempty(manifest.numerics, "numerics", "numerics")
+    # Unlike numerics, the runtime acts on it: an unknown value is refused.
+    if manifest.matmul_precision not in MATMUL_PRECISIONS:
+        raise fail(
+            "matmul_precision",
+            f"{manifest.matmul_precision!r} is not one of {', '.join(MATMUL_PRECISIONS)}.",
+        )
     # Built once, not per program: a hostile manifest with many programs and many state
     # entries must cost their sum, not their product.
     tables = Tables(

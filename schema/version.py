@@ -22,6 +22,7 @@ from .errors import UnsupportedVersionError
 __all__ = [
     "FORMAT_VERSION",
     "KNOWN_FEATURES",
+    "MATMUL_PRECISIONS",
     "NUMERICS",
     "NUMERICS_PYTORCH",
     "NUMERICS_TORCH_XLA",
@@ -49,6 +50,9 @@ __all__ = [
 #   - Rng.restored_after_draws and Rng.step_after_draws (default [] and 0), under the
 #     required feature ``rng_restored_draws``: a step that restores torch_xla's RNG state
 #     mid-step (torch_xla.utils.checkpoint recomputing dropout).
+#   - Manifest.matmul_precision (``"default"``, ``"high"`` or ``"highest"``; default
+#     ``"default"``): the matmul precision the step was traced under. Old readers may ignore
+#     it; the runtime sets it on every dot_general and convolution at load.
 FORMAT_VERSION: tuple[int, int] = (1, 2)
 
 STATE_INITIALIZERS = "state_initializers"
@@ -72,6 +76,11 @@ NUMERICS: frozenset[str] = frozenset({NUMERICS_PYTORCH, NUMERICS_TORCH_XLA})
 training BatchNorm as PyTorch's kernels do (mean first, then the mean of squared
 deviations), in plain StableHLO ops; ``torch_xla``, the programs are as torch_xla lowered
 them (``batch_norm_training`` / ``batch_norm_grad``, which XLA expands with E[x^2] - E[x]^2)."""
+
+MATMUL_PRECISIONS: tuple[str, ...] = ("default", "high", "highest")
+"""The values ``Manifest.matmul_precision`` may take (1.2), StableHLO's ``precision_config``
+values in lower case: ``default`` lets the backend choose (TF32 or bf16 passes on some
+accelerators), ``highest`` asks for full float32 accuracy."""
 
 
 def format_version_string(version: tuple[int, int]) -> str:

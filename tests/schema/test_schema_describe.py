@@ -44,6 +44,7 @@ def test_description_covers_the_schema() -> None:
         "required_features",
         "metadata",
         "numerics",
+        "matmul_precision",
     ]
     fields = {f["name"]: f for f in d["dataclasses"]["Program"]["fields"]}
     assert fields["inputs"]["type"] == "tuple[InputBinding, ...]"

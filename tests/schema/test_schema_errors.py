@@ -73,10 +73,10 @@ def test_zero_length_file(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    "cut", [3, 8, 40, 63, 64, 64 + 100, 64 + 1023, 1130, 1152, 1152 + 10, 1152 + 64, 1231]
+    "cut", [3, 8, 40, 63, 64, 64 + 100, 64 + 1023, 1150, 1152, 1152 + 10, 1152 + 64, 1231]
 )
 def test_truncated_file(tiny: Path, tmp_path: Path, cut: int) -> None:
-    # 0-64 header, 64-1122 manifest, 1122-1152 padding, then sections at 1152 and 1216.
+    # 0-64 header, 64-1147 manifest, 1147-1152 padding, then sections at 1152 and 1216.
     data = tiny.read_bytes()
     assert len(data) == 1232
     path = _rewrite(tmp_path, data[:cut])
@@ -237,9 +237,9 @@ def test_manifest_with_an_extension_type(tiny: Path, tmp_path: Path, value: Any)
 
 def test_manifest_with_duplicate_keys(tiny: Path, tmp_path: Path) -> None:
     body = pack(wire_of(tiny_manifest()))
-    assert body[0] == 0x89
-    # Append a second "rng" key to the top-level map (9 -> 10 entries).
-    duplicate = b"\x8a" + body[1:] + pack("rng") + pack(None)
+    assert body[0] == 0x8A
+    # Append a second "rng" key to the top-level map (10 -> 11 entries).
+    duplicate = b"\x8b" + body[1:] + pack("rng") + pack(None)
     path = _rewrite(tmp_path, raw_bundle(duplicate, data_area(tiny.read_bytes())))
     with pytest.raises(BundleFormatError, match="key 'rng' twice"):
         open_bundle(path)

@@ -27,7 +27,7 @@ def test_changelog_comment_sits_right_above_the_constant() -> None:
     assert "# 2026-11-30: 1.0, first version" in lines[:j]
 
 
-@pytest.mark.parametrize("found", [(1, 0), (1, 1), (1, 65535)])
+@pytest.mark.parametrize("found", [(1, 0), (1, 1), (1, 2), (1, 65535)])
 def test_same_major_without_features_is_accepted(found: tuple[int, int]) -> None:
     check_version(found, ())
 

@@ -219,18 +219,28 @@ def _own_buffers(batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in batch.items()}
 
 
+# Whether each traced training step is compiled and run (a sync). False skips it
+# (xla.skip_step), the fast path of issue #15; it is not yet the default: with it, the
+# second trace reads a host scalar whose value never arrives ("async operation in
+# flight", tests/exporter/test_export_skip_steps.py).
+_EXECUTE_STEPS = True
+
+
 def trace_train(
     ws: Workspace,
     batch: Mapping[str, torch.Tensor],
     step_fn: Any,
     *,
     seed: int | None = None,
-    execute: bool = True,
+    execute: bool | None = None,
 ) -> StepTrace:
-    """Trace one training step on the workspace and (by default) run it.
+    """Trace one training step on the workspace; ``execute=True`` also runs it.
 
-    Running it leaves the workspace in the state after the step, ready for the next
-    traced step, as in eager training with one sync per step. ``seed``, when given, is
+    Running it (``_EXECUTE_STEPS``, for now) leaves the workspace in the state after the
+    step, ready for the next traced step, as in eager training with one sync per step.
+    Not running it (compiling and running the step is almost all of export time) leaves a
+    placeholder in every state tensor the step changed (``xla.skip_step``), which the
+    next traced step reads as a graph input just the same. ``seed``, when given, is
     the torch_xla RNG seed this step receives (every sync advances it).
     """
     batch = _own_buffers(batch)
@@ -328,6 +338,7 @@ def trace_train(
         and obj_before.get(s.name) is not s.tensor
         and before.get(s.name) not in read
     }
+    changed = {s.name for s in updated}
     if transient:
         updated = [s for s in updated if s.name not in transient]
     roots: list[torch.Tensor] = list(metrics.values()) + [s.tensor for s in updated]
@@ -368,8 +379,12 @@ def trace_train(
         ir=xla.ir_text(roots) if xla.ir_debugging() else "",
     )
     del roots, metrics, result, values
-    if execute:
+    if _EXECUTE_STEPS if execute is None else execute:
         xla.sync()
+    else:
+        # Everything the step changed on the device gets a placeholder, gradients
+        # rebuilt by the step (transient) too: their pending values are dropped.
+        xla.skip_step([s.tensor for s in _on_device(after) if s.name in changed])
     return trace
 
 

@@ -50,6 +50,7 @@ __all__ = [
     "round_trips",
     "seed_input_id",
     "set_rng_state",
+    "skip_step",
     "sync",
     "syncfree_family",
     "tensor_id",
@@ -274,6 +275,22 @@ def lower(roots: Sequence[torch.Tensor]) -> tuple[str, bytes]:
     if not isinstance(data, bytes):
         raise _api_changed("xla_model.get_stablehlo_bytecode", type(data), "bytes")
     return re.sub(r"^module @[\w.]+", "module @main_module", text, count=1), data
+
+
+def skip_step(state: Sequence[torch.Tensor]) -> None:
+    """Drop the pending (traced, lowered) graph instead of running it.
+
+    Every tensor in ``state`` gets a placeholder of its dtype and shape: device data
+    with a new tensor id and no buffer, so the next traced step reads it as a graph
+    input, as after a real step, without compiling and running this one. Reading a
+    placeholder's value fails; the exporter reads the initial state before tracing.
+    """
+    xlac = _xlac()
+    builder = _module("torch_xla.core.xla_builder")
+    xlac._clear_pending_irs(str(device()))
+    for t in state:
+        placeholder = builder.create_placeholder_tensor(tuple(int(d) for d in t.shape), t.dtype)
+        xlac._replace_xla_tensor(t, placeholder)
 
 
 def tensor_id(t: torch.Tensor) -> int:

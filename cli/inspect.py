@@ -104,10 +104,17 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         out += [f"metadata  {k} = {v}" for k, v in m.metadata.items()]
         if m.numerics is not None:
             out.append(f"numerics  {m.numerics}")
+        out.append(f"matmul    precision {m.matmul_precision}")
         if m.required_features:
             out.append(f"requires  {', '.join(m.required_features)}")
         if m.rng is not None:
             out.append(f"rng       seed {m.rng.seed} ({m.rng.rule})")
+            if m.rng.restored_after_draws or m.rng.step_after_draws:
+                out.append(
+                    "          RNG state restored mid-step (activation checkpointing): restored "
+                    f"seeds after {list(m.rng.restored_after_draws)} draws, derived in the program; "
+                    f"each next seed follows {m.rng.step_after_draws} draws"
+                )
         for h in m.hyperparameters:
             out.append(f"hyper     {h.name} = {h.value!r} ({h.spec})")
         for name, entry in m.entries.items():

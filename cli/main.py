@@ -256,6 +256,13 @@ def _add_run(sub: Any) -> None:
         "1). Same numbers, bit for bit; checkpoints, --eval-every and stops happen between "
         "calls, so --checkpoint-every and --eval-every must be multiples of K",
     )
+    r.add_argument(
+        "--matmul-precision",
+        choices=("default", "high", "highest"),
+        default=None,
+        help="precision of every matmul and convolution (default: the one the bundle "
+        "records, the one it was traced at). The CPU computes the same with all three",
+    )
     _add_device_options(r)
     r.set_defaults(fn=cmd_run)
 

@@ -162,6 +162,7 @@ def _open_trainer(args: argparse.Namespace) -> Any:
         pack_state=args.pack_state,
         shard_optimizer_state=args.shard_optimizer_state,
         steps_per_call=args.steps_per_call if args.entry == "train" else 1,
+        matmul_precision=args.matmul_precision,
         **init_kwargs(args),
     )
     if args.resume:

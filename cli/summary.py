@@ -137,6 +137,7 @@ def summary_lines(bundle: Any, shown: str) -> list[str]:
         out.append(f"requires  {', '.join(m.required_features)}")
     if m.numerics is not None:
         out.append(f"numerics  {m.numerics}")
+    out.append(f"matmul    precision {m.matmul_precision}")
     out += _state_line(m)
     out += _origin_line(m)
     if m.hyperparameters:
@@ -144,6 +145,12 @@ def summary_lines(bundle: Any, shown: str) -> list[str]:
         out += [f"  {h.name} = {h.value!r} ({h.spec})" for h in m.hyperparameters]
     if m.rng is not None:
         out.append(f"rng       seed {m.rng.seed} ({m.rng.rule}), set with --seed")
+        if m.rng.restored_after_draws or m.rng.step_after_draws:
+            out.append(
+                "          RNG state restored mid-step (activation checkpointing): restored "
+                f"seeds after {list(m.rng.restored_after_draws)} draws, derived in the program; "
+                f"each next seed follows {m.rng.step_after_draws} draws"
+            )
     for name, entry in m.entries.items():
         kind = "updates the state" if entry.updates_state else "read-only"
         out += ["", f"entry {name!r} ({kind}), {len(entry.programs)} shape bucket(s):"]

@@ -11,7 +11,7 @@ Imports: torch, stepbundle.schema.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -32,6 +32,7 @@ from stepbundle.schema.manifest import (
 from .dtypes import spec_of, tensor_bytes
 from .errors import ExportError
 from .graphdiff import describe_change
+from .rng_seeds import prove_seeds
 from .trace import InputOrigin, StepTrace
 
 __all__ = ["BoundProgram", "GraphChanged", "bind"]
@@ -58,6 +59,12 @@ class BoundProgram:
     bytecode: bytes
     text: str
     eval_modules: tuple[str, ...] = ()
+    # A step that restores the RNG state mid-step (exporter/rng_seeds.py): the graph input
+    # the kept seed was (of the graph before derived ones were dropped), each derived seed
+    # input ``(graph input, K)``, and ``N``, the draws before the step's seed advances.
+    seed_input: int | None = None
+    derived_seeds: tuple[tuple[int, int], ...] = ()
+    step_draws: int | None = None
 
 
 class GraphChanged(ExportError):
@@ -145,15 +152,11 @@ def bind(
             "A step must do the same work every time."
         )
     seeds = [i for i, a in enumerate(ta.inputs) if a.kind == "rng_seed"]
-    if len(seeds) > 1:
-        raise ExportError(
-            f"The {what} reads the RNG seed {len(seeds)} times (graph inputs "
-            f"{', '.join(map(str, seeds))}): something in the step set torch_xla's RNG state "
-            "mid-step. torch_xla.utils.checkpoint does that to replay dropout in the "
-            "recomputation (preserve_rng_state=True), which bundles do not support yet. Keep "
-            "random ops (dropout) out of checkpointed segments, or export without "
-            "activation checkpointing."
-        )
+    proof = (
+        prove_seeds(seeds, _seed_values(ta, seeds), _seed_values(tb, seeds), what)
+        if seeds
+        else None
+    )
     inputs: list[InputBinding] = []
     constants: dict[str, torch.Tensor] = {}
     state_input_index: dict[str, int] = {}
@@ -212,6 +215,40 @@ def bind(
             f"({list(ta.eval_modules)[:5]} then {list(tb.eval_modules)[:5]}). Set the modes "
             "the same way every step (model.train(), then .eval() on the frozen modules)."
         )
+    derived = proof.derived if proof is not None else ()
+    if derived:
+        # The program keeps one seed input; the derived ones are computed from it
+        # (rng_seeds.derive_seeds), so later inputs move up.
+        gone = {i for i, _ in derived}
+        new_index = {}
+        for i in range(len(inputs)):
+            if i not in gone:
+                new_index[i] = len(new_index)
+        inputs = [b for i, b in enumerate(inputs) if i not in gone]
+        outputs = [
+            replace(o, donates=new_index[o.donates])
+            if isinstance(o, StateUpdateOutput) and o.donates is not None
+            else o
+            for o in outputs
+        ]
     return BoundProgram(
-        tuple(inputs), tuple(outputs), constants, tb.bytecode, tb.text, tb.eval_modules
+        tuple(inputs),
+        tuple(outputs),
+        constants,
+        tb.bytecode,
+        tb.text,
+        tb.eval_modules,
+        seed_input=proof.base if derived and proof is not None else None,
+        derived_seeds=derived,
+        step_draws=proof.step_draws if proof is not None else None,
     )
+
+
+def _seed_values(t: StepTrace, positions: list[int]) -> list[int]:
+    """The seeds torch_xla fed a traced step at ``positions``, as unsigned 64-bit ints."""
+    out = []
+    for i in positions:
+        v = t.inputs[i].value
+        assert v is not None
+        out.append(int(v.reshape(()).item()) % 2**64)
+    return out

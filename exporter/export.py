@@ -41,6 +41,7 @@ from stepbundle.schema.manifest import (
     StateKind,
     StateUpdateOutput,
 )
+from stepbundle.schema.version import RNG_RESTORED_DRAWS
 from stepbundle.stablehlo import artifact as mlir
 
 from . import xla
@@ -51,6 +52,7 @@ from .graphdiff import explain_graph_change
 from .initial_state import initial_section, non_persistent_buffers
 from .numerics import apply_numerics, checked_numerics
 from .recipe import Recipe, checked_metadata
+from .rng_seeds import derive_seeds
 from .schedulers import scheduler_notes
 from .trace import trace_eval, trace_train
 from .workspace import Workspace
@@ -114,6 +116,22 @@ def _to_device(
     return out
 
 
+def _rng(seed: int, trains: list[BoundProgram]) -> Rng:
+    """The manifest's RNG state: the seed, and the draws a mid-step restore implies."""
+    draws = sorted({b.step_draws or 0 for b in trains})
+    if len(draws) > 1:
+        raise ExportError(
+            f"The training step's shape buckets leave torch_xla's RNG state after different "
+            f"numbers of draws ({draws}), so one seed rule cannot serve them all. Export one "
+            "bundle per batch shape, or draw the same random numbers for every shape."
+        )
+    return Rng(
+        seed=seed,
+        restored_after_draws=tuple(k for _, k in trains[0].derived_seeds),
+        step_after_draws=draws[0],
+    )
+
+
 def _parse(bound: BoundProgram, what: str, numerics: str) -> tuple[mlir.Module, int]:
     """torch_xla's graph, as the portable artifact it serializes (never plain MLIR),
     rewritten for ``numerics`` (``exporter/numerics.py``), and the number of ops rewritten."""
@@ -128,6 +146,9 @@ def _parse(bound: BoundProgram, what: str, numerics: str) -> tuple[mlir.Module, 
         ) from e
     # Serializing converts the module to VHLO in place: every use starts from a fresh parse.
     module.strip_attributes()
+    if bound.derived_seeds:
+        assert bound.seed_input is not None
+        derive_seeds(module, bound.seed_input, bound.derived_seeds)
     return module, apply_numerics(module, numerics, what)
 
 
@@ -298,6 +319,8 @@ def export(
     _refuse_spmd()
     metadata = checked_metadata(recipe.metadata)
     numerics = checked_numerics(recipe.numerics)
+    # The precision torch_xla traces at, recorded so the runtime compiles at the same.
+    matmul_precision = xla.matmul_precision()
     # Read before the workspace puts tensors in param_groups.
     notes = scheduler_notes(recipe.optimizer, recipe.hyperparameters)
     # Read the RNG state before anything syncs: every sync advances it.
@@ -412,11 +435,13 @@ def export(
         entries=entries,
         state=tuple(state_entries),
         hyperparameters=hypers,
-        rng=Rng(seed=base_seed) if uses_seed else None,
+        rng=_rng(base_seed, [b for b, _ in train_bound]) if uses_seed else None,
         sections=(),
         metadata=metadata,
-        required_features=(codec.STATE_INITIALIZERS,) if by_rule else (),
+        required_features=((codec.STATE_INITIALIZERS,) if by_rule else ())
+        + ((RNG_RESTORED_DRAWS,) if uses_seed and train_bound[0][0].step_draws else ()),
         numerics=numerics,
+        matmul_precision=matmul_precision,
     )
     times["lower"] = time.perf_counter() - t2
     t3 = time.perf_counter()

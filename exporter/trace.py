@@ -110,8 +110,7 @@ def _refuse_torch_checkpoint(e: AttributeError) -> None:
         raise ExportError(
             f"The training step uses torch.utils.checkpoint, which fails on XLA devices "
             f"({e}). Use torch_xla's activation checkpointing instead: "
-            "torch_xla.utils.checkpoint.checkpoint(fn, *args, use_reentrant=True), without "
-            "dropout inside the checkpointed segments."
+            "torch_xla.utils.checkpoint.checkpoint(fn, *args, use_reentrant=True)."
         ) from e
 
 
@@ -273,7 +272,7 @@ def trace_train(
             contextlib.nullcontext() if plain else eval_batchnorm(),
             traced_optimizer(ws.optimizer),
             contextlib.nullcontext() if plain else guard_host_reads("training step"),
-            xla.counting_checkpoints() as checkpoints,
+            xla.counting_checkpoints(),
         ):
             result = step_fn(ws.model, ws.optimizer, dict(batch))
     except AttributeError as e:
@@ -353,16 +352,6 @@ def trace_train(
         batch_ids=batch_ids,
         hyper_ids=hyper_ids,
     )
-    seeds = sum(1 for i in inputs if i.kind == "rng_seed")
-    if checkpoints[0] and seeds:
-        raise ExportError(
-            "The training step uses torch_xla.utils.checkpoint and random numbers "
-            f"(dropout){' inside a checkpointed segment' if seeds > 1 else ''}. The "
-            "recomputation's RNG does not follow the seed rule a bundle replays (measured: "
-            "losses 3e-3 away from eager torch_xla from the second step), so the export is "
-            "refused. Remove dropout (p=0 or model.eval() on the dropout modules) or "
-            "export without activation checkpointing."
-        )
     missing_hp = [
         n
         for n in ws.hyperparameters

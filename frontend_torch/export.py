@@ -82,6 +82,15 @@ class ExportReport:
     notes: list[str] = field(default_factory=list)
 
 
+# torch.get_float32_matmul_precision() as StableHLO's precision_config: "highest" (PyTorch's
+# default) is full float32, "high" allows TF32 or bf16x3, "medium" bf16 passes.
+_TORCH_MATMUL_PRECISION: dict[str, str] = {
+    "highest": "highest",
+    "high": "high",
+    "medium": "default",
+}
+
+
 def _producer() -> Producer:
     import jax
 
@@ -396,6 +405,7 @@ def export(
         metadata=metadata,
         required_features=(codec.STATE_INITIALIZERS,) if by_rule else (),
         numerics="pytorch",
+        matmul_precision=_TORCH_MATMUL_PRECISION[torch.get_float32_matmul_precision()],
     )
     times["lower"] = time.perf_counter() - t1
     t2 = time.perf_counter()

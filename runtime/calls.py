@@ -39,6 +39,7 @@ class StepCalls(BatchChecks):
     _step: int
     _seed: int | None
     _seed_rule: str
+    _seed_draws: int
     _hp: Hyperparameters
     _hyper: dict[str, float]
     _hyper_bufs: dict[str, Any]
@@ -137,7 +138,7 @@ class StepCalls(BatchChecks):
             assert self._seed is not None
             seeds = [self._seed]
             for _ in range(k - 1):
-                seeds.append(advance_seed(self._seed_rule, seeds[-1]))
+                seeds.append(advance_seed(self._seed_rule, seeds[-1], 1, self._seed_draws))
             args[plan.seed_slot] = self._put_scalar(np.array(seeds, dtype=np.uint64).view(np.int64))
         for pos, name in plan.hyper_slots:
             args[pos] = self._hp.stacked_buffer(name, rows[name])
@@ -154,7 +155,7 @@ class StepCalls(BatchChecks):
             st[si] = outs[pos]
         self._step += k
         if self._seed is not None:
-            self._seed = advance_seed(self._seed_rule, self._seed, k)
+            self._seed = advance_seed(self._seed_rule, self._seed, k, self._seed_draws)
         for name, row in rows.items():
             if self._hyper[name] != row[-1]:  # the value the last step received
                 self._hyper[name] = row[-1]

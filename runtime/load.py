@@ -17,6 +17,7 @@ from typing import Any
 
 import stepbundle.schema as codec
 from stepbundle.schema.manifest import ConstantInput, Manifest, MetricOutput
+from stepbundle.stablehlo.precision import MATMUL_PRECISIONS
 
 from . import _compat, packing, remote
 from .dtypes import array_from_section
@@ -160,6 +161,7 @@ def load(
     init_strict: bool = True,
     compile_only: bool = False,
     steps_per_call: int = 1,
+    matmul_precision: str | None = None,
 ) -> Trainer:
     """Load a bundle and return a ``Trainer`` that owns its state on ``device``.
 
@@ -214,6 +216,10 @@ def load(
         those of K single steps; callbacks see the state at the end of each call (see
         ``Trainer.run``). The single-step programs are compiled too (for ``step`` and
         for a run's last steps when they do not fill a call).
+      matmul_precision: "default", "high" or "highest": set on every matmul and
+        convolution of every program before it is compiled (``stablehlo/precision.py``;
+        part of the compile-cache key). On the CPU all three compute the same. None: the
+        precision the manifest records (``"default"`` for bundles before format 1.2).
     """
     t0 = time.perf_counter()
     info = LoadInfo()
@@ -254,6 +260,14 @@ def load(
             raise BindingError(
                 f"steps_per_call must be a whole number of at least 1, got {steps_per_call}."
             )
+        if matmul_precision is not None and matmul_precision not in MATMUL_PRECISIONS:
+            raise BindingError(
+                f"matmul_precision must be one of {', '.join(MATMUL_PRECISIONS)} or None, "
+                f"got {matmul_precision!r}."
+            )
+        if matmul_precision is None:
+            matmul_precision = manifest.matmul_precision
+        info.matmul_precision = matmul_precision
         stacked_entry = "train" if steps_per_call > 1 and "train" in wanted else None
         # ---- where the initial state comes from: checked before anything is compiled
         if compile_only and init_from is not None:
@@ -309,6 +323,7 @@ def load(
                     "donate": ent.updates_state and not stop_on_nonfinite,
                     "cache_dir": cache,
                     "layout": layout,
+                    "matmul_precision": matmul_precision,
                 }
                 section = bundle.section(program.section)
                 cp = compile_program(client, placement, section, program, **compile_kw)

@@ -33,6 +33,8 @@ class LoadInfo:
       state_origins: per state entry, where its initial value came from: ``stored``
         (the bundle), ``rule`` (the bundle's fill) or ``file`` (``init_from``).
       ignored_tensors: tensors of ``init_from`` no state entry names (``init_strict=False``).
+      matmul_precision: the precision set on every matmul and convolution before
+        compiling (``load(matmul_precision=...)``, or the manifest's).
     """
 
     seconds: dict[str, float] = field(default_factory=dict)
@@ -43,3 +45,4 @@ class LoadInfo:
     dispatch: dict[str, PathChoice] = field(default_factory=dict)
     state_origins: dict[str, str] = field(default_factory=dict)
     ignored_tensors: tuple[str, ...] = ()
+    matmul_precision: str = "default"

@@ -22,6 +22,7 @@ from stepbundle.schema.atomic import atomic_write
 from stepbundle.schema.errors import SchemaValidationError
 from stepbundle.schema.manifest import Program, StateUpdateOutput
 from stepbundle.stablehlo import artifact as mlir
+from stepbundle.stablehlo.precision import set_matmul_precision
 
 from . import _compat, multistep, packing, remote
 from .errors import PlatformError
@@ -139,6 +140,7 @@ def compile_program(
     cache_dir: Path | str | None,
     layout: packing.Layout | None = None,
     steps_per_call: int = 1,
+    matmul_precision: str | None = None,
 ) -> CompiledProgram:
     """Check, re-attribute and compile ``program`` for ``devices``.
 
@@ -158,6 +160,10 @@ def compile_program(
       steps_per_call: with K > 1, the program is compiled behind a loop of K steps
         over stacked batches (``multistep.py``); ``CompiledProgram.program`` then
         describes the loop's stacked arguments and results.
+      matmul_precision: "default", "high" or "highest" sets ``precision_config`` on
+        every dot_general and convolution (``stablehlo/precision.py``) before compiling;
+        the setting is in the bytecode, so it is in the cache key. None leaves the
+        program's own.
     """
     platform = str(client.platform)
     if program.platforms and platform not in program.platforms:
@@ -191,6 +197,8 @@ def compile_program(
         )
     _check_signature(module, program, where)
     module.strip_attributes()
+    if matmul_precision is not None:
+        set_matmul_precision(module, matmul_precision)
     if layout is not None and layout.packs:
         module, program = packing.wrap_program(module, program, layout)
     if steps_per_call > 1:

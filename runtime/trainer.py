@@ -89,6 +89,9 @@ class Trainer(StateAndCheckpoints, StepCalls):
         # The seed advances by the rule the bundle names; an unknown rule fails here,
         # at load, rather than at the first step.
         self._seed_rule = manifest.rng.rule if manifest.rng is not None else TORCH_XLA_MARK_STEP
+        # A step that restored torch_xla's RNG state mid-step advances from the seed N
+        # draws on (Rng.step_after_draws).
+        self._seed_draws = manifest.rng.step_after_draws if manifest.rng is not None else 0
         if seed is not None:
             advance_seed(self._seed_rule, seed, 0)
         self._step = 0
@@ -220,7 +223,7 @@ class Trainer(StateAndCheckpoints, StepCalls):
             st[si] = outs[pos]
         self._step += 1
         if self._seed is not None:
-            self._seed = advance_seed(self._seed_rule, self._seed)
+            self._seed = advance_seed(self._seed_rule, self._seed, 1, self._seed_draws)
         return metrics
 
     def step(self, batch: Mapping[str, Any]) -> dict[str, Any]:

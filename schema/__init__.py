@@ -59,9 +59,15 @@ from .manifest import (
     TensorSpec,
 )
 from .reader import Bundle, open_bundle, read_manifest
-from .rng import UnknownSeedRuleError, advance_seed
+from .rng import UnknownSeedRuleError, advance_seed, draw_seed
 from .validate import validate
-from .version import FORMAT_VERSION, KNOWN_FEATURES, NUMERICS, STATE_INITIALIZERS
+from .version import (
+    FORMAT_VERSION,
+    KNOWN_FEATURES,
+    MATMUL_PRECISIONS,
+    NUMERICS,
+    STATE_INITIALIZERS,
+)
 from .wire import decode_manifest, encode_manifest
 from .writer import SectionPayload, assemble, write_bundle
 
@@ -93,6 +99,7 @@ __all__ = [
     "Program",
     "Rng",
     "RngSeedInput",
+    "MATMUL_PRECISIONS",
     "NUMERICS",
     "STATE_INITIALIZERS",
     "STATE_INPUT_KINDS",
@@ -108,6 +115,7 @@ __all__ = [
     "UnknownSeedRuleError",
     "UnsupportedVersionError",
     "advance_seed",
+    "draw_seed",
     "assemble",
     "atomic_write",
     "decode_manifest",

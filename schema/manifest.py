@@ -230,10 +230,20 @@ class Rng:
         ``next = (1012031 + seed * 7012063) mod 2**64``, the rule torch_xla applies at
         every ``mark_step``; the seed is passed to the program as the i64 with the same
         64 bits. ``rng.advance_seed`` applies it.
+      restored_after_draws: informational (1.2): for each time the step restored
+        torch_xla's RNG state mid-step (``torch_xla.utils.checkpoint`` recomputing a
+        segment), how many draws after the step's seed the restored seed was: the
+        programs derive that seed from their one seed input themselves,
+        ``rng.draw_seed(seed, K)``. Default ``()``.
+      step_after_draws: (1.2, required feature ``rng_restored_draws`` when not 0) the
+        draws ``N`` whose seed torch_xla's last restore left behind: the next step's
+        seed is ``rule(draw_seed(seed, N))`` instead of ``rule(seed)``. Default 0.
     """
 
     seed: int
     rule: Literal["torch_xla.mark_step"] = "torch_xla.mark_step"
+    restored_after_draws: tuple[int, ...] = ()
+    step_after_draws: int = 0
 
 
 @dataclass(frozen=True)
@@ -262,6 +272,9 @@ class Manifest:
         1.1 bundles written before the field). Informational: the programs are plain
         StableHLO either way, and readers never branch on it. Known values are
         ``schema.version.NUMERICS``; readers accept any non-empty string.
+      matmul_precision: the matmul precision the step was traced under, one of
+        ``schema.version.MATMUL_PRECISIONS`` (format 1.2; ``"default"`` when absent). The
+        runtime sets it on every dot_general and convolution at load unless told otherwise.
     """
 
     producer: Producer
@@ -273,6 +286,7 @@ class Manifest:
     required_features: tuple[str, ...] = field(default=())
     metadata: Mapping[str, str] = field(default_factory=dict)
     numerics: str | None = None
+    matmul_precision: str = "default"
 
     def state_entry(self, name: str) -> StateEntry:
         """The state entry called ``name`` (its primary name). KeyError if absent."""

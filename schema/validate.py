@@ -24,6 +24,7 @@ from .limits import MAX_MANIFEST_BYTES, MAX_SECTIONS
 from .manifest import (
     DType,
     Manifest,
+    Rng,
     Section,
     SectionKind,
     StateEntry,
@@ -38,7 +39,7 @@ from .validate_programs import (
     check_tensor_section,
     fail,
 )
-from .version import STATE_INITIALIZERS
+from .version import MATMUL_PRECISIONS, RNG_RESTORED_DRAWS, STATE_INITIALIZERS
 from .wire import encode_manifest, manifest_to_wire
 
 __all__ = ["PLATFORMS", "validate"]
@@ -69,6 +70,8 @@ def validate(manifest: Manifest, file_size: int, *, manifest_length: int | None 
     _check_hyperparameters(manifest)
     if manifest.rng is not None and not 0 <= manifest.rng.seed < 2**64:
         raise fail("rng.seed", f"the seed {manifest.rng.seed} is not in [0, 2**64).")
+    if manifest.rng is not None:
+        _check_rng_draws(manifest.rng, manifest.required_features)
     _check_required_features(manifest.required_features)
     for key in manifest.metadata:
         check_nonempty(key, "metadata", "a metadata key")
@@ -77,6 +80,12 @@ def validate(manifest: Manifest, file_size: int, *, manifest_length: int | None 
     # bundle it runs correctly.
     if manifest.numerics is not None:
         check_nonempty(manifest.numerics, "numerics", "numerics")
+    # Unlike numerics, the runtime acts on it: an unknown value is refused.
+    if manifest.matmul_precision not in MATMUL_PRECISIONS:
+        raise fail(
+            "matmul_precision",
+            f"{manifest.matmul_precision!r} is not one of {', '.join(MATMUL_PRECISIONS)}.",
+        )
     # Built once, not per program: a hostile manifest with many programs and many state
     # entries must cost their sum, not their product.
     tables = Tables(
@@ -263,6 +272,21 @@ def _check_hyperparameters(manifest: Manifest) -> None:
                 f"hyperparameter {h.name!r} has the value {h.value!r}, which is infinite as "
                 f"{h.spec.dtype.value} (largest {largest!r}).",
             )
+
+
+def _check_rng_draws(rng: Rng, features: tuple[str, ...]) -> None:
+    for i, k in enumerate(rng.restored_after_draws):
+        if k < 0:
+            raise fail(f"rng.restored_after_draws[{i}]", f"{k} draws is negative.")
+    if rng.step_after_draws < 0:
+        raise fail("rng.step_after_draws", f"{rng.step_after_draws} is negative.")
+    if rng.step_after_draws and RNG_RESTORED_DRAWS not in features:
+        raise fail(
+            "rng.step_after_draws",
+            f"the seed advances after {rng.step_after_draws} draws, but required_features "
+            f"does not list {RNG_RESTORED_DRAWS!r}; a reader that does not know it would "
+            "feed the wrong seeds.",
+        )
 
 
 def _check_required_features(features: tuple[str, ...]) -> None:

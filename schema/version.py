@@ -22,9 +22,11 @@ from .errors import UnsupportedVersionError
 __all__ = [
     "FORMAT_VERSION",
     "KNOWN_FEATURES",
+    "MATMUL_PRECISIONS",
     "NUMERICS",
     "NUMERICS_PYTORCH",
     "NUMERICS_TORCH_XLA",
+    "RNG_RESTORED_DRAWS",
     "STATE_INITIALIZERS",
     "check_major",
     "check_version",
@@ -44,7 +46,14 @@ __all__ = [
 #     the exporter replaced ops XLA expands in numerically weak forms (training BatchNorm) by
 #     PyTorch's formulas in plain StableHLO. Informational, so no required feature: any
 #     reader runs both kinds of program correctly.
-FORMAT_VERSION: tuple[int, int] = (1, 1)
+# 2026-12-02: 1.2, additions:
+#   - Rng.restored_after_draws and Rng.step_after_draws (default [] and 0), under the
+#     required feature ``rng_restored_draws``: a step that restores torch_xla's RNG state
+#     mid-step (torch_xla.utils.checkpoint recomputing dropout).
+#   - Manifest.matmul_precision (``"default"``, ``"high"`` or ``"highest"``; default
+#     ``"default"``): the matmul precision the step was traced under. Old readers may ignore
+#     it; the runtime sets it on every dot_general and convolution at load.
+FORMAT_VERSION: tuple[int, int] = (1, 2)
 
 STATE_INITIALIZERS = "state_initializers"
 """Required by a bundle whose state entries name ``fill`` or ``external`` sections (1.1): a
@@ -53,7 +62,11 @@ reader that does not know it would find no stored value for those states."""
 # Features this reader understands. A writer lists in ``Manifest.required_features`` every
 # feature a reader must understand to use the bundle correctly; a reader refuses a bundle
 # naming one that is not here. 1.0 had none.
-KNOWN_FEATURES: frozenset[str] = frozenset({STATE_INITIALIZERS})
+RNG_RESTORED_DRAWS = "rng_restored_draws"
+"""Required by a bundle whose ``Rng.step_after_draws`` is not 0 (1.2): a reader that does
+not know it would advance the seed by the plain rule and draw other random numbers."""
+
+KNOWN_FEATURES: frozenset[str] = frozenset({STATE_INITIALIZERS, RNG_RESTORED_DRAWS})
 
 
 NUMERICS_PYTORCH = "pytorch"
@@ -63,6 +76,11 @@ NUMERICS: frozenset[str] = frozenset({NUMERICS_PYTORCH, NUMERICS_TORCH_XLA})
 training BatchNorm as PyTorch's kernels do (mean first, then the mean of squared
 deviations), in plain StableHLO ops; ``torch_xla``, the programs are as torch_xla lowered
 them (``batch_norm_training`` / ``batch_norm_grad``, which XLA expands with E[x^2] - E[x]^2)."""
+
+MATMUL_PRECISIONS: tuple[str, ...] = ("default", "high", "highest")
+"""The values ``Manifest.matmul_precision`` may take (1.2), StableHLO's ``precision_config``
+values in lower case: ``default`` lets the backend choose (TF32 or bf16 passes on some
+accelerators), ``highest`` asks for full float32 accuracy."""
 
 
 def format_version_string(version: tuple[int, int]) -> str:

@@ -203,6 +203,12 @@ class Module:
         with like._ctx:
             return Module(like._ctx, ir.Module.parse(text))
 
+    def main_types(self) -> tuple[list[str], list[str]]:
+        """``@main``'s input and result types as MLIR text (``tensor<2x3xf32>``)."""
+        with self._ctx:
+            ft = ir.FunctionType(ir.TypeAttr(self.main.attributes["function_type"]).value)
+            return [str(t) for t in ft.inputs], [str(t) for t in ft.results]
+
     def signature(self) -> MainSignature:
         with self._ctx:
             ft = ir.FunctionType(ir.TypeAttr(self.main.attributes["function_type"]).value)

@@ -66,3 +66,49 @@ def test_an_unknown_rule_is_refused() -> None:
     with pytest.raises(UnknownSeedRuleError, match="'philox' is unknown") as info:
         advance_seed("philox", 1, 1)
     assert info.value.rule == "philox"
+
+
+@pytest.mark.parametrize("seed", [2**64 - 1, 2**63 + 12345, 5])
+@pytest.mark.parametrize("draws", [1, 3])
+def test_draw_seed_is_torch_xla_running_state_after_random_ops(seed: int, draws: int) -> None:
+    from stepbundle.schema.rng import draw_seed
+
+    device = torch_xla.device()
+    previous = xm.get_rng_state()
+    xm.set_rng_state(seed)
+    try:
+        for _ in range(draws):
+            torch.rand(4, device=device)
+        got = int(xm.get_rng_state())
+        torch_xla.sync()
+    finally:
+        xm.set_rng_state(previous)
+    assert got == draw_seed(seed, draws)
+
+
+@pytest.mark.parametrize("before", [0, 2])
+def test_a_checkpoint_restore_advances_the_next_step_from_after_the_forward_draws(
+    before: int,
+) -> None:
+    # torch_xla.utils.checkpoint's backward restores the state under xm.fork_rng, whose
+    # exit sets it to the state the backward began with: the step rule then applies to
+    # the seed after every forward draw (Rng.step_after_draws), not to the step's seed.
+    import torch_xla.utils.checkpoint as xla_checkpoint
+
+    device = torch_xla.device()
+    seg = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.5)).to(device)
+    previous = xm.get_rng_state()
+    seed = 2**63 + 99
+    xm.set_rng_state(seed)
+    try:
+        x = torch.ones(2, 4, device=device, requires_grad=True)
+        for _ in range(before):
+            x = torch.nn.functional.dropout(x, 0.1)
+        y = xla_checkpoint.checkpoint(seg, x, use_reentrant=True)
+        y.sum().backward()
+        torch_xla.sync()
+        got = int(xm.get_rng_state())
+    finally:
+        xm.set_rng_state(previous)
+    assert got == advance_seed(TORCH_XLA_MARK_STEP, seed, 1, before + 1)
+    assert got != advance_seed(TORCH_XLA_MARK_STEP, seed, 1)

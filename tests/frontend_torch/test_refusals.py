@@ -224,3 +224,25 @@ def test_torch_xla_numerics_is_refused_and_pytorch_recorded(tmp_path: Path) -> N
     text = (tmp_path / "mlp.stepbundle.train.0.mlir").read_text()
     assert "batch_norm" not in text
     assert text.count("stablehlo.reduce") >= 2  # the statistics, as plain reductions
+
+
+@pytest.mark.parametrize(
+    ("torch_setting", "recorded"), [("highest", "highest"), ("medium", "default")]
+)
+def test_torch_matmul_precision_is_recorded(
+    tmp_path: Path, torch_setting: str, recorded: str
+) -> None:
+    """torch.get_float32_matmul_precision() at export, as StableHLO's precision names."""
+    import torch_cases
+
+    from stepbundle.schema import open_bundle
+
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(torch_setting)
+    try:
+        path = tmp_path / "mlp.stepbundle"
+        export(torch_cases.mlp(), path)
+    finally:
+        torch.set_float32_matmul_precision(before)
+    with open_bundle(path) as b:
+        assert b.manifest.matmul_precision == recorded

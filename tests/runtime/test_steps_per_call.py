@@ -262,3 +262,43 @@ def test_cli_refuses_intervals_that_are_not_multiples_of_k(tmp_path: Path) -> No
     assert out.returncode == 2
     assert "--checkpoint-every 6 is not a multiple of --steps-per-call 4" in out.stderr
     assert "--checkpoint-every 4 or 8" in out.stderr
+
+
+def _with_step_draws(tmp_path: Any, draws: int) -> Any:
+    """dropout_sgd's bundle with ``Rng.step_after_draws`` set (as a checkpointed step's)."""
+    import dataclasses
+
+    from stepbundle.schema import SectionPayload, open_bundle, write_bundle
+
+    path = tmp_path / "draws.stepbundle"
+    with open_bundle(golden_bundle("dropout_sgd")) as b:
+        m = b.manifest
+        assert m.rng is not None
+        payloads = [SectionPayload(s.name, s.kind, bytes(b.section(s.name))) for s in m.sections]
+        m = dataclasses.replace(
+            m,
+            rng=dataclasses.replace(m.rng, step_after_draws=draws),
+            required_features=(*m.required_features, "rng_restored_draws"),
+            sections=(),
+        )
+        write_bundle(path, m, payloads)
+    return path
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_seed_advances_after_the_bundles_draws_per_step(tmp_path: Any, k: int) -> None:
+    path = _with_step_draws(tmp_path, 2)
+    t = load(path, cache_dir=False, steps_per_call=k)
+    assert t.seed == 12345
+    t.run(golden_batches("dropout_sgd"), 3)
+    # The oracle: two in-step draws, then the step rule, each step, one at a time.
+    x = 12345
+    for _ in range(3):
+        x = (2531011 + 214013 * x) % 2**64
+        x = (2531011 + 214013 * x) % 2**64
+        x = (1012031 + x * 7012063) % 2**64
+    assert t.seed == x
+    plain = 12345
+    for _ in range(3):
+        plain = (1012031 + plain * 7012063) % 2**64
+    assert x != plain

@@ -31,7 +31,7 @@ def test_shipped_schema_json_is_current() -> None:
 
 def test_description_covers_the_schema() -> None:
     d = describe()
-    assert d["format_version"] == [1, 1]
+    assert d["format_version"] == [1, 2]
     assert d["container"]["magic"] == "8953424e444c0d0a"
     manifest_fields = [f["name"] for f in d["dataclasses"]["Manifest"]["fields"]]
     assert manifest_fields == [
@@ -44,6 +44,7 @@ def test_description_covers_the_schema() -> None:
         "required_features",
         "metadata",
         "numerics",
+        "matmul_precision",
     ]
     fields = {f["name"]: f for f in d["dataclasses"]["Program"]["fields"]}
     assert fields["inputs"]["type"] == "tuple[InputBinding, ...]"

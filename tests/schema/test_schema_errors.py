@@ -73,12 +73,12 @@ def test_zero_length_file(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    "cut", [3, 8, 40, 63, 64, 64 + 100, 64 + 983, 1060, 1088, 1088 + 10, 1088 + 64, 1167]
+    "cut", [3, 8, 40, 63, 64, 64 + 100, 64 + 1023, 1150, 1152, 1152 + 10, 1152 + 64, 1231]
 )
 def test_truncated_file(tiny: Path, tmp_path: Path, cut: int) -> None:
-    # 0-64 header, 64-1048 manifest, 1048-1088 padding, then sections at 1088 and 1152.
+    # 0-64 header, 64-1147 manifest, 1147-1152 padding, then sections at 1152 and 1216.
     data = tiny.read_bytes()
-    assert len(data) == 1168
+    assert len(data) == 1232
     path = _rewrite(tmp_path, data[:cut])
     with pytest.raises(BundleFormatError, match="truncated"):
         open_bundle(path)
@@ -158,7 +158,7 @@ def test_newer_minor_with_unknown_enum_value_is_a_version_error(tiny: Path, tmp_
         tiny,
         tmp_path,
         lambda w: _set(w, ["state", 0, "spec", "dtype"], "f8e4m3"),
-        version=(1, 2),
+        version=(1, 3),
     )
     with pytest.raises(UnsupportedVersionError, match="state\\[0\\].spec.dtype") as info:
         open_bundle(path)
@@ -201,10 +201,10 @@ def test_section_digest_mismatch(tiny: Path, tmp_path: Path) -> None:
 
 def test_nonzero_padding_is_reported_by_verify(tiny: Path, tmp_path: Path) -> None:
     data = bytearray(tiny.read_bytes())
-    data[1088 + 50] = 7  # padding after the 44-byte program section
+    data[1152 + 50] = 7  # padding after the 44-byte program section
     with open_bundle(_rewrite(tmp_path, bytes(data))) as bundle:
         failures = bundle.verify()
-    assert failures == ["padding before section 'state.w' (bytes 1132 to 1152) is not all zero"]
+    assert failures == ["padding before section 'state.w' (bytes 1196 to 1216) is not all zero"]
 
 
 # -- manifest encoding ----------------------------------------------------------------------
@@ -237,9 +237,9 @@ def test_manifest_with_an_extension_type(tiny: Path, tmp_path: Path, value: Any)
 
 def test_manifest_with_duplicate_keys(tiny: Path, tmp_path: Path) -> None:
     body = pack(wire_of(tiny_manifest()))
-    assert body[0] == 0x89
-    # Append a second "rng" key to the top-level map (9 -> 10 entries).
-    duplicate = b"\x8a" + body[1:] + pack("rng") + pack(None)
+    assert body[0] == 0x8A
+    # Append a second "rng" key to the top-level map (10 -> 11 entries).
+    duplicate = b"\x8b" + body[1:] + pack("rng") + pack(None)
     path = _rewrite(tmp_path, raw_bundle(duplicate, data_area(tiny.read_bytes())))
     with pytest.raises(BundleFormatError, match="key 'rng' twice"):
         open_bundle(path)

@@ -39,6 +39,7 @@ from stepbundle.schema.version import FORMAT_VERSION
 FROZEN_SHA256: dict[tuple[int, int], str] = {
     (1, 0): "32d55a0b8c2ee817424452caa2fdc4b460ef1a0e655d082f2f4fc0bdc0605ec1",
     (1, 1): "12eee02504eed8328f121eab22f9530ab1f65d98a89d56b299f2d9e75a4a3e27",
+    (1, 2): "ffd84c7cca7195eb985d27742e72163ffddd5a6ec912eceaab03d988996f0d85",
 }
 
 

@@ -1,7 +1,8 @@
 """Byte-exact pin of the format: one small bundle, written deterministically.
 
 The expected digests below were computed once from the writer and are hard-coded on
-purpose. They pin format 1.1 (1.0 plus the manifest's empty `metadata` map and nil `numerics`,
+purpose. They pin format 1.2 (1.0 plus the manifest's empty `metadata` map, nil `numerics`
+and `matmul_precision` "default",
 each entry's empty `eval_modules` list, and the
 header's minor): if this test fails, the bytes a writer produces changed, and
 old readers may no longer read new bundles (or the reverse). Do not update the constants
@@ -18,9 +19,9 @@ from schema_helpers import PROGRAM_BYTES, WEIGHT_BYTES, write_tiny
 
 from stepbundle.schema import open_bundle
 
-EXPECTED_FILE_SHA256 = "b25776a096a64c55432062f3c40f310fc11734c3e8b94d776266b1cfc2b80cc5"
-EXPECTED_BUNDLE_DIGEST = "sha256:eb144a59b359310786debd482c8fc469d2f9c4d8d6b6f0382a0baa8814b5faca"
-EXPECTED_MANIFEST_LENGTH = 1018
+EXPECTED_FILE_SHA256 = "4321d12c0425f2316f5077db72ee2299439dcdb39b5384943a5f54c01011524a"
+EXPECTED_BUNDLE_DIGEST = "sha256:b58c92fffb19df9ccf4f8b8e247c3576dcca80b2df97122c09627c21b7bd0cf6"
+EXPECTED_MANIFEST_LENGTH = 1083
 
 
 def test_tiny_bundle_bytes_are_pinned(tmp_path: Path) -> None:
@@ -33,7 +34,7 @@ def test_tiny_bundle_bytes_are_pinned(tmp_path: Path) -> None:
     # The header, field by field.
     assert data[0:8] == b"\x89SBNDL\r\n"
     assert data[8:10] == b"\x01\x00"  # major 1, little-endian u16
-    assert data[10:12] == b"\x01\x00"  # minor 1
+    assert data[10:12] == b"\x02\x00"  # minor 2
     assert data[12:16] == bytes(4)  # reserved
     (manifest_length,) = struct.unpack("<Q", data[16:24])
     assert manifest_length == EXPECTED_MANIFEST_LENGTH
@@ -42,7 +43,7 @@ def test_tiny_bundle_bytes_are_pinned(tmp_path: Path) -> None:
     assert data[56:64] == bytes(8)
 
     # Padding to the data area, then the two sections at offsets 0 and 64.
-    data_start = 1088  # align64(64 + 1018)
+    data_start = 1152  # align64(64 + 1083)
     assert data[64 + manifest_length : data_start] == bytes(data_start - 64 - manifest_length)
     assert data[data_start : data_start + len(PROGRAM_BYTES)] == PROGRAM_BYTES
     assert data[data_start + len(PROGRAM_BYTES) : data_start + 64] == bytes(64 - len(PROGRAM_BYTES))
@@ -50,7 +51,7 @@ def test_tiny_bundle_bytes_are_pinned(tmp_path: Path) -> None:
     assert len(data) == data_start + 64 + len(WEIGHT_BYTES)
 
     # The manifest starts as a map whose first key is "producer" (field order).
-    assert manifest_bytes[0] == 0x89  # fixmap of 9 entries
+    assert manifest_bytes[0] == 0x8A  # fixmap of 10 entries
     assert manifest_bytes[1:10] == b"\xa8producer"
 
 
@@ -62,5 +63,5 @@ def test_tiny_bundle_digest_is_pinned(tmp_path: Path) -> None:
         assert bundle.digest == EXPECTED_BUNDLE_DIGEST
         length = EXPECTED_MANIFEST_LENGTH
         assert bundle.digest == "sha256:" + hashlib.sha256(data[: 64 + length]).hexdigest()
-        assert bundle.version == (1, 1)
+        assert bundle.version == (1, 2)
         assert bundle.file_size == len(data)

@@ -161,6 +161,24 @@ CASES: list[tuple[str, Callable[[Manifest], Manifest], str, str]] = [
         "not in [0, 2**64)",
     ),
     (
+        "seed advancing after draws without the feature",
+        lambda m: dataclasses.replace(m, rng=Rng(seed=1, step_after_draws=2)),
+        "rng.step_after_draws",
+        "does not list 'rng_restored_draws'",
+    ),
+    (
+        "negative step draws",
+        lambda m: dataclasses.replace(m, rng=Rng(seed=1, step_after_draws=-1)),
+        "rng.step_after_draws",
+        "negative",
+    ),
+    (
+        "negative restored draws",
+        lambda m: dataclasses.replace(m, rng=Rng(seed=1, restored_after_draws=(0, -3))),
+        "rng.restored_after_draws[1]",
+        "negative",
+    ),
+    (
         "seed without rng",
         lambda m: dataclasses.replace(m, rng=None),
         "entries.train.programs[0].inputs[2]",

@@ -12,8 +12,8 @@ from stepbundle.schema.version import check_version
 
 
 def test_current_version_and_features() -> None:
-    assert FORMAT_VERSION == (1, 1)
-    assert frozenset({"state_initializers"}) == KNOWN_FEATURES
+    assert FORMAT_VERSION == (1, 2)
+    assert frozenset({"state_initializers", "rng_restored_draws"}) == KNOWN_FEATURES
 
 
 def test_changelog_comment_sits_right_above_the_constant() -> None:
@@ -23,18 +23,18 @@ def test_changelog_comment_sits_right_above_the_constant() -> None:
     j = i - 1
     while lines[j].startswith("#   "):
         j -= 1
-    assert re.fullmatch(r"# \d{4}-\d{2}-\d{2}: 1\.1, .+", lines[j]), lines[j]
+    assert re.fullmatch(r"# \d{4}-\d{2}-\d{2}: 1\.2, .+", lines[j]), lines[j]
     assert "# 2026-11-30: 1.0, first version" in lines[:j]
 
 
-@pytest.mark.parametrize("found", [(1, 0), (1, 1), (1, 65535)])
+@pytest.mark.parametrize("found", [(1, 0), (1, 1), (1, 2), (1, 65535)])
 def test_same_major_without_features_is_accepted(found: tuple[int, int]) -> None:
     check_version(found, ())
 
 
 @pytest.mark.parametrize("found", [(0, 0), (0, 9), (2, 0), (65535, 0)])
 def test_other_major_is_refused(found: tuple[int, int]) -> None:
-    with pytest.raises(UnsupportedVersionError, match="supports format versions 1.0 to 1.1") as e:
+    with pytest.raises(UnsupportedVersionError, match="supports format versions 1.0 to 1.2") as e:
         check_version(found, ())
     assert e.value.found == found
     assert ("Upgrade stepbundle" if found[0] > 1 else "Re-export") in str(e.value)

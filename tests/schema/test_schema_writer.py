@@ -189,6 +189,6 @@ def test_bundle_properties(tmp_path: Path) -> None:
         assert bundle.path == str(path)
         assert bundle.manifest == final
         assert bundle.file_size == path.stat().st_size
-        assert bundle.data_start == 1088
+        assert bundle.data_start == 1152
         assert bundle.digest.startswith("sha256:") and len(bundle.digest) == 7 + 64
         assert "Bundle" in repr(bundle)

@@ -236,7 +236,7 @@ def trace_train(
 ) -> StepTrace:
     """Trace one training step on the workspace; ``execute=True`` also runs it.
 
-    Running it (``_EXECUTE_STEPS``, for now) leaves the workspace in the state after the
+    Running it (``_EXECUTE_STEPS``) leaves the workspace in the state after the
     step, ready for the next traced step, as in eager training with one sync per step.
     Not running it (compiling and running the step is almost all of export time) leaves a
     placeholder in every state tensor the step changed (``xla.skip_step``), which the

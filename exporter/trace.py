@@ -295,7 +295,15 @@ def trace_train(
     after = ws.state_tensors()
     after_names = {s.name for s in after}
     vanished = [n for n in names_before if n not in after_names]
-    new_names = [s.name for s in after if s.name not in obj_before]
+    # A gradient the step created (zero_grad() dropped it, backward made it again) is
+    # not new state: it is transient, like any gradient rebuilt without reading its old
+    # value (below). Other state the step created is the lazily created state of an
+    # optimizer stepbundle does not know.
+    new_names = [
+        s.name
+        for s in after
+        if s.name not in obj_before and s.kind is not StateKind.GRADIENT
+    ]
     if new_names:
         raise ExportError(
             "The training step created new state: "

@@ -300,9 +300,7 @@ def trace_train(
     # value (below). Other state the step created is the lazily created state of an
     # optimizer stepbundle does not know.
     new_names = [
-        s.name
-        for s in after
-        if s.name not in obj_before and s.kind is not StateKind.GRADIENT
+        s.name for s in after if s.name not in obj_before and s.kind is not StateKind.GRADIENT
     ]
     if new_names:
         raise ExportError(

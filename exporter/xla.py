@@ -284,13 +284,17 @@ def skip_step(state: Sequence[torch.Tensor]) -> None:
     with a new tensor id and no buffer, so the next traced step reads it as a graph
     input, as after a real step, without compiling and running this one. Reading a
     placeholder's value fails; the exporter reads the initial state before tracing.
+
+    The placeholder is swapped in with ``t.data = ...``, not ``_XLAC._replace_xla_tensor``:
+    after the latter, views made from a parameter (``weight.t()`` in ``F.linear``) still
+    named the old tensor in the next graph, whose pending value had been dropped.
     """
     xlac = _xlac()
     builder = _module("torch_xla.core.xla_builder")
     xlac._clear_pending_irs(str(device()))
     for t in state:
         placeholder = builder.create_placeholder_tensor(tuple(int(d) for d in t.shape), t.dtype)
-        xlac._replace_xla_tensor(t, placeholder)
+        t.data = placeholder
 
 
 def tensor_id(t: torch.Tensor) -> int:

@@ -258,10 +258,14 @@ class Module:
         """Drop module- and argument-level attributes outside StableHLO's guarantee.
 
         torch_xla writes ``mhlo.*`` module attributes (an empty alias list among them);
-        aliasing is carried by the manifest and regenerated at load.
+        aliasing is carried by the manifest and regenerated at load. The module's name
+        (torch_xla's ``IrToHlo.<counter>``, which counts the graphs lowered so far in the
+        process) becomes ``main_module``, so the same step exports to the same bytes.
         """
         with self._ctx:
             op = self._module.operation
+            if "sym_name" in op.attributes:
+                op.attributes["sym_name"] = ir.StringAttr.get("main_module")
             # Iterating attributes yields NamedAttribute in jaxlib 0.7 and plain names
             # in newer releases.
             attributes: Any = op.attributes

@@ -29,7 +29,7 @@ def test_metadata_reaches_the_manifest_and_inspect(
     export(recipe, path)
     with open_bundle(path) as b:
         assert dict(b.manifest.metadata) == meta
-        assert b.version == (1, 1)
+        assert b.version == (1, 2)
     assert main(["inspect", str(path)]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert "name      linear-regression" in lines

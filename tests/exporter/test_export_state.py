@@ -300,3 +300,46 @@ def test_bundle_initial_state_is_the_state_at_export(tmp_path: Path) -> None:
     np.testing.assert_array_equal(
         sd["optimizer.state.0.weight.momentum_buffer"], opt_state[0]["momentum_buffer"].numpy()
     )
+
+
+# ------------------------------------------------------------ unused parameters
+
+
+class _WithUnused(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.used = torch.nn.Linear(5, 3)
+        self.unused = torch.nn.Linear(2, 2)  # trainable, never in the loss
+
+    def forward(self, x):
+        return self.used(x)
+
+
+def _unused_recipe(make_opt):
+    def recipe() -> Recipe:
+        torch.manual_seed(0)
+        model = _WithUnused()
+        return Recipe(
+            model=model,
+            optimizer=make_opt(model.parameters()),
+            step=mse_step,  # zero_grad() first: the unused parameter's grad stays None
+            example_batch=regression_batch(),
+        )
+
+    return recipe
+
+
+@pytest.mark.parametrize(
+    "make_opt",
+    [
+        lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+        lambda p: torch.optim.AdamW(p, lr=0.05, capturable=True, foreach=False),
+    ],
+    ids=["sgd_momentum", "adamw"],
+)
+def test_unused_parameter_with_zero_grad(make_opt, tmp_path: Path) -> None:
+    """Was refused as 'The training step created new state: used.weight.grad'."""
+    m = check_equivalent(_unused_recipe(make_opt), tmp_path)
+    assert not any(s.kind is StateKind.GRADIENT for s in m.state)
+    names = {s.name for s in m.state}
+    assert {"unused.weight", "unused.bias"} <= names

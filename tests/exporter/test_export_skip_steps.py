@@ -1,0 +1,96 @@
+"""The exporter does not run the steps it traces (#15): its bundle is the one the old path,
+which compiled and ran every traced step as torch_xla eager would, wrote.
+
+The only difference allowed is in the programs' debug locations, which name torch_xla's
+HLO instruction numbers (a per-process counter): the programs must print the same
+without them, and every other section and the manifest's tables must be equal.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from export_helpers import mse_step, regression_batch
+
+from stepbundle.exporter import Recipe, export
+from stepbundle.exporter import trace as trace_module
+from stepbundle.schema import open_bundle
+from stepbundle.stablehlo.artifact import parse_artifact
+
+
+def _bn_adam() -> Recipe:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(5, 4), torch.nn.BatchNorm1d(4), torch.nn.ReLU(), torch.nn.Linear(4, 3)
+    )
+    return Recipe(
+        model=model,
+        optimizer=torch.optim.Adam(model.parameters(), lr=1e-2, capturable=True, foreach=False),
+        step=mse_step,
+        example_batch=regression_batch(),
+    )
+
+
+def _dropout_sgd_seeded() -> Recipe:
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 6), torch.nn.Dropout(0.3), torch.nn.Linear(6, 3))
+    return Recipe(
+        model=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+        step=mse_step,
+        example_batch=regression_batch(),
+        seed=1234,
+    )
+
+
+def _export(recipe: Recipe, path: Path, *, execute: bool) -> Path:
+    saved = trace_module._EXECUTE_STEPS
+    trace_module._EXECUTE_STEPS = execute
+    try:
+        export(recipe, path)
+    finally:
+        trace_module._EXECUTE_STEPS = saved
+    return path
+
+
+@pytest.mark.parametrize("make", [_bn_adam, _dropout_sgd_seeded], ids=["bn_adam", "dropout_sgd"])
+def test_bundle_equals_the_executing_path(make, tmp_path: Path) -> None:
+    old = _export(make(), tmp_path / "old.stepbundle", execute=True)
+    new = _export(make(), tmp_path / "new.stepbundle", execute=False)
+    with open_bundle(old) as a, open_bundle(new) as b:
+        ma, mb = a.manifest, b.manifest
+        assert ma.entries == mb.entries
+        assert ma.state == mb.state
+        assert ma.rng == mb.rng
+        assert [s.name for s in ma.sections] == [s.name for s in mb.sections]
+        programs = {p.section for e in ma.entries.values() for p in e.programs}
+        assert programs
+        for sec in ma.sections:
+            x, y = bytes(a.section(sec.name)), bytes(b.section(sec.name))
+            if sec.name in programs:
+                assert parse_artifact(x).text() == parse_artifact(y).text(), sec.name
+            else:
+                assert x == y, sec.name
+
+
+def _executions() -> int:
+    import torch_xla.debug.metrics as met
+
+    data = met.metric_data("ExecuteTime")
+    return 0 if data is None else int(data[0])
+
+
+def test_the_traced_steps_are_not_run(tmp_path: Path) -> None:
+    """torch_xla's own count of graph executions: the default export runs exactly two
+    fewer graphs (the two traced training steps) than the executing path."""
+    counts = {}
+    for execute in (True, False):
+        before = _executions()
+        if execute:
+            _export(_bn_adam(), tmp_path / f"{execute}.stepbundle", execute=True)
+        else:
+            export(_bn_adam(), tmp_path / f"{execute}.stepbundle")  # the default
+        counts[execute] = _executions() - before
+    assert counts[True] - counts[False] == 2, counts

@@ -50,6 +50,7 @@ FLOAT64 = {
     "HF BERT (tiny, eager attention)",
     "nn.TransformerEncoder",
     "torchvision mobilenet_v3_small",
+    "timm resnet10t",
 }
 
 

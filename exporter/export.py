@@ -3,8 +3,8 @@
 Stages: copy the model and optimizer to the XLA device (``workspace.py``); trace each
 shape bucket's training step twice and the read-only entries twice (``trace.py``);
 prove the two traces agree and build the binding tables (``bind.py``); rewrite each
-graph for ``Recipe.numerics`` (``numerics.py``) and serialize it as a StableHLO portable
-artifact; write the bundle (``stepbundle.schema``).
+graph for ``Recipe.numerics`` and serialize it as a StableHLO portable artifact
+(``serialize.py``); write the bundle (``stepbundle.schema``).
 
 Imports: torch, torch_xla (through ``xla.py`` only), jaxlib's MLIR bindings (through
 stepbundle.stablehlo), stepbundle.schema.
@@ -42,7 +42,6 @@ from stepbundle.schema.manifest import (
     StateUpdateOutput,
 )
 from stepbundle.schema.version import RNG_RESTORED_DRAWS
-from stepbundle.stablehlo import artifact as mlir
 
 from . import xla
 from .bind import BoundProgram, GraphChanged, bind
@@ -50,10 +49,10 @@ from .dtypes import HYPERPARAMETER_DTYPE, spec_of, tensor_bytes
 from .errors import ExportError
 from .graphdiff import explain_graph_change
 from .initial_state import initial_section, non_persistent_buffers
-from .numerics import apply_numerics, checked_numerics
+from .numerics import checked_numerics
 from .recipe import Recipe, checked_metadata
-from .rng_seeds import derive_seeds
 from .schedulers import scheduler_notes
+from .serialize import lower_program
 from .trace import trace_eval, trace_train
 from .workspace import Workspace
 
@@ -129,59 +128,6 @@ def _rng(seed: int, trains: list[BoundProgram]) -> Rng:
         seed=seed,
         restored_after_draws=tuple(k for _, k in trains[0].derived_seeds),
         step_after_draws=draws[0],
-    )
-
-
-def _parse(bound: BoundProgram, what: str, numerics: str) -> tuple[mlir.Module, int]:
-    """torch_xla's graph, as the portable artifact it serializes (never plain MLIR),
-    rewritten for ``numerics`` (``exporter/numerics.py``), and the number of ops rewritten."""
-    try:
-        module = mlir.parse_artifact(bound.bytecode)
-    except ValueError as e:  # stablehlo's ArtifactError, or jaxlib's own read failure
-        raise ExportError(
-            f"The {what}'s graph, as torch_xla {xla.torch_xla_version()} serialized it, is "
-            f"not a StableHLO portable artifact this jaxlib can read ({e}). torch_xla and "
-            "jax disagree on the StableHLO version: install the torch_xla and jax versions "
-            "stepbundle's export extra names (pip install 'stepbundle[export]')."
-        ) from e
-    # Serializing converts the module to VHLO in place: every use starts from a fresh parse.
-    module.strip_attributes()
-    if bound.derived_seeds:
-        assert bound.seed_input is not None
-        derive_seeds(module, bound.seed_input, bound.derived_seeds)
-    return module, apply_numerics(module, numerics, what)
-
-
-def _lower(
-    bound: BoundProgram, n_outputs: int, what: str, numerics: str
-) -> tuple[bytes, str, str, int]:
-    """The program's portable artifact, its target, its text and the ops rewritten."""
-    module, rewrites = _parse(bound, what, numerics)
-    sig = module.signature()
-    if len(sig.inputs) != len(bound.inputs) or len(sig.results) != n_outputs:
-        raise ExportError(
-            f"Internal error lowering the {what}: torch_xla's graph has {len(sig.inputs)} "
-            f"inputs and {len(sig.results)} outputs, the trace accounted for "
-            f"{len(bound.inputs)} and {n_outputs}. Please report this with the recipe."
-        )
-    bad = module.custom_call_targets() - mlir.ALLOWED_CUSTOM_CALLS
-    if bad:
-        raise ExportError(
-            f"The {what} lowers to custom call(s) {sorted(bad)}, which the runtime does not "
-            "allow (they are backend-specific native code). Use ops torch_xla lowers to "
-            "plain StableHLO."
-        )
-    text = module.text()
-    errors = []
-    for target in mlir.TARGET_CANDIDATES:
-        attempt, _ = _parse(bound, what, numerics)
-        try:
-            return attempt.portable_artifact(target), target, text, rewrites
-        except Exception as e:  # the program needs a newer StableHLO than this target
-            errors.append(f"{target}: {e}")
-    raise ExportError(
-        f"The {what} could not be serialized as a StableHLO portable artifact at any "
-        f"supported target ({'; '.join(errors)})."
     )
 
 
@@ -398,7 +344,9 @@ def export(
                     raise ExportError(f"Internal error: {what} reads unknown state {inp.name!r}.")
                 if inp.kind is InputKind.RNG_SEED:
                     uses_seed = True
-            artifact, target, text, rewritten = _lower(bound, len(bound.outputs), what, numerics)
+            artifact, target, text, rewritten = lower_program(
+                bound, len(bound.outputs), what, numerics
+            )
             rewrites += rewritten
             section = f"program/{entry_name}/{i}"
             payloads.append(codec.SectionPayload(section, SectionKind.PROGRAM, artifact))

@@ -24,6 +24,7 @@ from .errors import ExportError
 from .host_reads import guard_host_reads
 from .modes import eval_batchnorm
 from .optimizers import traced_optimizer
+from .segments import counting_checkpoints
 from .workspace import StateTensor, Workspace
 
 __all__ = ["InputOrigin", "StepTrace", "trace_eval", "trace_train"]
@@ -272,7 +273,7 @@ def trace_train(
             contextlib.nullcontext() if plain else eval_batchnorm(),
             traced_optimizer(ws.optimizer),
             contextlib.nullcontext() if plain else guard_host_reads("training step"),
-            xla.counting_checkpoints(),
+            counting_checkpoints(),
         ):
             result = step_fn(ws.model, ws.optimizer, dict(batch))
     except AttributeError as e:

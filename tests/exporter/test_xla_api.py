@@ -127,7 +127,7 @@ def test_lower_gives_text_and_a_portable_artifact() -> None:
 def test_plain_mlir_from_torch_xla_would_be_an_export_error() -> None:
     """The exporter reads torch_xla's graph strictly as a portable artifact: no fallback."""
     from stepbundle.exporter.bind import BoundProgram
-    from stepbundle.exporter.export import _parse
+    from stepbundle.exporter.serialize import _parse
 
     bound = BoundProgram((), (), {}, b"module {}", "module {}")
     with pytest.raises(ExportError, match="training step's graph, as torch_xla .* is not a"):
@@ -148,7 +148,9 @@ def test_counting_checkpoints_counts_torch_xla_checkpoint_calls() -> None:
     seg = torch.nn.Linear(3, 3).to(xla.device())
     x = torch.ones(2, 3, device=xla.device(), requires_grad=True)
     before = xcp.CheckpointFunction.__dict__["forward"]
-    with xla.counting_checkpoints() as calls:
+    from stepbundle.exporter.segments import counting_checkpoints
+
+    with counting_checkpoints() as calls:
         xcp.checkpoint(seg, x, use_reentrant=True).sum().backward()
         xcp.checkpoint(seg, x, use_reentrant=True)
     assert calls == [2]

@@ -153,11 +153,18 @@ def load_targets(loads: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
             }
         )
     warm = ld["warm"]["load_to_first_step_s"]
+    samples = ld["warm"].get("warm_samples_s", [warm])
     out.append(
         {
             "target": f"warm load of the MLP depth-{TARGET_DEPTH} bundle (compile cache hit) <= 1 s",
             "figure": warm,
-            "text": f"{warm:.2f} s to the first step's loss ({ld['warm']['load_s']:.2f} s load)",
+            "text": f"{warm:.2f} s to the first step's loss ({ld['warm']['load_s']:.2f} s load)"
+            + (
+                f", the median of {len(samples)} fresh processes "
+                f"({min(samples):.2f}-{max(samples):.2f} s)"
+                if len(samples) > 1
+                else ""
+            ),
             "met": warm <= 1.0,
         }
     )

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 from stepbundle.schema.manifest import (
     DType,
@@ -63,11 +64,11 @@ class Pack:
     dtype: DType
     members: tuple[Member, ...]
 
-    @property
+    @cached_property  # read once per member while the wrapper is built
     def numel(self) -> int:
         return sum(m.numel for m in self.members)
 
-    @property
+    @cached_property
     def spec(self) -> TensorSpec:
         return TensorSpec(self.dtype, (self.numel,))
 

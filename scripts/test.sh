@@ -9,6 +9,9 @@
 #      no torch): where bundles run.
 # Running all of tests/runtime under both jax versions would add ~8 minutes to CI for
 # little: 2 covers what differs between jaxlib versions (runtime/_compat.py).
+# Stage 1 runs beside stages 2-4 (two lanes, as many as the CI machine's cores: most
+# tests are one compile or one process at a time); each lane's output is printed whole
+# when it ends. SERIAL=1 runs them one after another.
 # Extra arguments go to the first pytest run (e.g. -x, -k NAME).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,14 +21,42 @@ echo "== ruff =="
 .venv/bin/ruff format --check .
 echo "== mypy (strict on schema and runtime) =="
 bash scripts/typecheck.sh
-echo "== pytest (torch 2.9 + torch_xla + jax 0.7.1) =="
-.venv/bin/python -m pytest -q --durations=10 --ignore=tests/runtime --ignore=tests/schema "$@"
-echo "== pytest, the runtime on jax 0.7.1 (the oldest jax the runtime supports) =="
-.venv/bin/python -m pytest -q --durations=5 tests/runtime/test_runtime_golden.py \
-  tests/runtime/test_runtime_step.py tests/runtime/test_cache_integrity.py \
-  tests/runtime/test_steps_per_call.py tests/runtime/test_data_parallel.py \
-  -k "not fuzzed"  # the cache fuzz (2.5 minutes) runs in the lean stage
-echo "== pytest, torch front-end (current torch + jax, no torch_xla) =="
-.venv-torch/bin/python -m pytest -q --durations=5 tests/frontend_torch
-echo "== pytest, lean environment (newest jax, no torch) =="
-.venv-lean/bin/python -m pytest -q --durations=10 tests/schema tests/runtime
+
+lane_a() {
+  echo "== pytest (torch 2.9 + torch_xla + jax 0.7.1) =="
+  .venv/bin/python -m pytest -q --durations=10 --ignore=tests/runtime --ignore=tests/schema "$@"
+}
+lane_b() {
+  echo "== pytest, the runtime on jax 0.7.1 (the oldest jax the runtime supports) =="
+  .venv/bin/python -m pytest -q --durations=5 tests/runtime/test_runtime_golden.py \
+    tests/runtime/test_runtime_step.py tests/runtime/test_cache_integrity.py \
+    tests/runtime/test_steps_per_call.py tests/runtime/test_data_parallel.py \
+    -k "not fuzzed"  # the cache fuzz (2.5 minutes) runs in the lean stage
+  echo "== pytest, torch front-end (current torch + jax, no torch_xla) =="
+  .venv-torch/bin/python -m pytest -q --durations=5 tests/frontend_torch
+  echo "== pytest, lean environment (newest jax, no torch) =="
+  .venv-lean/bin/python -m pytest -q --durations=10 tests/schema tests/runtime
+}
+
+if [ "${SERIAL:-0}" = 1 ]; then
+  lane_a "$@"
+  lane_b
+  exit 0
+fi
+logs=$(mktemp -d)
+trap 'rm -rf "$logs"' EXIT
+start=$SECONDS
+(lane_a "$@") >"$logs/a" 2>&1 &
+pid_a=$!
+(set -e; lane_b) >"$logs/b" 2>&1 &
+pid_b=$!
+rc_a=0; wait "$pid_a" || rc_a=$?
+cat "$logs/a"
+echo "== lane 1 (stage 1) ended: exit $rc_a, $((SECONDS - start)) s =="
+rc_b=0; wait "$pid_b" || rc_b=$?
+cat "$logs/b"
+echo "== lane 2 (stages 2-4) ended: exit $rc_b, $((SECONDS - start)) s =="
+if [ "$rc_a" != 0 ] || [ "$rc_b" != 0 ]; then
+  echo "FAILED: lane 1 exit $rc_a, lane 2 exit $rc_b" >&2
+  exit 1
+fi

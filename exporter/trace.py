@@ -390,8 +390,12 @@ def trace_train(
         xla.sync()
     else:
         # Everything the step changed on the device gets a placeholder, gradients
-        # rebuilt by the step (transient) too: their pending values are dropped.
-        xla.skip_step([s.tensor for s in _on_device(after) if s.name in changed])
+        # rebuilt by the step (transient) too: their pending values are dropped. A
+        # step that also writes device tensors outside the model and the optimizer
+        # is run instead, as torch_xla eager would: dropping them would leave the
+        # user's tensors without values (and a changed one is refused as before).
+        if xla.skip_step([s.tensor for s in _on_device(after) if s.name in changed]):
+            xla.sync()
     return trace
 
 

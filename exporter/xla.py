@@ -16,9 +16,11 @@ Imports: torch, torch_xla, stepbundle.exporter.errors.
 from __future__ import annotations
 
 import contextlib
+import gc
 import importlib
 import os
 import re
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -211,24 +213,76 @@ def lower(roots: Sequence[torch.Tensor]) -> tuple[str, bytes]:
     return re.sub(r"^module @[\w.]+", "module @main_module", text, count=1), data
 
 
-def skip_step(state: Sequence[torch.Tensor]) -> None:
-    """Drop the pending (traced, lowered) graph instead of running it.
+def skip_step(state: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Drop the pending (traced, lowered) graph instead of running it, if that is safe.
 
     Every tensor in ``state`` gets a placeholder of its dtype and shape: device data
     with a new tensor id and no buffer, so the next traced step reads it as a graph
     input, as after a real step, without compiling and running this one. Reading a
     placeholder's value fails; the exporter reads the initial state before tracing.
 
+    torch_xla drops the pending value of *every* live tensor on the device, not only
+    of ``state``. So the live XLA tensors outside ``state`` are checked first: one whose
+    value is still pending (a tensor the user's step writes outside the model and the
+    optimizer, a view kept alive) would be left without a value, and reading it later
+    aborts the process. Then nothing is dropped and they are returned: the caller runs
+    the step instead (``sync()``). An empty list means the step was dropped.
+
     The placeholder is swapped in with ``t.data = ...``, not ``_XLAC._replace_xla_tensor``:
     after the latter, views made from a parameter (``weight.t()`` in ``F.linear``) still
     named the old tensor in the next graph, whose pending value had been dropped.
     """
     xlac = _xlac()
+    pending = _pending_outside(state)
+    if pending:
+        return pending
     builder = _module("torch_xla.core.xla_builder")
     xlac._clear_pending_irs(str(device()))
     for t in state:
         placeholder = builder.create_placeholder_tensor(tuple(int(d) for d in t.shape), t.dtype)
         t.data = placeholder
+    return []
+
+
+def _pending_outside(state: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Tensors Python code can still reach, other than ``state``, whose value is pending.
+
+    Found through the garbage collector: every live XLA tensor that some Python object
+    refers to (a closure cell, a module's globals, an object's attributes). Tensors only
+    torch's C++ side keeps alive (views backward made of a parameter) are left out: no
+    Python code can read them. ``_XLAC._get_tensors_handle`` raises for a tensor that
+    has no device data yet (device data and placeholders have a handle). A Python object
+    that holds a state tensor's torch_xla tensor (same id, as the optimizer's own lists
+    do) is that state tensor, and so is the base it is a view of.
+    """
+    xlac = _xlac()
+    keep: set[int] = set()
+    for t in state:
+        base: torch.Tensor | None = t
+        while base is not None:
+            keep.add(tensor_id(base))
+            base = base._base
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # isinstance on deprecated module attributes
+        objects = gc.get_objects()
+        tensors = {
+            id(o): o for o in objects if isinstance(o, torch.Tensor) and o.device.type == "xla"
+        }
+    reachable: dict[int, torch.Tensor] = {}
+    for o in objects:
+        for r in gc.get_referents(o):
+            if id(r) in tensors:
+                reachable[id(r)] = tensors[id(r)]
+    del objects, tensors
+    pending = []
+    for t in reachable.values():
+        if tensor_id(t) in keep:
+            continue
+        try:
+            xlac._get_tensors_handle([t])
+        except RuntimeError:
+            pending.append(t)
+    return pending
 
 
 def tensor_id(t: torch.Tensor) -> int:

@@ -14,7 +14,7 @@ import pytest
 import torch
 from export_helpers import mse_step, regression_batch
 
-from stepbundle.exporter import Recipe, export
+from stepbundle.exporter import ExportError, Recipe, export
 from stepbundle.exporter import trace as trace_module
 from stepbundle.schema import open_bundle
 from stepbundle.stablehlo.artifact import parse_artifact
@@ -94,3 +94,62 @@ def test_the_traced_steps_are_not_run(tmp_path: Path) -> None:
             export(_bn_adam(), tmp_path / f"{execute}.stepbundle")  # the default
         counts[execute] = _executions() - before
     assert counts[True] - counts[False] == 2, counts
+
+
+def _logging_recipe(log: torch.Tensor) -> Recipe:
+    """A step that also writes a device tensor of the user's, outside the model and the
+    optimizer, and never reads it."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(5, 3)
+
+    def step(model, optimizer, batch):
+        out = mse_step(model, optimizer, batch)
+        log.copy_(out["loss"].detach())
+        return out
+
+    return Recipe(
+        model=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        step=step,
+        example_batch=regression_batch(),
+    )
+
+
+def test_a_tensor_the_step_writes_outside_the_state_keeps_its_value(tmp_path: Path) -> None:
+    """Dropping the traced step would drop every pending value on the device, this
+    tensor's too (reading it then aborted the process): the exporter runs the step
+    instead, and the user's tensor holds what torch_xla eager would give it."""
+    import torch_xla
+
+    device = torch_xla.device()
+    expected = torch.zeros((), device=device)
+    _export(_logging_recipe(expected), tmp_path / "old.stepbundle", execute=True)
+    log = torch.zeros((), device=device)
+    before = _executions()
+    export(_logging_recipe(log), tmp_path / "new.stepbundle")
+    assert _executions() > before  # the traced steps ran
+    assert float(log.cpu()) == float(expected.cpu()) != 0.0
+
+
+def test_a_changing_captured_tensor_is_still_refused_by_name() -> None:
+    """A device tensor the step updates and reads again (an EMA in a closure) would be
+    frozen into the bundle: refused with the executing path's message, not a crash."""
+    import torch_xla
+
+    ema = torch.zeros((), device=torch_xla.device())
+    torch.manual_seed(0)
+    model = torch.nn.Linear(5, 3)
+
+    def step(model, optimizer, batch):
+        out = mse_step(model, optimizer, batch)
+        ema.mul_(0.9).add_(0.1 * out["loss"].detach())
+        return {"loss": out["loss"], "ema": ema * 1}
+
+    recipe = Recipe(
+        model=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        step=step,
+        example_batch=regression_batch(),
+    )
+    with pytest.raises(ExportError, match="changed between two consecutive traced steps"):
+        export(recipe, Path("/nonexistent/never-written.stepbundle"))

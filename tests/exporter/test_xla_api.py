@@ -158,6 +158,29 @@ def test_counting_checkpoints_counts_torch_xla_checkpoint_calls() -> None:
     xla.sync()
 
 
+def test_skip_step_drops_the_graph_and_leaves_placeholders() -> None:
+    """_clear_pending_irs, create_placeholder_tensor and _get_tensors_handle as skip_step
+    uses them: a state tensor with a pending value gets a placeholder (a handle, the
+    same shape and dtype, a new id); nothing else with a pending value is dropped."""
+    w = _data(3, 2)
+    w.add_(1.0)  # pending
+    old_id = xla.tensor_id(w)
+    assert xla.skip_step([w]) == []
+    assert (tuple(w.shape), w.dtype) == ((3, 2), torch.float32)
+    assert xla.tensor_id(w) != old_id
+    torch_xla._XLAC._get_tensors_handle([w])  # a placeholder has a handle
+
+    user = _data(2)
+    w2 = _data(3, 2)
+    w2.add_(1.0)
+    user.mul_(3.0)  # pending, outside the state: nothing may be dropped
+    pending = xla.skip_step([w2])
+    assert [t is user for t in pending] == [True]
+    xla.sync()
+    assert user.cpu().tolist() == [3.0, 3.0]
+    assert w2.cpu().tolist() == [[2.0, 2.0]] * 3
+
+
 def test_tensor_id() -> None:
     a, b = _data(3), _data(3)
     ia, ib = xla.tensor_id(a), xla.tensor_id(b)

@@ -12,11 +12,12 @@ stepbundle.stablehlo), stepbundle.schema.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import time
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -135,7 +136,35 @@ class _GradientsDropped(Exception):
     """The step sets gradients to None: trace again without materialized gradients."""
 
 
+class _NoGradient(Exception):
+    """Trainable parameters the step's backward never reached: trace again with their
+    gradients None (as in eager), not zeros."""
+
+    def __init__(self, names: frozenset[str]) -> None:
+        super().__init__(", ".join(sorted(names)))
+        self.names = names
+
+
 _Bound = list[tuple[BoundProgram, tuple[NamedSpec, ...]]]
+
+
+@contextlib.contextmanager
+def _gradients_reached(model: torch.nn.Module, *, watch: bool) -> Iterator[set[str]]:
+    """The names of the trainable parameters a backward accumulated a gradient into
+    while the block ran (torch's post-accumulate-grad hooks); empty if not ``watch``."""
+    reached: set[str] = set()
+    handles = []
+    if watch:
+        for name, p in model.named_parameters():
+            if p.requires_grad:
+                handles.append(
+                    p.register_post_accumulate_grad_hook(lambda _p, n=name: reached.add(n))
+                )
+    try:
+        yield reached
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def _trace_recipe(
@@ -145,9 +174,10 @@ def _trace_recipe(
     *,
     zero_grads: bool,
     say: Callable[[str], None],
+    no_gradient: frozenset[str] = frozenset(),
 ) -> tuple[list[Any], dict[str, torch.Tensor], dict[str, float], _Bound, dict[str, _Bound]]:
     """Copy the recipe to the device, trace every entry twice, bind the traces."""
-    with Workspace(recipe, device, zero_grads=zero_grads) as ws:
+    with Workspace(recipe, device, zero_grads=zero_grads, no_gradient=no_gradient) as ws:
         batches = [
             _to_device(b, device, f"example batch {i}") for i, b in enumerate(recipe.all_batches())
         ]
@@ -169,9 +199,14 @@ def _trace_recipe(
         train_bound: _Bound = []
         for i, batch in enumerate(batches):
             what = "training step" + (f" (shape bucket {i})" if len(batches) > 1 else "")
-            ta = trace_train(ws, batch, recipe.step, seed=base_seed if i == 0 else None)
-            if zero_grads and any(p.grad is None for p in ws.model.parameters() if p.requires_grad):
+            with _gradients_reached(ws.model, watch=zero_grads and i == 0) as reached:
+                ta = trace_train(ws, batch, recipe.step, seed=base_seed if i == 0 else None)
+            trainable = [(n, p) for n, p in ws.model.named_parameters() if p.requires_grad]
+            if zero_grads and any(p.grad is None for n, p in trainable if n not in no_gradient):
                 raise _GradientsDropped
+            unreached = frozenset(n for n, _ in trainable if n not in reached) - no_gradient
+            if zero_grads and i == 0 and unreached:
+                raise _NoGradient(unreached)
             tb = trace_train(ws, batch, recipe.step)
             bound = bind(
                 ta,
@@ -278,15 +313,34 @@ def export(
         xla.sync()
         # First assume the step keeps its gradients (they are then state, starting at
         # zero); a step that drops them at its end is traced again without.
-        for zero_grads in (True, False):
+        # Parameters no gradient reaches keep a None grad, as in eager (traced again
+        # once they are known).
+        zero_grads, no_gradient = True, frozenset[str]()
+        while True:
             try:
-                traced = _trace_recipe(recipe, device, base_seed, zero_grads=zero_grads, say=say)
+                traced = _trace_recipe(
+                    recipe,
+                    device,
+                    base_seed,
+                    zero_grads=zero_grads,
+                    say=say,
+                    no_gradient=no_gradient,
+                )
                 break
             except _GradientsDropped:
-                continue
+                zero_grads, no_gradient = False, frozenset()
+            except _NoGradient as e:
+                no_gradient = no_gradient | e.names
+                say(f"no gradient reaches {e}: traced again with their grads None")
             except GraphChanged as e:
                 retrace = functools.partial(
-                    _trace_recipe, recipe, device, base_seed, zero_grads=zero_grads, say=_quiet
+                    _trace_recipe,
+                    recipe,
+                    device,
+                    base_seed,
+                    zero_grads=zero_grads,
+                    say=_quiet,
+                    no_gradient=no_gradient,
                 )
                 explain_graph_change(e, retrace)
     finally:

@@ -188,7 +188,14 @@ class Workspace:
       hyperparameters: declared hyperparameter name -> its device tensor.
     """
 
-    def __init__(self, recipe: Recipe, device: torch.device, *, zero_grads: bool = True) -> None:
+    def __init__(
+        self,
+        recipe: Recipe,
+        device: torch.device,
+        *,
+        zero_grads: bool = True,
+        no_gradient: frozenset[str] = frozenset(),
+    ) -> None:
         self.device = device
         self.model = model = recipe.model
         self.optimizer = optimizer = recipe.optimizer
@@ -201,12 +208,12 @@ class Workspace:
         self._hyper_keys = tuple(recipe.hyperparameters)
         self._restored = False
         try:
-            self._swap_in(zero_grads)
+            self._swap_in(zero_grads, no_gradient)
         except BaseException:
             self.restore()
             raise
 
-    def _swap_in(self, zero_grads: bool) -> None:
+    def _swap_in(self, zero_grads: bool, no_gradient: frozenset[str]) -> None:
         device, model, optimizer = self.device, self.model, self.optimizer
         check_optimizer(optimizer)
         params: dict[int, torch.nn.Parameter] = {}
@@ -258,9 +265,12 @@ class Workspace:
         # Gradients: the value a parameter's .grad holds between steps is state when
         # the user keeps it. Start every trainable parameter with its grad (zeros
         # when it has none): zeros are what a first backward accumulates into, so the
-        # traced step is the steady-state step from the very first call.
-        for p in model.parameters():
-            if zero_grads and p.requires_grad and p.grad is None:
+        # traced step is the steady-state step from the very first call. Not those
+        # the step's backward never reaches (``no_gradient``, found by a first trace):
+        # in eager their grad stays None and the optimizer skips them, where a zero
+        # grad would still get weight decay and momentum.
+        for name, p in model.named_parameters():
+            if zero_grads and p.requires_grad and p.grad is None and name not in no_gradient:
                 p.grad = torch.zeros_like(p)
         family = _optimizer_family(optimizer)
         self._declared = declare_hyperparameters(optimizer, self._hyper_keys, device, family)

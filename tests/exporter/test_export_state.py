@@ -343,3 +343,41 @@ def test_unused_parameter_with_zero_grad(make_opt, tmp_path: Path) -> None:
     assert not any(s.kind is StateKind.GRADIENT for s in m.state)
     names = {s.name for s in m.state}
     assert {"unused.weight", "unused.bias"} <= names
+
+
+def _keep_grads_step(model, optimizer, batch):
+    optimizer.zero_grad(set_to_none=False)  # grads kept between steps, zeroed in place
+    loss = torch.nn.functional.mse_loss(model(batch["x"]), batch["y"])
+    loss.backward()
+    optimizer.step()
+    return {"loss": loss}
+
+
+@pytest.mark.parametrize(
+    "make_opt",
+    [
+        lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, weight_decay=0.5),
+        lambda p: torch.optim.AdamW(p, lr=0.05, capturable=True, foreach=False),
+    ],
+    ids=["sgd_momentum_decay", "adamw"],
+)
+def test_unused_parameter_with_kept_gradients(make_opt, tmp_path: Path) -> None:
+    """zero_grad(set_to_none=False): eager leaves the unused parameter's grad None, so the
+    optimizer skips it (no weight decay, no moments). The exporter used to give it a
+    zero grad like every other parameter, and the bundle decayed it (0.14 off eager
+    after 3 steps of SGD with weight_decay=0.5)."""
+
+    def recipe() -> Recipe:
+        torch.manual_seed(0)
+        model = _WithUnused()
+        return Recipe(
+            model=model,
+            optimizer=make_opt(model.parameters()),
+            step=_keep_grads_step,
+            example_batch=regression_batch(),
+        )
+
+    m = check_equivalent(recipe, tmp_path)
+    names = {s.name for s in m.state}
+    assert {"used.weight.grad", "used.bias.grad"} <= names  # kept: state
+    assert not {"unused.weight.grad", "unused.bias.grad"} & names

@@ -120,6 +120,10 @@ class Reporter:
         """Whether ``--log-every`` selects this step (True for every step without it)."""
         return self._every is None or last or (step + 1) % self._every == 0
 
+    def logged(self, step: int) -> bool:
+        """Whether ``step``, not the last, was written to the logs when it was reported."""
+        return self._logged(step, False)
+
     def step(self, i: int, step: int, metrics: Mapping[str, Any], *, last: bool) -> None:
         """Report the ``i``-th step of this run (global ``step``), just dispatched.
 

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
 import signal
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from .common import EXIT_PIPE_CLOSED
@@ -116,6 +117,13 @@ def cmd_run(args: argparse.Namespace) -> int:
         t0 = time.perf_counter()
         trainer = _open_trainer(args)
         load_s = time.perf_counter() - t0
+        if args.eval_data and "eval" not in trainer.entries:
+            return fail(
+                f"--eval-data evaluates the bundle's 'eval' entry, and {args.bundle} has "
+                f"none (its entries: {', '.join(trainer.entries)}). Export it with "
+                "Recipe(eval_step=...), or drop --eval-data.",
+                2,
+            )
         batches, offset = training_batches(args, trainer, npz)
     except (BundleError, ValueError) as e:
         return fail(str(e), 1)
@@ -127,7 +135,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     _report_load(args, trainer, load_s)
     try:
         if args.entry != "train":
-            return _run_eval(args, trainer, list(batches))
+            return _run_eval(args, trainer, batches)
         steps = args.steps if args.steps is not None else args.until_step - trainer.step_count
         if steps <= 0:
             print(
@@ -205,11 +213,14 @@ def _report_load(args: argparse.Namespace, trainer: Any, load_s: float) -> None:
     report_origins(trainer, args)
 
 
-def _run_eval(args: argparse.Namespace, trainer: Any, batches: list[Any]) -> int:
-    """One JSON line per batch of a read-only entry (it has no state, so no step offset)."""
+def _run_eval(args: argparse.Namespace, trainer: Any, batches: Iterable[Any]) -> int:
+    """One JSON line per batch of a read-only entry (it has no state, so no step offset),
+    for ``--steps`` batches. A dataset's batches are read as they come: without
+    ``--epochs`` they never end (this once read them all into a list first)."""
     writer = trainer.placement.writes_files
-    for i in range(args.steps):
-        m = trainer.evaluate(batches[i % len(batches)], entry=args.entry)
+    source = itertools.cycle(batches) if isinstance(batches, list) else iter(batches)
+    for i, batch in enumerate(itertools.islice(source, args.steps)):
+        m = trainer.evaluate(batch, entry=args.entry)
         if writer:
             sys.stdout.write(
                 json.dumps({"step": i, **{k: _scalar(v) for k, v in m.items()}}) + "\n"
@@ -321,6 +332,7 @@ def _run_train(
     )
 
     watchdog = Watchdog(args.step_timeout) if args.step_timeout else None
+    latest: list[tuple[int, int, dict[str, Any]]] = []
 
     def on_step(i: int, metrics: dict[str, Any]) -> None:
         if watchdog is not None:
@@ -332,6 +344,8 @@ def _run_train(
         # K, and check_outputs made the intervals multiples of K).
         boundary = trainer.step_count == step + 1
         last = i + 1 == steps or (stopper.exit_code is not None and boundary)
+        # Kept until the next step: if the data ends first, this was the last step.
+        latest[:] = [] if last else [(i, step, metrics)]
         try:
             reporter.step(i, step, metrics, last=last)
             if boundary and args.eval_every and (step + 1) % args.eval_every == 0:
@@ -359,6 +373,9 @@ def _run_train(
     ):
         try:
             trainer.run(batches, steps, on_step=on_step, offset=offset, keep_metrics=False)
+            if latest and not reporter.logged(latest[0][1]):
+                # The data ended before --steps: its last step is reported as the last.
+                reporter.step(*latest[0], last=True)
         except NonFiniteLossError as e:
             reporter.close()
             print(f"\n[run] {e}", file=sys.stderr)

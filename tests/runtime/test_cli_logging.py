@@ -357,3 +357,51 @@ def test_refusals_before_loading(
     err = capsys.readouterr().err
     assert "pip install 'stepbundle[tensorboard]'" in err and "Traceback" not in err
     assert not (tmp_path / "tb").exists()
+
+
+# ------------------------------------------------------------- dataset folders
+def _dataset(name: str, tmp_path: Path) -> Path:
+    """The golden inputs of ``name`` as a dataset folder (3 batches' rows)."""
+    from stepbundle.runtime.dataset_writer import write_dataset
+
+    with np.load(GOLDEN_DIR / f"{name}.inputs.npz") as z:
+        rows = {k: v.reshape(-1, *v.shape[2:]) for k, v in z.items()}
+    out = tmp_path / name
+    write_dataset(str(out), rows)
+    return out
+
+
+def test_the_last_step_is_reported_when_the_data_ends_first(tmp_path: Path) -> None:
+    """--epochs 1 over 3 batches with --steps 100: the run stops after step 2, and that
+    step is the last one logged, whatever --log-every says (it was never reported)."""
+    data = _dataset("batchnorm_lr", tmp_path)
+    r = subprocess.run(
+        [sys.executable, "-m", "stepbundle", "run", BUNDLE, "--data", str(data), "--no-cache",
+         "--steps", "100", "--epochs", "1", "--no-shuffle", "--log-every", "10", "--json"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert [strict_json(line)["step"] for line in r.stdout.splitlines()] == [2]
+    assert "the data ended after 3 steps" in r.stderr
+
+
+def test_eval_entry_over_an_endless_dataset_takes_steps_batches(tmp_path: Path) -> None:
+    """`run --entry eval` on a dataset folder without --epochs read the endless loader
+    into a list (it never returned); --steps batches are evaluated, one line each."""
+    data = _dataset("linear_adamw", tmp_path)
+    r = subprocess.run(
+        [sys.executable, "-m", "stepbundle", "run", str(golden_bundle("linear_adamw")),
+         "--data", str(data), "--no-cache", "--entry", "eval", "--steps", "5"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert [strict_json(line)["step"] for line in r.stdout.splitlines()] == [0, 1, 2, 3, 4]
+
+
+def test_eval_data_without_an_eval_entry_is_refused_before_training(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    r = cli("--steps", "4", "--eval-data", DATA, "--eval-every", "2", "--checkpoint-dir", str(ckpt))
+    assert r.returncode == 2, r.stderr
+    assert "has none (its entries: train)" in r.stderr
+    assert "Recipe(eval_step=...)" in r.stderr
+    assert r.stdout == "" and not any(ckpt.glob("*"))  # no step ran, nothing written

@@ -100,7 +100,9 @@ def prove_seeds(
 
     Raises:
       ExportError: several seed inputs that are not one seed and draws after it, or
-        relate differently in the two steps, or whose steps follow no common ``N``.
+        relate differently in the two steps, or a seed whose second step does not
+        follow from the first by the step rule and up to ``MAX_DRAWS`` draws (the step
+        sets the RNG state itself).
     """
     ra, rb = _relate(first), _relate(second)
     if ra is None or rb is None or ra != rb:
@@ -114,7 +116,16 @@ def prove_seeds(
         )
     b, ks = ra
     step = _step_draws(first[b], second[b])
-    if step is None and len(positions) > 1:
+    if step is None and len(positions) == 1:
+        raise ExportError(
+            f"The {what} reads the RNG seed, and the second traced step's seed "
+            f"({second[b]}) does not follow from the first's ({first[b]}) by torch_xla's "
+            "step rule: something in the step sets the RNG state itself (torch.manual_seed, "
+            "xm.set_rng_state), so a bundle, which advances the seed by the rule every "
+            "step, would draw other random numbers than the step does. Remove those calls "
+            "from the step, and seed once before the export (Recipe(seed=...))."
+        )
+    if step is None:
         raise ExportError(
             f"The {what} restores torch_xla's RNG state mid-step, and the second traced "
             "step's seed is not the first's after the step rule and up to "

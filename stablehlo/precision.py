@@ -1,6 +1,7 @@
 """Matmul and convolution precision as an explicit property of a module.
 
-``stablehlo.dot_general`` and ``stablehlo.convolution`` carry an optional
+``stablehlo.dot_general`` and ``stablehlo.convolution`` (and ``dot``, ``dynamic_conv``)
+carry an optional
 ``precision_config``: one ``#stablehlo<precision ...>`` per operand, DEFAULT, HIGH or
 HIGHEST. Without it a backend picks its own speed/accuracy trade-off (on GPUs with
 TF32 or TPUs, float32 matmuls may run in reduced precision); on the CPU every setting
@@ -28,12 +29,16 @@ hlo: Any = _stablehlo
 
 __all__ = ["MATMUL_PRECISIONS", "PRECISION_OPS", "set_matmul_precision"]
 
-PRECISION_OPS: frozenset[str] = frozenset({"stablehlo.dot_general", "stablehlo.convolution"})
-"""The ops ``set_matmul_precision`` sets ``precision_config`` on."""
+PRECISION_OPS: frozenset[str] = frozenset(
+    {"stablehlo.dot_general", "stablehlo.dot", "stablehlo.convolution", "stablehlo.dynamic_conv"}
+)
+"""The ops ``set_matmul_precision`` sets ``precision_config`` on: every StableHLO op that
+has one (torch_xla writes dot_general and convolution; another producer may write the
+older ``dot`` or ``dynamic_conv``)."""
 
 
 def set_matmul_precision(module: Module, precision: str) -> int:
-    """Set ``precision_config`` on every dot_general and convolution of ``module``.
+    """Set ``precision_config`` on every op of ``PRECISION_OPS`` in ``module``.
 
     ``precision`` is one of ``MATMUL_PRECISIONS``; both operands of each op get it, an
     existing ``precision_config`` is replaced. Every function and nested region is

@@ -112,3 +112,33 @@ def test_a_checkpoint_restore_advances_the_next_step_from_after_the_forward_draw
         xm.set_rng_state(previous)
     assert got == advance_seed(TORCH_XLA_MARK_STEP, seed, 1, before + 1)
     assert got != advance_seed(TORCH_XLA_MARK_STEP, seed, 1)
+
+
+def test_a_step_that_sets_the_rng_state_itself_is_refused(tmp_path) -> None:
+    """The step reseeds torch_xla every call: eager draws the same dropout mask each
+    step, while a bundle advances its seed by the rule. Exported silently before (the
+    one seed input took the rule); now refused, naming the calls to remove."""
+    from export_helpers import regression_batch
+
+    from stepbundle.exporter import ExportError, Recipe, export
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 6), torch.nn.Dropout(0.5), torch.nn.Linear(6, 3))
+
+    def step(model, optimizer, batch):
+        xm.set_rng_state(1234)  # the same masks every step
+        optimizer.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(batch["x"]), batch["y"])
+        loss.backward()
+        optimizer.step()
+        return {"loss": loss}
+
+    recipe = Recipe(
+        model=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        step=step,
+        example_batch=regression_batch(),
+    )
+    with pytest.raises(ExportError, match="sets the RNG state itself"):
+        export(recipe, tmp_path / "never.stepbundle")
+    assert not (tmp_path / "never.stepbundle").exists()

@@ -99,3 +99,27 @@ def test_cli_inspect_shows_and_run_takes_the_precision() -> None:
     assert [json.loads(line)["loss"] for line in out.stdout.splitlines()] == want
     bad = _cli("run", str(BUNDLE), "--steps", "1", "--data", data, "--matmul-precision", "tf32")
     assert bad.returncode != 0 and "--matmul-precision" in bad.stderr
+
+
+def test_dot_and_convolution_carry_the_precision_too() -> None:
+    """Ops torch_xla does not write but another producer may: the older stablehlo.dot
+    and a convolution (in the generic form, as MLIR prints it back)."""
+    text = """
+    func.func @main(%a: tensor<2x3xf32>, %b: tensor<3x4xf32>, %x: tensor<1x1x5x5xf32>,
+                    %k: tensor<1x1x3x3xf32>) -> (tensor<2x4xf32>, tensor<1x1x3x3xf32>) {
+      %d = "stablehlo.dot"(%a, %b) : (tensor<2x3xf32>, tensor<3x4xf32>) -> tensor<2x4xf32>
+      %c = stablehlo.convolution(%x, %k) dim_numbers = [b, f, 0, 1]x[o, i, 0, 1]->[b, f, 0, 1],
+             window = {stride = [1, 1]} {batch_group_count = 1 : i64, feature_group_count = 1 : i64}
+             : (tensor<1x1x5x5xf32>, tensor<1x1x3x3xf32>) -> tensor<1x1x3x3xf32>
+      return %d, %c : tensor<2x4xf32>, tensor<1x1x3x3xf32>
+    }
+    """
+    module = mlir.Module.parse_text(_train_module(), text)
+    assert set_matmul_precision(module, "highest") == 2
+    assert (
+        module.text().count("precision = [HIGHEST, HIGHEST]")
+        + module.text().count(
+            "precision_config = [#stablehlo<precision HIGHEST>, #stablehlo<precision HIGHEST>]"
+        )
+        == 2
+    ), module.text()

@@ -17,7 +17,7 @@ from typing import Any
 
 from .common import die as _die
 from .common import is_remote
-from .summary import modes_text, summary_lines
+from .summary import modes_text, precision_text, summary_lines
 from .summary import nbytes as _nbytes
 
 __all__ = ["cmd_inspect", "cmd_verify"]
@@ -104,7 +104,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         out += [f"metadata  {k} = {v}" for k, v in m.metadata.items()]
         if m.numerics is not None:
             out.append(f"numerics  {m.numerics}")
-        out.append(f"matmul    precision {m.matmul_precision}")
+        out.append(f"matmul    precision {precision_text(bundle)}")
         if m.required_features:
             out.append(f"requires  {', '.join(m.required_features)}")
         if m.rng is not None:

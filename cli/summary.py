@@ -116,6 +116,15 @@ def _batch_text(specs: Iterable[Any]) -> str:
     return ", ".join(f"{b.name}: {b.spec}" for b in specs) or "(none)"
 
 
+def precision_text(bundle: Any) -> str:
+    """The bundle's matmul precision, or that it records none (format 1.0-1.1)."""
+    from stepbundle.schema.version import MATMUL_PRECISION_SINCE
+
+    if tuple(bundle.version) < MATMUL_PRECISION_SINCE:
+        return "not recorded (format 1.0-1.1): the programs' own"
+    return str(bundle.manifest.matmul_precision)
+
+
 def summary_lines(bundle: Any, shown: str) -> list[str]:
     """The summary of an open ``Bundle`` (named ``shown``): reads its manifest and its
     small constants."""
@@ -137,7 +146,7 @@ def summary_lines(bundle: Any, shown: str) -> list[str]:
         out.append(f"requires  {', '.join(m.required_features)}")
     if m.numerics is not None:
         out.append(f"numerics  {m.numerics}")
-    out.append(f"matmul    precision {m.matmul_precision}")
+    out.append(f"matmul    precision {precision_text(bundle)}")
     out += _state_line(m)
     out += _origin_line(m)
     if m.hyperparameters:

@@ -17,6 +17,7 @@ from typing import Any
 
 import stepbundle.schema as codec
 from stepbundle.schema.manifest import ConstantInput, Manifest, MetricOutput
+from stepbundle.schema.version import MATMUL_PRECISION_SINCE
 from stepbundle.stablehlo.precision import MATMUL_PRECISIONS
 
 from . import _compat, packing, remote
@@ -265,8 +266,10 @@ def load(
                 f"matmul_precision must be one of {', '.join(MATMUL_PRECISIONS)} or None, "
                 f"got {matmul_precision!r}."
             )
-        if matmul_precision is None:
+        if matmul_precision is None and bundle.version >= MATMUL_PRECISION_SINCE:
             matmul_precision = manifest.matmul_precision
+        # None: a bundle older than the field, whose programs keep their own settings
+        # (torch_xla wrote precision_config into the ops under a non-default precision).
         info.matmul_precision = matmul_precision
         stacked_entry = "train" if steps_per_call > 1 and "train" in wanted else None
         # ---- where the initial state comes from: checked before anything is compiled

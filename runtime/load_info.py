@@ -34,7 +34,8 @@ class LoadInfo:
         (the bundle), ``rule`` (the bundle's fill) or ``file`` (``init_from``).
       ignored_tensors: tensors of ``init_from`` no state entry names (``init_strict=False``).
       matmul_precision: the precision set on every matmul and convolution before
-        compiling (``load(matmul_precision=...)``, or the manifest's).
+        compiling (``load(matmul_precision=...)``, or the manifest's); None for a
+        bundle older than format 1.2 loaded without one: its programs keep their own.
     """
 
     seconds: dict[str, float] = field(default_factory=dict)
@@ -45,4 +46,4 @@ class LoadInfo:
     dispatch: dict[str, PathChoice] = field(default_factory=dict)
     state_origins: dict[str, str] = field(default_factory=dict)
     ignored_tensors: tuple[str, ...] = ()
-    matmul_precision: str = "default"
+    matmul_precision: str | None = "default"

@@ -78,6 +78,9 @@ deviations), in plain StableHLO ops; ``torch_xla``, the programs are as torch_xl
 them (``batch_norm_training`` / ``batch_norm_grad``, which XLA expands with E[x^2] - E[x]^2)."""
 
 MATMUL_PRECISIONS: tuple[str, ...] = ("default", "high", "highest")
+MATMUL_PRECISION_SINCE: tuple[int, int] = (1, 2)
+"""The format version that added ``Manifest.matmul_precision``: an older bundle records
+none (it decodes as "default"), and its programs keep their own ``precision_config``."""
 """The values ``Manifest.matmul_precision`` may take (1.2), StableHLO's ``precision_config``
 values in lower case: ``default`` lets the backend choose (TF32 or bf16 passes on some
 accelerators), ``highest`` asks for full float32 accuracy."""

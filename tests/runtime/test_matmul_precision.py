@@ -123,3 +123,30 @@ def test_dot_and_convolution_carry_the_precision_too() -> None:
         )
         == 2
     ), module.text()
+
+
+def test_a_bundle_older_than_the_field_keeps_its_programs_own_precision(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Format 1.1 records no precision (it decodes as "default"), but torch_xla wrote a
+    non-default one into the ops themselves: overwriting it with DEFAULT would move such
+    a bundle to TF32 on a GPU. Nothing is set unless the user asks."""
+    from runtime_helpers import golden_bundle as golden
+
+    import stepbundle.runtime.program as program_module
+
+    calls: list[str] = []
+    real = program_module.set_matmul_precision
+
+    def spy(module: mlir.Module, precision: str) -> int:
+        calls.append(precision)
+        return real(module, precision)
+
+    monkeypatch.setattr(program_module, "set_matmul_precision", spy)
+    old = golden(NAME, (1, 1))
+    t = load(old, cache_dir=False, entry="train")
+    assert t.load_info.matmul_precision is None and calls == []
+    t = load(old, cache_dir=False, entry="train", matmul_precision="highest")
+    assert t.load_info.matmul_precision == "highest" and calls and set(calls) == {"highest"}
+    t = load(BUNDLE, cache_dir=False, entry="train")  # 1.2 records one: it is applied
+    assert calls[-1] == codec.open_bundle(BUNDLE).manifest.matmul_precision

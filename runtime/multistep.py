@@ -14,11 +14,12 @@ wrapper ``@main`` holding a ``stablehlo.while`` loop of K iterations; iteration 
 
 The state goes in and out of the loop once per call; its inputs are donated to its
 results as in a single step, so XLA updates it in place. Every iteration runs the same
-program on the same values as a single step would. The results are bit for bit K single
-steps' where XLA compiles the loop body's kernels as it compiles the single step's
+program on the same values as a single step would, and the results are bit for bit K
+single steps' where XLA compiles the loop body's kernels as the single step's
 (tests/runtime/test_steps_per_call.py checks state and every metric on the golden
-bundles); not always otherwise: XLA:CPU canonicalizes only top-level convolutions for
-its Eigen kernels, so a convolution inside the loop rounds differently.
+bundles, tests/exporter/test_steps_per_call_conv.py on a CNN). For that the K-step
+program's convolutions are put in XLA:CPU's kernel order first (stablehlo/conv_layout.py:
+XLA does it for the entry computation only), and metrics are stored one iteration late.
 
 The bundle is not changed and nothing is exported again: the wrapper is built from the
 manifest's tables (after ``packing.wrap_program``, when the state is packed), and the

@@ -22,6 +22,7 @@ from stepbundle.schema.atomic import atomic_write
 from stepbundle.schema.errors import SchemaValidationError
 from stepbundle.schema.manifest import Program, StateUpdateOutput
 from stepbundle.stablehlo import artifact as mlir
+from stepbundle.stablehlo.conv_layout import canonicalize_convolutions
 from stepbundle.stablehlo.precision import set_matmul_precision
 
 from . import _compat, multistep, packing, remote
@@ -202,6 +203,9 @@ def compile_program(
     if layout is not None and layout.packs:
         module, program = packing.wrap_program(module, program, layout)
     if steps_per_call > 1:
+        # XLA:CPU puts only the entry computation's convolutions in the order of its
+        # fast kernels; inside the loop they would run (and round) otherwise.
+        canonicalize_convolutions(module)
         module, program = multistep.wrap_steps(module, program, steps_per_call)
     devices = list(placement.devices)
     n = len(devices)

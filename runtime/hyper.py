@@ -92,10 +92,10 @@ class Hyperparameters:
                 )
         if value == 0.0 and self._zero_lr_refused and name.rsplit(".", 1)[-1] == "lr":
             raise BindingError(
-                f"{source.capitalize()} gave {name!r} = 0. This bundle's optimizer is "
-                "capturable Adam/AdamW, whose update with an lr of exactly 0 computes 0/0 "
-                "and turns parameters into NaN. Use a small positive lr (e.g. 1e-12), or "
-                "stop training instead."
+                f"{source[:1].upper()}{source[1:]} gave {name!r} = 0. This bundle's "
+                "optimizer is capturable Adam/AdamW, whose update with an lr of exactly 0 "
+                "computes 0/0 and turns parameters into NaN. Use a small positive lr (e.g. "
+                "1e-12; a schedule's min=1e-12), or stop training instead."
             )
 
     @staticmethod

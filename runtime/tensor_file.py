@@ -199,6 +199,13 @@ def open_safetensors(path: str | os.PathLike[str]) -> SafetensorsFile:
     try:
         (n,) = struct.unpack_from("<Q", mm, 0)
         if n > MAX_HEADER or 8 + n > size:
+            if bytes(mm[:2]) == b"PK" or bytes(mm[:1]) == b"\x80":
+                raise CheckpointError(
+                    f"{p} is not a safetensors file: it looks like a torch.save() file "
+                    "(a zip archive or a pickle), which the runtime never unpickles. "
+                    "Convert it where torch is installed: "
+                    "safetensors.torch.save_file(torch.load(path), 'model.safetensors')."
+                )
             raise CheckpointError(f"{p} has a corrupt safetensors header length ({n}).")
         try:
             header = json.loads(bytes(mm[8 : 8 + n]).decode("utf-8"))

@@ -310,3 +310,20 @@ def test_compile_needs_no_weights_and_places_nothing(made: dict[str, Any], tmp_p
     np.savez(data, **{k: np.stack([b[k] for b in batches]) for k in batches[0]})
     run = ["run", str(made["free"]), "--steps", "2", "--data", str(data), "--cache-dir"]
     assert main([*run, str(cache), "--init-from", made["single"].as_uri()]) == 0
+
+
+def test_a_torch_save_file_is_named_as_one_with_the_conversion(tmp_path: Path) -> None:
+    """torch.save() writes a zip archive (older torch: a bare pickle); read as safetensors
+    its first 8 bytes made an absurd header length, which the message quoted."""
+    import zipfile
+
+    from stepbundle.runtime.tensor_file import open_safetensors
+
+    archive = tmp_path / "model.pt"
+    with zipfile.ZipFile(archive, "w") as z:
+        z.writestr("archive/data.pkl", b"\x80\x02}q\x00.")
+    legacy = tmp_path / "legacy.pt"
+    legacy.write_bytes(b"\x80\x02}q\x00." + b"\0" * 16)  # a protocol-2 pickle's bytes
+    for path in (archive, legacy):
+        with pytest.raises(CheckpointError, match=r"not a safetensors file.*torch\.save"):
+            open_safetensors(path)

@@ -20,6 +20,7 @@ import gc
 import importlib
 import os
 import re
+import sys
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -264,25 +265,31 @@ def _pending_outside(state: Sequence[torch.Tensor]) -> list[torch.Tensor]:
             base = base._base
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # isinstance on deprecated module attributes
-        objects = gc.get_objects()
-        tensors = {
-            id(o): o for o in objects if isinstance(o, torch.Tensor) and o.device.type == "xla"
-        }
-    reachable: dict[int, torch.Tensor] = {}
-    for o in objects:
-        for r in gc.get_referents(o):
-            if id(r) in tensors:
-                reachable[id(r)] = tensors[id(r)]
-    del objects, tensors
-    pending = []
-    for t in reachable.values():
+        candidates = [
+            o for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.device.type == "xla"
+        ]
+    waiting = []
+    for t in candidates:
         if tensor_id(t) in keep:
             continue
         try:
             xlac._get_tensors_handle([t])
         except RuntimeError:
-            pending.append(t)
-    return pending
+            waiting.append(t)
+    del candidates
+    if not waiting:
+        return []
+    # Which of them a Python object refers to: one pass over the referrers of them all.
+    ids = {id(t): t for t in waiting}
+    ours = {id(waiting), id(ids), id(sys._getframe())}
+    reachable: dict[int, torch.Tensor] = {}
+    for r in gc.get_referrers(*waiting):
+        if id(r) in ours:
+            continue
+        for x in gc.get_referents(r):
+            if id(x) in ids:
+                reachable[id(x)] = ids[id(x)]
+    return list(reachable.values())
 
 
 def tensor_id(t: torch.Tensor) -> int:

@@ -270,7 +270,11 @@ def _pending_outside(state: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         ]
     waiting = []
     for t in candidates:
-        if tensor_id(t) in keep:
+        try:
+            tid = xlac._xla_get_tensor_id(t)
+        except RuntimeError:
+            continue  # on the xla device but not torch_xla's (a dynamo fake tensor)
+        if tid in keep:
             continue
         try:
             xlac._get_tensors_handle([t])

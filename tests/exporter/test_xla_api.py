@@ -181,6 +181,19 @@ def test_skip_step_drops_the_graph_and_leaves_placeholders() -> None:
     assert w2.cpu().tolist() == [[2.0, 2.0]] * 3
 
 
+def test_skip_step_passes_over_tensors_that_are_not_torch_xla_s() -> None:
+    """A dynamo FakeTensor on the xla device (the benchmark's dynamo runs leave some
+    alive) is not a torch_xla tensor: _xla_get_tensor_id raises for it."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        fake = torch.empty(3, device="xla")
+    w = _data(2)
+    w.add_(1.0)
+    assert xla.skip_step([w]) == []
+    assert fake.device.type == "xla"
+
+
 def test_tensor_id() -> None:
     a, b = _data(3), _data(3)
     ia, ib = xla.tensor_id(a), xla.tensor_id(b)

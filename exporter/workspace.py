@@ -401,8 +401,8 @@ class Workspace:
             hints.append(
                 f"{type(opt).__name__} was built with capturable=False, so its step count "
                 "lives on the host and its bias correction is baked into the graph as a "
-                "number that changes every step. Build it with capturable=True, "
-                "foreach=False."
+                "number that changes every step. Build it with capturable=True (foreach "
+                "either way)."
             )
         return hints
 

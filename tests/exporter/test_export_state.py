@@ -315,14 +315,14 @@ class _WithUnused(torch.nn.Module):
         return self.used(x)
 
 
-def _unused_recipe(make_opt):
+def _unused_recipe(make_opt, step=mse_step):
     def recipe() -> Recipe:
         torch.manual_seed(0)
         model = _WithUnused()
         return Recipe(
             model=model,
             optimizer=make_opt(model.parameters()),
-            step=mse_step,  # zero_grad() first: the unused parameter's grad stays None
+            step=step,  # mse_step: zero_grad() first, the unused parameter's grad stays None
             example_batch=regression_batch(),
         )
 
@@ -367,17 +367,7 @@ def test_unused_parameter_with_kept_gradients(make_opt, tmp_path: Path) -> None:
     zero grad like every other parameter, and the bundle decayed it (0.14 off eager
     after 3 steps of SGD with weight_decay=0.5)."""
 
-    def recipe() -> Recipe:
-        torch.manual_seed(0)
-        model = _WithUnused()
-        return Recipe(
-            model=model,
-            optimizer=make_opt(model.parameters()),
-            step=_keep_grads_step,
-            example_batch=regression_batch(),
-        )
-
-    m = check_equivalent(recipe, tmp_path)
+    m = check_equivalent(_unused_recipe(make_opt, _keep_grads_step), tmp_path)
     names = {s.name for s in m.state}
     assert {"used.weight.grad", "used.bias.grad"} <= names  # kept: state
     assert not {"unused.weight.grad", "unused.bias.grad"} & names

@@ -12,12 +12,11 @@ stepbundle.stablehlo), stepbundle.schema.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 import time
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,6 +47,7 @@ from . import xla
 from .bind import BoundProgram, GraphChanged, bind
 from .dtypes import HYPERPARAMETER_DTYPE, spec_of, tensor_bytes
 from .errors import ExportError
+from .gradients import GradientsDropped, NoGradient, gradients_reached
 from .graphdiff import explain_graph_change
 from .initial_state import initial_section, non_persistent_buffers
 from .numerics import checked_numerics
@@ -132,39 +132,7 @@ def _rng(seed: int, trains: list[BoundProgram]) -> Rng:
     )
 
 
-class _GradientsDropped(Exception):
-    """The step sets gradients to None: trace again without materialized gradients."""
-
-
-class _NoGradient(Exception):
-    """Trainable parameters the step's backward never reached: trace again with their
-    gradients None (as in eager), not zeros."""
-
-    def __init__(self, names: frozenset[str]) -> None:
-        super().__init__(", ".join(sorted(names)))
-        self.names = names
-
-
 _Bound = list[tuple[BoundProgram, tuple[NamedSpec, ...]]]
-
-
-@contextlib.contextmanager
-def _gradients_reached(model: torch.nn.Module, *, watch: bool) -> Iterator[set[str]]:
-    """The names of the trainable parameters a backward accumulated a gradient into
-    while the block ran (torch's post-accumulate-grad hooks); empty if not ``watch``."""
-    reached: set[str] = set()
-    handles = []
-    if watch:
-        for name, p in model.named_parameters():
-            if p.requires_grad:
-                handles.append(
-                    p.register_post_accumulate_grad_hook(lambda _p, n=name: reached.add(n))
-                )
-    try:
-        yield reached
-    finally:
-        for h in handles:
-            h.remove()
 
 
 def _trace_recipe(
@@ -199,14 +167,14 @@ def _trace_recipe(
         train_bound: _Bound = []
         for i, batch in enumerate(batches):
             what = "training step" + (f" (shape bucket {i})" if len(batches) > 1 else "")
-            with _gradients_reached(ws.model, watch=zero_grads and i == 0) as reached:
+            with gradients_reached(ws.model, watch=zero_grads and i == 0) as reached:
                 ta = trace_train(ws, batch, recipe.step, seed=base_seed if i == 0 else None)
             trainable = [(n, p) for n, p in ws.model.named_parameters() if p.requires_grad]
             if zero_grads and any(p.grad is None for n, p in trainable if n not in no_gradient):
-                raise _GradientsDropped
+                raise GradientsDropped
             unreached = frozenset(n for n, _ in trainable if n not in reached) - no_gradient
             if zero_grads and i == 0 and unreached:
-                raise _NoGradient(unreached)
+                raise NoGradient(unreached)
             tb = trace_train(ws, batch, recipe.step)
             bound = bind(
                 ta,
@@ -327,9 +295,9 @@ def export(
                     no_gradient=no_gradient,
                 )
                 break
-            except _GradientsDropped:
+            except GradientsDropped:
                 zero_grads, no_gradient = False, frozenset()
-            except _NoGradient as e:
+            except NoGradient as e:
                 no_gradient = no_gradient | e.names
                 say(f"no gradient reaches {e}: traced again with their grads None")
             except GraphChanged as e:

@@ -221,9 +221,8 @@ def _own_buffers(batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 # Whether each traced training step is compiled and run (a sync), as torch_xla eager
-# would. False (the default) drops it instead (xla.skip_step): the exporter only needs
-# the lowered program, and compiling the traced steps was almost all of export time.
-# True is kept for tests that prove both give the same bundle.
+# would. False (the default) drops it (xla.skip_step): only the lowered program is
+# needed. True is kept for tests that prove both give the same bundle.
 _EXECUTE_STEPS = False
 
 
@@ -233,16 +232,14 @@ def trace_train(
     step_fn: Any,
     *,
     seed: int | None = None,
-    execute: bool | None = None,
 ) -> StepTrace:
-    """Trace one training step on the workspace; ``execute=True`` also runs it.
+    """Trace one training step on the workspace (and run it, with ``_EXECUTE_STEPS``).
 
-    Running it (``_EXECUTE_STEPS``) leaves the workspace in the state after the
-    step, ready for the next traced step, as in eager training with one sync per step.
-    Not running it (compiling and running the step is almost all of export time) leaves a
-    placeholder in every state tensor the step changed (``xla.skip_step``), which the
-    next traced step reads as a graph input just the same. ``seed``, when given, is
-    the torch_xla RNG seed this step receives (every sync advances it).
+    Running it leaves the workspace in the state after the step, as in eager training
+    with one sync per step. Not running it (compiling the step was almost all of export
+    time) leaves a placeholder in every state tensor the step changed (``xla.skip_step``),
+    which the next traced step reads as a graph input just the same. ``seed``, when
+    given, is the torch_xla RNG seed this step receives (every sync advances it).
     """
     batch = _own_buffers(batch)
     xla.sync()
@@ -386,14 +383,12 @@ def trace_train(
         ir=xla.ir_text(roots) if xla.ir_debugging() else "",
     )
     del roots, metrics, result, values
-    if _EXECUTE_STEPS if execute is None else execute:
+    if _EXECUTE_STEPS:
         xla.sync()
     else:
         # Everything the step changed on the device gets a placeholder, gradients
-        # rebuilt by the step (transient) too: their pending values are dropped. A
-        # step that also writes device tensors outside the model and the optimizer
-        # is run instead, as torch_xla eager would: dropping them would leave the
-        # user's tensors without values (and a changed one is refused as before).
+        # rebuilt by the step (transient) too. A step that also writes the user's own
+        # device tensors is run instead, as torch_xla eager would (see skip_step).
         if xla.skip_step([s.tensor for s in _on_device(after) if s.name in changed]):
             xla.sync()
     return trace

@@ -222,12 +222,10 @@ def skip_step(state: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     input, as after a real step, without compiling and running this one. Reading a
     placeholder's value fails; the exporter reads the initial state before tracing.
 
-    torch_xla drops the pending value of *every* live tensor on the device, not only
-    of ``state``. So the live XLA tensors outside ``state`` are checked first: one whose
-    value is still pending (a tensor the user's step writes outside the model and the
-    optimizer, a view kept alive) would be left without a value, and reading it later
-    aborts the process. Then nothing is dropped and they are returned: the caller runs
-    the step instead (``sync()``). An empty list means the step was dropped.
+    torch_xla drops the pending value of *every* live tensor on the device, so a tensor
+    outside ``state`` the user's step wrote would be left without a value (reading it
+    aborts the process). Such tensors are returned and nothing is dropped: the caller
+    runs the step (``sync()``). An empty list means the step was dropped.
 
     The placeholder is swapped in with ``t.data = ...``, not ``_XLAC._replace_xla_tensor``:
     after the latter, views made from a parameter (``weight.t()`` in ``F.linear``) still

@@ -202,8 +202,8 @@ def open_safetensors(path: str | os.PathLike[str]) -> SafetensorsFile:
             if bytes(mm[:2]) == b"PK" or bytes(mm[:1]) == b"\x80":
                 raise CheckpointError(
                     f"{p} is not a safetensors file: it looks like a torch.save() file "
-                    "(a zip archive or a pickle), which the runtime never unpickles. "
-                    "Convert it where torch is installed: "
+                    "(a zip archive, or torch's older format), which the runtime does not "
+                    "read. Convert it where torch is installed: "
                     "safetensors.torch.save_file(torch.load(path), 'model.safetensors')."
                 )
             raise CheckpointError(f"{p} has a corrupt safetensors header length ({n}).")

@@ -10,14 +10,14 @@ import contextlib
 import itertools
 import json
 import os
-import signal
 import sys
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any
 
 from .common import EXIT_PIPE_CLOSED
 from .common import die as _die
+from .stopping import Stopper, StopRequested, exit_on_sigterm
 from .watchdog import Watchdog
 
 __all__ = ["cmd_run"]
@@ -228,74 +228,6 @@ def _run_eval(args: argparse.Namespace, trainer: Any, batches: Iterable[Any]) ->
     return 0
 
 
-@contextlib.contextmanager
-def _exit_on_sigterm(enabled: bool) -> Iterator[None]:
-    """In a multi-process job, SIGTERM ends this process at once with 143.
-
-    jax's distributed runtime installs its own SIGTERM handler (for preemption notices),
-    which left a job's processes running after SIGTERM; only SIGKILL stopped them. The
-    processes cannot agree on one step boundary without a collective per step, so there
-    is no clean stop: the last checkpoint is where a resume starts.
-    """
-    if not enabled:
-        yield
-        return
-
-    def handler(signum: int, frame: Any) -> None:
-        print("\n[run] SIGTERM: stopping this process of the job now", file=sys.stderr, flush=True)
-        os._exit(128 + signum)
-
-    previous = signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-class _StopRequested(Exception):
-    """Raised from the step callback to end a run at a step boundary."""
-
-
-class _Stopper:
-    """Turns SIGINT and SIGTERM (and a closed stdout) into a stop at the next step boundary.
-
-    A scheduler that preempts a job sends SIGTERM; Ctrl-C sends SIGINT. Either way the
-    step in flight completes, its state replaces the old, and the run then writes its
-    final checkpoint and ``--save-state`` before exiting with 128 + the signal number.
-    A second signal while stopping is left to Python's default handling.
-    """
-
-    def __init__(self) -> None:
-        self.exit_code: int | None = None
-        self.reason = ""
-        self._previous: dict[int, Any] = {}
-
-    def request(self, exit_code: int, reason: str) -> None:
-        if self.exit_code is None:
-            self.exit_code, self.reason = exit_code, reason
-
-    def _on_signal(self, signum: int, frame: Any) -> None:
-        self.request(128 + signum, signal.Signals(signum).name)
-        for sig, handler in self._previous.items():  # a second signal acts at once
-            signal.signal(sig, handler)
-
-    @contextlib.contextmanager
-    def installed(self, enabled: bool) -> Iterator[_Stopper]:
-        if enabled:
-            for wanted in (signal.SIGINT, signal.SIGTERM):
-                self._previous[wanted] = signal.signal(wanted, self._on_signal)
-        try:
-            yield self
-        finally:
-            for sig, handler in self._previous.items():
-                signal.signal(sig, handler)
-            self._previous.clear()
-
-    def check(self) -> None:
-        if self.exit_code is not None:
-            raise _StopRequested(self.reason)
-
-
 def _run_train(
     args: argparse.Namespace, trainer: Any, batches: Any, steps: int, offset: int
 ) -> int:
@@ -307,7 +239,7 @@ def _run_train(
     start_step = trainer.step_count
     ckpt_dir: str | None = args.checkpoint_dir or None  # a folder or a URL
     stdout = sys.stdout
-    stopper = _Stopper()
+    stopper = Stopper()
     written: set[int] = set()  # steps whose checkpoint this run wrote
 
     def checkpoint(name: str | None = None) -> None:
@@ -367,7 +299,7 @@ def _run_train(
     single = len({d.process_index for d in trainer.devices}) == 1
     with (
         stopper.installed(enabled=single),
-        _exit_on_sigterm(enabled=not single),
+        exit_on_sigterm(enabled=not single),
         watchdog or contextlib.nullcontext(),
         reporter,
     ):
@@ -382,7 +314,7 @@ def _run_train(
             if ckpt_dir is not None:
                 checkpoint(f"step-{trainer.step_count:08d}-before-nonfinite.safetensors")
             code = 3
-        except _StopRequested as stop:
+        except StopRequested as stop:
             code = stopper.exit_code or 1
             print(f"\n[run] stopping after step {trainer.step_count} ({stop})", file=sys.stderr)
         trainer.block_until_ready()

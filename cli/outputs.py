@@ -1,5 +1,6 @@
 """Checks of ``stepbundle run``'s outputs, made before anything is loaded: nothing is
-written over an input or over earlier checkpoints, and every output can be written.
+written over an input (``output_paths``) or over earlier checkpoints, and every output
+can be written.
 
 A checkpoint folder or ``--save-state`` at a URL is checked by listing it and writing
 and removing a small probe object (credentials and scheme, before the run).
@@ -18,13 +19,6 @@ import tempfile
 from pathlib import Path
 
 __all__ = ["check_outputs"]
-
-
-def _same_file(a: str, b: str) -> bool:
-    try:
-        return os.path.samefile(a, b)
-    except OSError:
-        return False
 
 
 def _check_writable_folder(folder: Path, what: str) -> None:
@@ -84,9 +78,11 @@ def check_outputs(args: argparse.Namespace) -> None:
     overwrite an input or earlier checkpoints."""
     from stepbundle.schema.atomic import stale_temp_files
 
+    from .output_paths import check_output_paths
     from .sinks import check_sink_outputs
 
     _check_bundle(args.bundle)
+    check_output_paths(args)  # before anything below creates an output
     check_sink_outputs(args.metrics_file, args.tensorboard)
     if args.checkpoint_every and not args.checkpoint_dir:
         raise ValueError(
@@ -129,17 +125,6 @@ def check_outputs(args: argparse.Namespace) -> None:
         check_writable(args.save_state.rpartition("/")[0])
     if save_state is not None:
         target = save_state
-        inputs = (
-            ("the bundle", args.bundle),
-            ("--data", args.data),
-            ("--init-from", args.init_from),
-        )
-        for name, source in (i for i in inputs if i[1]):
-            if _same_file(str(target), source):
-                raise ValueError(
-                    f"--save-state {args.save_state!r} is {name}; writing it would destroy an "
-                    "input. Choose another file."
-                )
         if target.is_dir():
             raise ValueError(f"--save-state {args.save_state!r} is a folder; give a file name.")
         _check_writable_folder(target.parent if str(target.parent) else Path("."), "--save-state")

@@ -159,7 +159,7 @@ class StateAndCheckpoints:
                     self._hp.check(k, v, source=f"the checkpoint {os.fspath(path)}")
             for name, spec in meta.schedules.items():
                 if name in self._hyper and spec is not None:
-                    Hyperparameters.check_spec(spec)
+                    self._hp.check_schedule(name, spec)  # its values too, not only its form
         except (BindingError, ValueError) as e:
             raise CheckpointError(f"{os.fspath(path)} cannot be restored: {e}") from None
         self._put_state(check_state_values(self.manifest, values))

@@ -76,9 +76,11 @@ class Hyperparameters:
         )
 
     def check(self, name: str, value: float, *, source: str) -> None:
-        """Refuse a value no step may receive: not finite, or an lr of exactly 0 for
+        """Refuse a value no step may receive: not finite, or an lr that is 0 for
         capturable Adam/AdamW (whose update then divides 0 by 0 where a second moment
-        is 0, turning those parameters into NaN in one step)."""
+        is 0, turning those parameters into NaN in one step). The value checked is the
+        one the device receives: cast to the dtype the bundle declares (1e-46 is 0 as
+        float32)."""
         if not math.isfinite(value):
             raise BindingError(
                 f"Hyperparameter {name!r} must be finite, but {source} gave {value!r}."
@@ -90,13 +92,27 @@ class Hyperparameters:
                     f"Hyperparameter {full!r} is {dtype}, and {source} gave {value!r}, which "
                     f"is infinite as {dtype} (largest {float(np.finfo(dtype).max)!r})."
                 )
-        if value == 0.0 and self._zero_lr_refused and name.rsplit(".", 1)[-1] == "lr":
-            raise BindingError(
-                f"{source[:1].upper()}{source[1:]} gave {name!r} = 0. This bundle's "
-                "optimizer is capturable Adam/AdamW, whose update with an lr of exactly 0 "
-                "computes 0/0 and turns parameters into NaN. Use a small positive lr (e.g. "
-                "1e-12; a schedule's min=1e-12), or stop training instead."
-            )
+            seen = value if dtype is None else float(np.asarray(value, dtype=dtype))
+            if seen == 0.0 and self._zero_lr_refused and full.rsplit(".", 1)[-1] == "lr":
+                given = (
+                    f"{name!r} = 0"
+                    if value == 0.0
+                    else f"{name!r} = {value!r}, which is 0 as {dtype} (the dtype the bundle "
+                    f"declares for {full!r})"
+                )
+                raise BindingError(
+                    f"{source[:1].upper()}{source[1:]} gave {given}. This bundle's optimizer "
+                    "is capturable Adam/AdamW, whose update with an lr of exactly 0 computes "
+                    "0/0 and turns parameters into NaN. Use a small positive lr (e.g. 1e-12; "
+                    "a schedule's min=1e-12), or stop training instead."
+                )
+
+    def check_schedule(self, name: str, spec: str) -> None:
+        """Refuse a schedule spec ``parse_schedule`` does not take (ValueError), or whose
+        start or end value ``check`` refuses (BindingError)."""
+        parse_schedule(spec)
+        for extreme in schedule_extremes(spec):
+            self.check(name, extreme, source=f"the schedule {spec!r}")
 
     @staticmethod
     def check_spec(spec: str) -> None:
@@ -124,9 +140,8 @@ class Hyperparameters:
         spec: str | None = None
         if isinstance(schedule, str):
             spec = schedule
+            self.check_schedule(name, spec)
             schedule = parse_schedule(spec)
-            for extreme in schedule_extremes(spec):
-                self.check(name, extreme, source=f"the schedule {spec!r}")
         for n in self.resolve(name):
             if schedule is None:
                 self.schedules.pop(n, None)

@@ -10,9 +10,19 @@ import argparse
 import math
 import os
 import re
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
 
-__all__ = ["at_least", "checkpoint_path", "digest", "devices", "hyperparameter", "positive_seconds"]
+__all__ = [
+    "DeprecatedAlias",
+    "at_least",
+    "checkpoint_path",
+    "digest",
+    "devices",
+    "hyperparameter",
+    "positive_seconds",
+]
 
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 
@@ -95,3 +105,24 @@ def checkpoint_path(text: str) -> str:
             "model.safetensors.index.json or the folder save_pretrained wrote"
         )
     return text
+
+
+class DeprecatedAlias(argparse.Action):
+    """An option's old name: stores into the new one's ``dest`` and prints a one-line
+    note naming the new spelling (``stepbundle eval --batch-size``, until 0.3)."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: str | Sequence[Any] | None,
+        option_string: str | None = None,
+    ) -> None:
+        new = "--" + self.dest.replace("_", "-")
+        command = parser.prog.removeprefix("stepbundle ").strip()
+        print(
+            f"stepbundle: note: `stepbundle {command} {option_string}` is deprecated; it is "
+            f"now {new}, as in `stepbundle run` (the old name goes in 0.3).",
+            file=sys.stderr,
+        )
+        setattr(namespace, self.dest, values)

@@ -86,7 +86,7 @@ def default_batch_size(trainer: Any, entry: str) -> int:
     if len(sizes) != 1:
         raise ValueError(
             f"The bundle's {entry!r} batches have no single batch size ({sorted(sizes)}); "
-            "pass --batch-size."
+            f"pass {'--batch-size' if entry == 'train' else '--eval-batch-size'}."
         )
     return int(sizes.pop())
 

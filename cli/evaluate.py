@@ -41,7 +41,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         )
         if args.resume:
             trainer.load_checkpoint(args.resume, allow_other_bundle=args.allow_other_bundle)
-        batches, mask = eval_batches(args.data, trainer, args.entry, args.batch_size)
+        batches, mask = eval_batches(args.data, trainer, args.entry, args.eval_batch_size)
         result = trainer.evaluate_dataset(batches, args.entry, mask_key=mask)
     except OSError as e:
         return _die(f"cannot open {e.filename!r}: {e.strerror}.", 2)

@@ -338,10 +338,20 @@ def _add_eval(sub: Any) -> None:
         "--allow-other-bundle", action="store_true", help="accept a checkpoint of another bundle"
     )
     ev.add_argument(
-        "--batch-size",
+        "--eval-batch-size",
         type=types.at_least(1),
         metavar="B",
-        help="batch size for a dataset folder (default: the entry's traced batch)",
+        help="batch size for a dataset folder (default: the entry's traced batch); the "
+        "same option as run's",
+    )
+    # Until 0.3: eval's old spelling, which meant what run calls --eval-batch-size
+    # (run's --batch-size is the training batch). Remove the alias in 0.3.
+    ev.add_argument(
+        "--batch-size",
+        type=types.at_least(1),
+        dest="eval_batch_size",
+        action=types.DeprecatedAlias,
+        help=argparse.SUPPRESS,
     )
     ev.add_argument("--json", action="store_true", help="print the result as one JSON object")
     _add_device_options(ev)

@@ -12,7 +12,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from .common import EXIT_PIPE_CLOSED
@@ -81,7 +81,6 @@ def cmd_run(args: argparse.Namespace) -> int:
     from stepbundle.runtime import distributed
     from stepbundle.schema.errors import BundleError
 
-    from .data import DATA_ERRORS, is_dataset, read_npz, training_batches
     from .outputs import check_outputs
 
     try:
@@ -103,16 +102,52 @@ def cmd_run(args: argparse.Namespace) -> int:
                 distributed.agree(False, timeout_s=_SETUP_TIMEOUT_S)
         return _die(message, code)
 
-    npz = None
-    try:
-        if is_dataset(args.data):
-            from stepbundle.runtime.dataset import open_dataset
+    with contextlib.ExitStack() as held:
+        try:
+            held.enter_context(_folder_lock(args, joined))
+        except ValueError as e:
+            return fail(str(e), 2)
+        return _load_and_run(args, joined, fail)
 
-            open_dataset(args.data)  # refused here, before the bundle is compiled
-        else:
-            npz = read_npz(args.data)
-    except (*DATA_ERRORS, BundleError) as e:
-        return fail(f"cannot read --data {args.data!r}: {e}", 2)
+
+def _folder_lock(args: argparse.Namespace, joined: bool) -> contextlib.AbstractContextManager[None]:
+    """The lock on a local ``--checkpoint-dir`` (``folder_lock``), taken by the process
+    that writes the checkpoints: this one, or process 0 of a job."""
+    from stepbundle.runtime import distributed
+    from stepbundle.runtime.remote import local_path
+
+    from .folder_lock import holding
+
+    folder = local_path(args.checkpoint_dir) if args.checkpoint_dir else None
+    if folder is None or (joined and distributed.process_id() != 0):
+        return contextlib.nullcontext()
+    return holding(folder, args.checkpoint_dir)
+
+
+def _load_and_run(args: argparse.Namespace, joined: bool, fail: Callable[[str, int], int]) -> int:
+    from stepbundle.runtime import distributed
+    from stepbundle.schema.errors import BundleError
+
+    from .data import DATA_ERRORS, is_dataset, read_npz, training_batches
+    from .sinks import trim_metrics_file
+
+    npz = None
+    # Both data sets are opened before the bundle is compiled: --eval-data is not first
+    # read at the first evaluation, maybe hours in.
+    for flag, path in (("--data", args.data), ("--eval-data", args.eval_data)):
+        try:
+            if not path:
+                continue
+            if is_dataset(path):
+                from stepbundle.runtime.dataset import open_dataset
+
+                open_dataset(path)
+            elif flag == "--data":
+                npz = read_npz(path)
+            else:
+                read_npz(path)
+        except (*DATA_ERRORS, BundleError) as e:
+            return fail(f"cannot read {flag} {path!r}: {e}", 2)
     try:
         t0 = time.perf_counter()
         trainer = _open_trainer(args)
@@ -127,6 +162,18 @@ def cmd_run(args: argparse.Namespace) -> int:
         batches, offset = training_batches(args, trainer, npz)
     except (BundleError, ValueError) as e:
         return fail(str(e), 1)
+    if args.resume and args.metrics_file and trainer.placement.writes_files:
+        # Rows a killed run wrote past its checkpoint would otherwise come twice.
+        try:
+            dropped = trim_metrics_file(args.metrics_file, trainer.step_count)
+        except OSError as e:
+            return fail(f"cannot rewrite --metrics-file {args.metrics_file!r}: {e}", 1)
+        if dropped:
+            print(
+                f"[run] dropped {dropped} line(s) of {args.metrics_file} past step "
+                f"{trainer.step_count - 1}, left by the run the checkpoint came from",
+                file=sys.stderr,
+            )
     try:
         if joined and not distributed.agree(True, timeout_s=_SETUP_TIMEOUT_S):
             return _die("another process of the job failed to start; its error says why", 1)
@@ -143,6 +190,8 @@ def cmd_run(args: argparse.Namespace) -> int:
                 f"{args.until_step}: nothing to do",
                 file=sys.stderr,
             )
+            if args.save_state:  # the state asked for is the resumed one
+                _save_state(trainer, args.save_state)
             return 0
         return _run_train(args, trainer, batches, steps, offset)
     except BundleError as e:

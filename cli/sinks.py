@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Protocol
 
 from stepbundle.runtime.metrics import json_float, json_safe
+from stepbundle.schema.atomic import atomic_write
 
 __all__ = [
     "TENSORBOARD_MISSING",
@@ -28,6 +30,7 @@ __all__ = [
     "TensorBoard",
     "check_sink_outputs",
     "lr_name",
+    "trim_metrics_file",
 ]
 
 TENSORBOARD_MISSING = (
@@ -197,3 +200,48 @@ def check_sink_outputs(metrics_file: str | None, tensorboard: str | None) -> Non
             raise OSError(
                 f"--tensorboard: cannot write into {tensorboard!r} ({e.strerror or e})"
             ) from None
+
+
+def _step_of(line: bytes) -> int | None:
+    """The ``step`` of a metrics line; None for a line that is not one (torn, foreign)."""
+    try:
+        row = json.loads(line)
+    except ValueError:
+        return None
+    step = row.get("step") if isinstance(row, dict) else None
+    return step if type(step) is int else None
+
+
+def trim_metrics_file(path: str | os.PathLike[str], first_step: int) -> int:
+    """Make ``--metrics-file`` end where a resumed run begins; return the lines dropped.
+
+    A run killed after its last checkpoint has written rows for steps the resumed run
+    takes again (the resume would leave two rows for each), and a kill during a write
+    leaves a torn last line. Dropped: every row whose step is ``first_step`` or later
+    (evaluation rows too: they carry the step they followed), and a last line cut short
+    (no newline, not JSON; a whole row that lacks only its newline gets one). Other lines
+    stay as they are. The file is replaced atomically (a new file renamed onto it), and
+    only when something changes.
+    """
+    target = os.path.realpath(path)  # a link stays a link to the rewritten file
+    try:
+        with open(target, "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
+        return 0
+    lines = raw.splitlines(keepends=True)
+    kept = []
+    for line in lines:
+        step = _step_of(line)
+        if step is not None and step >= first_step:
+            continue
+        kept.append(line)
+    if kept and not kept[-1].endswith(b"\n"):  # cut short by a kill while it was written
+        last = kept.pop()
+        if _step_of(last) is not None:  # whole but for its newline
+            kept.append(last + b"\n")
+    joined = b"".join(kept)
+    if joined == raw:
+        return 0
+    atomic_write(target, [joined], mode=stat.S_IMODE(os.stat(target).st_mode))
+    return len(lines) - len(kept)

@@ -255,6 +255,20 @@ def to_host(a: Array) -> np.ndarray[Any, Any]:
     return np.array(multihost_utils.process_allgather(a, tiled=True), copy=True)
 
 
+def job_process_id() -> int:
+    """This process's rank in a multi-process job (jax.distributed's), 0 without one.
+
+    Read from jax.distributed's state rather than ``jax.process_index()``, which would
+    start the backends; the CLI asks before ``load`` chooses the device.
+    """
+    try:
+        from jax._src import distributed as _distributed
+
+        return int(_distributed.global_state.process_id or 0)
+    except (ImportError, AttributeError):
+        return 0
+
+
 _AGREEMENTS = itertools.count()
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["agree", "initialize", "set_cpu_devices"]
+__all__ = ["agree", "initialize", "process_id", "set_cpu_devices"]
 
 
 def set_cpu_devices(n: int) -> None:
@@ -91,3 +91,10 @@ def agree(ok: bool, *, timeout_s: float = 3600.0) -> bool:
     except TimeoutError as e:
         raise PlatformError(f"The multi-process job stopped answering: {e}.") from None
     return ok if answer is None else answer
+
+
+def process_id() -> int:
+    """This process's rank in the job ``initialize`` joined; 0 outside a job."""
+    from . import _compat
+
+    return _compat.job_process_id()

@@ -1,0 +1,127 @@
+"""What a resumed run inherits (issue #29, round three): an lr that is 0 once it is the
+device's float32 is refused wherever an lr enters, and the metrics file of a run killed
+with SIGKILL holds one row per step after ``--resume``.
+
+Everything here goes through the real runtime, CLI and file system.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from runtime_helpers import GOLDEN_DIR, golden_batches, golden_bundle
+
+from stepbundle.runtime import load
+from stepbundle.runtime.checkpoint import CheckpointError, read_checkpoint, write_checkpoint
+from stepbundle.runtime.errors import BindingError
+
+ADAM = golden_bundle("batchnorm_lr")  # capturable Adam, lr a float32 hyperparameter
+TINY = 1e-46  # positive as a Python float, 0 as float32
+
+
+def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "stepbundle", *args], capture_output=True, text=True, timeout=timeout
+    )
+
+
+# ------------------------------------------------------- 3: an lr that is 0 in float32
+def test_an_lr_that_is_zero_as_float32_is_refused_where_an_lr_enters(tmp_path: Path) -> None:
+    assert np.float32(TINY) == 0 and TINY > 0
+    t = load(ADAM, cache_dir=False)
+    with pytest.raises(BindingError, match=r"1e-46, which is 0 as float32"):
+        t.set_hyperparameter("lr", TINY)
+    with pytest.raises(BindingError, match=r"which is 0 as float32"):
+        t.set_schedule("lr", f"warmup_cosine:peak=0.01,warmup=1,total=4,min={TINY}")
+    with pytest.raises(BindingError, match=r"which is 0 as float32"):
+        t.set_schedule("lr", f"linear:start=0.01,end={TINY},total=4")
+    assert t.hyperparameters["lr"] == pytest.approx(0.01) and not t.schedules
+    t.set_hyperparameter("lr", 1e-30)  # tiny, but not 0 on the device
+
+    # Checkpoints written before this check could carry such an lr or schedule.
+    t.step(golden_batches("batchnorm_lr")[0])
+    good = tmp_path / "good.safetensors"
+    t.save_checkpoint(good)
+    values, meta = read_checkpoint(good)
+    fresh = load(ADAM, cache_dir=False)
+    before = fresh.state_dict()
+    for name, changed in {
+        "lr": dataclasses.replace(meta, hyperparameters={"lr": TINY}),
+        "schedule": dataclasses.replace(meta, schedules={"lr": f"constant:value={TINY}"}),
+    }.items():
+        bad = tmp_path / f"bad-{name}.safetensors"
+        write_checkpoint(bad, values, changed)
+        with pytest.raises(CheckpointError, match=r"cannot be restored: .*0 as float32"):
+            fresh.load_checkpoint(bad)
+        # Refused before anything changed.
+        assert fresh.step_count == 0 and not fresh.schedules
+        for k, v in fresh.state_dict().items():
+            np.testing.assert_array_equal(v, before[k])
+
+    # The CLI: refused after the load, before a step; nothing written.
+    out = tmp_path / "final.safetensors"
+    for flags in (["--set", f"lr={TINY}"], ["--lr-schedule", f"constant:value={TINY}"]):
+        r = cli(
+            "run", str(ADAM), "--data", str(GOLDEN_DIR / "batchnorm_lr.inputs.npz"),
+            "--steps", "2", "--json", "--no-cache", "--save-state", str(out), *flags,
+        )  # fmt: skip
+        assert r.returncode == 1, r.stderr
+        assert "0 as float32" in r.stderr.strip().splitlines()[-1], r.stderr
+        assert r.stdout == "" and not out.exists()
+
+
+# ------------------------------------------- 22: the metrics file after SIGKILL and resume
+def _rows(path: Path) -> list[dict[str, object]]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_metrics_file_holds_one_row_per_step_after_sigkill_and_resume(tmp_path: Path) -> None:
+    ck, metrics = tmp_path / "ck", tmp_path / "metrics.jsonl"
+    bundle, data = golden_bundle("linear_adamw"), GOLDEN_DIR / "linear_adamw.inputs.npz"
+    base = ["run", str(bundle), "--data", str(data), "--no-cache", "--metrics-file", str(metrics)]
+    base += ["--checkpoint-dir", str(ck), "--eval-data", str(data), "--eval-every", "5"]
+    run = subprocess.Popen(
+        [sys.executable, "-m", "stepbundle", *base, "--steps", "10000000"]
+        + ["--checkpoint-every", "25"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        # Wait until the metrics file has rows past a checkpoint.
+        while True:
+            assert run.poll() is None, "the run ended by itself"
+            assert time.monotonic() < deadline, "no checkpoint with rows past it in 120 s"
+            kept = sorted(ck.glob("step-*.safetensors"))
+            text = metrics.read_text() if metrics.exists() else ""
+            steps = [json.loads(x)["step"] for x in text.splitlines()[:-1]]
+            if kept and steps and max(steps) > read_checkpoint(kept[-1])[1].step + 3:
+                break
+            time.sleep(0.05)
+    finally:
+        run.send_signal(signal.SIGKILL)
+        run.wait(timeout=60)
+    kept = sorted(ck.glob("step-*.safetensors"))
+    resume_at = read_checkpoint(kept[-1])[1].step
+    rows = metrics.read_text()
+    assert any(json.loads(x)["step"] >= resume_at for x in rows.splitlines()[:-1])
+    # A write the kill cut short: the last line is torn.
+    with metrics.open("a") as f:
+        f.write('{"step": 9999, "time": 1.')
+    end = resume_at + 7
+    resumed = cli(*base, "--until-step", str(end), "--resume", str(kept[-1]))
+    assert resumed.returncode == 0, resumed.stderr
+    text = metrics.read_text()
+    assert text.endswith("\n")
+    train = [r for r in _rows(metrics) if "loss" in r]
+    evals = [r for r in _rows(metrics) if "eval/loss" in r]
+    assert [r["step"] for r in train] == list(range(end)), [r["step"] for r in train]
+    assert [r["step"] for r in evals] == list(range(4, end, 5))

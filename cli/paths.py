@@ -36,8 +36,8 @@ def check_path_kinds(args: argparse.Namespace) -> None:
     """Refuse, without opening anything, a path of ``args`` of the wrong kind.
 
     Raises:
-      ValueError: a path is a named pipe, a device, a socket, or a file where a folder is
-        wanted (``NotARegularFileError``); or an output is an http(s) URL.
+      ValueError: a path is a named pipe, a device or a socket (``NotARegularFileError``),
+        or an output is an http(s) URL.
     """
     from stepbundle.runtime.file_kinds import check_kind
 

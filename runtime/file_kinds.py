@@ -1,5 +1,5 @@
-"""Refuse a path that is neither a regular file nor (where one is wanted) a folder, by
-looking at it without opening it.
+"""Refuse a path that is neither a regular file nor a folder (a named pipe, a device, a
+socket), by looking at it without opening it.
 
 Opening a named pipe (FIFO) for reading waits for a writer, and for writing waits for a
 reader: given as ``--data``, ``--resume`` or ``--metrics-file`` it blocked a run for
@@ -21,8 +21,7 @@ __all__ = ["NotARegularFileError", "check_kind", "kind_of"]
 
 
 class NotARegularFileError(BundleError, ValueError):
-    """A path given as an input or output is a named pipe, a device, a socket, or a folder
-    where a file is wanted (or a file where a folder is wanted)."""
+    """A path given as an input or output is a named pipe, a device or a socket."""
 
 
 def kind_of(mode: int) -> str:
@@ -45,26 +44,31 @@ def kind_of(mode: int) -> str:
 def check_kind(
     path: str | os.PathLike[str], what: str, *, file_ok: bool = True, folder_ok: bool = False
 ) -> None:
-    """Refuse ``path`` unless it is missing, a regular file (``file_ok``) or a folder
-    (``folder_ok``). ``what`` names it in the message (``"--data"``). Never opens it.
+    """Refuse ``path`` if it is neither missing, a regular file nor a folder: a named
+    pipe, a device or a socket. ``what`` names it in the message (``"--data"``), and
+    ``file_ok`` and ``folder_ok`` say what it should be. Never opens it.
+
+    A folder where a file is wanted (or the other way round) passes: its caller refuses
+    it in its own words ("--save-state ... is a folder; give a file name").
 
     Raises:
-      NotARegularFileError: it is something else (a FIFO, a device, a socket, ...).
+      NotARegularFileError: it is a FIFO, a device, a socket, ...
     """
     try:
         mode = os.stat(path).st_mode
     except (OSError, ValueError):  # missing or unreadable: the caller's own checks say so
         return
-    if (file_ok and stat.S_ISREG(mode)) or (folder_ok and stat.S_ISDIR(mode)):
+    if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
         return
     wanted = " or ".join(
         w for w, ok in (("a regular file", file_ok), ("a folder", folder_ok)) if ok
     )
-    blocks = (
-        " (opening it would wait for another process for ever)"
-        if stat.S_ISFIFO(mode) or stat.S_ISCHR(mode)
-        else ""
-    )
+    if stat.S_ISFIFO(mode):
+        blocks = " (opening it waits for another process, for ever if none comes)"
+    elif stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        blocks = " (a device is no file of ours, and may read without end)"
+    else:
+        blocks = ""
     raise NotARegularFileError(
         f"{what} {os.fspath(path)!r} is {kind_of(mode)}, not {wanted}{blocks}. Give "
         f"{wanted} (write the data to a file first if it comes from a pipe)."

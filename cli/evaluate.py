@@ -16,19 +16,24 @@ __all__ = ["cmd_eval"]
 
 def cmd_eval(args: argparse.Namespace) -> int:
     from stepbundle.runtime import load
+    from stepbundle.runtime.file_kinds import NotARegularFileError
     from stepbundle.runtime.metrics import json_safe
     from stepbundle.schema.errors import BundleError
 
     from .data import DATA_ERRORS, eval_batches, is_dataset, read_npz
     from .init_from import init_kwargs
+    from .paths import check_path_kinds
 
     try:
+        check_path_kinds(args)  # a FIFO or device would block the first open for ever
         if is_dataset(args.data):
             from stepbundle.runtime.dataset import open_dataset
 
             open_dataset(args.data)
         else:
             read_npz(args.data)
+    except NotARegularFileError as e:  # the message names the option
+        return _die(str(e), 2)
     except (*DATA_ERRORS, BundleError) as e:
         return _die(f"cannot read --data {args.data!r}: {e}", 2)
     try:

@@ -45,12 +45,18 @@ def add_pull(sub: Any) -> None:
 
 
 def cmd_pull(args: argparse.Namespace) -> int:
+    from stepbundle.runtime.file_kinds import NotARegularFileError
     from stepbundle.runtime.store import pull
     from stepbundle.schema.errors import BundleError
 
+    from .paths import check_path_kinds
+
     t0 = time.perf_counter()
     try:
+        check_path_kinds(args)  # a FIFO would block the first open for ever
         got = pull(args.source, expect_digest=args.expect_digest)
+    except NotARegularFileError as e:  # a path of the wrong kind
+        return die(str(e), 2)
     except BundleError as e:
         return die(str(e), 1)
     except OSError as e:  # a local source that cannot be read

@@ -82,8 +82,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     from stepbundle.schema.errors import BundleError
 
     from .outputs import check_outputs
+    from .paths import check_path_kinds
 
     try:
+        check_path_kinds(args)  # a FIFO or device would block the first open for ever
         check_outputs(args)
     except (OSError, ValueError) as e:
         return _die(str(e), 2)

@@ -328,7 +328,12 @@ def read_safetensors(
         url = os.fspath(path)
         try:
             with remote.downloaded(url, suffix=".safetensors") as copy:
-                return _read_local(copy)
+                try:
+                    return _read_local(copy)
+                except CheckpointError as e:  # it names the temporary copy: name the URL
+                    raise CheckpointError(str(e).replace(str(copy), url)) from None
+        except remote.RemoteError as e:
+            raise CheckpointError(f"Cannot read checkpoint {url}: {e}") from None
         except OSError as e:
             raise CheckpointError(f"Cannot read checkpoint {url}: {e}.") from None
     return _read_local(local)

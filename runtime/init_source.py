@@ -163,6 +163,8 @@ def _fetch(url: str, to: Path) -> None:
             f"The initial-state checkpoint {url!r} does not exist. Give the URL of a "
             f".safetensors file or of a {INDEX_NAME}."
         ) from None
+    except remote.RemoteError as e:  # its message is a whole sentence naming the URL
+        raise CheckpointError(f"Cannot read the initial-state checkpoint {url}: {e}") from None
     except OSError as e:
         raise CheckpointError(f"Cannot read the initial-state checkpoint {url}: {e}.") from None
 
@@ -179,7 +181,12 @@ def _open_remote(url: str) -> InitSource:
             for shard in sorted(set(_read_index(local).values())):
                 (folder / shard).parent.mkdir(parents=True, exist_ok=True)
                 _fetch(remote.join(base, shard), folder / shard)
-        opened = open_source(local)
+        try:
+            opened = open_source(local)
+        except CheckpointError as e:  # it names the temporary copies: name the URLs
+            base = url.rstrip("/").rpartition("/")[0]
+            message = str(e).replace(str(local), url).replace(str(folder), base)
+            raise CheckpointError(message) from None
         opened.path = url  # messages name what the user gave, not the temporary copy
         return opened
     finally:

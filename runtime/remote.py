@@ -16,10 +16,13 @@ upload under the final name, whatever the backend promises about a plain write.
 
 Every failure of a backend (aiohttp's, botocore's, google-auth's and OSError among
 them: each backend raises its own types) becomes a ``RemoteError`` naming the URL and
-the cause; a missing object stays ``FileNotFoundError``, which callers treat as "none
-there". ``RemoteError`` is an ``OSError`` as well as a ``BundleError``, so code that
-handles a failed local write (a checkpoint, a compile-cache entry) handles a failed
-upload the same way.
+the cause (``remote_errors.py``: HTTP 401/403, 5xx, redirect loops and timeouts each
+have their own type and words); a missing object stays ``FileNotFoundError``, which
+callers treat as "none there". Every transfer has a whole-transfer deadline
+(``$STEPBUNDLE_TRANSFER_DEADLINE_S``), and a download into the temporary folder a size
+limit (``$STEPBUNDLE_MAX_DOWNLOAD_BYTES``). ``RemoteError`` is an ``OSError`` as well
+as a ``BundleError``, so code that handles a failed local write (a checkpoint, a
+compile-cache entry) handles a failed upload the same way.
 
 Imports: the standard library, stepbundle.schema, fsspec (lazily, when a URL is used).
 """
@@ -38,8 +41,20 @@ from typing import Any
 from stepbundle.schema.atomic import Chunks, WriteFn
 from stepbundle.schema.errors import BundleError
 
+from .remote_errors import (
+    BackendMissingError,
+    Deadline,
+    DownloadTooLargeError,
+    RemoteError,
+    classify,
+    max_download_bytes,
+    transfer_deadline_s,
+)
+
 __all__ = [
     "BackendMissingError",
+    "Deadline",
+    "DownloadTooLargeError",
     "RemoteError",
     "SequentialReader",
     "downloaded",
@@ -50,31 +65,13 @@ __all__ = [
     "local_path",
     "read_object",
     "reading",
+    "check_can_write",
     "check_writable",
     "write_object",
 ]
 
 CHUNK = 8 << 20
 """Bytes per read of a download (one ranged request each on HTTP and object stores)."""
-
-
-class RemoteError(BundleError, OSError):
-    """A URL could not be read or written: the server, the network, the credentials, or
-    a backend failed. The message names the URL and the cause; ``filename`` is the URL,
-    ``cause`` the backend's error (``"ClientPayloadError: ..."``) when there was one."""
-
-    def __init__(self, message: str, url: str, cause: str | None = None) -> None:
-        super().__init__(message)
-        self.filename = url
-        self.strerror = message
-        self.cause = cause
-
-    def __str__(self) -> str:  # OSError's would prefix "[Errno None]" and append the URL
-        return str(self.args[0])
-
-
-class BackendMissingError(RemoteError):
-    """The URL's scheme needs an fsspec backend that is not installed (gcsfs for gs://...)."""
 
 
 def is_url(location: str | os.PathLike[str]) -> bool:
@@ -121,8 +118,11 @@ def filesystem(url: str) -> tuple[Any, str]:
 
             # aiohttp's default limits a whole request to 300 s, which cuts every long
             # download (a server without range requests sends a bundle in one response);
-            # a stalled connection is what should fail, after a minute without data.
-            options["client_kwargs"] = {"timeout": aiohttp.ClientTimeout(total=None, sock_read=60)}
+            # a stalled connection fails after a minute without data, and no request
+            # outlives the whole-transfer deadline (SequentialReader holds each read to
+            # what is left of it; a trickle of a byte a second defeats sock_read alone).
+            timeout = aiohttp.ClientTimeout(total=transfer_deadline_s(), sock_read=60)
+            options["client_kwargs"] = {"timeout": timeout}
         fs, path = fsspec.core.url_to_fs(url, **options)
         return fs, str(path)
     except ImportError as e:
@@ -145,18 +145,28 @@ def filesystem(url: str) -> tuple[Any, str]:
 
 
 @contextlib.contextmanager
-def failures(url: str, doing: str) -> Iterator[None]:
+def failures(url: str, doing: str, deadline: Deadline | None = None) -> Iterator[None]:
     """Turn a backend's failure while ``doing`` something with ``url`` into RemoteError.
 
-    ``FileNotFoundError`` and stepbundle's own errors pass through. Everything else is
-    caught because every backend raises its own types (aiohttp.ClientError,
+    stepbundle's own errors pass through, and so does ``FileNotFoundError`` when the
+    object is really missing (fsspec's HTTP backend raises it for a 403, a 500 or a
+    redirect loop too, with the real cause chained: ``classify`` names that). Everything
+    else is caught because every backend raises its own types (aiohttp.ClientError,
     botocore's, google's, OSError, ValueError for a server without range requests).
     """
     try:
         yield
-    except (FileNotFoundError, BundleError):
+    except BundleError:
         raise
+    except FileNotFoundError as e:
+        typed = classify(url, e, deadline)
+        if typed is None:
+            raise
+        raise typed from None
     except Exception as e:
+        typed = classify(url, e, deadline)
+        if typed is not None:
+            raise typed from None
         cause = f"{type(e).__name__}: {e}"
         raise RemoteError(f"Could not {doing} {url!r}: {cause}", url, cause) from None
 
@@ -183,29 +193,68 @@ class SequentialReader:
     the next one with a ``ValueError``; the reader then switches to one streamed
     request and skips to where it was. Such a server sends the object from its start,
     so a refusal after the header and manifest stops a transfer already under way.
+
+    The whole read is held to ``deadline``: on HTTP every request is given what is left
+    of it as aiohttp's total timeout, so a server that trickles bytes is cut off on
+    time; on other backends it is checked between reads. Past it, a read raises
+    ``TransferTimeoutError``.
     """
 
-    def __init__(self, fs: Any, path: str) -> None:
-        self._fs, self._path = fs, path
+    def __init__(self, fs: Any, path: str, deadline: Deadline) -> None:
+        self._fs, self._path, self._deadline = fs, path, deadline
+        self._http = "http" in fs.protocol
+        deadline.remaining()
+        # The first request (fsspec's HEAD for the size) is held to the session's total
+        # timeout, the whole deadline: fsspec's sync() would take a timeout= of its own.
         self._f = fs.open(path, "rb", block_size=CHUNK, cache_type="none")
         self._pos = 0
         self._streaming = False
 
+    def _limits(self) -> dict[str, Any]:
+        """The request options that hold one request to what is left of the deadline."""
+        left = self._deadline.remaining()
+        if not self._http:
+            return {}
+        import aiohttp
+
+        return {"timeout": aiohttp.ClientTimeout(total=left, sock_read=60)}
+
+    @property
+    def declared_size(self) -> int | None:
+        """The object's size as the server declared it (Content-Length), if it did."""
+        size = getattr(self._f, "size", None)
+        if size is None:  # a streamed HTTP response: its own Content-Length
+            size = getattr(getattr(self._f, "r", None), "content_length", None)
+        return int(size) if size is not None else None
+
     def read(self, n: int) -> bytes:
         try:
-            data = bytes(self._f.read(n))
-        except ValueError:
-            if self._streaming or "http" not in self._fs.protocol:
-                raise
-            self._stream()
-            data = bytes(self._f.read(n))
+            if not self._streaming and hasattr(self._f, "kwargs"):
+                self._f.kwargs.update(self._limits())  # fsspec's HTTPFile: per request
+            else:
+                self._deadline.remaining()
+            try:
+                data = bytes(self._f.read(n))
+            except ValueError:
+                if self._streaming or not self._http:
+                    raise
+                self._stream()
+                data = bytes(self._f.read(n))
+        except BundleError:
+            raise
+        except Exception:
+            if self._deadline.expired():
+                raise self._deadline.error() from None
+            raise
         self._pos += len(data)
         return data
 
     def _stream(self) -> None:
         with contextlib.suppress(Exception):
             self._f.close()
-        self._f = self._fs.open(self._path, "rb", block_size=0)
+        # With size= given fsspec skips its HEAD, and hands timeout= to the one GET.
+        size = getattr(self._f, "size", None) or 1
+        self._f = self._fs.open(self._path, "rb", block_size=0, size=size, **self._limits())
         self._streaming = True
         left = self._pos
         while left:
@@ -220,14 +269,17 @@ class SequentialReader:
 
 
 @contextlib.contextmanager
-def reading(url: str) -> Iterator[SequentialReader]:
-    """``url`` opened for reading front to back (``SequentialReader``).
+def reading(url: str, deadline: Deadline | None = None) -> Iterator[SequentialReader]:
+    """``url`` opened for reading front to back (``SequentialReader``), the whole transfer
+    held to ``deadline`` (default: ``$STEPBUNDLE_TRANSFER_DEADLINE_S`` from now).
 
-    Reads raise the backend's own errors; wrap them in ``failures``.
+    Reads raise the backend's own errors (or ``TransferTimeoutError``); wrap them in
+    ``failures``.
     """
+    deadline = deadline or Deadline(url)
     fs, path = filesystem(url)
-    with failures(url, "open"):
-        f = SequentialReader(fs, path)
+    with failures(url, "open", deadline):
+        f = SequentialReader(fs, path, deadline)
     try:
         yield f
     finally:
@@ -250,6 +302,7 @@ def write_object(url: str, content: WriteFn | Chunks) -> None:
       RemoteError: the object could not be written (or the scheme cannot write).
       Whatever ``content`` raises.
     """
+    check_can_write(url)
     fs, path = filesystem(url)
     temp = _temp_name(path)
     try:
@@ -276,27 +329,74 @@ def write_object(url: str, content: WriteFn | Chunks) -> None:
 
 
 @contextlib.contextmanager
-def downloaded(url: str, suffix: str = "") -> Iterator[Path]:
+def downloaded(url: str, suffix: str = "", max_bytes: int | None = None) -> Iterator[Path]:
     """A local copy of the object at ``url`` in the system's temporary folder (``$TMPDIR``),
     removed afterwards: for readers that need a local file (memory maps).
 
+    At most ``max_bytes`` (default ``$STEPBUNDLE_MAX_DOWNLOAD_BYTES``, 64 GiB) are
+    written: a declared Content-Length above it is refused before any body is read, and
+    a body that grows past it, or past the length it declared, is cut off. The copy is
+    removed on every failure.
+
     Raises:
       FileNotFoundError: there is no object at ``url``.
-      RemoteError: it could not be read.
+      DownloadTooLargeError: the object is (or claims to be) larger than ``max_bytes``,
+        or sent more than it declared.
+      RemoteError: it could not be read (``TransferTimeoutError`` past the deadline).
     """
+    limit = max_download_bytes() if max_bytes is None else max_bytes
     fd, name = tempfile.mkstemp(prefix=".stepbundle-download-", suffix=suffix)
     try:
         with os.fdopen(fd, "wb") as out, reading(url) as f:
+            declared = f.declared_size
+            if declared is not None and declared > limit:
+                raise _too_large(url, f"declares {declared} bytes", limit)
+            got = 0
             while True:
                 with failures(url, "download"):
                     chunk = f.read(CHUNK)
                 if not chunk:
                     break
+                got += len(chunk)
+                if got > limit:
+                    raise _too_large(url, "kept sending past the limit", limit)
+                if declared is not None and got > declared:
+                    raise DownloadTooLargeError(
+                        f"{url!r} sent more than the {declared} bytes it declared (its "
+                        "Content-Length): the server is broken or hostile. The download was "
+                        "stopped and removed; fix the server or copy the file another way.",
+                        url,
+                    )
                 out.write(chunk)
         yield Path(name)
     finally:
         with contextlib.suppress(OSError):
             os.unlink(name)
+
+
+def _too_large(url: str, what: str, limit: int) -> DownloadTooLargeError:
+    return DownloadTooLargeError(
+        f"{url!r} {what}: a download may take at most {limit} bytes here, so this is not "
+        "the checkpoint expected (or the server is hostile). The download was stopped and "
+        "removed. Check the URL; for a checkpoint really this large, raise the limit with "
+        "STEPBUNDLE_MAX_DOWNLOAD_BYTES=BYTES.",
+        url,
+    )
+
+
+def check_can_write(url: str) -> None:
+    """Refuse a URL whose scheme can only be read (``http://``, ``https://``).
+
+    Raises:
+      RemoteError: nothing can be written at ``url``.
+    """
+    if url.split("://", 1)[0].lower() in ("http", "https"):
+        raise RemoteError(
+            f"{url!r} cannot be written: http(s) URLs are read-only here. Checkpoints and "
+            "other outputs need a writable local path or an object-store URL (gs://, "
+            "s3://, az://, ... with its fsspec backend installed).",
+            url,
+        )
 
 
 def list_names(url: str, pattern: str) -> list[str]:

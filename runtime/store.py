@@ -24,14 +24,16 @@ Imports: the standard library, stepbundle.schema, this package's ``remote`` and
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import os
 import re
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Protocol
 
-from stepbundle.schema.atomic import atomic_write
+from stepbundle.schema.atomic import atomic_write, stale_temp_files
 from stepbundle.schema.errors import BundleError, BundleFormatError, IntegrityError
 from stepbundle.schema.layout import HEADER_SIZE, MAGIC, align, unpack_header
 from stepbundle.schema.limits import MAX_MANIFEST_BYTES
@@ -48,6 +50,7 @@ __all__ = [
     "DownloadError",
     "NotInStoreError",
     "Pulled",
+    "StoreError",
     "is_digest",
     "pull",
     "resolve_bundle",
@@ -56,6 +59,10 @@ __all__ = [
 ]
 
 _DIGEST = re.compile(r"sha256:[0-9a-f]{64}\Z")
+_TEMP = re.compile(r"\.sha256-[0-9a-f]{64}\.stepbundle\.tmp-.+\Z")
+# A temp file of another host (a store on a shared disk) is only known dead by its age:
+# no pull takes a day to write its file.
+STALE_TEMP_AGE_S = 24 * 3600.0
 
 
 class DigestMismatchError(BindingError):
@@ -68,6 +75,19 @@ class NotInStoreError(BindingError):
 
 class DownloadError(remote.RemoteError):
     """A download stopped part way (the server went away, the connection broke)."""
+
+
+class StoreError(BindingError, OSError):
+    """The store's folder cannot hold the bundle: ``$STEPBUNDLE_CACHE_DIR`` is a file,
+    the disk is full, or the folder cannot be written. ``filename`` is the folder."""
+
+    def __init__(self, message: str, folder: Path) -> None:
+        super().__init__(message)
+        self.filename = str(folder)
+        self.strerror = message
+
+    def __str__(self) -> str:  # not OSError's "[Errno None] ..."
+        return str(self.args[0])
 
 
 @dataclass(frozen=True)
@@ -94,8 +114,26 @@ def is_digest(text: str | os.PathLike[str]) -> bool:
 
 
 def store_dir() -> Path:
-    """The store's folder: ``<compile cache folder>/bundles``."""
-    return default_cache_dir() / "bundles"
+    """The store's folder: ``<compile cache folder>/bundles``.
+
+    Raises:
+      StoreError: the cache folder (``$STEPBUNDLE_CACHE_DIR``), or a folder above it, is
+        a file.
+    """
+    root = default_cache_dir() / "bundles"
+    for folder in (root, *root.parents):
+        if folder.exists() and not folder.is_dir():
+            env = os.environ.get("STEPBUNDLE_CACHE_DIR")
+            named = f"STEPBUNDLE_CACHE_DIR={env!r}" if env else f"the cache folder {str(folder)!r}"
+            raise StoreError(
+                f"The bundle store cannot live in {str(root)!r}: {str(folder)!r} is a file, "
+                f"not a folder ({named}). Point STEPBUNDLE_CACHE_DIR at a folder (one that "
+                "does not exist yet is made), or move the file away.",
+                folder,
+            )
+        if folder.exists():
+            break
+    return root
 
 
 def stored_path(digest: str, store: Path | None = None) -> Path:
@@ -125,6 +163,17 @@ def resolve_bundle(
       DigestMismatchError: the source is not the bundle ``expect_digest`` names.
       RemoteError: the URL could not be read; BundleError: it is not a usable bundle.
     """
+    if isinstance(source, str) and source.startswith("sha256:") and not is_digest(source):
+        hexpart = source.removeprefix("sha256:")
+        if re.fullmatch(r"[0-9a-fA-F]{64}", hexpart):
+            source = "sha256:" + hexpart.lower()  # the same digest in capitals
+        else:
+            raise BindingError(
+                f"{source[:80]!r} is not a bundle digest: expected sha256: followed by 64 hex "
+                f"digits (as `stepbundle inspect` and `stepbundle pull` print), got "
+                f"{len(hexpart)} character(s) after 'sha256:'. Copy the whole digest; a local "
+                "file whose name starts with sha256: is given as ./NAME."
+            )
     if is_digest(source):
         assert isinstance(source, str)
         if expect_digest is not None and expect_digest != source:
@@ -164,6 +213,7 @@ def pull(
         whole, intact bundle this reader supports; nothing entered the store.
     """
     root = store or store_dir()
+    sweep_stale_temp_files(root)
     if expect_digest is not None:
         known = stored_path(expect_digest, root)
         if _intact(known, expect_digest):
@@ -186,16 +236,19 @@ def _intact(path: Path, digest: str) -> bool:
     """Whether the store entry ``path`` exists and is the bundle ``digest`` names.
 
     Every hit is checked, not trusted by its name: the header, the manifest (against the
-    header's SHA-256), the file's length against the manifest, and the digest of header
-    and manifest against ``digest`` (which pins every section's SHA-256; sections are
-    checked on first use, as for any bundle). An entry that fails (truncated, damaged,
-    another bundle copied over it) is removed, so the next pull fetches it again.
+    header's SHA-256), the file's length against the manifest, the digest of header and
+    manifest against ``digest`` (which pins every section's SHA-256), and then every
+    section against its SHA-256 (and the padding): an entry damaged after its header
+    would otherwise stay, every run from it failing and every pull saying "already
+    there". Hashing costs about a second per GB, once per load; a fresh download costs
+    more. An entry that fails (truncated, damaged, another bundle copied over it) is
+    removed, so the next pull fetches it again.
     """
     if not path.is_file():
         return False
     try:
         with open_bundle(path) as bundle:
-            if bundle.digest == digest:
+            if bundle.digest == digest and not bundle.verify():
                 return True
     except (BundleError, OSError):
         pass
@@ -217,6 +270,8 @@ def _read(f: _Reader, n: int, source: str, start: int, total: int) -> bytes:
             with remote.failures(source, "download"):
                 chunk = f.read(min(n - got, remote.CHUNK))
         except remote.RemoteError as e:
+            if type(e) is not remote.RemoteError:  # a timeout, an HTTP status: its own words
+                raise
             raise DownloadError(
                 f"The download of {source!r} stopped after {start + got} of {total} bytes "
                 f"({e.cause}). Nothing entered the store; run again to retry once the "
@@ -306,6 +361,59 @@ def _pull_from(f: _Reader, source: str, expect_digest: str | None, root: Path) -
                 "Nothing entered the store; download it again, or upload it again."
             )
 
-    root.mkdir(parents=True, exist_ok=True)
-    atomic_write(target, write, check=check)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        atomic_write(target, write, check=check)
+    except BundleError:
+        raise
+    except OSError as e:  # the store's own folder or disk, not the source
+        raise _store_write_error(e, root, size) from None
     return Pulled(target, digest, True, read)
+
+
+def _store_write_error(e: OSError, root: Path, size: int) -> StoreError:
+    """The typed error for a failed write into the store (nothing entered it)."""
+    if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        free = ""
+        with contextlib.suppress(OSError):
+            stat = os.statvfs(root)
+            free = f", {stat.f_bavail * stat.f_frsize} free"
+        why = {errno.ENOSPC: "no space left", errno.EDQUOT: "the disk quota is used up"}
+        return StoreError(
+            f"Cannot write the bundle into the store {str(root)!r}: "
+            f"{why.get(e.errno or 0, 'the file is larger than this process may write')} "
+            f"(the bundle needs {size} bytes{free}). Nothing entered the store. Free space "
+            "there, or set STEPBUNDLE_CACHE_DIR to a folder on a disk with room.",
+            root,
+        )
+    return StoreError(
+        f"Cannot write the bundle into the store {str(root)!r} ({e.strerror or e}). Nothing "
+        "entered the store. Make the folder writable, or set STEPBUNDLE_CACHE_DIR to one "
+        "that is.",
+        root,
+    )
+
+
+def sweep_stale_temp_files(root: Path) -> list[str]:
+    """Remove the temp files that interrupted pulls left in the store ``root``.
+
+    A pull writes ``.sha256-<hex>.stepbundle.tmp-<host>-<pid>-<rand>`` and renames it
+    onto its entry once verified; a pull that was killed leaves it. Those of this host's
+    dead processes are removed at once (``stale_temp_files``), those of other hosts once
+    they are ``STALE_TEMP_AGE_S`` old. Temp files are never entries: only
+    ``sha256-<hex>.stepbundle`` names are looked up. Returns the paths removed.
+    """
+    stale = set(stale_temp_files(root))
+    now = time.time()
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(root):
+            if _TEMP.fullmatch(entry.name) and entry.path not in stale:
+                with contextlib.suppress(OSError):
+                    if now - entry.stat().st_mtime > STALE_TEMP_AGE_S:
+                        stale.add(entry.path)
+    removed = []
+    for path in sorted(stale):
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+            removed.append(path)
+    return removed

@@ -6,6 +6,9 @@ counts every request and every body byte it sends. Per object it can also serve 
 truncated object, or die part way through a response (the connection is shut after
 ``n`` bytes of the object, with the full Content-Length promised).
 
+``HostileServer``: one that misbehaves on purpose (trickles, error statuses, redirect
+loops, bodies without end), for the refusals of hostile servers.
+
 ``FakeObjectStore``: a local folder behind a non-local fsspec file system
 (``fakestore://bucket/key``), so the code under test takes its URL paths (its folders
 must be made, as on sftp or a share); it can be told to fail a write after some bytes,
@@ -165,3 +168,119 @@ def fake_store(root: Path) -> Iterator[Path]:
     finally:
         FakeObjectStore.root = ""
         FakeObjectStore.fail_writes_after = None
+
+
+@dataclass
+class HostileServer:
+    """A real HTTP server on 127.0.0.1 that misbehaves on purpose, by path:
+
+    - ``/trickle/NAME``: the object ``NAME`` with ranges, the first ``fast_bytes`` of it
+      at once and every later byte after ``interval`` seconds (a slowloris sender);
+    - ``/status/CODE``: every request answered with that HTTP status;
+    - ``/loop``: a redirect to itself, for ever;
+    - ``/endless``: 200 with no Content-Length and bytes without end (up to ``cap``);
+    - ``/huge``: a Content-Length of 100 GiB, then bytes without end (up to ``cap``);
+    - ``/ok/NAME``: the object whole (with ranges), as ``BundleServer`` serves it.
+
+    It counts the body bytes it sent; ``stop`` ends every response in flight.
+    """
+
+    objects: dict[str, bytes] = field(default_factory=dict)
+    interval: float = 0.2
+    fast_bytes: int = 0
+    cap: int = 256 << 20
+    body_bytes: int = 0
+    url: str = ""
+
+    def start(self) -> HostileServer:
+        server = self
+        self._stopping = threading.Event()
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def _send(self, data: bytes) -> bool:
+                try:
+                    self.wfile.write(data)
+                    self.wfile.flush()
+                except OSError:
+                    return False
+                server.body_bytes += len(data)
+                return not server._stopping.is_set()
+
+            def _object(self, name: str, body_too: bool, trickle: bool) -> None:
+                data = server.objects.get(name)
+                if data is None:
+                    self.send_error(404)
+                    return
+                start, end = 0, len(data)
+                m = re.fullmatch(r"bytes=(\d+)-(\d*)", self.headers.get("Range") or "")
+                if m:
+                    start = int(m[1])
+                    end = min(len(data), int(m[2]) + 1) if m[2] else len(data)
+                    self.send_response(206)
+                    self.send_header("Content-Range", f"bytes {start}-{end - 1}/{len(data)}")
+                else:
+                    self.send_response(200)
+                self.send_header("Content-Length", str(end - start))
+                self.send_header("Accept-Ranges", "bytes")
+                self.end_headers()
+                if not body_too:
+                    return
+                fast_end = end if not trickle else max(start, min(end, server.fast_bytes))
+                if fast_end > start and not self._send(data[start:fast_end]):
+                    return
+                for i in range(fast_end, end):
+                    if server._stopping.wait(server.interval) or not self._send(data[i : i + 1]):
+                        return
+
+            def _endless(self, declared: int | None) -> None:
+                self.send_response(200)
+                if declared is not None:
+                    self.send_header("Content-Length", str(declared))
+                self.end_headers()
+                if self.command == "HEAD":
+                    return
+                block = b"\xab" * (64 << 10)
+                sent = 0
+                while sent < server.cap and self._send(block):
+                    sent += len(block)
+                self.close_connection = True
+
+            def _reply(self) -> None:
+                path = self.path.lstrip("/")
+                kind, _, rest = path.partition("/")
+                if kind == "status":
+                    self.send_error(int(rest))
+                elif kind == "loop":
+                    self.send_response(302)
+                    self.send_header("Location", "/loop")
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                elif kind == "endless":
+                    self._endless(None)
+                elif kind == "huge":
+                    self._endless(100 << 30)
+                elif kind in ("trickle", "ok"):
+                    self._object(rest, self.command == "GET", kind == "trickle")
+                else:
+                    self.send_error(404)
+
+            do_GET = do_HEAD = _reply
+
+        self._httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self._httpd.server_address[1]}"
+        threading.Thread(target=self._httpd.serve_forever, daemon=True).start()
+        return self
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self._httpd.shutdown()
+        self._httpd.server_close()
+
+    def __enter__(self) -> HostileServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,57 @@
+"""The kinds of the paths a command is given, checked before anything is opened.
+
+``check_path_kinds(args)`` refuses every input or output path that is not a regular
+file (or, where a folder is taken, a folder): a named pipe or a device would block the
+command for ever on its first open (``runtime/file_kinds.py``). It also refuses an
+``http(s)://`` ``--checkpoint-dir`` or ``--save-state``: such URLs can only be read.
+URLs and ``sha256:`` digests are not local paths and are left to the runtime.
+
+Imports: the standard library, stepbundle.runtime's ``file_kinds``.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+__all__ = ["check_path_kinds"]
+
+# argument -> (its flag, a regular file taken, a folder taken)
+_PATHS = {
+    "bundle": ("the bundle", True, False),
+    "source": ("the bundle", True, False),
+    "data": ("--data", True, True),
+    "eval_data": ("--eval-data", True, True),
+    "resume": ("--resume", True, False),
+    "init_from": ("--init-from", True, True),
+    "metrics_file": ("--metrics-file", True, False),
+    "save_state": ("--save-state", True, False),
+    "checkpoint_dir": ("--checkpoint-dir", False, True),
+    "tensorboard": ("--tensorboard", False, True),
+}
+
+_WRITTEN = ("checkpoint_dir", "save_state")
+
+
+def check_path_kinds(args: argparse.Namespace) -> None:
+    """Refuse, without opening anything, a path of ``args`` of the wrong kind.
+
+    Raises:
+      ValueError: a path is a named pipe, a device or a socket (``NotARegularFileError``),
+        or an output is an http(s) URL.
+    """
+    from stepbundle.runtime.file_kinds import check_kind
+
+    for name, (flag, file_ok, folder_ok) in _PATHS.items():
+        value = getattr(args, name, None)
+        if not isinstance(value, str) or not value or value.startswith("sha256:"):
+            continue
+        scheme = value.split("://", 1)[0].lower() if "://" in value else ""
+        if name in _WRITTEN and scheme in ("http", "https"):
+            raise ValueError(
+                f"{flag} {value!r} is an {scheme}:// URL, which can only be read: checkpoints "
+                "need a writable local path or object-store URL (gs://, s3://, az://, ... with "
+                "its fsspec backend installed). Give a local folder or a bucket."
+            )
+        if scheme and scheme != "file":
+            continue
+        check_kind(value.removeprefix("file://"), flag, file_ok=file_ok, folder_ok=folder_ok)

@@ -33,7 +33,7 @@ from typing import Any, TextIO
 from stepbundle.runtime.metrics import json_safe, to_floats
 
 from .progress import ProgressBar, format_value
-from .sinks import LogRecord, MetricsFile, Sink, TensorBoard, lr_name
+from .sinks import LogRecord, MetricsFile, Sink, SinkError, TensorBoard, lr_name
 
 __all__ = ["Reporter", "plain_line"]
 
@@ -67,6 +67,10 @@ class Reporter:
         called right after a step is dispatched, when they are that step's.
       stdout, stderr: where lines and the bar go; the bar only if ``stderr`` is a
         terminal and ``json_lines`` is off.
+      on_sink_failure: called once, with the ``SinkError``, when a sink fails to write,
+        sync or close (a full disk): the run should stop at its next step boundary.
+        The failed sink's file was cut back to its last whole record and closed; the
+        message is printed on ``stderr``; the other sinks go on; ``failure`` keeps it.
     """
 
     def __init__(
@@ -82,6 +86,7 @@ class Reporter:
         hyperparameters: Callable[[], Mapping[str, float]],
         stdout: TextIO,
         stderr: TextIO,
+        on_sink_failure: Callable[[SinkError], object] | None = None,
     ) -> None:
         self._steps = steps
         self._json = json_lines
@@ -89,6 +94,9 @@ class Reporter:
         self._writes = writes_files
         self._hyper = hyperparameters
         self._stdout = stdout
+        self._stderr = stderr
+        self._on_failure = on_sink_failure
+        self.failure: SinkError | None = None
         self._t0 = time.perf_counter()
         self._sinks: list[Sink] = []
         self._bar: ProgressBar | None = None
@@ -96,7 +104,14 @@ class Reporter:
             return
         try:
             if metrics_file is not None:
-                self._sinks.append(MetricsFile(metrics_file))
+                lines = MetricsFile(metrics_file)
+                self._sinks.append(lines)
+                if lines.torn_bytes:
+                    print(
+                        f"[run] --metrics-file: cut a torn last line ({lines.torn_bytes} "
+                        f"bytes, no newline) off {metrics_file!r} before appending",
+                        file=stderr,
+                    )
             if tensorboard is not None:
                 self._sinks.append(TensorBoard(tensorboard))
         except BaseException:
@@ -161,8 +176,7 @@ class Reporter:
             self._bar.update(step + 1, scalars, lr)
         if sinks:
             record = LogRecord(step, time.perf_counter() - self._t0, dict(hyper), floats)
-            for sink in self._sinks:
-                sink.write(record)
+            self._to_sinks(lambda sink: sink.write(record))
 
     def evaluation(self, step: int, metrics: Mapping[str, float], rows: int) -> None:
         """Report an evaluation over ``--eval-data`` made after global step ``step``: a
@@ -179,14 +193,33 @@ class Reporter:
         else:
             self._stdout.write(line + "\n")
         record = LogRecord(step, time.perf_counter() - self._t0, {}, dict(metrics), "eval")
-        for sink in self._sinks:
-            sink.write(record)
+        self._to_sinks(lambda sink: sink.write(record))
+
+    def _to_sinks(self, call: Callable[[Sink], object]) -> None:
+        """``call`` each sink; a sink whose call fails is dropped (see ``on_sink_failure``)."""
+        for sink in list(self._sinks):
+            try:
+                call(sink)
+            except SinkError as e:
+                self._sinks.remove(sink)
+                with contextlib.suppress(SinkError):
+                    sink.close()
+                self._failed(e)
+
+    def _failed(self, e: SinkError) -> None:
+        if self.failure is not None:
+            return
+        self.failure = e
+        print(f"\n[run] {e}", file=self._stderr, flush=True)
+        if self._on_failure is not None:
+            self._on_failure(e)
 
     def flush(self) -> None:
         """Put every reported step on disk: called when a checkpoint is written, so a
-        run killed later and resumed from it leaves no hole in the logs."""
-        for sink in self._sinks:
-            sink.flush()
+        run killed later and resumed from it leaves no hole in the logs. Every record
+        is written through as it comes (so a SIGKILL loses none); this also syncs the
+        files to the disk, for a machine that goes down."""
+        self._to_sinks(lambda sink: sink.flush())
 
     def close(self) -> None:
         """End the bar's line, then flush and close every sink (each exactly once)."""
@@ -194,6 +227,12 @@ class Reporter:
         sinks, self._sinks = self._sinks, []
         with contextlib.ExitStack() as stack:
             for sink in sinks:
-                stack.callback(sink.close)
+                stack.callback(self._close_sink, sink)
             if bar is not None:
                 bar.close()
+
+    def _close_sink(self, sink: Sink) -> None:
+        try:
+            sink.close()
+        except SinkError as e:
+            self._failed(e)

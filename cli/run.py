@@ -282,6 +282,7 @@ def _run_eval(args: argparse.Namespace, trainer: Any, batches: Iterable[Any]) ->
 def _run_train(
     args: argparse.Namespace, trainer: Any, batches: Any, steps: int, offset: int
 ) -> int:
+    from stepbundle.runtime.dataset import DataError
     from stepbundle.runtime.errors import NonFiniteLossError
     from stepbundle.runtime.remote import join
 
@@ -312,6 +313,9 @@ def _run_train(
         hyperparameters=lambda: trainer.hyperparameters,
         stdout=stdout,
         stderr=sys.stderr,
+        # A sink that fails (a full disk) stops the run at the next step boundary, with
+        # its final checkpoint, exit 1; the reporter prints why.
+        on_sink_failure=lambda e: stopper.request(1, f"{e.sink} failed"),
     )
 
     watchdog = Watchdog(args.step_timeout) if args.step_timeout else None
@@ -365,6 +369,10 @@ def _run_train(
             if ckpt_dir is not None:
                 checkpoint(f"step-{trainer.step_count:08d}-before-nonfinite.safetensors")
             code = 3
+        except DataError as e:  # the data failed under the run (a shard truncated)
+            reporter.close()
+            print(f"\n[run] stopping after step {trainer.step_count}: {e}", file=sys.stderr)
+            code = 1  # the steps before it ran: the final checkpoint below holds them
         except StopRequested as stop:
             code = stopper.exit_code or 1
             print(f"\n[run] stopping after step {trainer.step_count} ({stop})", file=sys.stderr)

@@ -2,31 +2,43 @@
 (``--metrics-file``) and TensorBoard event files (``--tensorboard``).
 
 Each sink takes :class:`LogRecord` values (plain floats, already read from the device)
-and is closed once at the end of the run, whatever ended it. TensorBoard goes through
-tensorboardX (no torch), the ``tensorboard`` extra, imported only when asked for.
+and is closed once at the end of the run, whatever ended it. Every record is written
+through to the OS as it comes (``record_file.RecordFile``: one ``write(2)``, no buffer, no
+thread), so a SIGKILL loses nothing already reported; ``flush()`` (at each checkpoint)
+also syncs it to the disk. A write that fails (a full disk) cuts the file back to its last
+whole record and raises ``SinkError``. TensorBoard events are tensorboardX's protobufs
+(no torch), the ``tensorboard`` extra, imported only when asked for.
 
-Imports: the standard library; ``stepbundle.runtime.metrics`` (numpy only); tensorboardX
-lazily.
+Imports: the standard library; ``stepbundle.runtime.metrics`` (numpy only); this
+package's ``record_file``; tensorboardX lazily.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import re
+import socket
 import stat
+import struct
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, Protocol
+from typing import Any, Protocol
 
 from stepbundle.runtime.metrics import json_float, json_safe
 from stepbundle.schema.atomic import atomic_write
+
+from .record_file import RecordFile, SinkError, cut_torn_line
 
 __all__ = [
     "TENSORBOARD_MISSING",
     "LogRecord",
     "MetricsFile",
     "Sink",
+    "SinkError",
     "TensorBoard",
     "check_sink_outputs",
     "lr_name",
@@ -89,14 +101,21 @@ class MetricsFile:
     when the bundle has one; a metric named ``step``, ``time`` or ``lr`` is written as
     ``metric.<name>``). Non-finite values are the strings ``"NaN"``, ``"Infinity"``,
     ``"-Infinity"``, so every line is strict JSON. The file is appended to (a resumed
-    run continues it) and flushed after every line, so a killed run loses at most the
-    line being written and ``tail -f`` follows it.
+    run continues it) one whole line per ``write(2)``, so ``tail -f`` follows it, a
+    killed run loses nothing it wrote, and a failed write (a full disk) is cut back to
+    the last whole line and raised as ``SinkError``. A last line without its newline,
+    left by someone else, is cut off when the file is opened (``torn_bytes``).
     """
 
     _RESERVED = frozenset({"step", "time", "lr"})
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
-        self._file: IO[str] | None = open(path, "a", encoding="utf-8")  # noqa: SIM115
+        self.path = os.fspath(path)
+        try:
+            self._file: RecordFile | None = RecordFile(self.path)
+            self.torn_bytes = cut_torn_line(self._file)
+        except OSError as e:
+            raise SinkError("--metrics-file", self.path, e, "open") from None
 
     def write(self, record: LogRecord) -> None:
         assert self._file is not None, "the metrics file is closed"
@@ -108,56 +127,120 @@ class MetricsFile:
             if record.group != "train":
                 name = f"{record.group}/{name}"
             line[f"metric.{name}" if name in self._RESERVED else name] = v
-        self._file.write(json.dumps(line, allow_nan=False) + "\n")
-        self._file.flush()
+        data = (json.dumps(line, allow_nan=False) + "\n").encode("utf-8")
+        try:
+            self._file.append(data)
+        except OSError as e:
+            raise SinkError(
+                "--metrics-file", self.path, e, f"append step {record.step} to"
+            ) from None
 
     def flush(self) -> None:
         if self._file is not None:
-            self._file.flush()
+            try:
+                self._file.sync()
+            except OSError as e:
+                raise SinkError("--metrics-file", self.path, e, "sync") from None
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        file, self._file = self._file, None
+        if file is not None:
+            try:
+                file.close()
+            except OSError as e:
+                raise SinkError("--metrics-file", self.path, e, "close") from None
 
 
 class TensorBoard:
-    """``--tensorboard DIR``: scalar summaries through tensorboardX's ``SummaryWriter``.
+    """``--tensorboard DIR``: scalar summaries in a TensorBoard event file.
 
-    Tags: ``train/<metric>`` (``eval/<metric>`` for evaluations) for every scalar metric (a metric with several elements
-    gets ``train/<metric>/<i>`` per element) and ``hyperparameters/<name>`` for every
-    hyperparameter, each at the record's global step.
+    Tags: ``train/<metric>`` (``eval/<metric>`` for evaluations) for every scalar metric
+    (a metric with several elements gets ``train/<metric>/<i>`` per element) and
+    ``hyperparameters/<name>`` for every hyperparameter, each at the record's global step.
+
+    The events are tensorboardX's protobufs (no torch), framed as TFRecords and written
+    here, one event per logged step, through ``RecordFile``: written through, not by
+    tensorboardX's ``SummaryWriter``, whose writer thread died silently on a full disk
+    (its queue then filled, and the run hung for ever) and whose ``flush()`` did not
+    drain that queue (a SIGKILL soon after a checkpoint lost the steps just before it).
+    Each run writes a file of its own, ``events.out.tfevents.<time>.<host>.<pid>``.
     """
 
     def __init__(self, logdir: str | os.PathLike[str]) -> None:
         try:
-            from tensorboardX import SummaryWriter
+            from tensorboardX.proto.event_pb2 import Event
+            from tensorboardX.proto.summary_pb2 import Summary
+            from tensorboardX.record_writer import masked_crc32c
         except ImportError:
             raise ImportError(TENSORBOARD_MISSING) from None
-        self._writer: Any = SummaryWriter(logdir=str(logdir))
+        self._event, self._summary, self._crc = Event, Summary, masked_crc32c
+        stem = f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}"
+        self.path = os.path.join(os.fspath(logdir), stem)
+        self._file: RecordFile | None = None
+        try:
+            os.makedirs(logdir, exist_ok=True)
+            for n in range(1, 1000):
+                try:
+                    self._file = RecordFile(self.path, exclusive=True)
+                    break
+                except FileExistsError:
+                    self.path = os.path.join(os.fspath(logdir), f"{stem}.{n}")
+            else:
+                raise FileExistsError(errno.EEXIST, "every event file name is taken", self.path)
+            self._append(Event(wall_time=time.time(), file_version="brain.Event:2"))
+        except OSError as e:
+            raise SinkError("--tensorboard", self.path, e, "start the event file") from None
+
+    def _append(self, event: Any) -> None:
+        data = event.SerializeToString()
+        header = struct.pack("<Q", len(data))
+        crcs = struct.pack("<I", self._crc(header)), struct.pack("<I", self._crc(data))
+        assert self._file is not None, "the TensorBoard event file is closed"
+        self._file.append(b"".join((header, crcs[0], data, crcs[1])))
 
     def write(self, record: LogRecord) -> None:
-        assert self._writer is not None, "the TensorBoard writer is closed"
-        add = self._writer.add_scalar
+        value = self._summary.Value
+        values = []
         for name, v in record.metrics.items():
             if isinstance(v, list):
-                for i, x in enumerate(v):
-                    add(f"{record.group}/{name}/{i}", x, record.step)
+                values += [value(tag=_tag(f"{record.group}/{name}/{i}"), simple_value=x)
+                           for i, x in enumerate(v)]  # fmt: skip
             else:
-                add(f"{record.group}/{name}", v, record.step)
-        if record.group != "train":
-            return
-        for name, h in record.hyperparameters.items():
-            add(f"hyperparameters/{name}", h, record.step)
+                values.append(value(tag=_tag(f"{record.group}/{name}"), simple_value=v))
+        if record.group == "train":
+            for name, h in record.hyperparameters.items():
+                values.append(value(tag=_tag(f"hyperparameters/{name}"), simple_value=h))
+        event = self._event(
+            wall_time=time.time(), step=record.step, summary=self._summary(value=values)
+        )
+        try:
+            self._append(event)
+        except OSError as e:
+            raise SinkError("--tensorboard", self.path, e, f"write step {record.step} to") from None
 
     def flush(self) -> None:
-        if self._writer is not None:
-            self._writer.flush()
+        if self._file is not None:
+            try:
+                self._file.sync()
+            except OSError as e:
+                raise SinkError("--tensorboard", self.path, e, "sync") from None
 
     def close(self) -> None:
-        if self._writer is not None:
-            self._writer.close()  # flushes the queue and the event file
-            self._writer = None
+        file, self._file = self._file, None
+        if file is not None:
+            try:
+                file.close()
+            except OSError as e:
+                raise SinkError("--tensorboard", self.path, e, "close") from None
+
+
+_INVALID_TAG = re.compile(r"[^-/\w.]")
+
+
+def _tag(name: str) -> str:
+    """The tag tensorboardX's ``add_scalar`` would write for ``name`` (its rule: other
+    characters become ``_``, leading slashes go), so curves keep their names."""
+    return _INVALID_TAG.sub("_", name).lstrip("/")
 
 
 def check_sink_outputs(metrics_file: str | None, tensorboard: str | None) -> None:

@@ -198,10 +198,10 @@ class StepCalls(BatchChecks):
         def read(n: int) -> tuple[list[tuple[CompiledPlan, dict[str, Any], Any]], Exception | None]:
             group: list[tuple[CompiledPlan, dict[str, Any], Any]] = []
             for _ in range(n):
-                b = next(source, _END)
-                if b is _END:
-                    break
-                try:
+                try:  # a data source failing (a shard truncated) or a batch no bucket takes
+                    b = next(source, _END)
+                    if b is _END:
+                        break
                     plan, arrays = self._match("train", self._plans_for("train"), b, local)
                 except BindingError as e:
                     return group, e  # the steps before it run first

@@ -26,6 +26,11 @@ anything is read (each failure is a ``DataError`` with its own ``DataErrorKind``
 memory-maps the shards read-only: only the pages of the rows a batch gathers are ever
 read, so a dataset far larger than memory costs page cache, not process memory.
 ``Dataset.gather`` reads any set of rows with one fancy index per input per shard.
+Before reading a shard file it compares the file's size with the checked one (one
+``fstat`` per file read, ~1 us): a shard truncated or rewritten under a run is a
+``DataError`` (``WRONG_SIZE``), not a SIGBUS. (A truncation landing in the microseconds
+between that check and the read can still fault: only a reader without memory maps
+could rule that out, at several times the cost per batch.)
 
 ``dataset_writer.write_dataset`` writes the layout (streaming, shard by shard, the
 index last, so a folder without ``dataset.json`` is an unfinished write and is never
@@ -45,8 +50,10 @@ from __future__ import annotations
 import bisect
 import functools
 import json
+import math
+import mmap
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -60,11 +67,13 @@ from .dataset_index import (
     DTYPES,
     INDEX_NAME,
     MAX_INDEX_BYTES,
+    MAX_INDEX_DEPTH,
     NAME_PATTERN,
     DataError,
     DataErrorKind,
     InputSpec,
     check_index,
+    check_index_depth,
     data_error,
     shard_file_name,
 )
@@ -80,11 +89,53 @@ __all__ = [
     "DataErrorKind",
     "Dataset",
     "InputSpec",
+    "ShardFile",
     "data_error",
     "iter_rows",
     "open_dataset",
     "shard_file_name",
 ]
+
+
+@dataclass(frozen=True)
+class ShardFile:
+    """One memory-mapped shard file, and the size it had when it was checked.
+
+    A mapped file that shrinks under its reader makes reads of the lost pages raise
+    SIGBUS, which kills the process (no exception, no checkpoint). ``check`` compares
+    the file's size now (one ``fstat`` of the mapping's descriptor, ~0.7 us) with the
+    checked one and raises a ``DataError`` instead; ``Dataset.gather`` calls it for
+    every file a batch reads, just before reading it.
+
+    Attributes:
+      path: the file.
+      mapping: the read-only mapping of the whole file (None for a shard of no bytes).
+      size: its size in bytes when ``open_dataset`` checked it.
+    """
+
+    path: str
+    mapping: mmap.mmap | None
+    size: int
+
+    def check(self) -> None:
+        if self.mapping is None:
+            return
+        try:
+            now = self.mapping.size()
+        except OSError as e:
+            now, why = -1, f"cannot be examined any more ({e})"
+        else:
+            why = f"is now {now} bytes"
+        if now != self.size:
+            raise data_error(
+                DataErrorKind.WRONG_SIZE,
+                self.path,
+                f"The shard file {self.path!r} was {self.size} bytes when the dataset was "
+                f"opened and {why}: it was truncated or rewritten while it was being read. "
+                "Reading it on would fault (SIGBUS) or give other rows. Restore the file "
+                "(or rewrite the dataset elsewhere, never in place under a run), then "
+                "resume from the last checkpoint.",
+            )
 
 
 @dataclass(frozen=True)
@@ -98,6 +149,7 @@ class Dataset:
       shard_rows: the rows of each shard, in order.
       shard_starts: the first global row of each shard, plus ``rows`` at the end.
       arrays: per input name, one read-only memory map per shard.
+      files: per input name, per shard, the mapped file (to check its size before a read).
     """
 
     path: str
@@ -106,10 +158,20 @@ class Dataset:
     shard_rows: tuple[int, ...]
     shard_starts: np.ndarray[Any, np.dtype[np.int64]]
     arrays: Mapping[str, tuple[np.ndarray[Any, Any], ...]]
+    files: Mapping[str, tuple[ShardFile, ...]]
 
     @functools.cached_property
     def _starts(self) -> list[int]:
         return [int(v) for v in self.shard_starts]
+
+    @functools.cached_property
+    def _sizes(self) -> dict[str, list[tuple[Callable[[], int], int]]]:
+        """Per input, per shard: (the mapping's bound ``size``, the checked size); the
+        gather's hot path compares them and calls ``ShardFile.check`` only on a change."""
+        return {
+            name: [(f.mapping.size, f.size) if f.mapping else (lambda: 0, 0) for f in files]
+            for name, files in self.files.items()
+        }
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -140,6 +202,9 @@ class Dataset:
             # straight into the asked order.
             local = idx - self._starts[first] if first else idx
             for name, maps in self.arrays.items():
+                now, size = self._sizes[name][first]
+                if now() != size:  # the file shrank or grew: refuse before it can fault
+                    self.files[name][first].check()
                 maps[first].take(local, 0, out[name])
             return out
         order = np.argsort(idx, kind="stable")
@@ -155,7 +220,11 @@ class Dataset:
         ]
         for name, maps in self.arrays.items():
             dst = out[name] if in_order else np.empty_like(out[name])
+            sizes = self._sizes[name]
             for shard, rows, where in runs:
+                now, size = sizes[shard]
+                if now() != size:
+                    self.files[name][shard].check()
                 maps[shard].take(rows, 0, dst[where])
             if not in_order:
                 out[name][order] = dst
@@ -176,7 +245,9 @@ def _read_npy_header(path: Path) -> tuple[tuple[int, ...], bool, np.dtype[Any], 
         return tuple(shape), bool(fortran), np.dtype(dtype), f.tell()
 
 
-def _open_shard(folder: Path, spec: InputSpec, shard: int, rows: int) -> np.ndarray[Any, Any]:
+def _open_shard(
+    folder: Path, spec: InputSpec, shard: int, rows: int
+) -> tuple[np.ndarray[Any, Any], ShardFile]:
     path = folder / shard_file_name(spec.name, shard)
     fix = "Rewrite the dataset with stepbundle.runtime.dataset_writer.write_dataset."
     if not path.is_file():
@@ -221,11 +292,19 @@ def _open_shard(folder: Path, spec: InputSpec, shard: int, rows: int) -> np.ndar
         )
     if rows * spec.row_bytes == 0:
         # mmap cannot map zero bytes; a zero-sized row has nothing to read anyway.
-        return np.zeros(expected_shape, dtype=spec.dtype)
-    # A plain ndarray view of the np.memmap (which it keeps open through .base):
-    # memmap's Python-level __getitem__ would triple the cost of a small gather.
-    mapped = np.load(path, mmap_mode="r", allow_pickle=False)
-    return np.asarray(mapped).view(np.ndarray)
+        return np.zeros(expected_shape, dtype=spec.dtype), ShardFile(str(path), None, size)
+    # A plain ndarray over the mapping (np.memmap's Python-level __getitem__ would triple
+    # the cost of a small gather); the mapping is kept to check the file's size.
+    with open(path, "rb") as f:
+        mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    if mapping.size() != expected_size:  # it changed since the check above
+        raise data_error(
+            DataErrorKind.WRONG_SIZE,
+            path,
+            f"The shard file {str(path)!r} changed size while it was being opened. {fix}",
+        )
+    array = np.frombuffer(mapping, spec.dtype, rows * math.prod(spec.shape), offset)
+    return array.reshape(expected_shape), ShardFile(str(path), mapping, size)
 
 
 def open_dataset(path: str | os.PathLike[str]) -> Dataset:
@@ -257,6 +336,15 @@ def open_dataset(path: str | os.PathLike[str]) -> Dataset:
         )
     try:
         raw = json.loads(index_path.read_bytes().decode("utf-8"))
+    except RecursionError:  # the parser's own depth cap: Python's recursion limit
+        raise data_error(
+            DataErrorKind.BAD_INDEX,
+            index_path,
+            f"The dataset index {str(index_path)!r} is nested deeper than JSON can be read "
+            f"here; an index is nested at most {MAX_INDEX_DEPTH} levels deep. It is not "
+            "an index: rewrite the dataset with "
+            "stepbundle.runtime.dataset_writer.write_dataset.",
+        ) from None
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise data_error(
             DataErrorKind.BAD_INDEX,
@@ -264,9 +352,10 @@ def open_dataset(path: str | os.PathLike[str]) -> Dataset:
             f"The dataset index {str(index_path)!r} is not valid JSON ({e}). Rewrite the "
             "dataset with stepbundle.runtime.dataset_writer.write_dataset.",
         ) from e
+    check_index_depth(index_path, raw)
     rows, inputs, shard_rows = check_index(index_path, raw)
-    arrays = {
-        spec.name: tuple(_open_shard(folder, spec, i, r) for i, r in enumerate(shard_rows))
+    opened = {
+        spec.name: [_open_shard(folder, spec, i, r) for i, r in enumerate(shard_rows)]
         for spec in inputs
     }
     starts = np.zeros(len(shard_rows) + 1, dtype=np.int64)
@@ -277,7 +366,8 @@ def open_dataset(path: str | os.PathLike[str]) -> Dataset:
         inputs=inputs,
         shard_rows=tuple(shard_rows),
         shard_starts=starts,
-        arrays=arrays,
+        arrays={name: tuple(a for a, _ in shards) for name, shards in opened.items()},
+        files={name: tuple(f for _, f in shards) for name, shards in opened.items()},
     )
 
 

@@ -27,11 +27,13 @@ __all__ = [
     "DTYPES",
     "INDEX_NAME",
     "MAX_INDEX_BYTES",
+    "MAX_INDEX_DEPTH",
     "NAME_PATTERN",
     "DataError",
     "DataErrorKind",
     "InputSpec",
     "check_index",
+    "check_index_depth",
     "data_error",
     "shard_file_name",
 ]
@@ -51,6 +53,11 @@ DEFAULT_SHARD_BYTES = 64 * 1024 * 1024
 bytes per shard, all inputs together."""
 
 MAX_INDEX_BYTES = 64 * 1024 * 1024  # an index is small; a huge one is not an index
+
+MAX_INDEX_DEPTH = 8
+"""How deeply an index's JSON may nest (a real one: 4, ``{"inputs": {name: {"shape":
+[...]}}}``). Deeper is refused before any field is read: the messages quote fields, and
+quoting a deeply nested one recursed as deeply as parsing it."""
 
 DTYPES: dict[str, np.dtype[Any]] = {
     name: np.dtype(name)
@@ -148,6 +155,23 @@ def shard_file_name(name: str, shard: int) -> str:
 def data_error(kind: DataErrorKind, path: Path | str, message: str) -> DataError:
     """A ``DataError`` about the file ``path``."""
     return DataError(kind, message, path=str(path))
+
+
+def check_index_depth(index_path: Path, raw: object) -> None:
+    """Refuse a parsed index nested deeper than ``MAX_INDEX_DEPTH`` (without recursing)."""
+    level: list[object] = [raw]
+    for _ in range(MAX_INDEX_DEPTH + 1):
+        containers = [v for v in level if isinstance(v, (dict, list))]
+        if not containers:
+            return
+        level = [c for v in containers for c in (v.values() if isinstance(v, dict) else v)]
+    raise data_error(
+        DataErrorKind.BAD_INDEX,
+        index_path,
+        f"The dataset index {str(index_path)!r} nests objects or lists more than "
+        f"{MAX_INDEX_DEPTH} levels deep; an index is nested 4 levels deep. It is not an "
+        "index: rewrite the dataset with stepbundle.runtime.dataset_writer.write_dataset.",
+    )
 
 
 def check_index(index_path: Path, raw: object) -> tuple[int, tuple[InputSpec, ...], list[int]]:

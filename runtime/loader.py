@@ -85,6 +85,7 @@ from typing import Any
 import numpy as np
 
 from .dataset import DataError, DataErrorKind, Dataset
+from .host_memory import available_bytes, format_bytes
 
 __all__ = ["LOADER_FORMAT", "LOADER_STATE_VERSION", "LastBatch", "Loader", "LoaderState"]
 
@@ -284,6 +285,28 @@ class Loader:
                 f"last_batch='keep' leaves a last batch of {rest} rows ({dataset.rows} rows, "
                 f"batch {batch_size}) that {process_count} processes cannot split evenly "
                 "(every process's batch must have the same shape); use 'pad' or 'drop'."
+            )
+        # Refused before the first batch allocates: its rows, and ~8 int64 row numbers
+        # per row on the way (the permutation's slice, argsort, shard numbers...).
+        rows_read = (batch_size if last is LastBatch.PAD else min(batch_size, dataset.rows)) // (
+            process_count
+        )
+        need = rows_read * (sum(s.row_bytes for s in dataset.inputs) + 64)
+        have = available_bytes()
+        if have is not None and need > have:
+            raise bad(
+                f"A batch of {batch_size} rows of {dataset.path!r} needs about "
+                f"{format_bytes(need)} of host memory to read (per process), more than the "
+                f"{format_bytes(have)} this process has available. Use a smaller batch "
+                "size (--batch-size), or run where there is more memory."
+            )
+        if last is LastBatch.PAD and mask_key is None and batch_size > dataset.rows:
+            raise bad(
+                f"The batch of {batch_size} rows is larger than the dataset "
+                f"{dataset.path!r}, which has {dataset.rows} rows: with last_batch='pad' "
+                f"every training batch would be the whole dataset plus "
+                f"{batch_size - dataset.rows} repeats of its rows. Use a batch size of at "
+                f"most {dataset.rows} (--batch-size), or a larger dataset."
             )
         self.dataset = dataset
         self.batch_size = batch_size

@@ -301,27 +301,32 @@ class Trainer(StateAndCheckpoints, StepCalls):
         if first is _END:
             return out
         nxt = self._pick("train", first, local)
+        failed: BindingError | None = None
         for i in range(steps):
             plan, dev = nxt
             metrics = self._dispatch(plan, dev)
             more = i + 1 < steps
+            if position is not None:
+                self.data_position = position()  # the batch after this step's
             if more:
                 # Dispatch was asynchronous: this transfer overlaps the running step.
-                pos = position() if position is not None else None
-                following = next(source, _END)
-                more = following is not _END
-                if more:
-                    nxt = self._pick("train", following, local)
-                if pos is not None:
-                    self.data_position = pos
-            elif position is not None:
-                self.data_position = position()
+                try:
+                    following = next(source, _END)
+                    more = following is not _END
+                    if more:
+                        nxt = self._pick("train", following, local)
+                except BindingError as e:
+                    # A batch the data cannot give (a shard truncated under the run) or
+                    # no bucket takes: this step ran, so it is reported before the error.
+                    failed, more = e, False
             if on_step is not None:
                 on_step(i, metrics)
             if keep_metrics or not more or self._stop_requested:
                 out.append(metrics)
             if not more or self._stop_requested:
                 break
+        if failed is not None:
+            raise failed
         return out
 
     # ------------------------------------------------- K steps per call

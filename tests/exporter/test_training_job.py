@@ -361,8 +361,12 @@ def test_tensorboard_holds_train_and_eval_curves(runs: Runs) -> None:
         assert {s for s in ref[tag] if s >= resumed_from} <= job[tag].keys(), tag
 
 
-# Every checkpoint first flushes the logs, so a SIGKILL after a checkpoint leaves no hole
-# in the curves before the step the resume starts from.
+# Every reported step is written through to the event file as it comes, so a SIGKILL
+# after a checkpoint leaves no hole in the curves before the step the resume starts from.
+# This test passed even when that was false (tensorboardX's flush() left the steps still
+# in its queue behind): the job logs every step, so the file's buffer spilled every few
+# steps, long before the kill. tests/runtime/test_sink_failures.py catches the real case
+# (every 50th step logged, the kill the moment the checkpoint appears).
 def test_tensorboard_keeps_every_step_before_the_resume_point(runs: Runs) -> None:
     job = _scalars(runs.job_dir / "tb")
     assert sorted(job["train/loss"]) == list(range(STEPS))

@@ -1,0 +1,107 @@
+"""A file appended to in whole records, written through, and cut back to its last whole
+record when a write fails: what ``--metrics-file`` and ``--tensorboard`` write through,
+so a full disk leaves valid files and a typed ``SinkError``, and a SIGKILL loses nothing
+already written.
+
+Imports: the standard library; ``stepbundle.schema.errors``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+
+from stepbundle.schema.errors import BundleError
+
+__all__ = ["RecordFile", "SinkError", "cut_torn_line"]
+
+
+class SinkError(BundleError):
+    """Writing a ``--metrics-file`` or ``--tensorboard`` sink failed (a full disk, a lost
+    mount, a file removed under the run).
+
+    The file was cut back to its last whole record before this was raised, so it stays
+    valid. ``sink`` is the option (``"--metrics-file"``, ``"--tensorboard"``), ``path``
+    the file, ``error`` the ``OSError``.
+    """
+
+    def __init__(self, sink: str, path: str, error: OSError, doing: str) -> None:
+        reason = f"{error.strerror or error} (errno {error.errno})" if error.errno else str(error)
+        super().__init__(
+            f"{sink}: cannot {doing} {path!r}: {reason}. The file was cut back to its last "
+            "whole record and closed, and the run stops at the next step boundary, with a "
+            "final checkpoint if it has a --checkpoint-dir. Free space (or fix the folder), "
+            "then --resume from that checkpoint with the same options; the logs continue "
+            "from there."
+        )
+        self.sink = sink
+        self.path = path
+        self.error = error
+
+
+class RecordFile:
+    """A file only ever appended to in whole records, written through (no buffer, no
+    thread): a record is on the OS's side of the process when ``append`` returns, so a
+    SIGKILL cannot lose it, and a failed write is known at once.
+
+    A write that fails part way (``ENOSPC`` after a short write) is cut back with
+    ``ftruncate`` to the end of the last whole record before the error is raised.
+    """
+
+    def __init__(self, path: str, *, exclusive: bool = False) -> None:
+        flags = os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC
+        self.path = path
+        self._fd: int | None = os.open(path, flags | (os.O_EXCL if exclusive else 0), 0o666)
+        self.size = os.fstat(self._fd).st_size  # the end of the last whole record
+
+    @property
+    def fd(self) -> int:
+        assert self._fd is not None, f"{self.path!r} is closed"
+        return self._fd
+
+    def append(self, data: bytes) -> None:
+        view, done = memoryview(data), 0
+        try:
+            while done < len(data):
+                n = os.write(self.fd, view[done:])
+                if n <= 0:  # a regular file never does this; refuse to spin on it
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+                done += n
+        except OSError:
+            self.cut(self.size)
+            raise
+        self.size += len(data)
+
+    def cut(self, size: int) -> None:
+        """Cut the file back to ``size`` bytes (best effort: shrinking needs no space)."""
+        with contextlib.suppress(OSError):
+            os.ftruncate(self.fd, size)
+        self.size = size
+
+    def sync(self) -> None:
+        """Put the file on the disk itself (a checkpoint's logs outlive a power cut)."""
+        os.fsync(self.fd)
+
+    def close(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
+
+
+def cut_torn_line(file: RecordFile) -> int:
+    """Cut a last line without its newline (a run killed mid-write, before the file was
+    written through; or another writer) off ``file``; returns the bytes cut."""
+    end = file.size
+    if end == 0 or os.pread(file.fd, 1, end - 1) == b"\n":
+        return 0
+    pos = end
+    while pos > 0:  # back to the last newline, 64 KiB at a time
+        start = max(0, pos - 65536)
+        found = os.pread(file.fd, pos - start, start).rfind(b"\n")
+        if found >= 0:
+            pos = start + found + 1
+            break
+        pos = start
+    file.cut(pos)
+    return end - pos

@@ -1,0 +1,128 @@
+"""Dataset folders under attack (issue #29): a deeply nested index, a batch size that
+cannot fit in memory, and a shard truncated while a run reads it. Each ends as a typed
+refusal (``DataError`` with its kind; one line and exit 1 or 2 from the CLI), never a
+traceback, a huge allocation or a SIGBUS; a run whose data breaks under it stops with a
+final checkpoint of the steps it took."""
+
+from __future__ import annotations
+
+import os
+import resource
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from runtime_helpers import golden_bundle
+
+from stepbundle.runtime.checkpoint import read_checkpoint
+from stepbundle.runtime.dataset import DataError, DataErrorKind, open_dataset
+from stepbundle.runtime.dataset_writer import write_dataset
+from stepbundle.runtime.loader import Loader
+
+BUNDLE = str(golden_bundle("linear_adamw"))  # x float32[8,5], y float32[8,3]
+
+
+def dataset(folder: Path, rows: int, rows_per_shard: int | None = None) -> Path:
+    rng = np.random.default_rng(0)
+    data = {
+        "x": rng.standard_normal((rows, 5), dtype=np.float32),
+        "y": rng.standard_normal((rows, 3), dtype=np.float32),
+    }
+    write_dataset(str(folder), data, stacked=True, rows_per_shard=rows_per_shard)
+    return folder
+
+
+def run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    def limit() -> None:  # a refusal that fails allocates a lot: keep it bounded
+        resource.setrlimit(resource.RLIMIT_AS, (16 * 2**30, 16 * 2**30))
+
+    return subprocess.run(
+        [sys.executable, "-m", "stepbundle", "run", BUNDLE, "--no-cache", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        preexec_fn=limit,
+    )
+
+
+# ------------------------------------------------------------- 13: a nested index
+def test_a_deeply_nested_index_is_a_typed_refusal(tmp_path: Path) -> None:
+    """Before: json.loads raised RecursionError, a traceback from the CLI."""
+    ds = dataset(tmp_path / "ds", 24)
+    deep = "[" * 100_000 + "]" * 100_000
+    (ds / "dataset.json").write_text(
+        '{"format": "stepbundle.dataset", "version": 1, "rows": 24, "inputs": ' + deep + "}"
+    )
+    with pytest.raises(DataError) as e:
+        open_dataset(ds)
+    assert e.value.kind is DataErrorKind.BAD_INDEX
+    assert "nested" in str(e.value), e.value
+    r = run("--data", str(ds), "--steps", "1")
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert "nested" in r.stderr, r.stderr
+
+
+# ------------------------------------------------------ 14: a batch that cannot fit
+def test_a_batch_larger_than_memory_is_refused_before_allocating(tmp_path: Path) -> None:
+    """Before: ``--batch-size 1000000000000 --last-batch pad`` tried to allocate 7 TiB
+    (the row numbers alone: 8 bytes each) and died with a MemoryError traceback."""
+    ds = open_dataset(dataset(tmp_path / "ds", 24))
+    with pytest.raises(DataError) as e:
+        Loader(ds, 10**12, last_batch="pad")
+    assert e.value.kind is DataErrorKind.BAD_LOADER and "memory" in str(e.value)
+    r = run("--data", str(ds.path), "--steps", "1", "--batch-size", str(10**12),
+            "--last-batch", "pad")  # fmt: skip
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert "--batch-size" in r.stderr or "batch" in r.stderr, r.stderr
+
+
+def test_a_padded_training_batch_larger_than_the_dataset_is_refused(tmp_path: Path) -> None:
+    """With 'pad' and no mask (training), a batch of more rows than the dataset has
+    would train on every row plus repeats of them in every step."""
+    ds = open_dataset(dataset(tmp_path / "ds", 24))
+    with pytest.raises(DataError) as e:
+        Loader(ds, 32, last_batch="pad")
+    assert e.value.kind is DataErrorKind.BAD_LOADER and "24 rows" in str(e.value)
+    # An evaluation set smaller than its batch stays fine: its mask marks the repeats.
+    batch = next(Loader(ds, 32, last_batch="pad", mask_key="mask", shuffle=False))
+    assert batch["mask"].sum() == 24
+
+
+# --------------------------------------------------- 15: a shard truncated mid-run
+def test_a_shard_truncated_under_the_run_stops_it_cleanly(tmp_path: Path) -> None:
+    """Before: reading the truncated memory map raised SIGBUS (exit -7, no checkpoint)."""
+    ds = dataset(tmp_path / "ds", 8192, rows_per_shard=2048)
+    ck = tmp_path / "ck"
+    cmd = [
+        sys.executable, "-m", "stepbundle", "run", BUNDLE, "--no-cache", "--data", str(ds),
+        "--steps", "10000000", "--checkpoint-every", "100", "--checkpoint-dir", str(ck),
+    ]  # fmt: skip
+    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (ck / "step-00000100.safetensors").exists():
+            assert p.poll() is None, p.communicate()[1]
+            assert time.monotonic() < deadline, "no checkpoint within 60 s"
+            time.sleep(0.01)
+        shard = ds / "x-00001.npy"
+        os.truncate(shard, 4096)  # the header and a few rows stay
+        _, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.send_signal(signal.SIGKILL)
+            p.communicate()
+    assert p.returncode == 1, (p.returncode, err)
+    assert "Traceback" not in err and "x-00001.npy" in err and "truncated" in err, err
+    final = sorted(ck.glob("step-*.safetensors"))[-1]
+    steps = int(final.stem.split("-")[1])
+    assert steps > 100
+    # The checkpoint's data position is the batch after its last step: a resume (with
+    # the shard restored) trains on exactly the batches the run would have seen.
+    _, meta = read_checkpoint(str(final))
+    per_epoch = 8192 // 8
+    assert meta.data is not None
+    assert (meta.data["epoch"], meta.data["batch_in_epoch"]) == divmod(steps, per_epoch)

@@ -47,7 +47,7 @@ def _eval(model, batch):
 
 
 def _recipe(frozen: bool = True):
-    from stepbundle.exporter.recipe import Recipe
+    from stepbundle.frontend.recipe import Recipe
 
     torch.manual_seed(0)
     model = _Net()

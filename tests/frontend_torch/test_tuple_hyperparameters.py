@@ -16,7 +16,7 @@ from support import Run, assert_runs_close, make_batches, train_eager_cpu
 
 from stepbundle.export_torch import export
 from stepbundle.exporter import ExportError
-from stepbundle.exporter.recipe import Recipe
+from stepbundle.frontend.recipe import Recipe
 from stepbundle.runtime import load
 from stepbundle.schema import InputKind
 

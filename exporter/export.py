@@ -74,6 +74,7 @@ def _trace_recipe(
     zero_grads: bool,
     say: Callable[[str], None],
     no_gradient: frozenset[str] = frozenset(),
+    run: bool = False,
 ) -> tuple[list[Any], dict[str, torch.Tensor], dict[str, float], _Bound, dict[str, _Bound]]:
     """Copy the recipe to the device, trace every entry twice, bind the traces."""
     with Workspace(recipe, device, zero_grads=zero_grads, no_gradient=no_gradient) as ws:
@@ -100,14 +101,16 @@ def _trace_recipe(
         for i, batch in enumerate(batches):
             what = step_label("training step", i, len(batches))
             with gradients_reached(ws.model, watch=zero_grads and i == 0) as reached:
-                ta = trace_train(ws, batch, recipe.step, seed=base_seed if i == 0 else None)
+                ta = trace_train(
+                    ws, batch, recipe.step, seed=base_seed if i == 0 else None, run=run
+                )
             trainable = [(n, p) for n, p in ws.model.named_parameters() if p.requires_grad]
             if zero_grads and any(p.grad is None for n, p in trainable if n not in no_gradient):
                 raise GradientsDropped
             unreached = frozenset(n for n, _ in trainable if n not in reached) - no_gradient
             if zero_grads and i == 0 and unreached:
                 raise NoGradient(unreached)
-            tb = trace_train(ws, batch, recipe.step)
+            tb = trace_train(ws, batch, recipe.step, run=run)
             bound = bind(
                 ta,
                 tb,
@@ -166,6 +169,7 @@ def export(
     *,
     mlir_dir: str | os.PathLike[str] | None = None,
     progress: Callable[[str], None] | None = None,
+    run_traced_steps: bool = False,
 ) -> ExportReport:
     """Trace ``recipe``'s step with torch_xla and write a bundle to ``path``.
 
@@ -178,6 +182,11 @@ def export(
       path: where to write the bundle (atomically).
       mlir_dir: if given, each program is also written there as ``.mlir`` text.
       progress: called with a line per stage (the CLI prints them).
+      run_traced_steps: compile and run each traced training step, as torch_xla eager
+        would, instead of dropping it (the default, ``xla.skip_step``). The bundle is
+        the same either way; running costs the steps' compile time (most of an
+        export's), and is there to check that claim and to time it
+        (``benchmarks/export_time.py``).
 
     Raises:
       ExportError: the step cannot be replayed faithfully; the message says why.
@@ -219,6 +228,7 @@ def export(
                     zero_grads=zero_grads,
                     say=say,
                     no_gradient=no_gradient,
+                    run=run_traced_steps,
                 )
                 break
             except GradientsDropped:
@@ -235,6 +245,7 @@ def export(
                     zero_grads=zero_grads,
                     say=_quiet,
                     no_gradient=no_gradient,
+                    run=run_traced_steps,
                 )
                 explain_graph_change(e, retrace)
     finally:

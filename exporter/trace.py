@@ -176,20 +176,16 @@ def _own_buffers(batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in batch.items()}
 
 
-# Whether each traced training step is compiled and run (a sync), as torch_xla eager
-# would. False (the default) drops it (xla.skip_step): only the lowered program is
-# needed. True is kept for tests that prove both give the same bundle.
-_EXECUTE_STEPS = False
-
-
 def trace_train(
     ws: Workspace,
     batch: Mapping[str, torch.Tensor],
     step_fn: Any,
     *,
     seed: int | None = None,
+    run: bool = False,
 ) -> StepTrace:
-    """Trace one training step on the workspace (and run it, with ``_EXECUTE_STEPS``).
+    """Trace one training step on the workspace (and run it, with ``run``:
+    ``export(run_traced_steps=True)``).
 
     Running it leaves the workspace in the state after the step, as in eager training
     with one sync per step. Not running it (compiling the step was almost all of export
@@ -339,7 +335,7 @@ def trace_train(
         ir=xla.ir_text(roots) if xla.ir_debugging() else "",
     )
     del roots, metrics, result, values
-    if _EXECUTE_STEPS:
+    if run:
         xla.sync()
     else:
         # Everything the step changed on the device gets a placeholder, gradients

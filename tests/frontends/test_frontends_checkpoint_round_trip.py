@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from support import make_batches
+from support import make_batches, mse_step
 
 from stepbundle.frontend import Recipe
 from stepbundle.frontend.checkpoint import load_into
@@ -25,14 +25,6 @@ from stepbundle.runtime import load
 
 STEPS = 3
 BETA1, LR = 0.85, 0.02
-
-
-def _step(model, optimizer, batch):
-    optimizer.zero_grad()
-    loss = torch.nn.functional.mse_loss(model(batch["x"]), batch["y"])
-    loss.backward()
-    optimizer.step()
-    return {"loss": loss}
 
 
 def _recipe(adam: dict[str, Any], *, betas: tuple[float, float] = (0.9, 0.99), lr: float = 0.01):
@@ -43,7 +35,7 @@ def _recipe(adam: dict[str, Any], *, betas: tuple[float, float] = (0.9, 0.99), l
     return Recipe(
         model=model,
         optimizer=opt,
-        step=_step,
+        step=mse_step,
         example_batch={"x": torch.randn(16, 5, generator=g), "y": torch.randn(16, 3, generator=g)},
         hyperparameters=("lr", "betas.0"),
     )

@@ -26,7 +26,6 @@ def child(name: str, execute: bool, out: str) -> None:
     import torchvision
 
     from stepbundle.exporter import Recipe, export
-    from stepbundle.exporter import trace as trace_module
 
     t0 = time.perf_counter()
     torch.manual_seed(0)
@@ -46,9 +45,8 @@ def child(name: str, execute: bool, out: str) -> None:
         step=step,
         example_batch=batch,
     )
-    trace_module._EXECUTE_STEPS = execute
     t1 = time.perf_counter()
-    rep = export(recipe, out)
+    rep = export(recipe, out, run_traced_steps=execute)
     t2 = time.perf_counter()
     print(json.dumps({"build_s": t1 - t0, "export_s": t2 - t1, "stages_s": rep.stage_seconds}))
 

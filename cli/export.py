@@ -84,8 +84,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     if not os.access(folder if str(folder) else ".", os.W_OK) or not folder.is_dir():
         return _die(f"-o {args.output!r}: the folder {str(folder)!r} is missing or not writable.")
     print(f"[export] front-end: {frontend} ({why})", file=sys.stderr)
-    from stepbundle.exporter.errors import ExportError
-    from stepbundle.exporter.recipe import Recipe
+    from stepbundle.frontend.errors import ExportError
+    from stepbundle.frontend.recipe import Recipe
 
     t0 = time.perf_counter()
     export: Any

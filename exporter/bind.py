@@ -15,12 +15,14 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from stepbundle.frontend.dtypes import spec_of, tensor_bytes
+from stepbundle.frontend.errors import ExportError
+from stepbundle.frontend.tables import STATE_INPUT_KIND, state_update
 from stepbundle.schema.manifest import (
     BatchInput,
     ConstantInput,
     HyperparameterInput,
     InputBinding,
-    InputKind,
     MetricOutput,
     OutputBinding,
     RngSeedInput,
@@ -29,20 +31,11 @@ from stepbundle.schema.manifest import (
     StateUpdateOutput,
 )
 
-from .dtypes import spec_of, tensor_bytes
-from .errors import ExportError
 from .graphdiff import describe_change
 from .rng_seeds import prove_seeds
 from .trace import InputOrigin, StepTrace
 
 __all__ = ["BoundProgram", "GraphChanged", "bind"]
-
-_STATE_INPUT_KIND = {
-    StateKind.PARAMETER: InputKind.PARAMETER,
-    StateKind.BUFFER: InputKind.BUFFER,
-    StateKind.OPTIMIZER_STATE: InputKind.OPTIMIZER_STATE,
-    StateKind.GRADIENT: InputKind.GRADIENT,
-}
 
 
 @dataclass(frozen=True)
@@ -170,7 +163,7 @@ def bind(
             )
         if a.kind == "state":
             state_input_index[a.name] = i
-            inputs.append(StateInput(_STATE_INPUT_KIND[state_kinds[a.name]], a.name, spec))
+            inputs.append(StateInput(STATE_INPUT_KIND[state_kinds[a.name]], a.name, spec))
         elif a.kind == "batch":
             inputs.append(BatchInput(a.name, spec))
         elif a.kind == "hyperparameter":
@@ -203,12 +196,8 @@ def bind(
     for name, (dt, shape) in zip(tb.updated_state, tb.update_specs):
         spec = spec_of(dt, shape, f"State {name!r}")
         donates = state_input_index.get(name)
-        if donates is not None and inputs[donates].spec != spec:
-            raise ExportError(
-                f"The {what} changes the dtype or shape of state {name!r} "
-                f"({inputs[donates].spec} -> {spec}); state must keep its dtype and shape."
-            )
-        outputs.append(StateUpdateOutput(name, spec, donates))
+        before = None if donates is None else inputs[donates].spec
+        outputs.append(state_update(name, spec, before, donates, what))
     if ta.eval_modules != tb.eval_modules:
         raise ExportError(
             f"The {what} left different modules in eval mode in two consecutive traced steps "

@@ -4,10 +4,11 @@ Stages: copy the model and optimizer to the XLA device (``workspace.py``); trace
 shape bucket's training step twice and the read-only entries twice (``trace.py``);
 prove the two traces agree and build the binding tables (``bind.py``); rewrite each
 graph for ``Recipe.numerics`` and serialize it as a StableHLO portable artifact
-(``serialize.py``); write the bundle (``stepbundle.schema``).
+(``serialize.py``); write the bundle (``stepbundle.frontend.writer``, shared with the
+torch front-end).
 
 Imports: torch, torch_xla (through ``xla.py`` only), jaxlib's MLIR bindings (through
-stepbundle.stablehlo), stepbundle.schema.
+stepbundle.stablehlo), stepbundle.schema, stepbundle.frontend.
 """
 
 from __future__ import annotations
@@ -15,105 +16,35 @@ from __future__ import annotations
 import functools
 import os
 import time
-import warnings
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-import stepbundle.schema as codec
-from stepbundle import __version__
-from stepbundle.schema.manifest import (
-    ConstantInput,
-    Entry,
-    Hyperparameter,
-    InputKind,
-    Manifest,
-    NamedSpec,
-    Producer,
-    Program,
-    Rng,
-    SectionKind,
-    StateEntry,
-    StateInput,
-    StateKind,
-    StateUpdateOutput,
+from stepbundle.frontend.errors import ExportError
+from stepbundle.frontend.recipe import Recipe, checked_metadata, read_only_entries, step_label
+from stepbundle.frontend.schedulers import scheduler_notes
+from stepbundle.frontend.step_io import batch_signature, checked_batch
+from stepbundle.frontend.writer import (
+    ExportReport,
+    Lowered,
+    ProgramDraft,
+    producer,
+    write_bundle,
 )
+from stepbundle.schema.manifest import NamedSpec, Rng
 from stepbundle.schema.version import RNG_RESTORED_DRAWS
 
 from . import xla
 from .bind import BoundProgram, GraphChanged, bind
-from .dtypes import HYPERPARAMETER_DTYPE, spec_of, tensor_bytes
-from .errors import ExportError
 from .gradients import GradientsDropped, NoGradient, gradients_reached
 from .graphdiff import explain_graph_change
-from .initial_state import initial_section, non_persistent_buffers
 from .numerics import checked_numerics
-from .recipe import Recipe, checked_metadata
-from .schedulers import scheduler_notes
 from .serialize import lower_program
 from .trace import trace_eval, trace_train
 from .workspace import Workspace
 
-__all__ = ["ExportReport", "export"]
-
-
-@dataclass
-class ExportReport:
-    """What an export did, for the CLI and for people reading logs.
-
-    Attributes:
-      path: the bundle written.
-      manifest: its manifest.
-      digest: the bundle digest ("sha256:...").
-      size: the file size in bytes.
-      stage_seconds: wall time of each stage.
-      input_counts: number of graph inputs of each kind, over the train programs.
-      numerics_rewrites: ops the exporter rewrote for ``Recipe.numerics`` over all
-        programs (training BatchNorm's ``batch_norm_training`` / ``batch_norm_grad``);
-        0 with ``numerics="torch_xla"``, or when the step has none.
-      notes: what the user should know about the bundle written (optimizer settings a
-        scheduler set and the bundle keeps fixed, ``exporter/schedulers.py``); each is
-        also given to ``progress`` and issued as a ``UserWarning``.
-    """
-
-    path: Path
-    manifest: Manifest
-    digest: str
-    size: int
-    stage_seconds: dict[str, float] = field(default_factory=dict)
-    input_counts: dict[str, int] = field(default_factory=dict)
-    numerics_rewrites: int = 0
-    notes: list[str] = field(default_factory=list)
-
-
-def _versions() -> Producer:
-    import jax
-
-    return Producer(
-        stepbundle=__version__,
-        torch=str(torch.__version__),
-        torch_xla=xla.torch_xla_version(),
-        jax=str(jax.__version__),
-    )
-
-
-def _to_device(
-    batch: Mapping[str, torch.Tensor], device: torch.device, which: str
-) -> dict[str, torch.Tensor]:
-    out = {}
-    for k, v in batch.items():
-        if not isinstance(k, str) or not k:
-            raise ExportError(f"The {which} has a key {k!r}; batch keys must be non-empty strings.")
-        if not isinstance(v, torch.Tensor):
-            raise ExportError(
-                f"The {which} maps {k!r} to {type(v).__name__}; every batch value must be a "
-                "tensor (the runtime feeds arrays)."
-            )
-        out[k] = v.detach().to(device)
-    return out
+__all__ = ["ExportReport", "export"]  # ExportReport: stepbundle.frontend.writer's
 
 
 def _rng(seed: int, trains: list[BoundProgram]) -> Rng:
@@ -143,11 +74,13 @@ def _trace_recipe(
     zero_grads: bool,
     say: Callable[[str], None],
     no_gradient: frozenset[str] = frozenset(),
+    run: bool = False,
 ) -> tuple[list[Any], dict[str, torch.Tensor], dict[str, float], _Bound, dict[str, _Bound]]:
     """Copy the recipe to the device, trace every entry twice, bind the traces."""
     with Workspace(recipe, device, zero_grads=zero_grads, no_gradient=no_gradient) as ws:
         batches = [
-            _to_device(b, device, f"example batch {i}") for i, b in enumerate(recipe.all_batches())
+            {k: v.to(device) for k, v in checked_batch(b, f"example batch {i}").items()}
+            for i, b in enumerate(recipe.all_batches())
         ]
         xla.sync()
         initial = ws.state_tensors()
@@ -166,16 +99,18 @@ def _trace_recipe(
             )
         train_bound: _Bound = []
         for i, batch in enumerate(batches):
-            what = "training step" + (f" (shape bucket {i})" if len(batches) > 1 else "")
+            what = step_label("training step", i, len(batches))
             with gradients_reached(ws.model, watch=zero_grads and i == 0) as reached:
-                ta = trace_train(ws, batch, recipe.step, seed=base_seed if i == 0 else None)
+                ta = trace_train(
+                    ws, batch, recipe.step, seed=base_seed if i == 0 else None, run=run
+                )
             trainable = [(n, p) for n, p in ws.model.named_parameters() if p.requires_grad]
             if zero_grads and any(p.grad is None for n, p in trainable if n not in no_gradient):
                 raise GradientsDropped
             unreached = frozenset(n for n, _ in trainable if n not in reached) - no_gradient
             if zero_grads and i == 0 and unreached:
                 raise NoGradient(unreached)
-            tb = trace_train(ws, batch, recipe.step)
+            tb = trace_train(ws, batch, recipe.step, run=run)
             bound = bind(
                 ta,
                 tb,
@@ -184,19 +119,13 @@ def _trace_recipe(
                 hints=hints,
                 constant_prefix=f"train.{i}.constant.",
             )
-            train_bound.append((bound, _batch_signature(recipe.all_batches()[i])))
-        eval_fns: dict[str, Any] = dict(recipe.entries)
-        if recipe.eval_step is not None:
-            eval_fns = {"eval": recipe.eval_step, **eval_fns}
+            train_bound.append((bound, batch_signature(recipe.all_batches()[i])))
+        eval_fns = read_only_entries(recipe)
         eval_bound: dict[str, _Bound] = {}
         for name, fn in eval_fns.items():
-            if name == "train":
-                raise ExportError(
-                    'Recipe.entries may not be called "train"; that entry is the training step.'
-                )
             progs = []
             for i, batch in enumerate(batches):
-                what = f"{name} step" + (f" (shape bucket {i})" if len(batches) > 1 else "")
+                what = step_label(f"{name} step", i, len(batches))
                 ta = trace_eval(ws, batch, fn, what)
                 tb = trace_eval(ws, batch, fn, what)
                 bound = bind(
@@ -207,7 +136,7 @@ def _trace_recipe(
                     hints=[],
                     constant_prefix=f"{name}.{i}.constant.",
                 )
-                progs.append((bound, _batch_signature(recipe.all_batches()[i])))
+                progs.append((bound, batch_signature(recipe.all_batches()[i])))
             eval_bound[name] = progs
         xla.sync()
         say(
@@ -240,6 +169,7 @@ def export(
     *,
     mlir_dir: str | os.PathLike[str] | None = None,
     progress: Callable[[str], None] | None = None,
+    run_traced_steps: bool = False,
 ) -> ExportReport:
     """Trace ``recipe``'s step with torch_xla and write a bundle to ``path``.
 
@@ -252,6 +182,11 @@ def export(
       path: where to write the bundle (atomically).
       mlir_dir: if given, each program is also written there as ``.mlir`` text.
       progress: called with a line per stage (the CLI prints them).
+      run_traced_steps: compile and run each traced training step, as torch_xla eager
+        would, instead of dropping it (the default, ``xla.skip_step``). The bundle is
+        the same either way; running costs the steps' compile time (most of an
+        export's), and is there to check that claim and to time it
+        (``benchmarks/export_time.py``).
 
     Raises:
       ExportError: the step cannot be replayed faithfully; the message says why.
@@ -293,6 +228,7 @@ def export(
                     zero_grads=zero_grads,
                     say=say,
                     no_gradient=no_gradient,
+                    run=run_traced_steps,
                 )
                 break
             except GradientsDropped:
@@ -309,6 +245,7 @@ def export(
                     zero_grads=zero_grads,
                     say=_quiet,
                     no_gradient=no_gradient,
+                    run=run_traced_steps,
                 )
                 explain_graph_change(e, retrace)
     finally:
@@ -316,128 +253,38 @@ def export(
     initial, initial_values, initial_hyper, train_bound, eval_bound = traced
     times["trace"] = time.perf_counter() - t0
 
-    # ---------------------------------------------------------------- tables
-    t2 = time.perf_counter()
-    referenced: set[str] = set()
-    for bound, _ in train_bound + [p for ps in eval_bound.values() for p in ps]:
-        for inp in bound.inputs:
-            if isinstance(inp, StateInput):
-                referenced.add(inp.name)
-        for out in bound.outputs:
-            if isinstance(out, StateUpdateOutput):
-                referenced.add(out.state)
-    state_entries: list[StateEntry] = []
-    payloads: list[codec.SectionPayload] = []
-    non_persistent = non_persistent_buffers(recipe.model)
-    for s in initial:
-        # Gradients are state only when the step keeps or reads them.
-        if s.kind is StateKind.GRADIENT and s.name not in referenced:
-            continue
-        value = initial_values[s.name]
-        section = f"state/{s.name}"
-        state_entries.append(
-            StateEntry(
-                name=s.name,
-                kind=s.kind,
-                spec=spec_of(value.dtype, tuple(value.shape), f"State {s.name!r}"),
-                section=section,
-                trainable=s.trainable,
-                aliases=s.aliases,
-            )
-        )
-        kind, data = initial_section(
-            s, value, include_state=recipe.include_state, non_persistent=non_persistent
-        )
-        payloads.append(codec.SectionPayload(section, kind, data))
-    known = {e.name for e in state_entries}
-    by_rule = {SectionKind.FILL, SectionKind.EXTERNAL} & {p.kind for p in payloads}
-    uses_seed = False
-    rewrites = 0
-    entries: dict[str, Entry] = {}
-    texts: dict[str, str] = {}
-    for entry_name, progs, updates in [("train", train_bound, True)] + [
-        (n, ps, False) for n, ps in eval_bound.items()
-    ]:
-        programs = []
-        for i, (bound, batch_sig) in enumerate(progs):
-            what = f"{entry_name} program {i}"
-            for inp in bound.inputs:
-                if isinstance(inp, StateInput) and inp.name not in known:  # pragma: no cover
-                    raise ExportError(f"Internal error: {what} reads unknown state {inp.name!r}.")
-                if inp.kind is InputKind.RNG_SEED:
-                    uses_seed = True
+    def draft(bound: BoundProgram, batch: tuple[NamedSpec, ...]) -> ProgramDraft:
+        def lower(what: str) -> Lowered:
             artifact, target, text, rewritten = lower_program(
                 bound, len(bound.outputs), what, numerics
             )
-            rewrites += rewritten
-            section = f"program/{entry_name}/{i}"
-            payloads.append(codec.SectionPayload(section, SectionKind.PROGRAM, artifact))
-            for inp in bound.inputs:
-                if isinstance(inp, ConstantInput):
-                    payloads.append(
-                        codec.SectionPayload(
-                            inp.section, SectionKind.TENSOR, tensor_bytes(bound.constants[inp.name])
-                        )
-                    )
-            texts[f"{entry_name}.{i}"] = text
-            programs.append(
-                Program(
-                    section=section,
-                    stablehlo_version=target,
-                    inputs=bound.inputs,
-                    outputs=bound.outputs,
-                    batch=batch_sig,
-                )
-            )
-        entries[entry_name] = Entry(
-            programs=tuple(programs),
-            updates_state=updates,
-            eval_modules=progs[0][0].eval_modules,
+            return Lowered(artifact, target, text, rewritten)
+
+        return ProgramDraft(
+            bound.inputs, bound.outputs, batch, lower, bound.constants, bound.eval_modules
         )
-    hypers = tuple(
-        Hyperparameter(
-            name=n, spec=spec_of(HYPERPARAMETER_DTYPE, (), f"Hyperparameter {n!r}"), value=v
-        )
-        for n, v in initial_hyper.items()
-    )
-    manifest = Manifest(
-        producer=_versions(),
+
+    entries = {
+        name: [draft(b, sig) for b, sig in progs]
+        for name, progs in [("train", train_bound), *eval_bound.items()]
+    }
+    trains = [b for b, _ in train_bound]
+    return write_bundle(
+        recipe,
+        path,
+        state=[(s, initial_values[s.name]) for s in initial],
         entries=entries,
-        state=tuple(state_entries),
-        hyperparameters=hypers,
-        rng=_rng(base_seed, [b for b, _ in train_bound]) if uses_seed else None,
-        sections=(),
+        hyperparameters=initial_hyper,
+        producer=producer(xla.torch_xla_version()),
+        rng=lambda: (
+            _rng(base_seed, trains),
+            (RNG_RESTORED_DRAWS,) if trains[0].step_draws else (),
+        ),
         metadata=metadata,
-        required_features=((codec.STATE_INITIALIZERS,) if by_rule else ())
-        + ((RNG_RESTORED_DRAWS,) if uses_seed and train_bound[0][0].step_draws else ()),
         numerics=numerics,
         matmul_precision=matmul_precision,
-    )
-    times["lower"] = time.perf_counter() - t2
-    t3 = time.perf_counter()
-    bundle_path = Path(path)
-    manifest = codec.write_bundle(bundle_path, manifest, payloads)
-    if mlir_dir is not None:
-        d = Path(mlir_dir)
-        d.mkdir(parents=True, exist_ok=True)
-        for key, text in texts.items():
-            codec.atomic_write(d / f"{bundle_path.name}.{key}.mlir", [text.encode("utf-8")])
-    times["write"] = time.perf_counter() - t3
-    with codec.open_bundle(bundle_path) as b:
-        digest, size = b.digest, b.file_size
-    counts: dict[str, int] = {}
-    for prog in manifest.entries["train"].programs:
-        for inp in prog.inputs:
-            counts[inp.kind.value] = counts.get(inp.kind.value, 0) + 1
-    say(f"wrote {bundle_path} ({size / 1e6:.2f} MB, {digest})")
-    for note in notes:
-        say(f"note: {note}")
-        warnings.warn(note, UserWarning, stacklevel=2)
-    return ExportReport(bundle_path, manifest, digest, size, times, counts, rewrites, notes)
-
-
-def _batch_signature(batch: Mapping[str, torch.Tensor]) -> tuple[NamedSpec, ...]:
-    return tuple(
-        NamedSpec(k, spec_of(v.dtype, tuple(v.shape), f"Batch input {k!r}"))
-        for k, v in batch.items()
+        notes=notes,
+        mlir_dir=mlir_dir,
+        say=say,
+        times=times,
     )

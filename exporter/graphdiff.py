@@ -18,8 +18,9 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from stepbundle.frontend.errors import ExportError
+
 from . import xla
-from .errors import ExportError
 from .trace import InputOrigin, StepTrace
 
 __all__ = ["describe_change", "explain_graph_change", "first_ir_difference"]

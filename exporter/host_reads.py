@@ -26,8 +26,9 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from stepbundle.frontend.errors import ExportError
+
 from . import xla
-from .errors import ExportError
 
 __all__ = ["HostReadError", "guard_host_reads"]
 

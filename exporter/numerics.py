@@ -18,11 +18,10 @@ Imports: stepbundle.stablehlo, stepbundle.schema, stepbundle.exporter.errors.
 
 from __future__ import annotations
 
+from stepbundle.frontend.errors import ExportError
 from stepbundle.schema.version import NUMERICS, NUMERICS_PYTORCH, NUMERICS_TORCH_XLA
 from stepbundle.stablehlo import artifact as mlir
 from stepbundle.stablehlo.batch_norm import decompose_batch_norm
-
-from .errors import ExportError
 
 __all__ = ["DEFAULT_NUMERICS", "apply_numerics", "checked_numerics"]
 

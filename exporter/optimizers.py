@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from .errors import ExportError
+from stepbundle.frontend.errors import ExportError
 
 __all__ = ["check_optimizer", "fresh_state", "traced_optimizer"]
 

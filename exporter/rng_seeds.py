@@ -22,10 +22,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from stepbundle.frontend.errors import ExportError
 from stepbundle.schema.rng import TORCH_XLA_MARK_STEP, advance_seed, draw_affine, draw_seed
 from stepbundle.stablehlo import artifact as mlir
-
-from .errors import ExportError
 
 __all__ = ["MAX_DRAWS", "SeedProof", "derive_seeds", "prove_seeds"]
 

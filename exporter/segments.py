@@ -15,8 +15,9 @@ from typing import Any
 
 import torch
 
+from stepbundle.frontend.errors import ExportError
+
 from . import xla
-from .errors import ExportError
 
 __all__ = ["counting_checkpoints"]
 

@@ -8,11 +8,11 @@ Imports: jaxlib's MLIR bindings (through stepbundle.stablehlo), stepbundle.expor
 
 from __future__ import annotations
 
+from stepbundle.frontend.errors import ExportError
 from stepbundle.stablehlo import artifact as mlir
 
 from . import xla
 from .bind import BoundProgram
-from .errors import ExportError
 from .numerics import apply_numerics
 from .rng_seeds import derive_seeds
 

@@ -17,10 +17,11 @@ from typing import Any
 
 import torch
 
+from stepbundle.frontend.errors import ExportError
+from stepbundle.frontend.step_io import checked_metrics, hyperparameter_values
 from stepbundle.schema.manifest import StateKind
 
 from . import xla
-from .errors import ExportError
 from .host_reads import guard_host_reads
 from .modes import eval_batchnorm
 from .optimizers import traced_optimizer
@@ -140,51 +141,6 @@ def _origins(
     return tuple(out)
 
 
-def _metrics(result: Any, what: str, *, need_loss: bool) -> dict[str, torch.Tensor]:
-    if not isinstance(result, Mapping):
-        raise ExportError(
-            f"The {what} returned {type(result).__name__}; it must return a dict of "
-            'name -> tensor, for example {"loss": loss}.'
-        )
-    out: dict[str, torch.Tensor] = {}
-    for k, v in result.items():
-        if not isinstance(k, str) or not k:
-            raise ExportError(
-                f"The {what} returned a metric key {k!r}; keys must be non-empty strings."
-            )
-        if not isinstance(v, torch.Tensor):
-            raise ExportError(
-                f"The {what} returned {k!r} = {v!r} ({type(v).__name__}); metrics must be "
-                "tensors on the XLA device. Return the tensor itself, not .item()."
-            )
-        if v.device.type != "xla":
-            raise ExportError(
-                f"The {what} returned {k!r} on device {v.device}; metrics must be computed "
-                "on the XLA device from the batch and the model."
-            )
-        out[k] = v.detach()
-    if need_loss and "loss" not in out:
-        raise ExportError(
-            f'The {what} returned the keys {sorted(out)}; a training step must return "loss".'
-        )
-    return out
-
-
-def _hyper_values(ws: Workspace) -> tuple[tuple[str, float], ...]:
-    vals = []
-    for i, g in enumerate(ws.optimizer.param_groups):
-        for k, v in g.items():
-            if k == "params":
-                continue
-            if isinstance(v, (int, float)) and not isinstance(v, bool):
-                vals.append((f"param_groups[{i}][{k!r}]", float(v)))
-            elif isinstance(v, tuple):
-                for j, e in enumerate(v):
-                    if isinstance(e, (int, float)) and not isinstance(e, bool):
-                        vals.append((f"param_groups[{i}][{k!r}][{j}]", float(e)))
-    return tuple(vals)
-
-
 def _on_device(states: list[StateTensor]) -> list[StateTensor]:
     """The state tensors on the XLA device.
 
@@ -220,20 +176,16 @@ def _own_buffers(batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in batch.items()}
 
 
-# Whether each traced training step is compiled and run (a sync), as torch_xla eager
-# would. False (the default) drops it (xla.skip_step): only the lowered program is
-# needed. True is kept for tests that prove both give the same bundle.
-_EXECUTE_STEPS = False
-
-
 def trace_train(
     ws: Workspace,
     batch: Mapping[str, torch.Tensor],
     step_fn: Any,
     *,
     seed: int | None = None,
+    run: bool = False,
 ) -> StepTrace:
-    """Trace one training step on the workspace (and run it, with ``_EXECUTE_STEPS``).
+    """Trace one training step on the workspace (and run it, with ``run``:
+    ``export(run_traced_steps=True)``).
 
     Running it leaves the workspace in the state after the step, as in eager training
     with one sync per step. Not running it (compiling the step was almost all of export
@@ -254,7 +206,7 @@ def trace_train(
     batch_ids = {xla.tensor_id(t): k for k, t in batch.items()}
     hyper_before = {name: xla.tensor_id(t) for name, t in ws.hyperparameters.items()}
     hyper_ids = {tid: name for name, tid in hyper_before.items()}
-    hvals = _hyper_values(ws)
+    hvals = hyperparameter_values(ws.optimizer)
     counters = xla.counters()
     # The modes the user left each module in, not model.train(): a frozen BatchNorm or a
     # dropout turned off stays so. The modes are read back after the step, which may set
@@ -278,7 +230,7 @@ def trace_train(
         raise
     eval_modules = ws.eval_modules()
     _check_no_host_round_trip(counters, xla.counters(), "training step")
-    metrics = _metrics(result, "training step", need_loss=True)
+    metrics = checked_metrics(result, "training step", need_loss=True, device_type="xla")
 
     replaced = ws.replaced_hyperparameters()
     for name, t in ws.hyperparameters.items():
@@ -383,7 +335,7 @@ def trace_train(
         ir=xla.ir_text(roots) if xla.ir_debugging() else "",
     )
     del roots, metrics, result, values
-    if _EXECUTE_STEPS:
+    if run:
         xla.sync()
     else:
         # Everything the step changed on the device gets a placeholder, gradients
@@ -413,7 +365,7 @@ def trace_eval(
             result = eval_fn(ws.model, dict(batch))
         eval_modules = ws.eval_modules()
         _check_no_host_round_trip(counters, xla.counters(), what)
-        metrics = _metrics(result, what, need_loss=False)
+        metrics = checked_metrics(result, what, need_loss=False, device_type="xla")
         after = _on_device(ws.state_tensors())
         now = _values_of(after)
         changed = [

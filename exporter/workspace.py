@@ -18,13 +18,15 @@ from typing import Any
 
 import torch
 
+from stepbundle.frontend.errors import not_a_parameter
+from stepbundle.frontend.fresh_state import adam_first_state, sgd_first_state
+from stepbundle.frontend.hyperparameters import declare_hyperparameters
+from stepbundle.frontend.recipe import Recipe
+from stepbundle.frontend.user_objects import UserObjects
 from stepbundle.schema.manifest import StateKind
 
 from . import xla
-from .errors import ExportError
-from .hyperparameters import declare_hyperparameters
 from .optimizers import check_optimizer, fresh_state
-from .recipe import Recipe
 
 __all__ = ["StateTensor", "Workspace", "move_to_device", "named_state", "xla_device"]
 
@@ -112,11 +114,7 @@ def move_to_device(
         for old_p in old_params:
             pname = name_of_param.get(id(old_p))
             if pname is None:
-                raise ExportError(
-                    f"The optimizer ({type(optimizer).__name__}) updates a tensor of shape "
-                    f"{tuple(old_p.shape)} that is not a parameter of the model. Build the "
-                    "optimizer over model.parameters() (or named subsets of them)."
-                )
+                raise not_a_parameter(optimizer, old_p)
             moved.append(new_by_name[pname])
         group["params"] = moved
     group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
@@ -172,7 +170,7 @@ def named_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> lis
     return out
 
 
-class Workspace:
+class Workspace(UserObjects):
     """The user's model and optimizer, temporarily holding device copies of their state.
 
     The exporter traces the user's own objects, so that everything their step refers
@@ -197,14 +195,7 @@ class Workspace:
         no_gradient: frozenset[str] = frozenset(),
     ) -> None:
         self.device = device
-        self.model = model = recipe.model
-        self.optimizer = optimizer = recipe.optimizer
-        self._modules = list(model.modules())
-        self._saved_params = [dict(m._parameters) for m in self._modules]
-        self._saved_buffers = [dict(m._buffers) for m in self._modules]
-        self._saved_training = [m.training for m in self._modules]
-        self._saved_groups = [dict(g) for g in optimizer.param_groups]
-        self._saved_state = optimizer.state
+        super().__init__(recipe.model, recipe.optimizer)
         self._hyper_keys = tuple(recipe.hyperparameters)
         self._restored = False
         try:
@@ -242,11 +233,7 @@ class Workspace:
             moved = []
             for p in group["params"]:
                 if id(p) not in params:
-                    raise ExportError(
-                        f"The optimizer ({type(optimizer).__name__}) updates a tensor of shape "
-                        f"{tuple(p.shape)} that is not a parameter of the model. Build the "
-                        "optimizer over model.parameters() (or named subsets of them)."
-                    )
+                    raise not_a_parameter(optimizer, p)
                 moved.append(params[id(p)])
             group["params"] = moved
         group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
@@ -277,42 +264,11 @@ class Workspace:
         self.hyperparameters: dict[str, torch.Tensor] = self._declared.tensors
 
     def restore(self) -> None:
-        """Put the user's original parameters, buffers and optimizer contents back."""
+        """Put the user's original parameters, buffers and optimizer contents back (once)."""
         if self._restored:
             return
         self._restored = True
-        for m, ps, bs, tr in zip(
-            self._modules, self._saved_params, self._saved_buffers, self._saved_training
-        ):
-            m._parameters.clear()
-            m._parameters.update(ps)
-            m._buffers.clear()
-            m._buffers.update(bs)
-            m.training = tr
-        for group, saved in zip(self.optimizer.param_groups, self._saved_groups):
-            group.clear()
-            group.update(saved)
-        self.optimizer.state = self._saved_state
-
-    def user_modes(self) -> None:
-        """Put every module back in the mode (train or eval) the user left it in.
-
-        The training step is traced in those modes, as the user's own loop would run it:
-        a frozen BatchNorm stays in eval mode (running statistics read, not updated), a
-        dropout the user turned off stays off.
-        """
-        for m, training in zip(self._modules, self._saved_training):
-            m.training = training
-
-    def eval_modules(self) -> tuple[str, ...]:
-        """The ``named_modules()`` names of the modules now in eval mode, in model order."""
-        return tuple(name for name, m in self.model.named_modules() if not m.training)
-
-    def __enter__(self) -> Workspace:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.restore()
+        super().restore()
 
     def _materialize_optimizer_state(self) -> None:
         """Create the state a fresh optimizer builds on its first step, as the step would."""
@@ -323,20 +279,13 @@ class Workspace:
                 if not p.requires_grad or opt.state.get(p):
                     continue
                 if kind == "adam":
-                    s: dict[str, Any] = {}
                     on_device = group.get("capturable", False) or group.get("fused", False)
-                    s["step"] = (
+                    step = (
                         torch.zeros((), dtype=torch.get_default_dtype(), device=self.device)
                         if on_device
                         else torch.tensor(0.0, dtype=torch.get_default_dtype())
                     )
-                    s["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    s["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    if group["amsgrad"]:
-                        s["max_exp_avg_sq"] = torch.zeros_like(
-                            p, memory_format=torch.preserve_format
-                        )
-                    opt.state[p] = s
+                    opt.state[p] = adam_first_state(group, p, step)
                 elif kind == "syncfree_adam":
                     s = {
                         "step": torch.zeros((), dtype=torch.float32, device=self.device),
@@ -353,20 +302,7 @@ class Workspace:
                     s = {}
                     if kind == "syncfree_sgd":
                         s["step"] = torch.zeros((), dtype=torch.float32, device=self.device)
-                    if group["momentum"] != 0:
-                        if group["dampening"] != 0:
-                            raise ExportError(
-                                f"{type(opt).__name__} with momentum={group['momentum']} and "
-                                f"dampening={group['dampening']} starts its momentum buffer "
-                                "from the first gradient, which no steady-state step can "
-                                "replay. Take one optimizer step before exporting, or use "
-                                "dampening=0."
-                            )
-                        # A zero buffer gives exactly the first step's clone(grad) when
-                        # dampening is 0: momentum * 0 + grad.
-                        s["momentum_buffer"] = torch.zeros_like(
-                            p, memory_format=torch.preserve_format
-                        )
+                    s.update(sgd_first_state(opt, group, p))
                     if s:
                         opt.state[p] = s
                 else:

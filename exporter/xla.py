@@ -28,9 +28,8 @@ from typing import Any
 
 import torch
 
+from stepbundle.frontend.errors import ExportError
 from stepbundle.schema.version import MATMUL_PRECISIONS
-
-from .errors import ExportError
 
 __all__ = [
     "ALLOW_UNTESTED_ENV",

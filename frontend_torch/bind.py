@@ -20,19 +20,18 @@ from typing import Any
 import torch
 from torch import fx
 
-from stepbundle.exporter.dtypes import spec_of, tensor_bytes
-from stepbundle.exporter.errors import ExportError
+from stepbundle.frontend.dtypes import spec_of, tensor_bytes
+from stepbundle.frontend.errors import ExportError
+from stepbundle.frontend.tables import STATE_INPUT_KIND, state_update
 from stepbundle.schema.manifest import (
     BatchInput,
     HyperparameterInput,
     InputBinding,
-    InputKind,
     MetricOutput,
     OutputBinding,
     RngSeedInput,
     StateInput,
     StateKind,
-    StateUpdateOutput,
     TensorSpec,
 )
 
@@ -42,13 +41,6 @@ from .lowering import ProgramGraph
 from .state import Slot
 
 __all__ = ["BoundProgram", "bind"]
-
-_STATE_INPUT_KIND = {
-    StateKind.PARAMETER: InputKind.PARAMETER,
-    StateKind.BUFFER: InputKind.BUFFER,
-    StateKind.OPTIMIZER_STATE: InputKind.OPTIMIZER_STATE,
-    StateKind.GRADIENT: InputKind.GRADIENT,
-}
 
 
 @dataclass(frozen=True)
@@ -210,7 +202,7 @@ def bind(
     for i, s in enumerate(slots):
         if read(i):
             state_input[s.name] = len(inputs)
-            inputs.append(StateInput(_STATE_INPUT_KIND[s.kind], s.name, _spec(ph[i], s.name)))
+            inputs.append(StateInput(STATE_INPUT_KIND[s.kind], s.name, _spec(ph[i], s.name)))
             fed.append(i)
     unread = []
     for j, h in enumerate(hypers):
@@ -242,12 +234,7 @@ def bind(
     for s, node in updated:
         spec = _spec(node, f"State {s.name!r}")
         before = spec_of(s.value.dtype, tuple(s.value.shape), f"State {s.name!r}")
-        if spec != before:
-            raise ExportError(
-                f"The {what} changes the dtype or shape of state {s.name!r} "
-                f"({before} -> {spec}); state must keep its dtype and shape."
-            )
-        outputs.append(StateUpdateOutput(s.name, spec, state_input.get(s.name)))
+        outputs.append(state_update(s.name, spec, before, state_input.get(s.name), what))
     graph = ProgramGraph(
         gm=gm,
         inputs=tuple(fed),

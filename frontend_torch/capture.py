@@ -34,8 +34,9 @@ from torch import fx
 from torch._decomp import core_aten_decompositions, get_decompositions
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from stepbundle.exporter.errors import ExportError
-from stepbundle.exporter.recipe import Recipe
+from stepbundle.frontend.errors import ExportError
+from stepbundle.frontend.recipe import Recipe
+from stepbundle.frontend.step_io import checked_metrics, hyperparameter_values
 from stepbundle.schema.manifest import StateKind
 
 from . import graph as g
@@ -133,46 +134,6 @@ def _as_if_compiling() -> Any:
         yield
 
 
-def _metrics(result: Any, what: str, *, need_loss: bool) -> dict[str, torch.Tensor]:
-    if not isinstance(result, Mapping):
-        raise ExportError(
-            f"The {what} returned {type(result).__name__}; it must return a dict of "
-            'name -> tensor, for example {"loss": loss}.'
-        )
-    out: dict[str, torch.Tensor] = {}
-    for k, v in result.items():
-        if not isinstance(k, str) or not k:
-            raise ExportError(
-                f"The {what} returned a metric key {k!r}; keys must be non-empty strings."
-            )
-        if not isinstance(v, torch.Tensor):
-            raise ExportError(
-                f"The {what} returned {k!r} = {v!r} ({type(v).__name__}); metrics must be "
-                "tensors computed by the step. Return the tensor itself, not .item()."
-            )
-        out[k] = v.detach()
-    if need_loss and "loss" not in out:
-        raise ExportError(
-            f'The {what} returned the keys {sorted(out)}; a training step must return "loss".'
-        )
-    return out
-
-
-def _hyper_values(opt: torch.optim.Optimizer) -> tuple[tuple[str, float], ...]:
-    vals = []
-    for i, group in enumerate(opt.param_groups):
-        for k, v in group.items():
-            if k == "params":
-                continue
-            if isinstance(v, (int, float)) and not isinstance(v, bool):
-                vals.append((f"param_groups[{i}][{k!r}]", float(v)))
-            elif isinstance(v, tuple):
-                for j, e in enumerate(v):
-                    if isinstance(e, (int, float)) and not isinstance(e, bool):
-                        vals.append((f"param_groups[{i}][{k!r}][{j}]", float(e)))
-    return tuple(vals)
-
-
 def _refusal(e: BaseException, what: str) -> ExportError | None:
     """The ExportError for a tracer failure that means the step cannot be one graph."""
     from torch._subclasses.fake_tensor import (
@@ -233,11 +194,11 @@ def capture(
             # The modes the user left each module in, not model.train(); read back after
             # the step, which may set them itself.
             sandbox.user_modes()
-            metrics = _metrics(fn(recipe.model, recipe.optimizer, b), what, need_loss=True)
+            metrics = checked_metrics(fn(recipe.model, recipe.optimizer, b), what, need_loss=True)
         else:
             recipe.model.eval()
             with torch.no_grad():
-                metrics = _metrics(fn(recipe.model, b), what, need_loss=False)
+                metrics = checked_metrics(fn(recipe.model, b), what, need_loss=False)
         info["eval_modules"] = sandbox.eval_modules()
         after = sandbox.read(slots)
         for h, t in zip(hypers, flat[n_state : n_state + n_hyper]):
@@ -271,7 +232,7 @@ def capture(
     flat = [s.value for s in slots]
     flat += [torch.tensor(h.value, dtype=torch.float32) for h in hypers]
     flat += [batch[k] for k in batch_keys]
-    hyper_values = _hyper_values(recipe.optimizer)
+    hyper_values = hyperparameter_values(recipe.optimizer)
     rng = torch.random.get_rng_state()
     try:
         with _as_if_compiling():

@@ -23,8 +23,10 @@ from typing import Any
 
 import torch
 
-from stepbundle.exporter.errors import ExportError
-from stepbundle.exporter.recipe import Recipe
+from stepbundle.frontend.errors import ExportError, not_a_parameter
+from stepbundle.frontend.fresh_state import adam_first_state, sgd_first_state
+from stepbundle.frontend.recipe import Recipe
+from stepbundle.frontend.user_objects import UserObjects
 from stepbundle.schema.manifest import StateKind
 
 __all__ = ["Sandbox", "Slot", "state_slots"]
@@ -63,33 +65,14 @@ def _group_names(named: Iterable[tuple[str, torch.Tensor]]) -> dict[int, list[st
     return names
 
 
-def _is_adam(opt: torch.optim.Optimizer) -> bool:
-    return isinstance(opt, (torch.optim.Adam, torch.optim.AdamW))
-
-
 def _fresh_state(
     opt: torch.optim.Optimizer, group: Mapping[str, Any], p: torch.Tensor
 ) -> dict[str, torch.Tensor]:
     """The state a fresh Adam, AdamW or SGD creates on its first step, as it would."""
-    if _is_adam(opt):
-        s = {
-            "step": torch.zeros((), dtype=torch.get_default_dtype()),
-            "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
-            "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
-        }
-        if group["amsgrad"]:
-            s["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        return s
-    if isinstance(opt, torch.optim.SGD) and group["momentum"] != 0:
-        if group["dampening"] != 0:
-            raise ExportError(
-                f"{type(opt).__name__} with momentum={group['momentum']} and "
-                f"dampening={group['dampening']} starts its momentum buffer from the first "
-                "gradient, which no steady-state step can replay. Take one optimizer step "
-                "before exporting, or use dampening=0."
-            )
-        # A zero buffer gives exactly the first step's clone(grad) when dampening is 0.
-        return {"momentum_buffer": torch.zeros_like(p, memory_format=torch.preserve_format)}
+    if isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)):
+        return adam_first_state(group, p, torch.zeros((), dtype=torch.get_default_dtype()))
+    if isinstance(opt, torch.optim.SGD):
+        return sgd_first_state(opt, group, p)
     # Other optimizers: if their first step creates state, the tracer notices and asks
     # the user to step once before exporting.
     return {}
@@ -121,11 +104,7 @@ def state_slots(recipe: Recipe, *, zero_grads: bool) -> list[Slot]:
     for group in opt.param_groups:
         for p in group["params"]:
             if id(p) not in name_of:
-                raise ExportError(
-                    f"The optimizer ({type(opt).__name__}) updates a tensor of shape "
-                    f"{tuple(p.shape)} that is not a parameter of the model. Build the "
-                    "optimizer over model.parameters() (or named subsets of them)."
-                )
+                raise not_a_parameter(opt, p)
             st = opt.state.get(p) or (_fresh_state(opt, group, p) if p.requires_grad else {})
             for key, v in st.items():
                 if isinstance(v, torch.Tensor):
@@ -148,7 +127,7 @@ def state_slots(recipe: Recipe, *, zero_grads: bool) -> list[Slot]:
     return out
 
 
-class Sandbox:
+class Sandbox(UserObjects):
     """The user's model and optimizer, temporarily holding other tensors as their state.
 
     ``install`` swaps given tensors (the tracer's) in for every state tensor: new
@@ -159,14 +138,7 @@ class Sandbox:
     """
 
     def __init__(self, recipe: Recipe) -> None:
-        self.model = recipe.model
-        self.optimizer = recipe.optimizer
-        self._modules = list(self.model.modules())
-        self._saved_params = [dict(m._parameters) for m in self._modules]
-        self._saved_buffers = [dict(m._buffers) for m in self._modules]
-        self._saved_training = [m.training for m in self._modules]
-        self._saved_groups = [dict(g) for g in self.optimizer.param_groups]
-        self._saved_state = self.optimizer.state
+        super().__init__(recipe.model, recipe.optimizer)
         self._saved_grad = {id(p): p.grad for p in self.model.parameters()}
         self._new_params: dict[int, torch.nn.Parameter] = {}
         # Each buffer registration (module index, key) -> the buffer's primary name.
@@ -223,18 +195,6 @@ class Sandbox:
                 elems = list(group[key])
                 elems[index] = t
                 group[key] = type(group[key])(elems)
-
-    def user_modes(self) -> None:
-        """Put every module back in the mode (train or eval) the user left it in: the
-        training step is captured in those modes, as the user's own loop runs it (a
-        frozen BatchNorm stays in eval mode, a dropout turned off stays off)."""
-        for m, training in zip(self._modules, self._saved_training):
-            m.training = training
-
-    def eval_modules(self) -> tuple[str, ...]:
-        """The ``named_modules()`` names of the modules now in eval mode, in model order
-        (``Entry.eval_modules``)."""
-        return tuple(name for name, m in self.model.named_modules() if not m.training)
 
     def _param_object(self, pid: int) -> torch.Tensor:
         for saved in self._saved_params:
@@ -300,26 +260,10 @@ class Sandbox:
         self._new_params = {}
 
     def restore(self) -> None:
-        """Put the user's original parameters, buffers and optimizer contents back."""
-        for m, ps, bs, tr in zip(
-            self._modules, self._saved_params, self._saved_buffers, self._saved_training
-        ):
-            m._parameters.clear()
-            m._parameters.update(ps)
-            m._buffers.clear()
-            m._buffers.update(bs)
-            m.training = tr
-        for group, saved in zip(self.optimizer.param_groups, self._saved_groups):
-            group.clear()
-            group.update(saved)
-        self.optimizer.state = self._saved_state
+        """Put the user's original parameters, buffers, gradients and optimizer contents
+        back."""
+        super().restore()
         for p in self.model.parameters():
             if p.grad is not self._saved_grad.get(id(p)):  # pragma: no cover - never set
                 p.grad = self._saved_grad.get(id(p))
         self._new_params = {}
-
-    def __enter__(self) -> Sandbox:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.restore()

@@ -4,7 +4,8 @@ Layout (the safetensors format): an 8-byte little-endian header length, a JSON h
 mapping each tensor name to its dtype, shape and byte range, then the raw bytes, the
 tensors back to back in header order. The ``__metadata__`` entry carries
 ``stepbundle``: a JSON object, ``CheckpointMeta`` (format, step count, RNG seed,
-hyperparameters and the digest of the bundle the state belongs to). Keeping it inside
+hyperparameters and the digest of the bundle the state belongs to), whose codec and
+format changelog are ``stepbundle.schema.checkpoint_meta``'s (load_into reads it too). Keeping it inside
 the file (rather than in a second file) makes the write one atomic rename
 (``stepbundle.schema.atomic``): a crash at any point leaves the previous checkpoint
 intact.
@@ -25,6 +26,8 @@ accepts the layouts the safetensors library accepts and no others, and tests cro
 files with it.
 
 Imports: numpy, stepbundle.schema, this package's ``remote`` (fsspec, for URLs).
+``CheckpointMeta``, ``CHECKPOINT_FORMAT``, ``SUPPORTED_FORMATS`` and ``CheckpointFormatError``
+are the schema's, named here as before.
 """
 
 from __future__ import annotations
@@ -32,17 +35,22 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import math
 import os
-import re
 import struct
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 import numpy as np
 
 from stepbundle.schema.atomic import atomic_write
+from stepbundle.schema.checkpoint_meta import (
+    CHECKPOINT_FORMAT,
+    META_KEY,
+    SUPPORTED_FORMATS,
+    CheckpointMeta,
+    parse_checkpoint_metadata,
+)
+from stepbundle.schema.errors import CheckpointFormatError
 
 from . import remote
 from .dtypes import NUMPY_DTYPES, SAFETENSORS_CODES, from_numpy
@@ -51,6 +59,7 @@ from .tensor_file import open_safetensors
 
 __all__ = [
     "CHECKPOINT_FORMAT",
+    "SUPPORTED_FORMATS",
     "CheckpointFormatError",
     "CheckpointMeta",
     "OtherBundleError",
@@ -62,35 +71,9 @@ __all__ = [
     "write_safetensors",
 ]
 
-# Changelog of the checkpoint format (the ``format`` field of the stepbundle metadata).
-# The reader accepts exactly the formats in SUPPORTED_FORMATS and refuses any other with
-# CheckpointFormatError; a new format keeps the old numbers there for as long as files
-# written with them must load.
-# 2026-11-30: 1, first version: safetensors, the state under PyTorch's names, metadata
-#   "stepbundle" = JSON {format, step, seed, hyperparameters, bundle_digest}.
-# 2026-12-01: 1, unchanged on disk; readers now refuse unknown formats and, unless told
-#   otherwise, checkpoints written by another bundle.
-# 2026-12-01: 2, adds "sha256": the SHA-256 of the metadata (its canonical JSON without
-#   this field) and of every tensor's name, dtype, shape and bytes (``checkpoint_digest``),
-#   checked on read, so a flipped byte anywhere is refused; and, both
-#   optional, "schedules" (hyperparameter name -> schedule spec, or null for a Python
-#   function) and "data" (the input pipeline's position, a JSON object), so a resume
-#   continues both. Format 1 files (none of these) still load.
-CHECKPOINT_FORMAT = 2
-SUPPORTED_FORMATS = frozenset({1, 2})
-
-_META_KEY = "stepbundle"
-
-
-class CheckpointFormatError(CheckpointError):
-    """The checkpoint's format number is one this reader does not know."""
-
 
 class OtherBundleError(CheckpointError):
     """The checkpoint was written by another bundle than the one loaded."""
-
-
-_SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 
 
 def checkpoint_digest(meta: CheckpointMeta, values: Mapping[str, np.ndarray[Any, Any]]) -> str:
@@ -112,131 +95,6 @@ def checkpoint_digest(meta: CheckpointMeta, values: Mapping[str, np.ndarray[Any,
         if a.size:
             h.update(a.reshape(-1).view(np.uint8).data)
     return h.hexdigest()
-
-
-def _finite_number(v: object) -> bool:
-    if type(v) is int:
-        return -(2**53) <= v <= 2**53  # exact as a float (10**400 would overflow)
-    return type(v) is float and math.isfinite(v)
-
-
-@dataclass(frozen=True)
-class CheckpointMeta:
-    """What a checkpoint holds besides the state: the ``stepbundle`` metadata entry.
-
-    Attributes:
-      format: the checkpoint format number (``CHECKPOINT_FORMAT`` when written here).
-      step: the number of training steps taken when it was saved.
-      seed: the RNG seed the next training step receives; None when the bundle's
-        programs use no random numbers.
-      hyperparameters: every hyperparameter's value by name.
-      bundle_digest: the digest ("sha256:...") of the bundle the state belongs to.
-      sha256: hex SHA-256 over this metadata and every tensor (``checkpoint_digest``);
-        format 2 on, None in format 1 files.
-      schedules: each scheduled hyperparameter's schedule spec, or None where the
-        schedule was a Python function (which a resume must set again).
-      data: the input pipeline's position for the next step (a loader's ``state()``),
-        or None.
-    """
-
-    format: int
-    step: int
-    seed: int | None
-    hyperparameters: Mapping[str, float]
-    bundle_digest: str
-    sha256: str | None = None
-    schedules: Mapping[str, str | None] = dataclasses.field(default_factory=dict)
-    data: Mapping[str, Any] | None = None
-
-    def to_json(self) -> str:
-        bad = {k: v for k, v in self.hyperparameters.items() if not math.isfinite(v)}
-        if bad:
-            raise CheckpointError(
-                f"Cannot write a checkpoint whose hyperparameters are not finite: {bad}. Set "
-                "them to finite values first (a reader refuses such a checkpoint)."
-            )
-        return json.dumps(
-            {
-                "format": self.format,
-                "step": self.step,
-                "seed": self.seed,
-                "hyperparameters": dict(self.hyperparameters),
-                "bundle_digest": self.bundle_digest,
-                **({} if self.sha256 is None else {"sha256": self.sha256}),
-                **({"schedules": dict(self.schedules)} if self.schedules else {}),
-                **({} if self.data is None else {"data": dict(self.data)}),
-            },
-            sort_keys=True,
-        )
-
-    @classmethod
-    def from_json(cls, path: str | os.PathLike[str], raw: str) -> CheckpointMeta:
-        """Parse and check the metadata of the checkpoint at ``path``.
-
-        Raises:
-          CheckpointFormatError: the format is not one this reader supports.
-          CheckpointError: the metadata is malformed.
-        """
-
-        def bad(why: str) -> CheckpointError:
-            return CheckpointError(f"{os.fspath(path)} has corrupt stepbundle metadata: {why}.")
-
-        try:
-            info = json.loads(raw)
-        except (ValueError, RecursionError) as e:
-            raise bad(f"{type(e).__name__}: {e}") from None
-        if not isinstance(info, dict):
-            raise bad("it is not a JSON object")
-        # The format first: a newer format may name its fields differently, and must be
-        # reported as a newer format, not as damage.
-        if "format" not in info:
-            raise bad("missing format")
-        fmt = info["format"]
-        if type(fmt) is not int or fmt not in SUPPORTED_FORMATS:
-            raise CheckpointFormatError(
-                f"The checkpoint {os.fspath(path)} has format {fmt!r}, but this version of "
-                "stepbundle reads checkpoint formats "
-                f"{', '.join(map(str, sorted(SUPPORTED_FORMATS)))} only. Load it with "
-                "the stepbundle version that wrote it, or save it again from there."
-            )
-        missing = [k for k in ("step", "seed", "hyperparameters", "bundle_digest") if k not in info]
-        if missing:
-            raise bad(f"missing {', '.join(missing)}")
-        step, seed, hyper = info["step"], info["seed"], info["hyperparameters"]
-        digest = info["bundle_digest"]
-        if type(step) is not int or step < 0:
-            raise bad(f"the step {step!r} is not a non-negative integer")
-        if seed is not None and (type(seed) is not int or not 0 <= seed < 2**64):
-            raise bad(f"the seed {seed!r} is not an integer in [0, 2**64)")
-        if not isinstance(hyper, dict) or not all(map(_finite_number, hyper.values())):
-            raise bad(f"the hyperparameters {hyper!r:.200} are not a map of finite numbers")
-        if not isinstance(digest, str):
-            raise bad(f"the bundle digest {digest!r:.100} is not a string")
-        digest_hex = info.get("sha256")
-        if fmt < 2 and digest_hex is not None:
-            # Format 1 never wrote a digest: a file that has one was written as format 2
-            # and edited to skip the check.
-            raise bad("it says format 1 but carries a digest, which only format 2 writes")
-        if fmt >= 2 and not (isinstance(digest_hex, str) and _SHA256_HEX.fullmatch(digest_hex)):
-            raise bad(f"the digest {digest_hex!r:.100} is not 64 hex digits")
-        schedules = info.get("schedules", {}) if fmt >= 2 else {}
-        if not isinstance(schedules, dict) or not all(
-            isinstance(v, str) or v is None for v in schedules.values()
-        ):
-            raise bad(f"the schedules {schedules!r:.200} are not a map of specs (or null)")
-        data = info.get("data") if fmt >= 2 else None
-        if data is not None and not isinstance(data, dict):
-            raise bad(f"the data position {data!r:.200} is not a JSON object")
-        return cls(
-            format=fmt,
-            step=step,
-            seed=seed,
-            hyperparameters={str(k): float(v) for k, v in hyper.items()},
-            bundle_digest=digest,
-            sha256=digest_hex if fmt >= 2 else None,
-            schedules={str(k): v for k, v in schedules.items()},
-            data=data,
-        )
 
 
 def check_bundle(
@@ -356,7 +214,7 @@ def write_checkpoint(
     """
     meta = dataclasses.replace(meta, format=CHECKPOINT_FORMAT, sha256=None)
     meta = dataclasses.replace(meta, sha256=checkpoint_digest(meta, values))
-    write_safetensors(path, values, {_META_KEY: meta.to_json()})
+    write_safetensors(path, values, {META_KEY: meta.to_json()})
 
 
 def read_checkpoint(
@@ -369,13 +227,7 @@ def read_checkpoint(
       CheckpointError: the file is malformed, or is plain safetensors without metadata.
     """
     values, meta = read_safetensors(path)
-    raw = meta.get(_META_KEY)
-    if raw is None:
-        raise CheckpointError(
-            f"{os.fspath(path)} has no stepbundle metadata; it was not written by "
-            "save_checkpoint. Use trainer.load_state_dict for plain state."
-        )
-    checked = CheckpointMeta.from_json(path, raw)
+    checked = parse_checkpoint_metadata(path, meta)
     if checked.sha256 is not None and checkpoint_digest(checked, values) != checked.sha256:
         raise CheckpointError(
             f"{os.fspath(path)} is damaged: its metadata or tensors do not match the digest "

@@ -5,7 +5,9 @@ Imports: stepbundle.schema only.
 
 from __future__ import annotations
 
-from stepbundle.schema.errors import BundleError
+# CheckpointError is the schema's (schema/checkpoint_meta.py raises it, for the runtime and
+# for load_into alike), named here too because the runtime's users catch it from here.
+from stepbundle.schema.errors import BundleError, CheckpointError
 
 __all__ = [
     "BatchStackError",
@@ -42,10 +44,6 @@ class DeviceError(BundleError):
     If the step donated its state, the trainer refuses further use until a checkpoint
     or the bundle is loaded again; the message says which.
     """
-
-
-class CheckpointError(BundleError):
-    """A checkpoint does not match the bundle, or could not be read."""
 
 
 class NonFiniteLossError(BundleError):

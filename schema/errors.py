@@ -14,6 +14,8 @@ from __future__ import annotations
 __all__ = [
     "BundleError",
     "BundleFormatError",
+    "CheckpointError",
+    "CheckpointFormatError",
     "IntegrityError",
     "SchemaValidationError",
     "UnsupportedVersionError",
@@ -61,3 +63,11 @@ class SchemaValidationError(BundleError):
 
 class IntegrityError(BundleError):
     """A digest did not match: the file was damaged or altered after it was written."""
+
+
+class CheckpointError(BundleError):
+    """A checkpoint does not match the bundle, or could not be read."""
+
+
+class CheckpointFormatError(CheckpointError):
+    """The checkpoint's format number is one this reader does not know."""

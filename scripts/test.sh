@@ -4,7 +4,8 @@
 #      runtime's and the schema's own folders, which run in 4;
 #   2. the runtime on jax 0.7.1, the oldest jax it supports: the tests where jaxlib's
 #      version matters (compiling, serializing, donating, executing the golden bundles);
-#   3. the torch front-end's tests in its own environment (current torch, no torch_xla);
+#   3. the torch front-end's tests in its own environment (current torch, no torch_xla),
+#      with its half of tests/frontends (the tests both front-ends run);
 #   4. tests/schema and tests/runtime, all of them, in the lean environment (newest jax,
 #      no torch): where bundles run.
 # Running all of tests/runtime under both jax versions would add ~8 minutes to CI for
@@ -33,7 +34,7 @@ lane_b() {
     tests/runtime/test_steps_per_call.py tests/runtime/test_data_parallel.py \
     -k "not fuzzed"  # the cache fuzz (2.5 minutes) runs in the lean stage
   echo "== pytest, torch front-end (current torch + jax, no torch_xla) =="
-  .venv-torch/bin/python -m pytest -q --durations=5 tests/frontend_torch
+  .venv-torch/bin/python -m pytest -q --durations=5 tests/frontend_torch tests/frontends
   echo "== pytest, lean environment (newest jax, no torch) =="
   .venv-lean/bin/python -m pytest -q --durations=10 tests/schema tests/runtime
 }

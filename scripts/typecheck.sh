@@ -14,6 +14,7 @@ rm -rf build/typecheck && mkdir -p "$t"
 for f in package/*; do ln -s "$PWD/$f" "$t/$(basename "$f")"; done
 for pkg in schema stablehlo runtime exporter cli; do ln -s "$PWD/$pkg" "$t/$pkg"; done
 ln -s "$PWD/frontend_torch" "$t/export_torch"
+ln -s "$PWD/frontend_core" "$t/frontend"
 cd build/typecheck
 ../../.venv/bin/mypy --config-file ../../pyproject.toml \
   -p stepbundle.schema -p stepbundle.stablehlo -p stepbundle.runtime -p stepbundle.cli

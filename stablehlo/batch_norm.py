@@ -14,6 +14,16 @@ form PyTorch's kernels use:
   ``grad_offset = sum(dy)``; ``grad_scale = sum(dy * xhat)``;
   ``grad_x = scale * rsqrt(var + eps) * (dy - grad_offset / N - xhat * grad_scale / N)``.
 
+The batch variance ``batch_norm_training`` returns is the biased one, and torch_xla feeds
+that same value to two places: the normalisation (``rsqrt(var + eps)``, and through it
+``batch_norm_grad``), which needs it biased, and the running-variance update
+(``var * momentum + running_var * (1 - momentum)``), where PyTorch uses the unbiased
+variance, ``var * N / (N - 1)``. So the variance's uses that are that update (a
+``multiply`` of the variance itself) get the unbiased value; every other use (the normalisation,
+a variance the program returns) keeps the op's biased one. layer_norm and group_norm,
+which torch_xla also lowers to ``batch_norm_training``, keep no running statistics, so
+nothing of theirs changes.
+
 Sums run over every dimension but the feature dimension. Half-precision operands
 (bf16, f16) are computed in float32 and the results converted back, as PyTorch's
 kernels accumulate them in float32. ``batch_norm_inference`` is left alone: it uses the
@@ -116,8 +126,17 @@ class _Build:
         return hlo.RsqrtOp(hlo.AddOp(var, eps).result).result
 
 
+def _updates_running_var(use: Any) -> bool:
+    """Whether a use of the batch variance is torch_xla's running-variance update, whose
+    ``LinearInterpolation`` is ``var * factor + running_var * (1 - factor)``: the one use
+    that multiplies the variance itself (the normalisation adds eps to it first). The
+    factor is ``momentum``, or a value the graph computes for ``momentum=None``."""
+    return bool(use.owner.name == "stablehlo.multiply")
+
+
 def _training(op: Any) -> list[Any]:
-    """(output, batch_mean, batch_var) of ``batch_norm_training(x, scale, offset)``."""
+    """(output, batch_mean, batch_var) of ``batch_norm_training(x, scale, offset)``;
+    ``_unbiased`` rewires the running-variance update."""
     x_in, scale_in, offset_in = op.operands
     b = _Build(op, x_in)
     x, scale, offset = b.cast(x_in), b.cast(scale_in), b.cast(offset_in)
@@ -132,6 +151,20 @@ def _training(op: Any) -> list[Any]:
     xhat = hlo.MulOp(xc, b.per_channel(b.inv_std(var))).result
     y = hlo.AddOp(hlo.MulOp(xhat, b.per_channel(scale)).result, b.per_channel(offset)).result
     return [b.back(y), b.back(mean), b.back(var)]
+
+
+def _unbiased(op: Any, var: Any) -> None:
+    """Point the running-variance update among the uses of ``op``'s variance at
+    ``var * N / (N - 1)``, as PyTorch updates it; built before ``op``."""
+    b = _Build(op, op.operands[0])
+    others = [u for u in op.results[2].uses if _updates_running_var(u)]
+    if not others or b.count < 2:  # N == 1: PyTorch refuses such a batch in training
+        return
+    with ir.InsertionPoint(op), op.location:
+        factor = b.constant(b.count / (b.count - 1), [b.channels])
+        unbiased = b.back(hlo.MulOp(b.cast(var), factor).result)
+    for u in others:
+        u.owner.operands[u.operand_number] = unbiased
 
 
 def _grad(op: Any) -> list[Any]:
@@ -175,6 +208,8 @@ def decompose_batch_norm(module: Module) -> int:
                 )
             with ir.InsertionPoint(op), op.location:
                 new = _training(op) if op.name == "stablehlo.batch_norm_training" else _grad(op)
+            if op.name == "stablehlo.batch_norm_training":
+                _unbiased(op, new[2])
             for old, value in zip(op.results, new):
                 old.replace_all_uses_with(value)
             op.erase()

@@ -64,6 +64,18 @@ def make_batches(recipe: Any, n: int, seed: int = 1234) -> list[dict[str, np.nda
     return out
 
 
+def mse_step(model: Any, optimizer: Any, batch: Mapping[str, Any]) -> dict[str, Any]:
+    """The ordinary training step most test recipes export: MSE of ``model(x)`` against
+    ``y``, backward, one optimizer step."""
+    import torch
+
+    optimizer.zero_grad()
+    loss = torch.nn.functional.mse_loss(model(batch["x"]), batch["y"])
+    loss.backward()
+    optimizer.step()
+    return {"loss": loss}
+
+
 def save_batches(batches: Sequence[Mapping[str, np.ndarray]], path: Path) -> Path:
     np.savez(path, **{k: np.stack([b[k] for b in batches]) for k in batches[0]})
     return path

@@ -3,14 +3,15 @@
 The picture (an arrow reads "may import"):
 
     cli ──▶ exporter ──▶ stablehlo ──▶ schema ──▶ stepbundle (the package root: version only)
-     │  ├─▶ export_torch ──▶ stablehlo, schema, and exporter's torch_xla-free modules
+     │  │      └───▶ frontend ──▶ schema
+     │  ├─▶ export_torch ──▶ stablehlo, schema, frontend
      │  └─▶ runtime  ──▶ stablehlo
      └────────────────────────────────▶ schema
 
-The torch front-end (``export_torch``, folder ``frontend_torch/``) never imports torch_xla:
-of the exporter it may import only the modules in ``TORCH_XLA_FREE_EXPORTER``, and those
-never import the exporter's door to torch_xla (``exporter.xla``), not even through each
-other.
+The front-end core (``frontend``, folder ``frontend_core/``) is what both front-ends
+share; it and the torch front-end (``export_torch``, folder ``frontend_torch/``) never
+import torch_xla, nor the torch_xla front-end (``exporter``), which is the only layer that
+does.
 
 The exporter and the runtime never import each other. Every import counts, including
 those inside functions (a lazy import is still an edge, and a lazy cycle is still a
@@ -41,23 +42,13 @@ ALLOWED: dict[str, frozenset[str]] = {
     "schema": frozenset({"stepbundle"}),
     "stablehlo": frozenset({"stepbundle", "schema"}),
     "runtime": frozenset({"stepbundle", "schema", "stablehlo"}),
-    "exporter": frozenset({"stepbundle", "schema", "stablehlo"}),
-    "export_torch": frozenset({"stepbundle", "schema", "stablehlo", "exporter"}),
-    "cli": frozenset({"stepbundle", "schema", "stablehlo", "runtime", "exporter", "export_torch"}),
+    "frontend": frozenset({"stepbundle", "schema"}),
+    "exporter": frozenset({"stepbundle", "schema", "stablehlo", "frontend"}),
+    "export_torch": frozenset({"stepbundle", "schema", "stablehlo", "frontend"}),
+    "cli": frozenset(
+        {"stepbundle", "schema", "stablehlo", "runtime", "exporter", "export_torch", "frontend"}
+    ),
 }
-# The exporter's modules the torch front-end shares (the Recipe, the error type, the dtype
-# table, the rule for a state's initial section, where a declared hyperparameter lives,
-# the scheduler notes): torch only, no torch_xla.
-TORCH_XLA_FREE_EXPORTER: frozenset[str] = frozenset(
-    {
-        "stepbundle.exporter.recipe",
-        "stepbundle.exporter.errors",
-        "stepbundle.exporter.dtypes",
-        "stepbundle.exporter.initial_state",
-        "stepbundle.exporter.hyperparameters",
-        "stepbundle.exporter.schedulers",
-    }
-)
 # layer -> third-party top-level modules it must never import.
 # safetensors: the runtime reads and writes it itself, and only the test extras install the
 # library, so an import would pass the tests and break a plain install.
@@ -67,6 +58,7 @@ FORBIDDEN_THIRD_PARTY: dict[str, frozenset[str]] = {
     "runtime": frozenset({"torch", "torch_xla", "torchvision", "transformers", "safetensors"}),
     "stepbundle": frozenset({"torch", "torch_xla", "jax", "jaxlib", "numpy"}),
     "export_torch": frozenset({"torch_xla", "torchax"}),
+    "frontend": frozenset({"torch_xla", "torchax", "jaxlib", "numpy"}),
 }
 STDLIB = frozenset(sys.stdlib_module_names)
 # (module, function) pairs that may import a computed name: torch_xla's untyped modules are
@@ -349,41 +341,19 @@ def test_every_folder_with_modules_is_mapped() -> None:
     )
 
 
-def torch_front_end_violations(edges: Mapping[str, Iterable[str]]) -> list[str]:
-    """Edges that would bring torch_xla into the torch front-end."""
-    bad = []
-    for src, targets in edges.items():
-        if layer_of(src) != "export_torch":
-            continue
-        for dst in targets:
-            if layer_of(dst) == "exporter" and dst not in TORCH_XLA_FREE_EXPORTER:
-                bad.append(f"{src} -> {dst} (not one of the torch_xla-free exporter modules)")
-    seen: set[str] = set()
-    todo = list(TORCH_XLA_FREE_EXPORTER)
-    while todo:
-        mod = todo.pop()
-        if mod in seen:
-            continue
-        seen.add(mod)
-        for dst in edges.get(mod, ()):
-            if dst == "stepbundle.exporter.xla" or dst == "stepbundle.exporter":
-                bad.append(f"{mod} -> {dst} (a shared exporter module reaches torch_xla's door)")
-            elif layer_of(dst) == "exporter":
-                todo.append(dst)
-    return sorted(bad)
-
-
-def test_the_torch_front_end_never_reaches_torch_xla() -> None:
-    assert torch_front_end_violations(graph()) == []
+def test_the_front_end_core_and_the_torch_front_end_never_reach_torch_xla() -> None:
+    # Neither may import the torch_xla front-end (the layer rules), nor torch_xla itself
+    # (the third-party rules); the checker must see both kinds of edge.
     edges = {k: set(v) for k, v in graph().items()}
     edges["stepbundle.export_torch.export"].add("stepbundle.exporter.workspace")
-    edges["stepbundle.exporter.dtypes"].add("stepbundle.exporter.xla")
-    assert torch_front_end_violations(edges) == [
-        "stepbundle.export_torch.export -> stepbundle.exporter.workspace (not one of the "
-        "torch_xla-free exporter modules)",
-        "stepbundle.exporter.dtypes -> stepbundle.exporter.xla (a shared exporter module "
-        "reaches torch_xla's door)",
+    edges["stepbundle.frontend.dtypes"].add("stepbundle.exporter.xla")
+    assert layer_violations(edges) == [
+        "stepbundle.export_torch.export -> stepbundle.exporter.workspace (export_torch may not "
+        "import exporter)",
+        "stepbundle.frontend.dtypes -> stepbundle.exporter.xla (frontend may not import exporter)",
     ]
+    assert FORBIDDEN_THIRD_PARTY["frontend"] >= {"torch_xla"}
+    assert FORBIDDEN_THIRD_PARTY["export_torch"] >= {"torch_xla"}
 
 
 def test_the_checker_sees_a_forbidden_edge_and_a_cycle() -> None:

@@ -395,8 +395,8 @@ def arbitrate(
 
     The bundle must be within ``truth_bounds`` of the float64 run ``truth``, and nearer to
     it than ``ref`` on every metric and state tensor where the two broke ``bounds``
-    (tensors under one of ``truth_bounds``' own overrides, such as running_var, where both
-    float32 runs differ from PyTorch by design, are held to the first condition only).
+    (tensors under one of ``truth_bounds``' own overrides, where both float32 runs differ
+    from PyTorch by design, are held to the first condition only).
     Runs without dropout only: ``truth`` must have seen the same computation.
     """
     t_state = {**truth.state, **{a: truth.state[p] for a, p in aliases.items()}}

@@ -95,23 +95,6 @@ FP32_XLA = Bounds(1e-5, 1e-5, XLA_REASON, (SQUARES,), update_rtol=UPDATES)
 FP32_CPU = Bounds(1e-4, 1e-4, CPU_REASON, update_rtol=UPDATES)
 
 
-def bessel(n: int) -> tuple[str, float, str]:
-    """The CPU bound for BatchNorm's running_var: torch_xla updates it differently.
-
-    torch_xla 2.9 updates running_var with the biased batch variance, PyTorch with the
-    unbiased one (times n / (n - 1), n values per channel); test_equiv_regressions.py
-    pins this. The running variance is an average of batch variances, so the two differ
-    by at most a factor n / (n - 1): relative difference <= 1 / (n - 1).
-    """
-    return (
-        "running_var",
-        1.0 / (n - 1),
-        f"torch_xla updates running_var with the biased batch variance, PyTorch with the "
-        f"unbiased one: at most a factor n/(n-1), n = {n} values per channel in the "
-        "smallest BatchNorm here",
-    )
-
-
 @dataclass(frozen=True)
 class Case:
     """One equivalence case.
@@ -667,8 +650,6 @@ CASES: dict[str, Case] = {
             cnn_no_dropout,
             steps=5,
             seed=1234,
-            # The smallest BatchNorm sees CNN_BATCH images of 6x6 values per channel.
-            cpu=Bounds(1e-4, 1e-4, CPU_REASON, (bessel(CNN_BATCH * 6 * 6),), UPDATES),
         ),
         Case(
             "GPT (tied emb., dropout, clip, warmup-cosine)",
@@ -708,8 +689,6 @@ CASES: dict[str, Case] = {
             steps=3,
             xla=RESNET_XLA,
             float64_arbiter=RESNET_ARBITER,
-            # Layer 4 is 1x1: its BatchNorms see RESNET_BATCH values per channel.
-            cpu=Bounds(1e-4, 1e-4, CPU_REASON, (bessel(RESNET_BATCH),), UPDATES),
         ),
         Case(
             "HF Llama (tiny config), own loss",

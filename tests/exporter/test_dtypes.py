@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from stepbundle.exporter import ExportError
-from stepbundle.exporter.dtypes import TORCH_DTYPES, dtype_of, spec_of, tensor_bytes
+from stepbundle.frontend.dtypes import TORCH_DTYPES, dtype_of, spec_of, tensor_bytes
 from stepbundle.schema.manifest import DType, TensorSpec
 
 

@@ -311,7 +311,7 @@ def test_checkpoint_loads_back_into_the_module_and_optimizer(tmp_path: Path) -> 
     r = recipe_fn()
     move_to_device(r.model, r.optimizer, torch_xla.device())
     meta = load_into(r.model, r.optimizer, ckpt)
-    assert meta["step"] == 3
+    assert meta.step == 3
     sd = t.state_dict()
     assert float(r.optimizer.state[r.model.a.weight]["step"].cpu()) == 3.0
     torch_xla.sync()

@@ -11,7 +11,7 @@ from export_helpers import linear_sgd_recipe, mse_step
 
 from stepbundle.cli.main import main
 from stepbundle.exporter import export
-from stepbundle.exporter.errors import ExportError
+from stepbundle.frontend.errors import ExportError
 from stepbundle.schema import open_bundle
 
 

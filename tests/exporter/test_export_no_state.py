@@ -19,8 +19,8 @@ import torch
 from support import Run, make_batches, train_eager_xla
 
 from stepbundle.exporter import Recipe, export
-from stepbundle.exporter.initial_state import initial_section, non_persistent_buffers
 from stepbundle.exporter.workspace import StateTensor, Workspace, xla_device
+from stepbundle.frontend.initial_state import initial_section, non_persistent_buffers
 from stepbundle.schema import SectionKind, StateKind, open_bundle
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "equivalence"))

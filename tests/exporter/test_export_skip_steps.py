@@ -15,7 +15,6 @@ import torch
 from export_helpers import mse_step, regression_batch
 
 from stepbundle.exporter import ExportError, Recipe, export
-from stepbundle.exporter import trace as trace_module
 from stepbundle.schema import open_bundle
 from stepbundle.stablehlo.artifact import parse_artifact
 
@@ -46,12 +45,7 @@ def _dropout_sgd_seeded() -> Recipe:
 
 
 def _export(recipe: Recipe, path: Path, *, execute: bool) -> Path:
-    saved = trace_module._EXECUTE_STEPS
-    trace_module._EXECUTE_STEPS = execute
-    try:
-        export(recipe, path)
-    finally:
-        trace_module._EXECUTE_STEPS = saved
+    export(recipe, path, run_traced_steps=execute)
     return path
 
 

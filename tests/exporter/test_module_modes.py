@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 from export_helpers import mse_step, regression_batch
+from modes_net import ModesNet, prepared
 from support import (
     assert_runs_close,
     make_batches,
@@ -31,20 +32,8 @@ from stepbundle.schema import Manifest, open_bundle
 SEED = 4321
 
 
-class _Net(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1 = torch.nn.Linear(5, 16)
-        self.bn1 = torch.nn.BatchNorm1d(16)
-        self.drop1 = torch.nn.Dropout(0.5)
-        self.fc2 = torch.nn.Linear(16, 16)
-        self.bn2 = torch.nn.BatchNorm1d(16)
-        self.drop2 = torch.nn.Dropout(0.3)
-        self.out = torch.nn.Linear(16, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.drop1(self.bn1(torch.relu(self.fc1(x))))
-        return self.out(self.drop2(self.bn2(torch.relu(self.fc2(h)))))
+def _Net() -> ModesNet:
+    return ModesNet(torch.relu, dropout2=0.3)
 
 
 def _eval(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -53,15 +42,7 @@ def _eval(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, t
 
 def _recipe(frozen: bool = True) -> Recipe:
     torch.manual_seed(0)
-    model = _Net()
-    # Running statistics far from the batch's, so that reading them (eval mode) and
-    # computing the batch's own (train mode) differ clearly.
-    with torch.no_grad():
-        model.bn1.running_mean.fill_(0.5)
-        model.bn1.running_var.fill_(2.0)
-    if frozen:
-        model.bn1.eval()  # frozen BatchNorm: running statistics read, not updated
-        model.drop1.eval()  # a dropout the user turned off
+    model = prepared(_Net(), frozen=frozen)
     opt = torch.optim.AdamW(model.parameters(), lr=0.01, capturable=True, foreach=False)
     return Recipe(
         model=model,

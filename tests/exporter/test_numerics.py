@@ -247,18 +247,35 @@ def test_cnn_both_numerics(tmp_path: Path) -> None:
     assert err["default"] < err["xla"] / 30, err
     assert err["default"] <= 10 * err["f32"], err
 
-    # State: every floating tensor but the running variances, which torch_xla updates with
-    # the biased batch variance where PyTorch uses the unbiased one (a factor n / (n - 1)
-    # that no rewrite of the BatchNorm ops changes; equiv_models.bessel).
-    def worst(run: Any) -> float:
+    # State: every floating tensor. The running variances too: PyTorch updates them with
+    # the unbiased batch variance (n / (n - 1)), torch_xla with the biased one, and the
+    # default numerics rewrite that update (stablehlo/batch_norm.py); torch_xla's
+    # numerics keep it, as their bundle must replay torch_xla eager.
+    def worst(run: Any, *, running_var: bool = True) -> float:
         return max(
             _normwise(run.state[k], v)
             for k, v in f64.state.items()
-            if v.dtype.kind == "f" and k in run.state and not k.endswith("running_var")
+            if v.dtype.kind == "f"
+            and k in run.state
+            and (running_var or not k.endswith("running_var"))
         )
 
+    def worst_running_var(run: Any) -> float:
+        return max(
+            _normwise(run.state[k], v) for k, v in f64.state.items() if k.endswith("running_var")
+        )
+
+    print(
+        "running_var vs float64: default bundle", worst_running_var(got_default),
+        "torch_xla numerics", worst_running_var(got_exact), "PyTorch float32",
+        worst_running_var(f32),
+    )  # fmt: skip
+    # Measured (4 steps): the default bundle 2.4e-7, PyTorch float32 9.7e-8, the biased
+    # update (torch_xla's numerics, and the default bundle before the rewrite) 7.3e-4.
+    assert worst_running_var(got_default) <= 1e-4
+    assert worst_running_var(got_exact) > 1e-4  # the bound sees the biased update
     # Measured: torch_xla eager 5.2e-3, the default bundle 1.8e-4 (both at 0.bias).
-    assert worst(got_default) < worst(xla) / 10, (worst(got_default), worst(xla))
+    assert worst(got_default) < worst(xla, running_var=False) / 10, (worst(got_default), worst(xla))
 
 
 def test_unknown_numerics_is_refused(tmp_path: Path) -> None:

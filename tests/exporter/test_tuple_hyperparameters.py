@@ -1,56 +1,39 @@
-"""Tuple hyperparameters (Adam's ``betas.0``) and what a scheduler set at construction.
+"""The torch_xla front-end's own refusal of a scheduler stepped inside the exported step.
 
-OneCycleLR with ``cycle_momentum`` cycles Adam's beta1 along with lr. Declared as
-``Recipe(hyperparameters=("lr", "betas.0"))``, both become inputs the runtime schedules,
-and a bundle driven by the values OneCycleLR gives matches eager torch_xla stepping
-OneCycleLR itself. Undeclared, the values a scheduler set when it was created are
-frozen into the bundle, and the export says so.
+Declared, a hyperparameter the step changes itself is refused by name; undeclared, the
+changing settings change the graph, and the torch_xla front-end's graph-change message
+(exporter/graphdiff.py) names them and the declaration that fixes it. What both
+front-ends do with tuple hyperparameters is tests/frontends/test_tuple_hyperparameters.py.
 """
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from export_helpers import mse_step, regression_batch
-from support import Run, assert_runs_close, make_batches, train_eager_xla
 
 from stepbundle.exporter import ExportError, Recipe, export
-from stepbundle.runtime import load
-from stepbundle.schema import InputKind
 
 STEPS = 6
 
 
-def _model() -> torch.nn.Module:
+def _recipe(*, hyperparameters: tuple[str, ...]) -> Recipe:
+    """Adam under OneCycleLR, stepped inside the step (as an exported step must not)."""
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(5, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
-
-
-def _one_cycle(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.OneCycleLR:
-    return torch.optim.lr_scheduler.OneCycleLR(
-        opt, max_lr=0.05, total_steps=STEPS, pct_start=0.5, base_momentum=0.8, max_momentum=0.95
-    )
-
-
-def _recipe(*, hyperparameters: tuple[str, ...], eager: bool = False) -> Recipe:
-    """Adam under OneCycleLR. ``eager``: the step also steps the scheduler, as the
-    user's own loop does (an exported step must not: the runtime sets the values)."""
-    model = _model()
+    model = torch.nn.Sequential(torch.nn.Linear(5, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
     opt = torch.optim.Adam(
         model.parameters(), lr=1e-3, betas=(0.9, 0.99), capturable=True, foreach=False
     )
-    sched = _one_cycle(opt)
-    step = mse_step
-    if eager:
+    sched = torch.optim.lr_scheduler.OneCycleLR(
+        opt, max_lr=0.05, total_steps=STEPS, pct_start=0.5, base_momentum=0.8, max_momentum=0.95
+    )
 
-        def step(model, optimizer, batch):
-            out = mse_step(model, optimizer, batch)
-            sched.step()
-            return out
+    def step(model, optimizer, batch):
+        out = mse_step(model, optimizer, batch)
+        sched.step()
+        return out
 
     return Recipe(
         model=model,
@@ -61,96 +44,13 @@ def _recipe(*, hyperparameters: tuple[str, ...], eager: bool = False) -> Recipe:
     )
 
 
-def _one_cycle_values() -> tuple[list[float], list[float]]:
-    """lr and beta1 OneCycleLR gives each step, read from a scheduler of its own."""
-    opt = torch.optim.Adam([torch.nn.Parameter(torch.zeros(1))], lr=1e-3, betas=(0.9, 0.99))
-    sched = _one_cycle(opt)
-    lrs, beta1s = [], []
-    for _ in range(STEPS):
-        lrs.append(opt.param_groups[0]["lr"])
-        beta1s.append(opt.param_groups[0]["betas"][0])
-        opt.step()
-        sched.step()
-    return lrs, beta1s
-
-
-def test_one_cycle_momentum_on_betas_0_matches_torch_xla_eager(tmp_path: Path) -> None:
-    lrs, beta1s = _one_cycle_values()
-    assert len(set(beta1s)) >= STEPS - 1 and min(beta1s) < 0.85 < 0.9 < max(beta1s)
-    path = tmp_path / "onecycle.stepbundle"
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # everything a scheduler set is declared: no note
-        report = export(_recipe(hyperparameters=("lr", "betas.0")), path)
-    assert report.notes == []
-    m = report.manifest
-    prog = m.entries["train"].programs[0]
-    assert {i.name for i in prog.inputs if i.kind is InputKind.HYPERPARAMETER} == {"lr", "betas.0"}
-    # The initial values are the ones OneCycleLR set at construction.
-    initial = {h.name: h.value for h in m.hyperparameters}
-    assert initial["lr"] == pytest.approx(0.002, rel=1e-6)
-    assert initial["betas.0"] == pytest.approx(0.95, rel=1e-6)
-
-    batches = make_batches(_recipe(hyperparameters=()), 3)
-    ref = train_eager_xla(lambda: _recipe(hyperparameters=(), eager=True), batches, STEPS)
-    trainer = load(path, cache_dir=False)
-    trainer.set_schedule("lr", lambda i: lrs[i])
-    trainer.set_schedule("betas.0", lambda i: beta1s[i])
-    ms = trainer.run(list(batches), STEPS)
-    got = Run(
-        [{k: float(np.asarray(v, np.float64).reshape(-1)[0]) for k, v in x.items()} for x in ms],
-        {k: np.asarray(v) for k, v in trainer.state_dict().items()},
-    )
-    worst = assert_runs_close(got, ref, rtol=1e-5, what="onecycle")
-    print(f"OneCycleLR lr + beta1 vs torch_xla eager: {worst}")
-
-    # The test could fail: with beta1 left at its first value the run is another one.
-    fixed = load(path, cache_dir=False)
-    fixed.set_schedule("lr", lambda i: lrs[i])
-    other = fixed.run(list(batches), STEPS)
-    assert abs(float(np.asarray(other[-1]["loss"])) - ref.metrics[-1]["loss"]) > 1e-4
-
-
-def test_a_short_name_schedules_betas_0_of_every_group(tmp_path: Path) -> None:
-    model = _model()
-    params = list(model.parameters())
-    opt = torch.optim.AdamW(
-        [{"params": params[:2]}, {"params": params[2:], "betas": (0.8, 0.99)}],
-        lr=0.01,
-        capturable=True,
-        foreach=False,
-    )
-    path = tmp_path / "groups.stepbundle"
-    r = Recipe(model=model, optimizer=opt, step=mse_step, example_batch=regression_batch(16))
-    r.hyperparameters = ("betas.0",)
-    m = export(r, path).manifest
-    assert {h.name: round(h.value, 6) for h in m.hyperparameters} == {
-        "param_groups.0.betas.0": 0.9,
-        "param_groups.1.betas.0": 0.8,
-    }
-    trainer = load(path, cache_dir=False)
-    trainer.set_hyperparameter("betas.0", 0.5)
-    assert trainer.hyperparameters == {
-        "param_groups.0.betas.0": 0.5,
-        "param_groups.1.betas.0": 0.5,
-    }
-
-
-def test_beta2_and_whole_tuples_are_refused_with_the_fix(tmp_path: Path) -> None:
-    with pytest.raises(ExportError, match=r"'betas.1' \(beta2\) cannot be declared for Adam"):
-        export(_recipe(hyperparameters=("betas.1",)), tmp_path / "a.stepbundle")
-    with pytest.raises(ExportError, match=r"Declare a tuple's elements one by one: 'betas.0'"):
-        export(_recipe(hyperparameters=("betas",)), tmp_path / "b.stepbundle")
-    with pytest.raises(ExportError, match=r"has 2 elements \(declare betas.0, betas.1\)"):
-        export(_recipe(hyperparameters=("betas.2",)), tmp_path / "c.stepbundle")
-
-
 def test_a_scheduler_stepped_inside_the_step_is_refused(tmp_path: Path) -> None:
-    r = _recipe(hyperparameters=("betas.0",), eager=True)
+    r = _recipe(hyperparameters=("betas.0",))
     with pytest.raises(ExportError, match=r"changed hyperparameter 'betas.0' itself"):
         export(r, tmp_path / "x.stepbundle")
     # Undeclared, the settings change the graph: the refusal names them and the fix.
     with pytest.raises(ExportError) as e:
-        export(_recipe(hyperparameters=(), eager=True), tmp_path / "y.stepbundle")
+        export(_recipe(hyperparameters=()), tmp_path / "y.stepbundle")
     msg = str(e.value)
     assert "changed between two consecutive traced steps" in msg
     assert (
@@ -158,39 +58,3 @@ def test_a_scheduler_stepped_inside_the_step_is_refused(tmp_path: Path) -> None:
         "0.0375001, param_groups[0]['betas'][0] from 0.95 to 0.8375" in msg
     )
     assert "Declare them, Recipe(hyperparameters=('lr', 'betas.0'))" in msg
-
-
-def test_values_a_scheduler_set_are_reported(tmp_path: Path) -> None:
-    with pytest.warns(UserWarning) as caught:
-        report = export(_recipe(hyperparameters=()), tmp_path / "a.stepbundle")
-    expected = (
-        "lr 0.002 and betas (0.95, 0.99) were set by a scheduler; declare them to schedule "
-        "them at run time (Recipe(hyperparameters=('lr', 'betas.0')), then "
-        "trainer.set_schedule or stepbundle run --lr-schedule NAME=SPEC). As exported, the "
-        "bundle keeps them fixed at these values."
-    )
-    assert report.notes == [expected]
-    assert expected in [str(w.message) for w in caught]
-
-    # Declaring lr leaves beta1 to report.
-    with pytest.warns(UserWarning, match="betas"):
-        report = export(_recipe(hyperparameters=("lr",)), tmp_path / "b.stepbundle")
-    assert report.notes[0].startswith("betas (0.95, 0.99) was set by a scheduler; declare it")
-
-    # A scheduler that changes lr at construction (LinearLR's start_factor).
-    model = _model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.25, total_iters=4)
-    r = Recipe(model=model, optimizer=opt, step=mse_step, example_batch=regression_batch(16))
-    lines: list[str] = []
-    with pytest.warns(UserWarning, match="lr 0.025 was set by a scheduler"):
-        report = export(r, tmp_path / "c.stepbundle", progress=lines.append)
-    assert report.notes[0].startswith("lr 0.025 was set by a scheduler; declare it to schedule")
-    assert f"note: {report.notes[0]}" in lines
-
-    # One that does not (StepLR) is not reported.
-    model = _model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    torch.optim.lr_scheduler.StepLR(opt, step_size=3)
-    r = Recipe(model=model, optimizer=opt, step=mse_step, example_batch=regression_batch(16))
-    assert export(r, tmp_path / "d.stepbundle").notes == []

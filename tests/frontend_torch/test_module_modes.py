@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from modes_net import ModesNet, modes_batch, mse_eval, mse_step, prepared
 from support import Run, assert_runs_close, make_batches, max_rel_diff, train_eager_cpu
 
 from stepbundle.export_torch import export
@@ -19,55 +20,19 @@ from stepbundle.runtime import load
 from stepbundle.schema import StateUpdateOutput
 
 
-class _Net(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1 = torch.nn.Linear(5, 16)
-        self.bn1 = torch.nn.BatchNorm1d(16)
-        self.drop1 = torch.nn.Dropout(0.5)
-        self.fc2 = torch.nn.Linear(16, 16)
-        self.bn2 = torch.nn.BatchNorm1d(16)
-        self.out = torch.nn.Linear(16, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.drop1(self.bn1(torch.tanh(self.fc1(x))))
-        return self.out(self.bn2(torch.tanh(self.fc2(h))))
-
-
-def _step(model, optimizer, batch):
-    optimizer.zero_grad()
-    loss = torch.nn.functional.mse_loss(model(batch["x"]), batch["y"])
-    loss.backward()
-    optimizer.step()
-    return {"loss": loss}
-
-
-def _eval(model, batch):
-    return {"loss": torch.nn.functional.mse_loss(model(batch["x"]), batch["y"])}
-
-
 def _recipe(frozen: bool = True):
-    from stepbundle.exporter.recipe import Recipe
+    from stepbundle.frontend.recipe import Recipe
 
     torch.manual_seed(0)
-    model = _Net()
-    # Running statistics far from the batch's: reading them (eval mode) and computing
-    # the batch's own (train mode) differ clearly.
-    with torch.no_grad():
-        model.bn1.running_mean.fill_(0.5)
-        model.bn1.running_var.fill_(2.0)
-    if frozen:
-        model.bn1.eval()  # frozen BatchNorm
-        model.drop1.eval()  # a dropout turned off
-    else:
+    model = prepared(ModesNet(), frozen=frozen)
+    if not frozen:
         model.drop1.p = 0.0  # no random numbers: the run compares with PyTorch exactly
-    g = torch.Generator().manual_seed(0)
     return Recipe(
         model=model,
         optimizer=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
-        step=_step,
-        example_batch={"x": torch.randn(16, 5, generator=g), "y": torch.randn(16, 3, generator=g)},
-        eval_step=_eval,
+        step=mse_step,
+        example_batch=modes_batch(),
+        eval_step=mse_eval,
     )
 
 
@@ -86,7 +51,7 @@ def test_frozen_batchnorm_and_eval_dropout_match_pytorch_eager(tmp_path: Path) -
     m = export(r, path).manifest
     assert [mod.training for mod in r.model.modules()] == before  # left as they were
     assert m.entries["train"].eval_modules == ("bn1", "drop1")
-    assert m.entries["eval"].eval_modules == tuple(n for n, _ in _Net().named_modules())
+    assert m.entries["eval"].eval_modules == tuple(n for n, _ in ModesNet().named_modules())
     updated = {o.state for o in m.entries["train"].programs[0].outputs
                if isinstance(o, StateUpdateOutput)}  # fmt: skip
     assert "bn1.running_mean" not in updated and "bn1.num_batches_tracked" not in updated
@@ -136,6 +101,6 @@ def test_a_model_in_eval_mode_trains_in_eval_mode(tmp_path: Path) -> None:
 
     path = tmp_path / "all-eval.stepbundle"
     m = export(recipe(), path).manifest
-    assert m.entries["train"].eval_modules == tuple(n for n, _ in _Net().named_modules())
+    assert m.entries["train"].eval_modules == tuple(n for n, _ in ModesNet().named_modules())
     batches = make_batches(recipe(), 3)
     assert_runs_close(_run(path, batches, 2), train_eager_cpu(recipe, batches, 2), rtol=1e-5)

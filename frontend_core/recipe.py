@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Recipe", "StepFn", "EvalFn", "checked_metadata"]
+__all__ = ["EvalFn", "Recipe", "StepFn", "checked_metadata", "read_only_entries", "step_label"]
 
 StepFn = Callable[
     [torch.nn.Module, torch.optim.Optimizer, dict[str, torch.Tensor]], Mapping[str, Any]
@@ -94,3 +94,28 @@ def checked_metadata(metadata: object) -> dict[str, str]:
                 f"{type(value).__name__}). Convert it, e.g. str(value)."
             )
     return dict(metadata)
+
+
+def read_only_entries(recipe: Recipe) -> dict[str, EvalFn]:
+    """The recipe's read-only entries by name: ``eval`` (its ``eval_step``) first, then
+    ``entries``.
+
+    Raises:
+      ExportError: an entry is called ``train``, the training step's name.
+    """
+    from .errors import ExportError
+
+    fns: dict[str, EvalFn] = dict(recipe.entries)
+    if recipe.eval_step is not None:
+        fns = {"eval": recipe.eval_step, **fns}
+    if "train" in fns:
+        raise ExportError(
+            'Recipe.entries may not be called "train"; that entry is the training step.'
+        )
+    return fns
+
+
+def step_label(what: str, bucket: int, buckets: int) -> str:
+    """``what`` ("training step", "eval step"), naming the shape bucket when there are
+    several: "training step (shape bucket 1)"."""
+    return what + (f" (shape bucket {bucket})" if buckets > 1 else "")

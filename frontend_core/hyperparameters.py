@@ -21,7 +21,7 @@ import torch
 from .dtypes import HYPERPARAMETER_DTYPE
 from .errors import ExportError
 
-__all__ = ["Declared", "declare_hyperparameters", "place_of"]
+__all__ = ["Declared", "DeclaredValue", "declare_hyperparameters", "declared_values", "place_of"]
 
 
 @dataclass
@@ -90,15 +90,34 @@ def _element(key: str, group: dict[str, Any], i: int) -> tuple[str, int]:
     )
 
 
-def declare_hyperparameters(
-    optimizer: torch.optim.Optimizer, keys: Sequence[str], device: torch.device, family: str
-) -> Declared:
-    """Put a device tensor in ``param_groups`` for each declared key, in every group.
+@dataclass(frozen=True)
+class DeclaredValue:
+    """One declared hyperparameter in one param group, before anything is swapped in.
 
-    ``family`` is the workspace's optimizer family (``"adam"``, ``"sgd"``, ...).
+    Attributes:
+      name: its bundle name (the key; ``param_groups.<i>.<key>`` with several groups).
+      group: the param group's index.
+      key: the ``param_groups`` key holding it (``"betas"`` for ``"betas.0"``).
+      index: the tuple element (0 for ``"betas.0"``), or None for the key itself.
+      value: its current value.
+    """
+
+    name: str
+    group: int
+    key: str
+    index: int | None
+    value: float
+
+
+def declared_values(optimizer: torch.optim.Optimizer, keys: Sequence[str]) -> list[DeclaredValue]:
+    """Each declared key in each param group, with its current value (both front-ends).
+
+    Raises:
+      ExportError: a key names no setting (``place_of``), or a setting that is not a
+        real scalar (a tuple's elements are declared one by one).
     """
     groups = optimizer.param_groups
-    out = Declared()
+    out = []
     for key in keys:
         for i, group in enumerate(groups):
             base, index = place_of(optimizer, key, group, i)
@@ -117,23 +136,37 @@ def declare_hyperparameters(
                     + (f". Declare a tuple's elements one by one: {elements}." if elements else ".")
                 )
             name = key if len(groups) == 1 else f"param_groups.{i}.{key}"
-            # Each declared value gets a device buffer of its own: torch_xla hands out
-            # one shared buffer for equal scalars uploaded from the host, so two groups
-            # with the same lr would be one graph input, bound to one name.
-            t = torch.tensor(float(value), dtype=HYPERPARAMETER_DTYPE).to(device).clone()
-            if family == "sgd" and key == "lr":
-                # torch's SGD turns a plain tensor lr into a Python number (alpha=-lr),
-                # which reads it on the host; a tensor that requires grad takes its
-                # addcmul path, which keeps lr in the graph.
-                t.requires_grad_(True)
-            if index is None:
-                group[key] = t
-            else:
-                # A tuple setting (Adam's betas): the element becomes the tensor, the
-                # others stay numbers, as torch.optim takes either per element.
-                elems = list(group[base])
-                elems[index] = t
-                group[base] = type(group[base])(elems)
-            out.tensors[name] = t
-            out.places[name] = (i, base, index)
+            out.append(DeclaredValue(name, i, base, index, float(value)))
+    return out
+
+
+def declare_hyperparameters(
+    optimizer: torch.optim.Optimizer, keys: Sequence[str], device: torch.device, family: str
+) -> Declared:
+    """Put a device tensor in ``param_groups`` for each declared key, in every group.
+
+    ``family`` is the workspace's optimizer family (``"adam"``, ``"sgd"``, ...).
+    """
+    out = Declared()
+    for d in declared_values(optimizer, keys):
+        group = optimizer.param_groups[d.group]
+        # Each declared value gets a device buffer of its own: torch_xla hands out
+        # one shared buffer for equal scalars uploaded from the host, so two groups
+        # with the same lr would be one graph input, bound to one name.
+        t = torch.tensor(d.value, dtype=HYPERPARAMETER_DTYPE).to(device).clone()
+        if family == "sgd" and d.key == "lr":
+            # torch's SGD turns a plain tensor lr into a Python number (alpha=-lr),
+            # which reads it on the host; a tensor that requires grad takes its
+            # addcmul path, which keeps lr in the graph.
+            t.requires_grad_(True)
+        if d.index is None:
+            group[d.key] = t
+        else:
+            # A tuple setting (Adam's betas): the element becomes the tensor, the
+            # others stay numbers, as torch.optim takes either per element.
+            elems = list(group[d.key])
+            elems[d.index] = t
+            group[d.key] = type(group[d.key])(elems)
+        out.tensors[d.name] = t
+        out.places[d.name] = (d.group, d.key, d.index)
     return out

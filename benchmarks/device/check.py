@@ -1,0 +1,170 @@
+"""The Python half of scripts/device_check.sh: golden bundles, K steps per call and step
+times on one accelerator, written to one JSON file.
+
+    python benchmarks/device/check.py --platform tpu --out device_check.json
+
+Every number is measured in this process on the device it names; nothing is asserted,
+everything is recorded (a golden bundle's relative error, whether K steps per call
+matched single steps bit for bit, compile seconds, step times), and the script exits 1
+when a golden bundle is off by more than 1e-5 under "highest" or K steps per call differ.
+
+Imports: jax, numpy, stepbundle.runtime, tests/runtime/runtime_helpers (the golden files).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests" / "runtime"))
+
+from runtime_helpers import (  # noqa: E402
+    GOLDEN_SCHEDULES,
+    GOLDEN_STEPS,
+    golden_batches,
+    golden_bundle,
+    golden_expected,
+    golden_names,
+    golden_versions,
+    rel,
+)
+
+from stepbundle.runtime import load  # noqa: E402
+
+
+def trainer(platform_: str, name: str, version: Any = None, **kw: Any) -> Any:
+    t = load(golden_bundle(name, version), device=platform_, **kw)
+    if name in GOLDEN_SCHEDULES:
+        t.set_schedule("lr", GOLDEN_SCHEDULES[name])
+    return t
+
+
+def golden(platform_: str, out: dict[str, Any]) -> bool:
+    ok = True
+    for version in golden_versions():
+        for name in golden_names(version):
+            t0 = time.perf_counter()
+            t = trainer(platform_, name, version, matmul_precision="highest")
+            load_s = time.perf_counter() - t0
+            exp = golden_expected(name, version)
+            ms = t.run(golden_batches(name, version), GOLDEN_STEPS[name])
+            errs = {
+                f"metric/{k}": rel(np.array([float(m[k]) for m in ms]), exp[f"metric/{k}"])
+                for k in ms[0]
+            }
+            state = t.state_dict()
+            errs.update(
+                {k: rel(state[k[6:]], v) for k, v in exp.items() if k.startswith("state/") and k[6:] in state}
+            )
+            worst_key = max(errs, key=lambda k: errs[k])
+            worst = errs[worst_key]
+            ok &= worst <= 1e-5
+            out["golden"].append(
+                {
+                    "version": list(version),
+                    "bundle": name,
+                    "max_rel": worst,
+                    "worst": worst_key,
+                    "within_1e-5": worst <= 1e-5,
+                    "first_loss": float(ms[0]["loss"]),
+                    "expected_first_loss": float(exp["metric/loss"][0]),
+                    "load_s": load_s,
+                    "compile_s": t.load_info.seconds.get("compile"),
+                }
+            )
+            print(
+                f"golden v{version[0]}.{version[1]} {name}: max rel {worst:.2e} ({worst_key}), "
+                f"compile {t.load_info.seconds.get('compile', float('nan')):.2f} s",
+                flush=True,
+            )
+    return ok
+
+
+def steps_per_call(platform_: str, out: dict[str, Any]) -> bool:
+    ok = True
+    for name in ("linear_adamw", "dropout_sgd", "batchnorm_lr"):
+        one, many = trainer(platform_, name), trainer(platform_, name, steps_per_call=4)
+        b = golden_batches(name)
+        m1, m4 = one.run(b, 11), many.run(b, 11)
+        same = all(
+            np.array_equal(np.asarray(x[k]), np.asarray(y[k])) for x, y in zip(m1, m4) for k in x
+        )
+        s1, s4 = one.state_dict(), many.state_dict()
+        same_state = all(np.array_equal(s1[k], s4[k]) for k in s1)
+        ok &= same and same_state
+        out["steps_per_call"].append(
+            {
+                "bundle": name,
+                "metrics_identical": same,
+                "state_identical": same_state,
+                "compile_s_k1": one.load_info.seconds.get("compile"),
+                "compile_s_k4": many.load_info.seconds.get("compile"),
+            }
+        )
+        print(f"steps_per_call=4 {name}: metrics identical {same}, state identical {same_state}")
+    return ok
+
+
+def step_times(platform_: str, out: dict[str, Any]) -> None:
+    for name in ("linear_adamw", "batchnorm_lr"):
+        b = golden_batches(name)
+        for k in (1, 8, 32):
+            t = trainer(platform_, name, steps_per_call=k)
+            n = 32 * 8
+            t.run(b, 64, keep_metrics=False)
+            times = []
+            for _ in range(5):
+                t0 = time.perf_counter()
+                last = t.run(b, n, keep_metrics=False)
+                float(last[-1]["loss"])
+                times.append((time.perf_counter() - t0) / n * 1e3)
+            out["step_ms"].append(
+                {
+                    "bundle": name,
+                    "steps_per_call": k,
+                    "median_ms": float(np.median(times)),
+                    "samples_ms": times,
+                    "auto_steps_per_call": getattr(t.load_info, "steps_per_call", None),
+                }
+            )
+            print(f"{name} steps_per_call={k}: {np.median(times):.4f} ms/step", flush=True)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--platform", required=True)
+    p.add_argument("--out", required=True)
+    a = p.parse_args()
+    devs = jax.devices(a.platform)
+    out: dict[str, Any] = {
+        "jax": jax.__version__,
+        "platform": a.platform,
+        "device_kind": devs[0].device_kind,
+        "devices": [str(d) for d in devs],
+        "python": platform.python_version(),
+        "golden": [],
+        "steps_per_call": [],
+        "step_ms": [],
+    }
+    t0 = time.perf_counter()
+    ok = golden(a.platform, out)
+    ok &= steps_per_call(a.platform, out)
+    step_times(a.platform, out)
+    out["seconds"] = time.perf_counter() - t0
+    out["ok"] = ok
+    Path(a.out).write_text(json.dumps(out, indent=1))
+    print(f"device_check: {'ok' if ok else 'FAILED'} in {out['seconds']:.0f} s", flush=True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

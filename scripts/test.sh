@@ -7,10 +7,12 @@
 #   3. the torch front-end's tests in its own environment (current torch, no torch_xla),
 #      with its half of tests/frontends (the tests both front-ends run);
 #   4. tests/schema and tests/runtime, all of them, in the lean environment (newest jax,
-#      no torch): where bundles run.
+#      no torch): where bundles run;
+#   5. scripts/attacks.py in the lean environment: every attack of issue #29 (full disks,
+#      hostile servers, SIGKILLs, ...) performed for real, about 2.5 minutes.
 # Running all of tests/runtime under both jax versions would add ~8 minutes to CI for
 # little: 2 covers what differs between jaxlib versions (runtime/_compat.py).
-# Stage 1 runs beside stages 2-4 (two lanes, as many as the CI machine's cores: most
+# Stage 1 runs beside stages 2-5 (two lanes, as many as the CI machine's cores: most
 # tests are one compile or one process at a time); each lane's output is printed whole
 # when it ends. SERIAL=1 runs them one after another.
 # Extra arguments go to the first pytest run (e.g. -x, -k NAME).
@@ -37,6 +39,9 @@ lane_b() {
   .venv-torch/bin/python -m pytest -q --durations=5 tests/frontend_torch tests/frontends
   echo "== pytest, lean environment (newest jax, no torch) =="
   .venv-lean/bin/python -m pytest -q --durations=10 tests/schema tests/runtime
+  echo "== attacks (issue #29's attacks performed for real, scripts/attacks.py) =="
+  # One at a time: lane 1 has the other core, and several attacks race a deadline.
+  .venv-lean/bin/python scripts/attacks.py --jobs 1
 }
 
 if [ "${SERIAL:-0}" = 1 ]; then
@@ -56,7 +61,7 @@ cat "$logs/a"
 echo "== lane 1 (stage 1) ended: exit $rc_a, $((SECONDS - start)) s =="
 rc_b=0; wait "$pid_b" || rc_b=$?
 cat "$logs/b"
-echo "== lane 2 (stages 2-4) ended: exit $rc_b, $((SECONDS - start)) s =="
+echo "== lane 2 (stages 2-5) ended: exit $rc_b, $((SECONDS - start)) s =="
 if [ "$rc_a" != 0 ] || [ "$rc_b" != 0 ]; then
   echo "FAILED: lane 1 exit $rc_a, lane 2 exit $rc_b" >&2
   exit 1

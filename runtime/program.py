@@ -24,6 +24,7 @@ from stepbundle.schema.manifest import Program, StateUpdateOutput
 from stepbundle.stablehlo import artifact as mlir
 from stepbundle.stablehlo.conv_layout import canonicalize_convolutions
 from stepbundle.stablehlo.precision import set_matmul_precision
+from stepbundle.stablehlo.rng_algorithm import pin_rng_algorithm
 
 from . import _compat, multistep, packing, remote
 from .errors import PlatformError
@@ -198,6 +199,9 @@ def compile_program(
         )
     _check_signature(module, program, where)
     module.strip_attributes()
+    # One random-bit algorithm on every backend: DEFAULT is Philox on the CPU and
+    # something else on a TPU (stablehlo/rng_algorithm.py says what was measured).
+    pin_rng_algorithm(module)
     if matmul_precision is not None:
         set_matmul_precision(module, matmul_precision)
     if layout is not None and layout.packs:

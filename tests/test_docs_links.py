@@ -18,7 +18,8 @@ In each page:
   file that lives beside the repository rather than in it (DESIGN.md, HOUSE_STYLE.md).
 
 Paths under build/ and the virtual environments are outputs, not sources, and are not
-checked; nor are third-party paths quoted in error messages (``transformers/...``).
+checked; nor are third-party paths quoted in error messages (``transformers/...``), nor
+the paths docs/layout.md proposes (``PROPOSED``).
 The test reads the checkout only; it needs nothing installed.
 """
 
@@ -52,7 +53,12 @@ UNTRACKED = frozenset(
     }
 )
 # Top-level names of other projects' source trees, quoted in error messages.
-THIRD_PARTY = frozenset({"transformers", "torch", "torch_xla", "torchvision", "jax", "jaxlib"})
+THIRD_PARTY = frozenset(
+    {"transformers", "torch", "torch_xla", "torchvision", "jax", "jaxlib", "setuptools"}
+)
+# Paths a page proposes rather than names: docs/layout.md weighs moving the package under
+# src/stepbundle/. Remove its entry when the move is made (the page changes with it).
+PROPOSED = {"docs/layout.md": ("src/", "stepbundle/")}
 # Text that points outside the repository: the design notes and house style live in a
 # folder beside it, which a reader of the repository does not have.
 OUTSIDE = ("../shared", "/work/", "DESIGN.md", "HOUSE_STYLE.md")
@@ -137,6 +143,8 @@ def path_tokens(text: str) -> Iterator[str]:
 def path_problem(token: str, page: Path) -> str | None:
     first = token.split("/")[0]
     if first in UNTRACKED or first in THIRD_PARTY:
+        return None
+    if token.startswith(PROPOSED.get(page.relative_to(ROOT).as_posix(), ())):
         return None
     if "/" not in token:
         return None  # a bare name.py: checked in folder rows only

@@ -39,6 +39,9 @@ ROWS: Sequence[tuple[str, str]] = (
 )
 """(method, row label) in table order; a method the results do not have is left out."""
 
+CORNER = "AdamW; MLP: depth x (Linear(16, 16), LayerNorm, GELU), batch 32"
+"""The table's top-left cell: the models the columns are (benchmarks/models.py)."""
+
 
 def _ms(x: float) -> str:
     if x >= 100:
@@ -61,7 +64,7 @@ def table(results: Mapping[str, Any]) -> str:
     by = {(r["case"], r["depth"], r["method"]): r for r in records}
     head = [f"depth {d}" if c == "mlp" else "small GPT" for c, d in cases]
     lines = [
-        "| MLP of DESIGN.md, AdamW, batch 32 | " + " | ".join(head) + " |",
+        f"| {CORNER} | " + " | ".join(head) + " |",
         "|---|" + "---|" * len(cases),
     ]
     for method, label in ROWS:

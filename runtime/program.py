@@ -23,6 +23,7 @@ from stepbundle.schema.errors import SchemaValidationError
 from stepbundle.schema.manifest import Program, StateUpdateOutput
 from stepbundle.stablehlo import artifact as mlir
 from stepbundle.stablehlo.conv_layout import canonicalize_convolutions
+from stepbundle.stablehlo.conv_wgrad import rewrite_weight_gradients
 from stepbundle.stablehlo.precision import set_matmul_precision
 from stepbundle.stablehlo.rng_algorithm import pin_rng_algorithm
 
@@ -204,6 +205,10 @@ def compile_program(
     pin_rng_algorithm(module)
     if matmul_precision is not None:
         set_matmul_precision(module, matmul_precision)
+    if platform == "tpu":
+        # Weight-gradient convolutions (a map-sized window) took the TPU compiler most of a
+        # minute; as matrix products, with the rng pin above, seconds (conv_wgrad.py).
+        rewrite_weight_gradients(module)
     if layout is not None and layout.packs:
         module, program = packing.wrap_program(module, program, layout)
     if steps_per_call > 1:

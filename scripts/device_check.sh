@@ -10,7 +10,10 @@
 #      state, steps_per_call 4 against 1, 11 steps);
 #   3. step times of the golden bundles for steps_per_call 1, 8 and 32, and the host's
 #      dispatch cost (what the automatic steps_per_call rule is built on);
-#   4. (NVIDIA only, with the time left) the lean runtime tests on that machine's CPU.
+#   4. with CNN_BUNDLE=... CNN_DATA=...npz, a CNN bundle's compile time per entry and 8
+#      steps against the CPU (examples/cifar_cnn.py's train program once took a TPU 28x
+#      its eval program's compile time; stablehlo/conv_wgrad.py);
+#   5. (NVIDIA only, with the time left) the lean runtime tests on that machine's CPU.
 #
 # Writes RESULTS_DIR (default benchmarks/results/device/<device kind>/<UTC time>)/
 # device_check.json. Needs jax with the device's backend in the interpreter (PYTHON=...,
@@ -43,7 +46,7 @@ mkdir -p "$OUT"
 echo "device_check: $KIND ($PLATFORM), writing $OUT" >&2
 
 STEPBUNDLE_CACHE_DIR=$(mktemp -d) timeout 420 "$PY" benchmarks/device/check.py \
-  --platform "$PLATFORM" --out "$OUT/device_check.json"
+  --platform "$PLATFORM" --out "$OUT/device_check.json" ${CNN_BUNDLE:+--cnn "$CNN_BUNDLE" "$CNN_DATA"}
 
 left=$((deadline - SECONDS))
 if [ "$PLATFORM" = cuda ] && [ "$left" -gt 60 ]; then

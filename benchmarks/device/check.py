@@ -63,7 +63,11 @@ def golden(platform_: str, out: dict[str, Any]) -> bool:
             }
             state = t.state_dict()
             errs.update(
-                {k: rel(state[k[6:]], v) for k, v in exp.items() if k.startswith("state/") and k[6:] in state}
+                {
+                    k: rel(state[k[6:]], v)
+                    for k, v in exp.items()
+                    if k.startswith("state/") and k[6:] in state
+                }
             )
             worst_key = max(errs, key=lambda k: errs[k])
             worst = errs[worst_key]
@@ -139,10 +143,47 @@ def step_times(platform_: str, out: dict[str, Any]) -> None:
             print(f"{name} steps_per_call={k}: {np.median(times):.4f} ms/step", flush=True)
 
 
+def cnn(platform_: str, bundle: str, data: str, out: dict[str, Any]) -> None:
+    """A CNN bundle (examples/cifar_cnn.py): each entry's compile time on the device, and
+    8 training steps on the device against the same steps on this machine's CPU."""
+    with np.load(data) as z:
+        arrays = {k: z[k] for k in z.files}
+    batches = [{k: v[i] for k, v in arrays.items()} for i in range(len(arrays["x"]))]
+    rec: dict[str, Any] = {"bundle": bundle}
+    for entry in ("eval", "train"):
+        t0 = time.perf_counter()
+        t = load(bundle, device=platform_, entry=entry, cache_dir=False)
+        rec[f"{entry}_load_s"] = time.perf_counter() - t0
+        rec[f"{entry}_compile_s"] = t.load_info.seconds.get("compile")
+    dev = load(bundle, device=platform_, entry="train", cache_dir=False, matmul_precision="highest")
+    cpu = load(bundle, device="cpu", entry="train", cache_dir=False)
+    m_dev = dev.run(batches, len(batches))
+    m_cpu = cpu.run(batches, len(batches))
+    loss_dev = np.array([float(m["loss"]) for m in m_dev])
+    loss_cpu = np.array([float(m["loss"]) for m in m_cpu])
+    rec["losses_device"] = loss_dev.tolist()
+    rec["losses_cpu"] = loss_cpu.tolist()
+    rec["max_rel_loss"] = float(np.max(np.abs(loss_dev - loss_cpu) / np.abs(loss_cpu)))
+    out["cnn"] = rec
+    print(
+        f"cnn: compile eval {rec['eval_compile_s']:.2f} s, train {rec['train_compile_s']:.2f} s "
+        f"({rec['train_compile_s'] / rec['eval_compile_s']:.1f}x); 8 steps vs CPU: max rel loss "
+        f"{rec['max_rel_loss']:.2e}",
+        flush=True,
+    )
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--platform", required=True)
     p.add_argument("--out", required=True)
+    p.add_argument(
+        "--cnn",
+        nargs=2,
+        metavar=("BUNDLE", "DATA_NPZ"),
+        default=None,
+        help="also a CNN bundle and its batches (x, y stacked)",
+    )
     a = p.parse_args()
     devs = jax.devices(a.platform)
     out: dict[str, Any] = {
@@ -159,6 +200,8 @@ def main() -> int:
     ok = golden(a.platform, out)
     ok &= steps_per_call(a.platform, out)
     step_times(a.platform, out)
+    if a.cnn:
+        cnn(a.platform, a.cnn[0], a.cnn[1], out)
     out["seconds"] = time.perf_counter() - t0
     out["ok"] = ok
     Path(a.out).write_text(json.dumps(out, indent=1))

@@ -29,6 +29,8 @@ from stepbundle.runtime import _compat
 from stepbundle.schema.reader import open_bundle
 from stepbundle.stablehlo import artifact as mlir
 from stepbundle.stablehlo.conv_layout import canonicalize_convolutions
+from stepbundle.stablehlo.conv_wgrad import rewrite_weight_gradients
+from stepbundle.stablehlo.rng_algorithm import pin_rng_algorithm
 
 _RESULT = re.compile(r"^(\s*)(%[\w#:]+) = (\"?stablehlo\.[a-z_]+\"?)")
 
@@ -54,7 +56,9 @@ def _zero_ops(text: str, op: str, pick: Any = lambda line: True) -> tuple[str, i
             result_type = lines[j].rsplit("->", 1)[1].strip()
             elem = result_type.rstrip(">").rsplit("x", 1)[-1]
             zero = "0.000000e+00" if elem.startswith(("f", "bf")) else "0"
-            out.append(f"{m.group(1)}{m.group(2)} = stablehlo.constant dense<{zero}> : {result_type}")
+            out.append(
+                f"{m.group(1)}{m.group(2)} = stablehlo.constant dense<{zero}> : {result_type}"
+            )
             n += 1
             i = j + 1
             continue
@@ -69,7 +73,10 @@ def _wgrad_feature_first(text: str) -> tuple[str, int]:
     out = []
     n = 0
     for line in text.split("\n"):
-        m = re.match(r"^(\s*)(%[\w#:]+) = (stablehlo\.convolution.*)->\[0, 1, b, f\](.*)-> tensor<(\d+)x(\d+)x(\d+)x(\d+)x(\w+)>$", line)
+        m = re.match(
+            r"^(\s*)(%[\w#:]+) = (stablehlo\.convolution.*)->\[0, 1, b, f\](.*)-> tensor<(\d+)x(\d+)x(\d+)x(\d+)x(\w+)>$",
+            line,
+        )
         if not m:
             out.append(line)
             continue
@@ -103,6 +110,13 @@ def main() -> int:
     variants["no_select_and_scatter"] = _zero_ops(base, "select_and_scatter")
     variants["no_reduce_window"] = _zero_ops(base, "reduce_window")
     variants["wgrad_feature_first"] = _wgrad_feature_first(base)
+    dots = mlir.Module.parse_text(module, base)
+    variants["wgrad_as_dots"] = (dots.text(), rewrite_weight_gradients(dots))
+    pinned = mlir.Module.parse_text(module, base)
+    variants["rng_pinned"] = (pinned.text(), pin_rng_algorithm(pinned))
+    both = mlir.Module.parse_text(module, base)
+    n = pin_rng_algorithm(both) + rewrite_weight_gradients(both)
+    variants["rng_pinned_wgrad_as_dots"] = (both.text(), n)
     canon = mlir.Module.parse_text(module, base)
     variants["canonical_nhwc"] = (canon.text(), canonicalize_convolutions(canon))
     for name in list(b.manifest.entries):
@@ -117,7 +131,9 @@ def main() -> int:
     options = _compat.compile_options(1, [device.id])
 
     # MLIR contexts are not thread-safe: every variant is parsed here, compiled in threads.
-    parsed = {k: (mlir.Module.parse_text(module, t).bytecode(), n) for k, (t, n) in variants.items()}
+    parsed = {
+        k: (mlir.Module.parse_text(module, t).bytecode(), n) for k, (t, n) in variants.items()
+    }
 
     def compile_one(item: tuple[str, tuple[bytes, int]]) -> dict[str, Any]:
         name, (bytecode, changed) = item
@@ -133,9 +149,14 @@ def main() -> int:
 
     with ThreadPoolExecutor(max_workers=len(variants)) as pool:
         results = list(pool.map(compile_one, parsed.items()))
-    report = {"bundle": a.bundle, "entry": a.entry, "jax": jax.__version__,
-              "device_kind": device.device_kind, "parallel_compiles": len(variants),
-              "results": results}
+    report = {
+        "bundle": a.bundle,
+        "entry": a.entry,
+        "jax": jax.__version__,
+        "device_kind": device.device_kind,
+        "parallel_compiles": len(variants),
+        "results": results,
+    }
     if a.out:
         Path(a.out).write_text(json.dumps(report, indent=1))
     return 0

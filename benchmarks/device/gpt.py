@@ -64,15 +64,21 @@ def recipe() -> Any:
         return {"loss": loss, "grad_norm": grad_norm}
 
     torch.manual_seed(0)
-    cfg = GPTConfig(vocab=VOCAB, block=BLOCK, layers=LAYERS, width=WIDTH, heads=HEADS,
-                    dropout=0.0, batch=BATCH)
+    cfg = GPTConfig(
+        vocab=VOCAB, block=BLOCK, layers=LAYERS, width=WIDTH, heads=HEADS, dropout=0.0, batch=BATCH
+    )
     model = SmallGPT(cfg)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY,
-                            capturable=True, foreach=False)
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, capturable=True, foreach=False
+    )
     tokens = torch.randint(0, VOCAB, (BATCH, BLOCK + 1))
-    return Recipe(model=model, optimizer=opt, step=step, include_state=False,
-                  example_batch={"idx": tokens[:, :-1].contiguous(),
-                                 "target": tokens[:, 1:].contiguous()})
+    return Recipe(
+        model=model,
+        optimizer=opt,
+        step=step,
+        include_state=False,
+        example_batch={"idx": tokens[:, :-1].contiguous(), "target": tokens[:, 1:].contiguous()},
+    )
 
 
 # ------------------------------------------------------------ the initial state
@@ -85,8 +91,12 @@ def initial_state(seed: int = 0) -> dict[str, np.ndarray]:
     s = {"wte.weight": normal(VOCAB, WIDTH), "wpe.weight": normal(BLOCK, WIDTH)}
     for i in range(LAYERS):
         p = f"blocks.{i}."
-        for name, (o, n) in {"qkv": (3 * WIDTH, WIDTH), "proj": (WIDTH, WIDTH),
-                             "fc": (4 * WIDTH, WIDTH), "out": (WIDTH, 4 * WIDTH)}.items():
+        for name, (o, n) in {
+            "qkv": (3 * WIDTH, WIDTH),
+            "proj": (WIDTH, WIDTH),
+            "fc": (4 * WIDTH, WIDTH),
+            "out": (WIDTH, 4 * WIDTH),
+        }.items():
             s[p + name + ".weight"] = normal(o, n)
             s[p + name + ".bias"] = np.zeros(o, np.float32)
         for ln in ("ln1", "ln2"):
@@ -113,7 +123,9 @@ def step_flops() -> float:
 
 
 # ------------------------------------------------------------ the JAX peer
-def jax_step(state: dict[str, np.ndarray], flash: bool) -> tuple[Any, Any]:
+def jax_step(
+    state: dict[str, np.ndarray], flash: bool, block: int | None = None
+) -> tuple[Any, Any]:
     import jax
     import jax.numpy as jnp
     import optax
@@ -134,9 +146,24 @@ def jax_step(state: dict[str, np.ndarray], flash: bool) -> tuple[Any, Any]:
     def attention(q: Any, k: Any, v: Any) -> Any:  # (b, h, t, d) in bf16
         scale = 1.0 / math.sqrt(q.shape[-1])
         if flash:
-            from jax.experimental.pallas.ops.tpu.flash_attention import flash_attention
+            from jax.experimental.pallas.ops.tpu import flash_attention as fa
 
-            return flash_attention(q, k, v, causal=True, sm_scale=scale)
+            sizes = None
+            if block is not None:  # one block over the whole context
+                sizes = fa.BlockSizes(
+                    block_q=block,
+                    block_k_major=block,
+                    block_k=block,
+                    block_b=1,
+                    block_q_major_dkv=block,
+                    block_k_major_dkv=block,
+                    block_k_dkv=block,
+                    block_q_dkv=block,
+                    block_k_major_dq=block,
+                    block_k_dq=block,
+                    block_q_dq=block,
+                )
+            return fa.flash_attention(q, k, v, causal=True, sm_scale=scale, block_sizes=sizes)
         t = q.shape[2]
         s = jnp.einsum("bhqd,bhkd->bhqk", q, k).astype(jnp.float32) * scale
         s = jnp.where(jnp.tril(jnp.ones((t, t), bool)), s, -jnp.inf)
@@ -148,8 +175,10 @@ def jax_step(state: dict[str, np.ndarray], flash: bool) -> tuple[Any, Any]:
         for i in range(LAYERS):
             pre = f"blocks.{i}."
             qkv = linear(p, pre + "qkv", layer_norm(p, pre + "ln1", x))
-            q, k, v = (a.reshape(b, t, HEADS, WIDTH // HEADS).transpose(0, 2, 1, 3)
-                       for a in jnp.split(qkv, 3, axis=-1))
+            q, k, v = (
+                a.reshape(b, t, HEADS, WIDTH // HEADS).transpose(0, 2, 1, 3)
+                for a in jnp.split(qkv, 3, axis=-1)
+            )
             y = attention(q, k, v).transpose(0, 2, 1, 3).reshape(b, t, WIDTH)
             x = x + linear(p, pre + "proj", y).astype(jnp.float32)
             h = jax.nn.gelu(linear(p, pre + "fc", layer_norm(p, pre + "ln2", x)), approximate=False)
@@ -159,8 +188,10 @@ def jax_step(state: dict[str, np.ndarray], flash: bool) -> tuple[Any, Any]:
         logp = jax.nn.log_softmax(logits, axis=-1)
         return -jnp.mean(jnp.take_along_axis(logp, target[..., None], axis=-1))
 
-    tx = optax.chain(optax.clip_by_global_norm(CLIP),
-                     optax.adamw(LR, b1=0.9, b2=0.999, eps=1e-8, weight_decay=WEIGHT_DECAY))
+    tx = optax.chain(
+        optax.clip_by_global_norm(CLIP),
+        optax.adamw(LR, b1=0.9, b2=0.999, eps=1e-8, weight_decay=WEIGHT_DECAY),
+    )
 
     def step(carry: Any, idx: Any, target: Any) -> Any:
         p, o = carry
@@ -185,27 +216,41 @@ def bench(args: argparse.Namespace) -> int:
     state = initial_state()
     write_safetensors(init, state)
     data = batches(args.batches)
-    out: dict[str, Any] = {"jax": jax.__version__, "device_kind": dev.device_kind,
-                           "step_tflop": step_flops() / 1e12, "peak_tflops": args.peak_tflops,
-                           "params": int(sum(v.size for v in state.values()))}
+    out: dict[str, Any] = {
+        "jax": jax.__version__,
+        "device_kind": dev.device_kind,
+        "step_tflop": step_flops() / 1e12,
+        "peak_tflops": args.peak_tflops,
+        "params": int(sum(v.size for v in state.values())),
+    }
 
     t0 = time.perf_counter()
-    trainer = load(args.bundle, device=platform, init_from=init, cache_dir=False,
-                   matmul_precision=args.precision)
+    trainer = load(
+        args.bundle,
+        device=platform,
+        init_from=init,
+        cache_dir=False,
+        matmul_precision=args.precision,
+    )
     out["bundle_load_s"] = time.perf_counter() - t0
     out["bundle_compile_s"] = trainer.load_info.seconds.get("compile")
     # Host batches: the trainer copies them (i64, 128 KiB a step) with its own x64 transfer.
     dev_batches = data
 
     peers: dict[str, Any] = {}
-    for name, flash in (("jax", False), ("jax_flash", True)):
+    for name, flash, block in (
+        ("jax", False, None),
+        ("jax_flash", True, None),
+        ("jax_flash512", True, 512),
+    ):
         if flash and platform != "tpu":
             continue
         try:
             t0 = time.perf_counter()
-            f, carry = jax_step(state, flash)
-            dev32 = [{k: jax.device_put(v.astype(np.int32), dev) for k, v in b.items()}
-                     for b in data]
+            f, carry = jax_step(state, flash, block)
+            dev32 = [
+                {k: jax.device_put(v.astype(np.int32), dev) for k, v in b.items()} for b in data
+            ]
             carry = jax.device_put(carry, dev)
             carry, loss = f(carry, dev32[0]["idx"], dev32[0]["target"])
             first = float(loss)
@@ -218,8 +263,11 @@ def bench(args: argparse.Namespace) -> int:
 
     first = trainer.step(dev_batches[0])
     out["bundle_first_loss"] = float(first["loss"])
-    print(f"first loss: bundle {out['bundle_first_loss']:.6f}, "
-          + ", ".join(f"{k} {v[3]:.6f}" for k, v in peers.items()), flush=True)
+    print(
+        f"first loss: bundle {out['bundle_first_loss']:.6f}, "
+        + ", ".join(f"{k} {v[3]:.6f}" for k, v in peers.items()),
+        flush=True,
+    )
 
     def time_bundle(n: int) -> float:
         t0 = time.perf_counter()
@@ -253,8 +301,10 @@ def bench(args: argparse.Namespace) -> int:
         ms = float(np.median(s))
         out["ms_per_step"][name] = ms
         out["mfu"][name] = step_flops() / (ms / 1e3) / (args.peak_tflops * 1e12)
-        print(f"{name:10s} {ms:8.2f} ms/step  MFU {out['mfu'][name]:.1%}  samples {np.round(s, 2).tolist()}",
-              flush=True)
+        print(
+            f"{name:10s} {ms:8.2f} ms/step  MFU {out['mfu'][name]:.1%}  samples {np.round(s, 2).tolist()}",
+            flush=True,
+        )
     out["samples_ms"] = samples
     if args.out:
         Path(args.out).write_text(json.dumps(out, indent=1))

@@ -47,7 +47,9 @@ def main() -> int:
     for pl in platforms:
         for al in ALGORITHMS:
             for al2 in ALGORITHMS:
-                same[f"{pl}:{al} == cpu:{al2}"] = bool(np.array_equal(bits[pl, al], bits["cpu", al2]))
+                same[f"{pl}:{al} == cpu:{al2}"] = bool(
+                    np.array_equal(bits[pl, al], bits["cpu", al2])
+                )
     report["same"] = same
     for k, v in same.items():
         print(f"{k:34s} {v}")

@@ -1,0 +1,99 @@
+"""Weight-gradient convolutions as matrix products (stablehlo/conv_wgrad.py), pinned on
+the CPU: which convolutions the rewrite takes (the StableHLO form that took a TPU's
+compiler 60 s), and that the rewritten program computes the convolution (against numpy
+in float64, which shares no code with either)."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from runtime_helpers import golden_bundle
+
+from stepbundle.runtime import _compat
+from stepbundle.schema.reader import open_bundle
+from stepbundle.stablehlo import artifact as mlir
+from stepbundle.stablehlo.conv_wgrad import rewrite_weight_gradients
+
+# The three convolutions of one torch_xla conv layer's training step, as torch_xla 2.9
+# writes them (examples/cifar_cnn.py's first block): forward, input gradient (of a
+# second layer) and weight gradient, with a map-sized window.
+CONVS = """
+func.func @main(%x: tensor<4x3x8x8xf32>, %w: tensor<5x3x3x3xf32>, %dy: tensor<4x5x8x8xf32>, %w2: tensor<3x3x3x5xf32>) -> (tensor<4x5x8x8xf32>, tensor<4x3x8x8xf32>, tensor<3x3x3x5xf32>) {
+  %y = stablehlo.convolution(%x, %w) dim_numbers = [b, f, 0, 1]x[o, i, 0, 1]->[b, f, 0, 1], window = {pad = [[1, 1], [1, 1]]} {batch_group_count = 1 : i64, feature_group_count = 1 : i64} : (tensor<4x3x8x8xf32>, tensor<5x3x3x3xf32>) -> tensor<4x5x8x8xf32>
+  %dx = stablehlo.convolution(%dy, %w2) dim_numbers = [b, f, 0, 1]x[0, 1, o, i]->[b, f, 0, 1], window = {pad = [[1, 1], [1, 1]]} {batch_group_count = 1 : i64, feature_group_count = 1 : i64} : (tensor<4x5x8x8xf32>, tensor<3x3x3x5xf32>) -> tensor<4x3x8x8xf32>
+  %dw = stablehlo.convolution(%x, %dy) dim_numbers = [f, b, 0, 1]x[i, o, 0, 1]->[0, 1, b, f], window = {pad = [[1, 1], [1, 1]]} {batch_group_count = 1 : i64, feature_group_count = 1 : i64} : (tensor<4x3x8x8xf32>, tensor<4x5x8x8xf32>) -> tensor<3x3x3x5xf32>
+  return %y, %dx, %dw : tensor<4x5x8x8xf32>, tensor<4x3x8x8xf32>, tensor<3x3x3x5xf32>
+}
+"""
+
+
+def _like() -> mlir.Module:
+    with open_bundle(golden_bundle("linear_adamw")) as b:
+        program = b.manifest.entries["train"].programs[0]
+        return mlir.parse_artifact(bytes(b.section(program.section)))
+
+
+def _ops(module: mlir.Module, name: str) -> int:
+    return sum(op.name == name for op in module._operations())
+
+
+def _run(module: mlir.Module, args: list[np.ndarray]) -> list[np.ndarray]:
+    client = _compat.get_client("cpu")
+    device = client.local_devices()[0]
+    exe = _compat.compile_program(
+        client, module.bytecode(), [device], _compat.compile_options(1, [device.id])
+    )
+    return [np.asarray(o) for o in exe.execute([jax.device_put(a, device) for a in args])]
+
+
+def test_only_the_weight_gradient_is_rewritten() -> None:
+    module = mlir.Module.parse_text(_like(), CONVS)
+    assert rewrite_weight_gradients(module) == 1
+    assert _ops(module, "stablehlo.convolution") == 2  # forward and input gradient stay
+    assert _ops(module, "stablehlo.dot_general") == 9  # one per 3x3 output position
+    assert rewrite_weight_gradients(module) == 0
+
+
+def test_the_rewritten_weight_gradient_is_the_convolution() -> None:
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((4, 3, 8, 8)).astype(np.float32)
+    w = rng.standard_normal((5, 3, 3, 3)).astype(np.float32)
+    dy = rng.standard_normal((4, 5, 8, 8)).astype(np.float32)
+    w2 = rng.standard_normal((3, 3, 3, 5)).astype(np.float32)
+    # numpy, float64: dw[kh, kw, c, o] = sum_{n, h, w} xpad[n, c, h + kh, w + kw] dy[n, o, h, w]
+    xp = np.pad(x.astype(np.float64), ((0, 0), (0, 0), (1, 1), (1, 1)))
+    ref = np.zeros((3, 3, 3, 5))
+    for kh in range(3):
+        for kw in range(3):
+            ref[kh, kw] = np.einsum("nchw,nohw->co", xp[:, :, kh : kh + 8, kw : kw + 8], dy)
+    args = [x, w, dy, w2]
+    before = _run(mlir.Module.parse_text(_like(), CONVS), args)
+    rewritten = mlir.Module.parse_text(_like(), CONVS)
+    rewrite_weight_gradients(rewritten)
+    after = _run(rewritten, args)
+    scale = np.max(np.abs(ref))
+    assert np.max(np.abs(before[2] - ref)) / scale < 1e-6  # XLA's convolution
+    assert np.max(np.abs(after[2] - ref)) / scale < 1e-6  # the matrix products
+    for a, b in zip(before[:2], after[:2]):  # the other convolutions are untouched
+        assert np.array_equal(a, b)
+
+
+def test_a_strided_weight_gradient_is_left_alone() -> None:
+    # A strided layer's weight gradient has window strides (or dilations): not the form
+    # measured, and not the product the rewrite writes.
+    text = CONVS.replace(
+        "->[0, 1, b, f], window = {pad", "->[0, 1, b, f], window = {stride = [2, 2], pad"
+    ).replace(
+        "tensor<4x5x8x8xf32>) -> tensor<3x3x3x5xf32>", "tensor<4x5x8x8xf32>) -> tensor<2x2x3x5xf32>"
+    )
+    text = text.replace(
+        "%dw : tensor<4x5x8x8xf32>, tensor<4x3x8x8xf32>, tensor<3x3x3x5xf32>",
+        "%dw : tensor<4x5x8x8xf32>, tensor<4x3x8x8xf32>, tensor<2x2x3x5xf32>",
+    )
+    text = text.replace(
+        "-> (tensor<4x5x8x8xf32>, tensor<4x3x8x8xf32>, tensor<3x3x3x5xf32>)",
+        "-> (tensor<4x5x8x8xf32>, tensor<4x3x8x8xf32>, tensor<2x2x3x5xf32>)",
+    )
+    module = mlir.Module.parse_text(_like(), text)
+    assert rewrite_weight_gradients(module) == 0
+    assert _ops(module, "stablehlo.convolution") == 3

@@ -82,10 +82,11 @@ def _i64s(values: Sequence[int]) -> Any:
 
 def _zero(element_type: Any) -> Any:
     scalar = ir.RankedTensorType.get([], element_type)
-    if str(element_type).startswith(("f", "bf")):
-        value = ir.FloatAttr.get(element_type, 0.0)
-    else:
-        value = ir.IntegerAttr.get(element_type, 0)
+    value: Any = (
+        ir.FloatAttr.get(element_type, 0.0)
+        if str(element_type).startswith(("f", "bf"))
+        else ir.IntegerAttr.get(element_type, 0)
+    )
     attr = ir.DenseElementsAttr.get_splat(scalar, value)
     return _create("stablehlo.constant", scalar, [], {"value": attr}).result
 

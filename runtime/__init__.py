@@ -1,9 +1,13 @@
 """stepbundle.runtime: run a bundle's steps on any PJRT device, with no torch in the process.
 
-``load(path)`` returns a ``Trainer`` that owns the training state on the device,
-donates it to every step and writes checkpoints PyTorch loads back.
+``load(path, device, options=LoadOptions(...))`` returns a ``Trainer`` that owns the
+training state on the device, donates it to every step and writes checkpoints PyTorch
+loads back. Also here: ``to_floats`` (a step's metrics as numbers), ``write_dataset``
+(arrays to a dataset folder ``Loader`` reads), ``set_cpu_devices`` (virtual CPU devices,
+before jax starts) and ``ALLOWED_CUSTOM_CALLS`` (the native calls a program may make).
 
-Modules: ``load.py`` (opening, compiling, placing), ``trainer.py`` (the hot path),
+Modules: ``load.py`` (opening, compiling, placing) with ``options.py`` (what it is asked
+to do) and ``devices.py`` (which devices), ``trainer.py`` (the hot path),
 ``checkpointing.py`` (state access and checkpoint orchestration), ``load_info.py``, ``plan.py`` (compiled and refused shape buckets),
 ``init_state.py`` (where the initial state comes from, and placing it) with ``init_source.py``
 (the checkpoint files it is read from) and ``tensor_file.py`` (mapped safetensors),
@@ -18,7 +22,11 @@ Never torch.
 
 from __future__ import annotations
 
+from stepbundle.stablehlo.artifact import ALLOWED_CUSTOM_CALLS
+
 from .checkpoint import CheckpointFormatError, OtherBundleError
+from .dataset_writer import write_dataset
+from .distributed import set_cpu_devices
 from .errors import BindingError, CheckpointError, DeviceError, NonFiniteLossError, PlatformError
 from .fallback import PathChoice, PathKind, StepbundleFallbackWarning
 from .init_state import (
@@ -30,29 +38,40 @@ from .init_state import (
 )
 from .load import load
 from .load_info import LoadInfo
+from .metrics import to_floats
+from .options import CompileOptions, LoadOptions, ParallelOptions, SafetyOptions, StateOptions
 from .program import CacheEvent, CacheOutcome, CacheWarning
 from .trainer import Trainer
 
 __all__ = [
+    "ALLOWED_CUSTOM_CALLS",
     "BindingError",
     "CacheEvent",
     "CacheOutcome",
     "CacheWarning",
     "CheckpointError",
     "CheckpointFormatError",
+    "CompileOptions",
     "DeviceError",
     "InitStateError",
     "LoadInfo",
+    "LoadOptions",
     "MissingStateError",
     "NonFiniteLossError",
     "OtherBundleError",
+    "ParallelOptions",
     "PathChoice",
     "PathKind",
     "PlatformError",
+    "SafetyOptions",
     "StateDtypeError",
+    "StateOptions",
     "StateShapeError",
     "StepbundleFallbackWarning",
     "Trainer",
     "UnexpectedStateError",
     "load",
+    "set_cpu_devices",
+    "to_floats",
+    "write_dataset",
 ]

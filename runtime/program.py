@@ -258,7 +258,7 @@ def compile_program(
             "compiled again and the entry replaced; load_info.cache lists every program's "
             "outcome.",
             CacheWarning,
-            stacklevel=4,  # load()'s caller
+            stacklevel=6,  # load()'s caller (through _Compiler.entry and _compile)
         )
     exe = _compat.compile_program(client, bytecode, devices, options)
     write_error = None
@@ -276,7 +276,7 @@ def compile_program(
             f"cannot write the compile cache in {cache_dir} ({write_error}); "
             "every load will compile again until it is writable.",
             CacheWarning,
-            stacklevel=4,  # load()'s caller
+            stacklevel=6,  # load()'s caller (through _Compiler.entry and _compile)
         )
     return CompiledProgram(
         program, exe, donate, CacheEvent(CacheOutcome.MISS, why, cache_file, write_error)

@@ -25,6 +25,7 @@ from __future__ import annotations
 from stepbundle.stablehlo.artifact import ALLOWED_CUSTOM_CALLS
 
 from .checkpoint import CheckpointFormatError, OtherBundleError
+from .compile_cache import CacheEvent, CacheOutcome, CacheWarning
 from .dataset_writer import write_dataset
 from .distributed import set_cpu_devices
 from .errors import BindingError, CheckpointError, DeviceError, NonFiniteLossError, PlatformError
@@ -40,7 +41,6 @@ from .load import load
 from .load_info import LoadInfo
 from .metrics import to_floats
 from .options import CompileOptions, LoadOptions, ParallelOptions, SafetyOptions, StateOptions
-from .program import CacheEvent, CacheOutcome, CacheWarning
 from .trainer import Trainer
 
 __all__ = [

@@ -22,6 +22,7 @@ from stepbundle.schema.manifest import ConstantInput, Manifest, MetricOutput, Pr
 from stepbundle.schema.version import MATMUL_PRECISION_SINCE
 
 from . import _compat, packing, remote
+from .compile_cache import CompileCache, default_cache_dir
 from .devices import client_for, parse_device, select_devices
 from .dtypes import array_from_section
 from .errors import BindingError, PlatformError
@@ -31,7 +32,7 @@ from .init_state import place_state, plan_initial_state
 from .load_info import LoadInfo
 from .options import LegacyLoadKeywords, LoadOptions
 from .plan import CompiledPlan, Plan, RefusedPlan, batch_text, build_plan, refused_plan
-from .program import CompiledProgram, compile_program, default_cache_dir
+from .program import CompiledProgram, compile_program
 from .sharding import Placement, zero1_split
 from .store import is_digest, resolve_bundle
 from .trainer import Trainer
@@ -105,10 +106,11 @@ def load(
             client=client,
             placement=placement,
             layout=layout,
-            cache_dir=_cache_folder(opts.compile.cache_dir),
+            cache=CompileCache(
+                _cache_folder(opts.compile.cache_dir), writer=placement.writes_files
+            ),
             matmul_precision=info.matmul_precision,
             donate=not opts.safety.stop_on_nonfinite,
-            info=info,
         )
         compiled: dict[str, list[CompiledProgram | RefusedPlan]] = {}
         stacked: dict[int, CompiledProgram] = {}  # the train programs behind a loop of K steps
@@ -116,6 +118,9 @@ def load(
             compiled[name] = compiler.entry(
                 bundle, name, k if name == stacked_entry else 1, stacked
             )
+        compiler.cache.warn(stacklevel=2)  # load()'s caller
+        info.cache = compiler.cache.events
+        info.cache_hits, info.compiled = compiler.cache.hits, compiler.cache.compiled
         info.seconds["compile"] = time.perf_counter() - t1
 
         t2 = time.perf_counter()
@@ -285,16 +290,15 @@ def _layout_and_placement(
 
 @dataclass(frozen=True)
 class _Compiler:
-    """Compiles the programs of a load with the same client, placement, layout and cache,
-    counting each program's cache outcome in ``info``."""
+    """Compiles the programs of a load with the same client, placement, layout and cache
+    (whose ``events`` say what it did for each)."""
 
     client: Any
     placement: Placement
     layout: packing.Layout
-    cache_dir: Path | str | None
+    cache: CompileCache
     matmul_precision: str | None
     donate: bool  # False under stop_on_nonfinite: a refused step keeps the old state
-    info: LoadInfo
 
     def entry(
         self, bundle: codec.Bundle, name: str, k: int, stacked: dict[int, CompiledProgram]
@@ -321,22 +325,19 @@ class _Compiler:
         self, section: Any, program: Program, name: str, i: int, updates_state: bool, k: int = 1
     ) -> CompiledProgram:
         """Compile bucket ``i`` of entry ``name`` (behind a loop of ``k`` steps for k > 1)."""
-        cp = compile_program(
+        return compile_program(
             self.client,
             self.placement,
             section,
             program,
             where=f"entries.{name}.programs[{i}]",
+            label=f"{name}[{i}]" + (f"x{k}" if k > 1 else ""),
             donate=updates_state and self.donate,
-            cache_dir=self.cache_dir,
+            cache=self.cache,
             layout=self.layout,
             matmul_precision=self.matmul_precision,
             steps_per_call=k,
         )
-        self.info.cache_hits += int(cp.cache_hit)
-        self.info.compiled += int(not cp.cache_hit)
-        self.info.cache[f"{name}[{i}]" + (f"x{k}" if k > 1 else "")] = cp.cache
-        return cp
 
 
 def _place_constants(

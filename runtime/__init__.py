@@ -7,14 +7,19 @@ loads back. Also here: ``to_floats`` (a step's metrics as numbers), ``write_data
 before jax starts) and ``ALLOWED_CUSTOM_CALLS`` (the native calls a program may make).
 
 Modules: ``load.py`` (opening, compiling, placing) with ``options.py`` (what it is asked
-to do) and ``devices.py`` (which devices), ``trainer.py`` (the hot path),
-``checkpointing.py`` (state access and checkpoint orchestration), ``load_info.py``, ``plan.py`` (compiled and refused shape buckets),
-``init_state.py`` (where the initial state comes from, and placing it) with ``init_source.py``
-(the checkpoint files it is read from) and ``tensor_file.py`` (mapped safetensors),
-``hyper.py`` (hyperparameters and schedules), ``batches.py`` (batch refusals, data
-files), ``state.py`` (named state <-> device buffers), ``checkpoint.py`` (the checkpoint
-file format), ``dtypes.py`` (the dtype table), ``fallback.py`` (slower paths taken, and why),
-``store.py`` (bundles fetched from URLs, kept by digest), ``remote.py`` (URLs, via fsspec).
+to do) and ``devices.py`` (which devices); ``program.py`` (one program: ``validate.py``
+checks it, ``rewrites.py`` rewrites it, ``compile_cache.py`` compiles it or finds it);
+``trainer.py`` (the public trainer) composed of ``state_store.py`` (the state buffers),
+``progress.py`` (steps, seed, data position), ``hyper.py`` (hyperparameters and
+schedules), ``batches.py`` (shape buckets, batch refusals, data files), ``dispatch.py``
+(the hot path), ``calls.py`` (K steps per call), ``runs.py`` (``run``'s loop) and
+``checkpointing.py`` (checkpoint orchestration); ``load_info.py``, ``plan.py`` (compiled
+and refused shape buckets), ``init_state.py`` (where the initial state comes from, and
+placing it) with ``init_source.py`` (the checkpoint files it is read from) and
+``tensor_file.py`` (mapped safetensors), ``state.py`` (named state <-> device buffers),
+``checkpoint.py`` (the checkpoint file format), ``dtypes.py`` (the dtype table),
+``fallback.py`` (slower paths taken, and why), ``store.py`` (bundles fetched from URLs,
+kept by digest), ``remote.py`` (URLs, via fsspec).
 
 Imports: numpy, jax/jaxlib, msgpack (through stepbundle.schema), fsspec (for URLs).
 Never torch.

@@ -144,7 +144,7 @@ def load(
             source.close()
     info.dispatch = _dispatch_paths(plans, stacked_plans, k)
     info.seconds["total"] = time.perf_counter() - t0
-    trainer = Trainer(
+    return Trainer(
         manifest=manifest,
         digest=digest,
         placement=placement,
@@ -158,13 +158,13 @@ def load(
         load_info=info,
         steps_per_call=k if stacked_entry is not None else 1,
         stacked_plans=stacked_plans,
-    )
-    if compile_only:
-        trainer._broken = (
+        refusal=(
             "This trainer was loaded with compile_only=True: it compiled the programs and "
             "holds no state. Load the bundle again without compile_only to run it."
         )
-    return trainer
+        if compile_only
+        else None,
+    )
 
 
 def _plans(

@@ -28,7 +28,7 @@ from .dtypes import array_from_section
 from .errors import BindingError, PlatformError
 from .fallback import PathChoice
 from .init_source import InitSource, open_source
-from .init_state import place_state, plan_initial_state
+from .init_state import InitPlan, place_state, plan_initial_state
 from .load_info import LoadInfo
 from .options import LegacyLoadKeywords, LoadOptions
 from .plan import CompiledPlan, Plan, RefusedPlan, batch_text, build_plan, refused_plan
@@ -82,14 +82,7 @@ def load(
         # Where the initial state comes from: checked before anything is compiled.
         init_from = opts.state.init_from
         source = open_source(init_from) if init_from is not None else None
-        init_plan = (
-            None
-            if compile_only
-            else plan_initial_state(manifest, source, strict=opts.state.init_strict)
-        )
-        if init_plan is not None:
-            info.state_origins = {name: o.value for name, o in init_plan.origins.items()}
-            info.ignored_tensors = init_plan.unexpected
+        init_plan = None if compile_only else _plan_state(manifest, source, opts, info)
         info.seconds["open"] = time.perf_counter() - t0
         client = client_for(platform)
         run_devices = select_devices(client, device, opts.parallel.devices)
@@ -102,13 +95,12 @@ def load(
         layout, placement = _layout_and_placement(manifest, opts, run_devices)
 
         t1 = time.perf_counter()
+        cache = CompileCache(_cache_folder(opts.compile.cache_dir), writer=placement.writes_files)
         compiler = _Compiler(
             client=client,
             placement=placement,
             layout=layout,
-            cache=CompileCache(
-                _cache_folder(opts.compile.cache_dir), writer=placement.writes_files
-            ),
+            cache=cache,
             matmul_precision=info.matmul_precision,
             donate=not opts.safety.stop_on_nonfinite,
         )
@@ -118,9 +110,8 @@ def load(
             compiled[name] = compiler.entry(
                 bundle, name, k if name == stacked_entry else 1, stacked
             )
-        compiler.cache.warn(stacklevel=2)  # load()'s caller
-        info.cache = compiler.cache.events
-        info.cache_hits, info.compiled = compiler.cache.hits, compiler.cache.compiled
+        cache.warn(stacklevel=2)  # load()'s caller
+        info.cache, info.cache_hits, info.compiled = cache.events, cache.hits, cache.compiled
         info.seconds["compile"] = time.perf_counter() - t1
 
         t2 = time.perf_counter()
@@ -144,6 +135,10 @@ def load(
             source.close()
     info.dispatch = _dispatch_paths(plans, stacked_plans, k)
     info.seconds["total"] = time.perf_counter() - t0
+    refusal = (
+        "This trainer was loaded with compile_only=True: it compiled the programs and "
+        "holds no state. Load the bundle again without compile_only to run it."
+    )
     return Trainer(
         manifest=manifest,
         digest=digest,
@@ -158,12 +153,7 @@ def load(
         load_info=info,
         steps_per_call=k if stacked_entry is not None else 1,
         stacked_plans=stacked_plans,
-        refusal=(
-            "This trainer was loaded with compile_only=True: it compiled the programs and "
-            "holds no state. Load the bundle again without compile_only to run it."
-        )
-        if compile_only
-        else None,
+        refusal=refusal if compile_only else None,
     )
 
 
@@ -206,6 +196,17 @@ def _dispatch_paths(
     for i, stacked_plan in stacked_plans.items():
         paths[f"train[{i}]x{k}"] = stacked_plan.dispatch.path
     return paths
+
+
+def _plan_state(
+    manifest: Manifest, source: InitSource | None, opts: LoadOptions, info: LoadInfo
+) -> InitPlan:
+    """Where each state entry's initial value comes from (checked before anything is
+    compiled), recorded in ``info``."""
+    plan = plan_initial_state(manifest, source, strict=opts.state.init_strict)
+    info.state_origins = {name: o.value for name, o in plan.origins.items()}
+    info.ignored_tensors = plan.unexpected
+    return plan
 
 
 def _resolve_options(options: LoadOptions | None, keywords: LegacyLoadKeywords) -> LoadOptions:

@@ -130,10 +130,10 @@ def rss(
     # stop_on_nonfinite compiles the step without donation; its per-step loss check is
     # switched off again below, so the two variants differ in donation only.
     trainer = sb_load(bundle, cache_dir=cache_dir, stop_on_nonfinite=not donate)
-    trainer._stop_on_nonfinite = False
+    trainer._dispatcher.stop_on_nonfinite = False
     load_s = time.perf_counter() - t0
     stages = dict(trainer.load_info.seconds)
-    state_bytes = sum(int(a.nbytes) for a in trainer._state)
+    state_bytes = sum(int(a.nbytes) for a in trainer._store.buffers)
     peak_load = _status_kb("VmHWM")
     after_load = _status_kb("VmRSS")
     file_after_load = _status_kb("RssFile")

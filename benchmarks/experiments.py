@@ -48,7 +48,7 @@ def exported_program(trainer: Any, artifact: bytes) -> Any:
 
     from stepbundle.runtime.dtypes import to_numpy
 
-    prog = trainer._plans["train"][0].compiled.program
+    prog = trainer._router.plans["train"][0].compiled.program
     with _x64():
         in_avals = tuple(
             core.ShapedArray(i.spec.shape, to_numpy(i.spec.dtype)) for i in prog.inputs
@@ -135,7 +135,7 @@ class FloorJit(Floor):
             dt = time.perf_counter() - t0
         self.i = i
         for pos, si in plan.state_slots:
-            self.trainer._state[si] = args[pos]
+            self.trainer._store.buffers[si] = args[pos]
         return dt
 
 
@@ -307,7 +307,7 @@ def make(
     """The diagnostic methods for one loaded trainer, and facts about their programs."""
     import stepbundle.schema as codec
 
-    prog = trainer._plans["train"][0].compiled.program
+    prog = trainer._router.plans["train"][0].compiled.program
     with codec.open_bundle(bundle_path) as b:
         artifact = bytes(b.section(prog.section))
     exported = exported_program(trainer, artifact)
@@ -324,7 +324,7 @@ def make(
         "packed_outputs": packed.n_buffers_out,
         "compile_s": {"floor_jit": t1 - t0, "packed": t2 - t1},
         "hlo": {
-            "runtime": hlo_counts(trainer._plans["train"][0].executable),
+            "runtime": hlo_counts(trainer._router.plans["train"][0].executable),
             "jit": hlo_counts(fj.compiled.runtime_executable()),
             "packed": hlo_counts(packed.exe),
         },

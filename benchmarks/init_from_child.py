@@ -57,7 +57,7 @@ def main(argv: list[str]) -> int:
     trainer = load(bundle, cache_dir=cache, init_from=init_from)
     load_s = time.perf_counter() - t0
     after = _memory()
-    state_bytes = sum(int(a.nbytes) for a in trainer._state)
+    state_bytes = sum(int(a.nbytes) for a in trainer._store.buffers)
     loss = np.asarray(trainer.step(batch)["loss"])
     print(
         json.dumps(

@@ -329,7 +329,7 @@ class Floor(Method):
         from stepbundle.runtime import _compat
 
         self.trainer = trainer
-        plan = trainer._plans["train"][0]
+        plan = trainer._router.plans["train"][0]
         self.plan = plan
         self.exe = plan.dispatch
         dev = trainer.device
@@ -345,14 +345,14 @@ class Floor(Method):
         self.feed = [(o, pos_of_state[si]) for o, si in plan.update_slots if si in pos_of_state]
         self.feed_outputs = {o for o, _ in self.feed}
         self.loss_slot = plan.loss_slot
-        self.hyper = [(pos, trainer._hyper_buf(n)) for pos, n in plan.hyper_slots]
+        self.hyper = [(pos, trainer._hp.buffer(n)) for pos, n in plan.hyper_slots]
         self.i = 0
 
     def _args(self, b: dict[str, Any]) -> list[Any]:
         plan = self.plan
         args = plan.template.copy()
         for pos, si in plan.state_slots:
-            args[pos] = self.trainer._state[si]
+            args[pos] = self.trainer._store.buffers[si]
         for pos, n in plan.batch_slots:
             args[pos] = b[n]
         if plan.seed_slot is not None:
@@ -378,7 +378,7 @@ class Floor(Method):
         float(np.asarray(outs[self.loss_slot]))
         dt = time.perf_counter() - t0
         self.i = i
-        st = self.trainer._state
+        st = self.trainer._store.buffers
         for pos, si in plan.state_slots:
             st[si] = args[pos]
         return dt

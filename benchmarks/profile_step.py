@@ -94,8 +94,8 @@ def breakdown(path: str, reps: int = 2000) -> None:
     trainer = load(path, cache_dir=False)
     batch = _batch(path)
     _loop(trainer, batch, 1.0)
-    plan = trainer._plans["train"][0]
-    _, dev = trainer._pick("train", batch)
+    plan = trainer._router.plans["train"][0]
+    _, dev = trainer._dispatcher.pick("train", batch)
 
     def us(fn: Any, n: int = reps) -> float:
         fn()
@@ -107,7 +107,7 @@ def breakdown(path: str, reps: int = 2000) -> None:
             runs.append((time.perf_counter() - t0) / n * 1e6)
         return statistics.median(runs)
 
-    state = list(trainer._state)
+    state = list(trainer._store.buffers)
     outs = list(range(max(o for o, _ in plan.update_slots) + 1))
 
     def update() -> None:
@@ -121,11 +121,14 @@ def breakdown(path: str, reps: int = 2000) -> None:
         float(trainer.step(batch)["loss"])
 
     rows = [
-        ("_pick, host (numpy) batch: checks + transfer", us(lambda: trainer._pick("train", batch))),
-        ("_pick, batch already on the device", us(lambda: trainer._pick("train", dev))),
+        (
+            "_pick, host (numpy) batch: checks + transfer",
+            us(lambda: trainer._dispatcher.pick("train", batch)),
+        ),
+        ("_pick, batch already on the device", us(lambda: trainer._dispatcher.pick("train", dev))),
         (
             f"_args ({len(plan.state_slots)} state slots)",
-            us(lambda: trainer._args(plan, dev, trainer._seed)),
+            us(lambda: trainer._dispatcher.args(plan, dev, trainer.seed)),
         ),
         (f"state update loop ({len(plan.update_slots)} outputs)", us(update)),
         ("metrics dict", us(metrics)),

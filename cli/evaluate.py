@@ -15,13 +15,13 @@ __all__ = ["cmd_eval"]
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from stepbundle.runtime import load
+    from stepbundle.runtime import CompileOptions, LoadOptions, load
     from stepbundle.runtime.file_kinds import NotARegularFileError
     from stepbundle.runtime.metrics import json_safe
     from stepbundle.schema.errors import BundleError
 
     from .data import DATA_ERRORS, eval_batches, is_dataset, read_npz
-    from .init_from import init_kwargs
+    from .init_from import state_options
     from .paths import check_path_kinds
 
     try:
@@ -37,13 +37,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
     except (*DATA_ERRORS, BundleError) as e:
         return _die(f"cannot read --data {args.data!r}: {e}", 2)
     try:
-        trainer = load(
-            args.bundle,
-            device=args.device,
-            entry=args.entry,
+        compiling = CompileOptions(
+            entries=(args.entry,),
             cache_dir=False if args.no_cache else (args.cache_dir or True),
-            **init_kwargs(args),
         )
+        options = LoadOptions(compile=compiling, state=state_options(args))
+        trainer = load(args.bundle, args.device, options=options)
         if args.resume:
             trainer.load_checkpoint(args.resume, allow_other_bundle=args.allow_other_bundle)
         batches, mask = eval_batches(args.data, trainer, args.entry, args.eval_batch_size)

@@ -17,7 +17,7 @@ from typing import Any
 
 from . import args as types
 
-__all__ = ["add_init_options", "init_kwargs", "report_origins"]
+__all__ = ["add_init_options", "report_origins", "state_options"]
 
 
 def add_init_options(p: Any) -> None:
@@ -50,8 +50,11 @@ def _has_no_weights(bundle: str, expect_digest: str | None) -> bool:
     return any(kinds[s.section] is SectionKind.EXTERNAL for s in manifest.state)
 
 
-def init_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """``load``'s initial-state arguments for this command line."""
+def state_options(args: argparse.Namespace) -> Any:
+    """``load``'s ``StateOptions`` for this command line: the initial state's source, and
+    ``--pack-state`` where the command has it."""
+    from stepbundle.runtime import StateOptions
+
     init_from = args.init_from
     if (
         init_from is None
@@ -59,7 +62,11 @@ def init_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         and _has_no_weights(args.bundle, getattr(args, "expect_digest", None))
     ):
         init_from = args.resume
-    return {"init_from": init_from, "init_strict": args.init_strict}
+    return StateOptions(
+        init_from=init_from,
+        init_strict=args.init_strict,
+        pack_state=getattr(args, "pack_state", True),
+    )
 
 
 def report_origins(trainer: Any, args: argparse.Namespace) -> None:

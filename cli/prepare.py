@@ -105,8 +105,15 @@ def add_compile(sub: Any, add_device_options: Callable[[Any], None]) -> None:
 
 
 def cmd_compile(args: argparse.Namespace) -> int:
-    from stepbundle.runtime import load
-    from stepbundle.runtime.program import CacheOutcome
+    from stepbundle.runtime import (
+        CacheOutcome,
+        CompileOptions,
+        LoadOptions,
+        ParallelOptions,
+        SafetyOptions,
+        StateOptions,
+        load,
+    )
     from stepbundle.schema.errors import BundleError
 
     from .run import _join_job
@@ -121,19 +128,22 @@ def cmd_compile(args: argparse.Namespace) -> int:
         return die(str(e), 1)
     t0 = time.perf_counter()
     try:
-        trainer = load(
-            args.bundle,
-            device=args.device,
-            entry=args.entry,
-            cache_dir=args.cache_dir or True,
-            expect_digest=args.expect_digest,
-            stop_on_nonfinite=args.stop_on_nonfinite,
-            devices=args.devices,
-            pack_state=args.pack_state,
-            shard_optimizer_state=args.shard_optimizer_state,
-            compile_only=True,
-            steps_per_call=args.steps_per_call,
+        options = LoadOptions(
+            compile=CompileOptions(
+                entries=args.entry,
+                cache_dir=args.cache_dir or True,
+                steps_per_call=args.steps_per_call,
+                compile_only=True,
+            ),
+            state=StateOptions(pack_state=args.pack_state),
+            safety=SafetyOptions(
+                expect_digest=args.expect_digest, stop_on_nonfinite=args.stop_on_nonfinite
+            ),
+            parallel=ParallelOptions(
+                devices=args.devices, shard_optimizer_state=args.shard_optimizer_state
+            ),
         )
+        trainer = load(args.bundle, args.device, options=options)
     except (BundleError, ValueError) as e:
         return die(str(e), 1)
     except OSError as e:  # a local bundle that is missing or cannot be read

@@ -202,28 +202,38 @@ def _load_and_run(args: argparse.Namespace, joined: bool, fail: Callable[[str, i
 
 def _open_trainer(args: argparse.Namespace) -> Any:
     """Load the bundle, then restore ``--resume`` and apply ``--seed``, schedules and ``--set``."""
-    from stepbundle.runtime import load
+    from stepbundle.runtime import (
+        CompileOptions,
+        LoadOptions,
+        ParallelOptions,
+        SafetyOptions,
+        load,
+    )
     from stepbundle.runtime.schedule import parse_schedule
 
-    from .init_from import init_kwargs
+    from .init_from import state_options
 
-    trainer = load(
-        args.bundle,
-        device=args.device,
-        # An evaluation run compiles only its entry (the training buckets need not
-        # split over the devices then).
-        entry=None if args.entry == "train" else args.entry,
-        cache_dir=False if args.no_cache else (args.cache_dir or True),
-        expect_digest=args.expect_digest,
-        stop_on_nonfinite=args.stop_on_nonfinite,
-        check_state=args.check_state,
-        devices=args.devices,
-        pack_state=args.pack_state,
-        shard_optimizer_state=args.shard_optimizer_state,
-        steps_per_call=args.steps_per_call if args.entry == "train" else 1,
-        matmul_precision=args.matmul_precision,
-        **init_kwargs(args),
+    train = args.entry == "train"
+    options = LoadOptions(
+        compile=CompileOptions(
+            # An evaluation run compiles only its entry (the training buckets need not
+            # split over the devices then).
+            entries=None if train else (args.entry,),
+            cache_dir=False if args.no_cache else (args.cache_dir or True),
+            steps_per_call=args.steps_per_call if train else 1,
+            matmul_precision=args.matmul_precision,
+        ),
+        state=state_options(args),
+        safety=SafetyOptions(
+            expect_digest=args.expect_digest,
+            stop_on_nonfinite=args.stop_on_nonfinite,
+            check_state=args.check_state,
+        ),
+        parallel=ParallelOptions(
+            devices=args.devices, shard_optimizer_state=args.shard_optimizer_state
+        ),
     )
+    trainer = load(args.bundle, args.device, options=options)
     if args.resume:
         trainer.load_checkpoint(args.resume, allow_other_bundle=args.allow_other_bundle)
     if args.seed is not None:

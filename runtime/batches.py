@@ -1,7 +1,7 @@
 """Batches: what is wrong with a batch no shape bucket takes, and data files as batches.
 
-``BatchChecks`` is the trainer's part that picks a batch's shape bucket and moves the
-batch to the device (``Trainer`` sets its attributes). ``mismatch_message`` explains, in
+``BatchRouter`` is the trainer's part that holds every entry's plans (its shape
+buckets), picks a batch's bucket and moves the batch to the device. ``mismatch_message`` explains, in
 whole sentences, why a batch matches none of an entry's shape buckets (called only once
 a batch was refused, never on the hot path). ``iter_batches`` splits an npz-style dict
 of stacked arrays into batches.
@@ -22,26 +22,33 @@ from .errors import BindingError
 from .plan import CompiledPlan, Plan, RefusedPlan
 from .sharding import Placement
 
-__all__ = ["BatchChecks", "iter_batches", "mismatch_message"]
+__all__ = ["BatchRouter", "iter_batches", "mismatch_message"]
 
 
-class BatchChecks:
-    """Choosing a batch's shape bucket and placing the batch, for ``Trainer``."""
+class BatchRouter:
+    """Every entry's shape buckets; choosing a batch's bucket and placing the batch.
 
-    placement: Placement
-    _plans: Mapping[str, list[Plan]]
-    _broken: str | None
+    Attributes:
+      plans: each entry's plans, one per shape bucket (compiled, or refused on this
+        placement).
+      placement: where batches go.
+    """
 
-    def _plans_for(self, entry: str) -> list[Plan]:
-        plans = self._plans.get(entry)
+    def __init__(self, plans: Mapping[str, list[Plan]], placement: Placement) -> None:
+        self.plans = plans
+        self.placement = placement
+
+    def plans_for(self, entry: str) -> list[Plan]:
+        """The plans of ``entry``, or a ``BindingError`` naming the entries there are."""
+        plans = self.plans.get(entry)
         if plans is None:
             raise BindingError(
-                f"The bundle has no {entry!r} entry (it has: {', '.join(self._plans)}). "
+                f"The bundle has no {entry!r} entry (it has: {', '.join(self.plans)}). "
                 + ("Export it with Recipe(eval_step=...)." if entry == "eval" else "")
             )
         return plans
 
-    def _pick(
+    def pick(
         self, entry: str, batch: Mapping[str, Any], local: bool = False
     ) -> tuple[CompiledPlan, dict[str, Any]]:
         """Choose the shape bucket for ``batch`` and move the batch to the device.
@@ -50,16 +57,14 @@ class BatchChecks:
         the global batch (a ``Loader`` with ``process_count`` > 1 delivers that).
         Everything that can be wrong with a batch is found here, before dispatch.
         """
-        chosen, arrays = self._match(entry, self._plans_for(entry), batch, local)
-        return chosen, self._transfer(chosen, arrays, local)
+        chosen, arrays = self.match(entry, self.plans_for(entry), batch, local)
+        return chosen, self.transfer(chosen, arrays, local)
 
-    def _match(
+    def match(
         self, entry: str, plans: Sequence[Plan], batch: Mapping[str, Any], local: bool = False
     ) -> tuple[CompiledPlan, dict[str, Any]]:
         """The shape bucket of ``plans`` that takes ``batch``, and its arrays (on the host
         or where they were): everything that can be wrong with a batch is found here."""
-        if self._broken is not None:
-            raise BindingError(self._broken)
         if not isinstance(batch, Mapping):
             raise BindingError(
                 f"A batch must be a dict of name -> array, got {type(batch).__name__}."
@@ -96,7 +101,7 @@ class BatchChecks:
             raise BindingError(chosen.refusal)
         return chosen, arrays
 
-    def _transfer(
+    def transfer(
         self, chosen: CompiledPlan, arrays: Mapping[str, Any], local: bool = False
     ) -> dict[str, Any]:
         """Move a matched batch to the device (this process's rows, with ``local``)."""
@@ -106,10 +111,10 @@ class BatchChecks:
                 dev[k] = self.placement.put_local_batch(np.asarray(arrays[k]))
             return dev
         for k in chosen.batch_sig:
-            dev[k] = self._to_device(arrays[k])
+            dev[k] = self.to_device(arrays[k])
         return dev
 
-    def _to_device(self, a: Any) -> Any:
+    def to_device(self, a: Any) -> Any:
         if isinstance(a, np.ndarray):
             return self.placement.put_batch(a)
         # A device array: use it where it is when it already has the sharding needed.

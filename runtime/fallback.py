@@ -5,7 +5,7 @@ shows it works, and dispatches through precomputed result handlers when jaxlib o
 them (both in ``_compat.py``). When either is missing it falls back to jax's public,
 slower path, and a compile-cache entry that cannot be read or written falls back to
 compiling. None of these fallbacks is silent: each is recorded as a ``PathChoice`` (or a
-``program.CacheEvent``) in the trainer's ``load_info``, and warns once per process with a
+``compile_cache.CacheEvent``) in the trainer's ``load_info``, and warns once per process with a
 ``StepbundleFallbackWarning``.
 
 Imports: standard library only.

@@ -1,12 +1,13 @@
 """Hyperparameters: the named scalars a trainer feeds its programs, and their schedules.
 
-``Hyperparameters`` holds each hyperparameter's current value, its device copy (made
-when a step first needs it, dropped when the value changes) and the schedules that set
-values before every training step. A short name reaches every optimizer group: ``lr``
+``Hyperparameters`` (the trainer's hyperparameter table) holds each hyperparameter's
+current value, its device copy (made when a step first needs it, dropped when the value
+changes), the schedules that set values before every training step, and the names a
+restored checkpoint left waiting for a Python schedule. A short name reaches every optimizer group: ``lr``
 means each ``param_groups.<i>.lr``, ``betas.0`` (Adam's beta1) each ``param_groups.<i>.betas.0``.
 
-The trainer's hot path reads ``values``, ``buffers`` and ``schedules`` directly (the
-same dict objects), so a step costs no more than it did with them on the trainer.
+The trainer's hot path calls ``apply_schedules`` only when ``schedules`` is not empty,
+and ``buffer`` per hyperparameter argument.
 
 Imports: numpy, stepbundle.schema.
 """
@@ -38,6 +39,9 @@ class Hyperparameters:
       values: the current value of every hyperparameter, by full name.
       buffers: device copies of values, by name; missing means "make it on next use".
       schedules: the schedule of each scheduled hyperparameter, by full name.
+      specs: the spec each schedule was made from, or None for a Python function.
+      pending: names a restored checkpoint had under a Python schedule, which it cannot
+        store: steps are refused until the caller sets (or removes) their schedule.
     """
 
     def __init__(
@@ -52,6 +56,7 @@ class Hyperparameters:
         # The spec each schedule was made from (``warmup_cosine:...``), or None for a
         # Python function: specs go into checkpoints, so a resume continues them.
         self.specs: dict[str, str | None] = {}
+        self.pending: set[str] = set()
         self._dtypes = {h.name: to_numpy(h.spec.dtype) for h in manifest.hyperparameters}
         self._put_scalar = put_scalar
         self._zero_lr_refused = _has_capturable_adam(manifest)
@@ -149,6 +154,37 @@ class Hyperparameters:
             else:
                 self.schedules[n] = schedule
                 self.specs[n] = spec
+
+    def forget_pending(self, name: str) -> None:
+        """The caller set ``name``'s schedule again (or removed it): nothing waits for it."""
+        self.pending.difference_update(self.resolve(name))
+
+    def check_pending(self) -> None:
+        """Refuse to step while a restored Python schedule has not been set again."""
+        if self.pending:
+            names = ", ".join(sorted(self.pending))
+            raise BindingError(
+                f"The checkpoint was saved while {names} followed a Python schedule, which "
+                "checkpoints cannot store. Call set_schedule(name, fn) again before "
+                "stepping (or set_schedule(name, None) to keep the checkpoint's value)."
+            )
+
+    def apply_schedules(self, step: int) -> None:
+        """Set every scheduled value for the step after ``step`` steps, each checked before
+        it is set (the step is then not dispatched: nothing was donated)."""
+        for name, fn in self.schedules.items():
+            v = float(fn(step))
+            if self.values[name] != v:
+                self.check(name, v, source=f"the schedule of {name!r} at step {step}")
+                self.values[name] = v
+                self.buffers.pop(name, None)
+
+    def settle(self, rows: Mapping[str, tuple[float, ...]]) -> None:
+        """After a K-step call of ``rows``: each value is the one its last step received."""
+        for name, row in rows.items():
+            if self.values[name] != row[-1]:
+                self.values[name] = row[-1]
+                self.buffers.pop(name, None)
 
     def rows(self, step: int, k: int) -> dict[str, tuple[float, ...]]:
         """Every hyperparameter's values for the ``k`` steps from ``step`` (a K-step

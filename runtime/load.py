@@ -1,9 +1,10 @@
-"""``load(path)``: open a bundle, compile its programs, put its state on the device.
+"""``load(path, device, options)``: open a bundle, compile its programs, put its state on the device.
 
 Loading validates the bundle (``stepbundle.schema``), checks each section's digest
 before its first use, compiles every program with donation set from the manifest's
 alias table (through a persistent compile cache keyed by jaxlib version and device),
-and copies the initial state and constants to the device once.
+and copies the initial state and constants to the device once. What to do is a
+``LoadOptions`` (``options.py``), checked before anything is opened.
 
 Imports: numpy, jax/jaxlib (through _compat), stepbundle.schema.
 """
@@ -12,112 +13,347 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import stepbundle.schema as codec
-from stepbundle.schema.manifest import ConstantInput, Manifest, MetricOutput
+from stepbundle.schema.manifest import ConstantInput, Manifest, MetricOutput, Program
 from stepbundle.schema.version import MATMUL_PRECISION_SINCE
-from stepbundle.stablehlo.precision import MATMUL_PRECISIONS
 
 from . import _compat, packing, remote
+from .compile_cache import CompileCache, default_cache_dir
+from .devices import client_for, parse_device, select_devices
 from .dtypes import array_from_section
 from .errors import BindingError, PlatformError
+from .fallback import PathChoice
 from .init_source import InitSource, open_source
-from .init_state import place_state, plan_initial_state
+from .init_state import InitPlan, place_state, plan_initial_state
 from .load_info import LoadInfo
+from .options import LegacyLoadKeywords, LoadOptions
 from .plan import CompiledPlan, Plan, RefusedPlan, batch_text, build_plan, refused_plan
-from .program import compile_program, default_cache_dir
+from .program import CompiledProgram, compile_program
 from .sharding import Placement, zero1_split
 from .store import is_digest, resolve_bundle
 from .trainer import Trainer
 
-__all__ = ["load", "parse_device"]
+if TYPE_CHECKING:
+    from typing import Unpack
 
-_PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
+__all__ = ["load"]
 
 
-def parse_device(device: str) -> tuple[str, int]:
-    """``"cuda:1"`` -> ("cuda", 1); ``"cpu"`` -> ("cpu", 0)."""
-    name, _, idx = str(device).partition(":")
-    name = name.strip().lower()
-    if name == "gpu":
-        name = "cuda"
-    if name not in _PLATFORMS:
-        raise PlatformError(
-            f"Unknown device {device!r}. Use one of {', '.join(_PLATFORMS)}, optionally with "
-            "an index (cuda:1)."
-        )
+def load(
+    path: str | os.PathLike[str],
+    device: str = "cpu",
+    options: LoadOptions | None = None,
+    **keywords: Unpack[LegacyLoadKeywords],
+) -> Trainer:
+    """Load a bundle and return a ``Trainer`` that owns its state on ``device``.
+
+    Args:
+      path: the bundle file, a URL (``https://``, ``file://``, and ``gs://``, ``s3://``, ...
+        with their fsspec backend installed), fetched once into the local bundle store
+        (``store.py``), or ``"sha256:<hex>"`` of a bundle in the store.
+      device: platform name, optionally with an index: "cpu", "cuda", "cuda:1", "tpu".
+      options: what to compile, where the state comes from, what to refuse and on how
+        many devices (``LoadOptions``; every field is documented there). None: the
+        defaults (every entry, the default compile cache, the bundle's state, one device).
+      **keywords: compatibility layer (remove after 0.3): ``load``'s former keyword
+        arguments (``entry``, ``cache_dir``, ``expect_digest``, ``stop_on_nonfinite``,
+        ``check_state``, ``devices``, ``pack_state``, ``shard_optimizer_state``,
+        ``init_from``, ``init_strict``, ``compile_only``, ``steps_per_call``,
+        ``matmul_precision``), turned into ``LoadOptions.from_keywords(**keywords)``.
+        Not together with ``options``.
+    """
+    opts = _resolve_options(options, keywords)
+    t0 = time.perf_counter()
+    info = LoadInfo()
+    source: InitSource | None = None  # init_from's files, open while the state is placed
+    platform, _ = parse_device(device)
+    bundle = _open_bundle(path, opts.safety.expect_digest)
+    compile_only = opts.compile.compile_only
     try:
-        index = int(idx) if idx else 0
-    except ValueError:
-        raise PlatformError(f"Bad device index in {device!r}; use for example cuda:0.") from None
-    return name, index
-
-
-def _client(platform: str) -> Any:
-    try:
-        return _compat.get_client(platform)
-    except RuntimeError as e:  # jax: "Unknown backend cuda", "Backend 'tpu' failed to initialize"
-        raise PlatformError(
-            f"No {platform} device is available to jax here ({e}). Install jax's plugin "
-            f"for {platform} (for CUDA: pip install 'jax[cuda12]') or run with --device cpu."
-        ) from None
-
-
-def _select_devices(client: Any, platform: str, device: str, devices: int | str) -> list[Any]:
-    """The devices a run uses: one local device, or the first N devices of the job."""
-    _, index = parse_device(device)
-    local = list(client.local_devices())
-    if isinstance(devices, bool) or not isinstance(devices, (int, str)):
-        raise PlatformError(f"devices must be a whole number or 'all', got {devices!r}.")
-    if devices == 1:
-        if index >= len(local):
-            raise PlatformError(
-                f"Device {platform}:{index} does not exist; this machine has "
-                f"{len(local)} {platform} device(s)."
+        manifest = bundle.manifest
+        wanted = _wanted_entries(manifest, opts)
+        info.matmul_precision = _matmul_precision(bundle, opts.compile.matmul_precision)
+        k = opts.compile.steps_per_call
+        stacked_entry = "train" if k > 1 and "train" in wanted else None
+        # Where the initial state comes from: checked before anything is compiled.
+        init_from = opts.state.init_from
+        source = open_source(init_from) if init_from is not None else None
+        init_plan = None if compile_only else _plan_state(manifest, source, opts, info)
+        info.seconds["open"] = time.perf_counter() - t0
+        client = client_for(platform)
+        run_devices = select_devices(client, device, opts.parallel.devices)
+        if stacked_entry is not None and len({d.process_index for d in run_devices}) > 1:
+            raise BindingError(
+                f"steps_per_call={k} is not supported in a multi-process job yet (each "
+                "process would stack only its own rows of every batch). Run with "
+                "steps_per_call=1 (--steps-per-call 1)."
             )
-        return [local[index]]
-    everywhere = list(client.devices())
-    if isinstance(devices, str):
-        if devices != "all":
-            raise PlatformError(f"devices must be a number or 'all', got {devices!r}.")
-        n = len(everywhere)
-    else:
-        if devices < 1:
-            raise PlatformError(f"devices must be a whole number of at least 1, got {devices!r}.")
-        n = devices
-    if ":" in str(device):
-        raise PlatformError(
-            f"Pick either one device ({device!r}) or a number of devices (devices={devices}), "
-            f"not both: a data-parallel run uses the first N {platform} devices of the job."
+        layout, placement = _layout_and_placement(manifest, opts, run_devices)
+
+        t1 = time.perf_counter()
+        cache = CompileCache(_cache_folder(opts.compile.cache_dir), writer=placement.writes_files)
+        compiler = _Compiler(
+            client=client,
+            placement=placement,
+            layout=layout,
+            cache=cache,
+            matmul_precision=info.matmul_precision,
+            donate=not opts.safety.stop_on_nonfinite,
         )
-    if n > len(everywhere):
-        hint = (
-            " On a CPU, ask for N virtual devices before jax starts: "
-            "stepbundle.runtime.distributed.set_cpu_devices(N), or "
-            "XLA_FLAGS=--xla_force_host_platform_device_count=N. The CLI sets them itself "
-            "for --devices N unless XLA_FLAGS already sets a count."
-            if platform == "cpu"
-            else " For devices on several hosts, start every host's process with "
-            "jax.distributed (the CLI's --coordinator, --num-processes, --process-id)."
+        compiled: dict[str, list[CompiledProgram | RefusedPlan]] = {}
+        stacked: dict[int, CompiledProgram] = {}  # the train programs behind a loop of K steps
+        for name in wanted:
+            compiled[name] = compiler.entry(
+                bundle, name, k if name == stacked_entry else 1, stacked
+            )
+        cache.warn(stacklevel=2)  # load()'s caller
+        info.cache, info.cache_hits, info.compiled = cache.events, cache.hits, cache.compiled
+        info.seconds["compile"] = time.perf_counter() - t1
+
+        t2 = time.perf_counter()
+        if compile_only:
+            state: list[Any] = []
+            constants: dict[str, Any] = {}
+        else:
+            assert init_plan is not None
+            state = place_state(manifest, layout, init_plan, bundle.section, placement.put_state)
+            constants = _place_constants(bundle, wanted, placement)
+        info.seconds["state"] = time.perf_counter() - t2
+        info.transfer = _compat.transfer_path()
+        plans: dict[str, list[Plan]] = {name: [] for name in compiled}
+        stacked_plans: dict[int, CompiledPlan] = {}
+        if not compile_only:
+            plans, stacked_plans = _plans(compiled, stacked, layout, constants, placement)
+        digest = bundle.digest
+    finally:
+        bundle.close()
+        if source is not None:
+            source.close()
+    info.dispatch = _dispatch_paths(plans, stacked_plans, k)
+    info.seconds["total"] = time.perf_counter() - t0
+    refusal = (
+        "This trainer was loaded with compile_only=True: it compiled the programs and "
+        "holds no state. Load the bundle again without compile_only to run it."
+    )
+    return Trainer(
+        manifest=manifest,
+        digest=digest,
+        placement=placement,
+        layout=layout,
+        state=state,
+        plans=plans,
+        hyperparameters={h.name: h.value for h in manifest.hyperparameters},
+        seed=manifest.rng.seed if manifest.rng is not None else None,
+        stop_on_nonfinite=opts.safety.stop_on_nonfinite,
+        check_state=opts.safety.check_state,
+        load_info=info,
+        steps_per_call=k if stacked_entry is not None else 1,
+        stacked_plans=stacked_plans,
+        refusal=refusal if compile_only else None,
+    )
+
+
+def _plans(
+    compiled: dict[str, list[CompiledProgram | RefusedPlan]],
+    stacked: dict[int, CompiledProgram],
+    layout: packing.Layout,
+    constants: dict[str, Any],
+    placement: Placement,
+) -> tuple[dict[str, list[Plan]], dict[int, CompiledPlan]]:
+    """Each compiled program's dispatch plan (refused buckets stay refusals), and the
+    train buckets' K-step plans."""
+    state_index = {name: i for i, name in enumerate(layout.buffer_names)}
+    plans: dict[str, list[Plan]] = {
+        name: [
+            p
+            if isinstance(p, RefusedPlan)
+            else build_plan(name, i, p, state_index, constants, placement)
+            for i, p in enumerate(progs)
+        ]
+        for name, progs in compiled.items()
+    }
+    stacked_plans = {
+        i: build_plan("train", i, kp, state_index, constants, placement)
+        for i, kp in stacked.items()
+    }
+    return plans, stacked_plans
+
+
+def _dispatch_paths(
+    plans: dict[str, list[Plan]], stacked_plans: dict[int, CompiledPlan], k: int
+) -> dict[str, PathChoice]:
+    """How each program's steps are dispatched, by ``"entry[i]"`` (``"train[i]xK"``)."""
+    paths = {
+        f"{name}[{i}]": p.dispatch.path
+        for name, entry_plans in plans.items()
+        for i, p in enumerate(entry_plans)
+        if not isinstance(p, RefusedPlan)
+    }
+    for i, stacked_plan in stacked_plans.items():
+        paths[f"train[{i}]x{k}"] = stacked_plan.dispatch.path
+    return paths
+
+
+def _plan_state(
+    manifest: Manifest, source: InitSource | None, opts: LoadOptions, info: LoadInfo
+) -> InitPlan:
+    """Where each state entry's initial value comes from (checked before anything is
+    compiled), recorded in ``info``."""
+    plan = plan_initial_state(manifest, source, strict=opts.state.init_strict)
+    info.state_origins = {name: o.value for name, o in plan.origins.items()}
+    info.ignored_tensors = plan.unexpected
+    return plan
+
+
+def _resolve_options(options: LoadOptions | None, keywords: LegacyLoadKeywords) -> LoadOptions:
+    """``options``, or the options ``load``'s former keyword arguments stand for."""
+    if not keywords:
+        return options if options is not None else LoadOptions()
+    unknown = sorted(set(keywords) - LegacyLoadKeywords.__optional_keys__)
+    if unknown:
+        raise TypeError(f"load() got an unexpected keyword argument {unknown[0]!r}")
+    if options is not None:
+        raise BindingError(
+            f"load() takes its options either as options=LoadOptions(...) or as keyword "
+            f"arguments, not both (got options and {', '.join(sorted(keywords))}). Put "
+            "every option into the LoadOptions."
         )
-        raise PlatformError(
-            f"A data-parallel run over {n} devices needs {n} {platform} devices, but the "
-            f"job has {len(everywhere)}.{hint}"
+    return LoadOptions.from_keywords(**keywords)
+
+
+def _open_bundle(path: str | os.PathLike[str], expect_digest: str | None) -> codec.Bundle:
+    """The bundle at ``path`` (fetched into the store for a URL), held to ``expect_digest``."""
+    if expect_digest is None and is_digest(path):
+        expect_digest = os.fspath(path)  # a digest names one bundle: hold the file to it
+    bundle = codec.open_bundle(resolve_bundle(path, expect_digest=expect_digest))
+    if expect_digest is not None and bundle.digest != expect_digest:
+        bundle.close()
+        raise BindingError(
+            f"The bundle {os.fspath(path)!r} has digest {bundle.digest}, not the expected "
+            f"{expect_digest}. Refusing to run a different bundle than the one pinned."
         )
-    chosen = everywhere[:n]
-    processes = {d.process_index for d in everywhere}
-    missing = processes - {d.process_index for d in chosen}
-    if missing:
-        # Every process would wait for the left-out ones at the first checkpoint.
-        raise PlatformError(
-            f"The first {n} {platform} devices of the job leave out process(es) "
-            f"{', '.join(map(str, sorted(missing)))}; every process of a multi-process job "
-            "must take part. Use devices='all' or a number that covers every process's "
-            "devices."
+    return bundle
+
+
+def _wanted_entries(manifest: Manifest, opts: LoadOptions) -> list[str]:
+    """The entries to compile, each one the bundle has (and with a loss metric to watch
+    under ``stop_on_nonfinite``)."""
+    entries = opts.compile.entries
+    wanted = list(manifest.entries) if entries is None else list(entries)
+    for name in wanted:
+        if name not in manifest.entries:
+            raise BindingError(
+                f"The bundle has no entry {name!r}; it has {', '.join(manifest.entries)}."
+            )
+    if opts.safety.stop_on_nonfinite:
+        _check_loss_metrics(manifest, wanted)
+    return wanted
+
+
+def _matmul_precision(bundle: codec.Bundle, asked: str | None) -> str | None:
+    """The precision set on every matmul: the one asked for, else the manifest's.
+
+    None: a bundle older than the field, whose programs keep their own settings
+    (torch_xla wrote precision_config into the ops under a non-default precision).
+    """
+    if asked is None and bundle.version >= MATMUL_PRECISION_SINCE:
+        return bundle.manifest.matmul_precision
+    return asked
+
+
+def _cache_folder(cache_dir: str | os.PathLike[str] | bool | None) -> Path | str | None:
+    """The compile cache's folder (a local path, or a URL), or None for no cache."""
+    if cache_dir is True:
+        return default_cache_dir()
+    if cache_dir is False or cache_dir is None:
+        return None
+    return remote.local_path(cache_dir) or os.fspath(cache_dir)
+
+
+def _layout_and_placement(
+    manifest: Manifest, opts: LoadOptions, run_devices: list[Any]
+) -> tuple[packing.Layout, Placement]:
+    """How the state is held (packs, ZeRO-1 split) and where it lives."""
+    pack = opts.state.pack_state
+    limit = packing.DEFAULT_MAX_ELEMENTS if pack is True else int(pack)
+    apart: frozenset[str] = frozenset()
+    if opts.parallel.shard_optimizer_state and len(run_devices) > 1:
+        apart = zero1_split(manifest, packing.unpacked(manifest), len(run_devices))
+    layout = (
+        packing.plan_layout(manifest, limit, apart) if limit > 0 else packing.unpacked(manifest)
+    )
+    return layout, Placement(run_devices, apart)
+
+
+@dataclass(frozen=True)
+class _Compiler:
+    """Compiles the programs of a load with the same client, placement, layout and cache
+    (whose ``events`` say what it did for each)."""
+
+    client: Any
+    placement: Placement
+    layout: packing.Layout
+    cache: CompileCache
+    matmul_precision: str | None
+    donate: bool  # False under stop_on_nonfinite: a refused step keeps the old state
+
+    def entry(
+        self, bundle: codec.Bundle, name: str, k: int, stacked: dict[int, CompiledProgram]
+    ) -> list[CompiledProgram | RefusedPlan]:
+        """Every shape bucket of entry ``name``: compiled, or refused on this placement.
+        With ``k`` > 1, each bucket's K-step program goes into ``stacked`` too."""
+        ent = bundle.manifest.entries[name]
+        progs: list[CompiledProgram | RefusedPlan] = []
+        for i, program in enumerate(ent.programs):
+            why = self.placement.indivisible(program)
+            if why is not None:
+                progs.append(_refusal(name, i, program, why, self.placement, ent.programs))
+                continue
+            section = bundle.section(program.section)
+            progs.append(self._compile(section, program, name, i, ent.updates_state))
+            if k > 1:
+                stacked[i] = self._compile(section, program, name, i, ent.updates_state, k)
+        refused = [p for p in progs if isinstance(p, RefusedPlan)]
+        if refused and len(refused) == len(progs) and ent.updates_state:
+            raise PlatformError(refused[0].refusal)
+        return progs
+
+    def _compile(
+        self, section: Any, program: Program, name: str, i: int, updates_state: bool, k: int = 1
+    ) -> CompiledProgram:
+        """Compile bucket ``i`` of entry ``name`` (behind a loop of ``k`` steps for k > 1)."""
+        return compile_program(
+            self.client,
+            self.placement,
+            section,
+            program,
+            where=f"entries.{name}.programs[{i}]",
+            label=f"{name}[{i}]" + (f"x{k}" if k > 1 else ""),
+            donate=updates_state and self.donate,
+            cache=self.cache,
+            layout=self.layout,
+            matmul_precision=self.matmul_precision,
+            steps_per_call=k,
         )
-    return chosen
+
+
+def _place_constants(
+    bundle: codec.Bundle, wanted: list[str], placement: Placement
+) -> dict[str, Any]:
+    """Every constant input of the wanted entries on the device, once per section."""
+    constants: dict[str, Any] = {}
+    for name in wanted:
+        for program in bundle.manifest.entries[name].programs:
+            for inp in program.inputs:
+                if isinstance(inp, ConstantInput) and inp.section not in constants:
+                    constants[inp.section] = placement.put_replicated(
+                        array_from_section(bundle.section(inp.section), inp.spec)
+                    )
+    return constants
 
 
 def _check_loss_metrics(manifest: Manifest, entries: list[str]) -> None:
@@ -144,282 +380,6 @@ def _check_loss_metrics(manifest: Manifest, entries: list[str]) -> None:
                     f"stop_on_nonfinite watches the metric 'loss', but in {where} it is "
                     f"{loss.spec}, not a single number. Return a scalar loss from the step."
                 )
-
-
-def load(
-    path: str | os.PathLike[str],
-    *,
-    device: str = "cpu",
-    entry: str | list[str] | None = None,
-    cache_dir: str | os.PathLike[str] | bool | None = True,
-    expect_digest: str | None = None,
-    stop_on_nonfinite: bool = False,
-    check_state: bool = False,
-    devices: int | str = 1,
-    pack_state: bool | int = True,
-    shard_optimizer_state: bool = False,
-    init_from: str | os.PathLike[str] | None = None,
-    init_strict: bool = True,
-    compile_only: bool = False,
-    steps_per_call: int = 1,
-    matmul_precision: str | None = None,
-) -> Trainer:
-    """Load a bundle and return a ``Trainer`` that owns its state on ``device``.
-
-    Args:
-      path: the bundle file, a URL (``https://``, ``file://``, and ``gs://``, ``s3://``, ...
-        with their fsspec backend installed), fetched once into the local bundle store
-        (``store.py``), or ``"sha256:<hex>"`` of a bundle in the store.
-      device: platform name, optionally with an index: "cpu", "cuda", "cuda:1", "tpu".
-      entry: entry point(s) to compile; None compiles every entry of the bundle.
-      cache_dir: persistent compilation cache. True (default): ``$STEPBUNDLE_CACHE_DIR``
-        or ``~/.cache/stepbundle``; a path or URL: that folder (shared by every host
-        that can reach it); False or None: no cache.
-      expect_digest: refuse any bundle whose digest ("sha256:...") differs.
-      stop_on_nonfinite: compile without donation, check every step's metrics, and stop
-        (``NonFiniteLossError``) before a step with a NaN or infinite metric replaces
-        the state (costs a sync per step and a second copy of the state).
-      check_state: with ``stop_on_nonfinite``, also check every step's new state on the
-        device (one reduction per step) and stop before NaN or infinite values enter
-        it, even when the metrics look finite.
-      pack_state: keep the small state tensors the training step reads in one device
-        buffer per dtype (see ``packing.py``): True packs tensors of up to 65536
-        elements, an int sets that limit, False keeps one buffer per tensor. The
-        programs compute the same either way; packing removes most of the per-buffer
-        cost of a step with hundreds of state tensors.
-      devices: number of devices to run on, or "all". With N > 1 the run is data
-        parallel over the first N devices of the job (every process's, when
-        ``jax.distributed`` joined several): each step takes the global batch, split
-        on its first dimension, and the state is replicated. The programs are the
-        bundle's own, compiled with XLA's SPMD partitioner; nothing is re-exported.
-        Only shape buckets whose batch splits evenly over N can run.
-      shard_optimizer_state: with N > 1 devices, split optimizer state (tensors whose
-        first dimension is a multiple of N) over the devices instead of replicating
-        it (ZeRO stage 1); each device then holds 1/N of it.
-      init_from: a checkpoint to take the initial state from, in place of the bundle's:
-        a ``.safetensors`` file (PyTorch's, Hugging Face's, or one the runtime wrote), a
-        Hugging Face ``model.safetensors.index.json`` with its shards, or a
-        ``save_pretrained`` folder. Its tensors are matched to the state table by name
-        (or alias), checked for dtype and shape before anything is placed, and copied to
-        the device one at a time. Entries it lacks keep the bundle's value (stored, or
-        by rule: a fresh optimizer's zeros); a bundle exported without state needs it.
-      init_strict: with ``init_from``, refuse a checkpoint that holds tensors the state
-        table does not name, or lacks a parameter (default). False ignores the first
-        and keeps the bundle's value for the second; a missing entry the bundle has no
-        value for, and any dtype or shape mismatch, are refused either way.
-      compile_only: compile every program (filling the compile cache) and place nothing:
-        no state is read or copied to the device, so a bundle without weights needs no
-        ``init_from``. The trainer returned has ``load_info`` and refuses to step
-        (``stepbundle compile`` uses it to pre-warm a shared cache).
-      steps_per_call: K > 1 also compiles each train program behind a loop of K steps
-        (``multistep.py``): ``Trainer.run`` then dispatches K steps per call, and
-        ``Trainer.step_many`` takes a stack of K batches. The results are bit for bit
-        those of K single steps; callbacks see the state at the end of each call (see
-        ``Trainer.run``). The single-step programs are compiled too (for ``step`` and
-        for a run's last steps when they do not fill a call).
-      matmul_precision: "default", "high" or "highest": set on every matmul and
-        convolution of every program before it is compiled (``stablehlo/precision.py``;
-        part of the compile-cache key). On the CPU all three compute the same. None: the
-        precision the manifest records (``"default"`` for bundles before format 1.2).
-    """
-    t0 = time.perf_counter()
-    info = LoadInfo()
-    source: InitSource | None = None  # init_from's files, open while the state is placed
-    platform, index = parse_device(device)
-    if expect_digest is None and is_digest(path):
-        expect_digest = os.fspath(path)  # a digest names one bundle: hold the file to it
-    bundle = codec.open_bundle(resolve_bundle(path, expect_digest=expect_digest))
-    try:
-        if expect_digest is not None and bundle.digest != expect_digest:
-            raise BindingError(
-                f"The bundle {os.fspath(path)!r} has digest {bundle.digest}, not the expected "
-                f"{expect_digest}. Refusing to run a different bundle than the one pinned."
-            )
-        manifest = bundle.manifest
-        wanted = (
-            list(manifest.entries)
-            if entry is None
-            else ([entry] if isinstance(entry, str) else list(entry))
-        )
-        for name in wanted:
-            if name not in manifest.entries:
-                raise BindingError(
-                    f"The bundle has no entry {name!r}; it has {', '.join(manifest.entries)}."
-                )
-        if check_state and not stop_on_nonfinite:
-            raise BindingError(
-                "check_state=True needs stop_on_nonfinite=True: the state can only be kept "
-                "when the programs do not donate it."
-            )
-        if stop_on_nonfinite:
-            _check_loss_metrics(manifest, wanted)
-        if isinstance(steps_per_call, bool) or not isinstance(steps_per_call, int):
-            raise BindingError(
-                f"steps_per_call must be a whole number of at least 1, got {steps_per_call!r}."
-            )
-        if steps_per_call < 1:
-            raise BindingError(
-                f"steps_per_call must be a whole number of at least 1, got {steps_per_call}."
-            )
-        if matmul_precision is not None and matmul_precision not in MATMUL_PRECISIONS:
-            raise BindingError(
-                f"matmul_precision must be one of {', '.join(MATMUL_PRECISIONS)} or None, "
-                f"got {matmul_precision!r}."
-            )
-        if matmul_precision is None and bundle.version >= MATMUL_PRECISION_SINCE:
-            matmul_precision = manifest.matmul_precision
-        # None: a bundle older than the field, whose programs keep their own settings
-        # (torch_xla wrote precision_config into the ops under a non-default precision).
-        info.matmul_precision = matmul_precision
-        stacked_entry = "train" if steps_per_call > 1 and "train" in wanted else None
-        # ---- where the initial state comes from: checked before anything is compiled
-        if compile_only and init_from is not None:
-            raise BindingError("compile_only places no state: drop init_from.")
-        source = open_source(init_from) if init_from is not None else None
-        init_plan = (
-            None if compile_only else plan_initial_state(manifest, source, strict=init_strict)
-        )
-        if init_plan is not None:
-            info.state_origins = {name: o.value for name, o in init_plan.origins.items()}
-            info.ignored_tensors = init_plan.unexpected
-        info.seconds["open"] = time.perf_counter() - t0
-        client = _client(platform)
-        run_devices = _select_devices(client, platform, device, devices)
-        n = len(run_devices)
-        if stacked_entry is not None and len({d.process_index for d in run_devices}) > 1:
-            raise BindingError(
-                f"steps_per_call={steps_per_call} is not supported in a multi-process job "
-                "yet (each process would stack only its own rows of every batch). Run "
-                "with steps_per_call=1 (--steps-per-call 1)."
-            )
-        if cache_dir is True:
-            cache: Path | str | None = default_cache_dir()
-        elif cache_dir is False or cache_dir is None:
-            cache = None
-        else:
-            cache = remote.local_path(cache_dir) or os.fspath(cache_dir)
-
-        # ---- programs
-        t1 = time.perf_counter()
-        limit = packing.DEFAULT_MAX_ELEMENTS if pack_state is True else int(pack_state)
-        apart: frozenset[str] = frozenset()
-        if shard_optimizer_state and n > 1:
-            apart = zero1_split(manifest, packing.unpacked(manifest), n)
-        layout = (
-            packing.plan_layout(manifest, limit, apart) if limit > 0 else packing.unpacked(manifest)
-        )
-        placement = Placement(run_devices, apart)
-        state_index = {name: i for i, name in enumerate(layout.buffer_names)}
-        compiled: dict[str, list[Any]] = {}
-        stacked: list[Any] = []  # the train programs behind a loop of K steps
-        for name in wanted:
-            ent = manifest.entries[name]
-            progs: list[Any] = []
-            for i, program in enumerate(ent.programs):
-                where = f"entries.{name}.programs[{i}]"
-                why = placement.indivisible(program)
-                if why is not None:
-                    progs.append(_refusal(name, i, program, why, placement, ent.programs))
-                    continue
-                compile_kw: dict[str, Any] = {
-                    "where": where,
-                    "donate": ent.updates_state and not stop_on_nonfinite,
-                    "cache_dir": cache,
-                    "layout": layout,
-                    "matmul_precision": matmul_precision,
-                }
-                section = bundle.section(program.section)
-                cp = compile_program(client, placement, section, program, **compile_kw)
-                info.cache_hits += int(cp.cache_hit)
-                info.compiled += int(not cp.cache_hit)
-                info.cache[f"{name}[{i}]"] = cp.cache
-                progs.append(cp)
-                if name == stacked_entry:
-                    kp = compile_program(
-                        client, placement, section, program, **compile_kw,
-                        steps_per_call=steps_per_call,
-                    )  # fmt: skip
-                    info.cache_hits += int(kp.cache_hit)
-                    info.compiled += int(not kp.cache_hit)
-                    info.cache[f"{name}[{i}]x{steps_per_call}"] = kp.cache
-                    stacked.append((i, kp))
-            refused = [p for p in progs if isinstance(p, RefusedPlan)]
-            if refused and len(refused) == len(progs) and ent.updates_state:
-                raise PlatformError(refused[0].refusal)
-            compiled[name] = progs
-        info.seconds["compile"] = time.perf_counter() - t1
-
-        # ---- state and constants on the device
-        t2 = time.perf_counter()
-
-        state = (
-            []
-            if init_plan is None
-            else place_state(manifest, layout, init_plan, bundle.section, placement.put_state)
-        )
-        constants: dict[str, Any] = {}
-        for name in [] if compile_only else wanted:
-            for program in manifest.entries[name].programs:
-                for inp in program.inputs:
-                    if isinstance(inp, ConstantInput) and inp.section not in constants:
-                        constants[inp.section] = placement.put_replicated(
-                            array_from_section(bundle.section(inp.section), inp.spec)
-                        )
-        info.seconds["state"] = time.perf_counter() - t2
-        info.transfer = _compat.transfer_path()
-        plans: dict[str, list[Plan]] = (
-            {
-                name: [
-                    p
-                    if isinstance(p, RefusedPlan)
-                    else build_plan(name, i, p, state_index, constants, placement)
-                    for i, p in enumerate(progs)
-                ]
-                for name, progs in compiled.items()
-            }
-            if not compile_only
-            else {name: [] for name in compiled}
-        )
-        stacked_plans: dict[int, CompiledPlan] = (
-            {i: build_plan("train", i, kp, state_index, constants, placement) for i, kp in stacked}
-            if not compile_only
-            else {}
-        )
-        digest = bundle.digest
-    finally:
-        bundle.close()
-        if source is not None:
-            source.close()
-    info.dispatch = {
-        f"{name}[{i}]": p.dispatch.path
-        for name, entry_plans in plans.items()
-        for i, p in enumerate(entry_plans)
-        if not isinstance(p, RefusedPlan)
-    }
-    for i, stacked_plan in stacked_plans.items():
-        info.dispatch[f"train[{i}]x{steps_per_call}"] = stacked_plan.dispatch.path
-    info.seconds["total"] = time.perf_counter() - t0
-    trainer = Trainer(
-        manifest=manifest,
-        digest=digest,
-        placement=placement,
-        layout=layout,
-        state=state,
-        plans=plans,
-        hyperparameters={h.name: h.value for h in manifest.hyperparameters},
-        seed=manifest.rng.seed if manifest.rng is not None else None,
-        stop_on_nonfinite=stop_on_nonfinite,
-        check_state=check_state,
-        load_info=info,
-        steps_per_call=steps_per_call if stacked_entry is not None else 1,
-        stacked_plans=stacked_plans,
-    )
-    if compile_only:
-        trainer._broken = (
-            "This trainer was loaded with compile_only=True: it compiled the programs and "
-            "holds no state. Load the bundle again without compile_only to run it."
-        )
-    return trainer
 
 
 def _refusal(

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .compile_cache import CacheEvent
 from .fallback import PathChoice
-from .program import CacheEvent
 
 __all__ = ["LoadInfo"]
 

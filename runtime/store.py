@@ -42,8 +42,8 @@ from stepbundle.schema.version import check_major, check_version
 from stepbundle.schema.wire import decode_manifest
 
 from . import remote
+from .compile_cache import default_cache_dir
 from .errors import BindingError
-from .program import default_cache_dir
 
 __all__ = [
     "DigestMismatchError",

@@ -1,48 +1,46 @@
 """The lean trainer: owns the training state on the device and runs a bundle's steps.
 
-The hot path (``Trainer.step``) does only what a step needs: check the batch against
-the plans (before anything is dispatched, so a rejected call donates nothing), move
-the batch to the device, assemble the argument list from the plan's precomputed slots,
-execute asynchronously, and swap the donated state buffers for their updates. Metrics
-come back as device arrays; reading one (``float(m["loss"])``) is what waits for the
-step. State access and checkpoints (which state, which metadata, the agreement of a
-multi-process job) are ``checkpointing.py``'s part of the class, K steps per call
-(``step_many`` and ``run``'s grouped dispatch) ``calls.py``'s; the checkpoint file
-format is ``checkpoint.py``'s.
+``Trainer`` is the public face of a loaded bundle, composed of parts that each own their
+attributes: ``StateStore`` (the state buffers, ``state_store.py``), ``Progress`` (steps
+taken, the seed, the data position, ``progress.py``), ``Hyperparameters`` (values,
+device copies, schedules, ``hyper.py``), ``BatchRouter`` (every entry's shape buckets,
+``batches.py``), ``Dispatcher`` (the hot path: one step or evaluation, ``dispatch.py``),
+``StackedCalls`` (K steps per call, ``calls.py``), ``Runner`` (``run``'s loop,
+``runs.py``) and ``Checkpoints`` (``checkpointing.py``; the file format is
+``checkpoint.py``'s). The trainer's methods delegate to them.
 
 Imports: numpy, jax/jaxlib (through _compat), stepbundle.schema.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+import os
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import numpy as np
 
 from stepbundle.schema.manifest import Manifest
-from stepbundle.schema.rng import TORCH_XLA_MARK_STEP, advance_seed
 
-from . import _compat
-from .calls import StepCalls
-from .checkpointing import StateAndCheckpoints
-from .errors import BindingError, DeviceError
+from .batches import BatchRouter
+from .calls import StackedCalls
+from .checkpointing import Checkpoints
+from .dispatch import Dispatcher
+from .errors import BindingError
 from .evaluation import Evaluation, evaluate_dataset
 from .hyper import Hyperparameters
 from .load_info import LoadInfo
 from .packing import Layout
 from .plan import CompiledPlan, Plan
+from .progress import Progress
+from .runs import Runner
 from .sharding import Placement
-from .watch import check_step
+from .state_store import StateStore
 
 __all__ = ["LoadInfo", "Trainer"]
 
-_END: Any = object()  # what next() returns from an exhausted batch iterator
 
-_U64 = 2**64
-
-
-class Trainer(StateAndCheckpoints, StepCalls):
+class Trainer:
     """Runs a bundle's entries on one device (or, data-parallel, on several).
 
     Build it with ``stepbundle.runtime.load``. State names are PyTorch's: a module's
@@ -65,86 +63,80 @@ class Trainer(StateAndCheckpoints, StepCalls):
         check_state: bool = False,
         steps_per_call: int = 1,
         stacked_plans: Mapping[int, CompiledPlan] | None = None,
+        refusal: str | None = None,
     ) -> None:
+        """``refusal``: why this trainer cannot step at all (``compile_only``), or None."""
         self.manifest = manifest
         self.digest = digest
         self.placement = placement
         self.device = (placement.local_devices or placement.devices)[0]
         self.devices = placement.devices
         self.load_info = load_info
-        self._names = [e.name for e in manifest.state]
-        self._aliases = {e.name: e.aliases for e in manifest.state}
-        # The device buffers, one per entry of the layout: a state tensor held on its
-        # own, or a pack of small ones (see packing.py).
-        self._layout = layout
-        self._state = state
-        self._plans = plans
+        self._store = StateStore(manifest, layout, placement, state)
+        self._store.broken = refusal
+        self._progress = Progress(manifest, seed)
         self._hp = Hyperparameters(manifest, hyperparameters, placement.put_replicated)
-        # The hot path reads these directly: the same objects as self._hp's.
-        self._hyper = self._hp.values
-        self._hyper_bufs = self._hp.buffers
-        self._schedules = self._hp.schedules
-        self._hyper_buf = self._hp.buffer
-        self._seed = seed
-        # The seed advances by the rule the bundle names; an unknown rule fails here,
-        # at load, rather than at the first step.
-        self._seed_rule = manifest.rng.rule if manifest.rng is not None else TORCH_XLA_MARK_STEP
-        # A step that restored torch_xla's RNG state mid-step advances from the seed N
-        # draws on (Rng.step_after_draws).
-        self._seed_draws = manifest.rng.step_after_draws if manifest.rng is not None else 0
-        if seed is not None:
-            advance_seed(self._seed_rule, seed, 0)
-        self._step = 0
-        self._put_scalar = placement.put_replicated
-        self._stop_on_nonfinite = stop_on_nonfinite
-        self._check_state = check_state
-        self._broken: str | None = None
-        self._stop_requested = False
-        self._pending_schedules: set[str] = set()
-        self.data_position: Any = None
-        """Where the data stands for the next step (a loader's ``state()``), or None."""
-        # K steps per call (multistep.py): the train buckets' K-step plans, by bucket.
-        self._k = steps_per_call
-        self._stacked_plans = dict(stacked_plans or {})
+        self._router = BatchRouter(plans, placement)
+        self._dispatcher = Dispatcher(
+            store=self._store,
+            progress=self._progress,
+            hp=self._hp,
+            router=self._router,
+            stop_on_nonfinite=stop_on_nonfinite,
+            check_state=check_state,
+        )
+        self._calls = StackedCalls(self._dispatcher, steps_per_call, stacked_plans or {})
+        self._runner = Runner(self._dispatcher, self._calls, self._progress)
+        self._checkpoints = Checkpoints(
+            manifest=manifest,
+            digest=digest,
+            placement=placement,
+            store=self._store,
+            progress=self._progress,
+            hp=self._hp,
+        )
 
     # ------------------------------------------------------------ properties
     @property
     def entries(self) -> tuple[str, ...]:
-        return tuple(self._plans)
+        return tuple(self._router.plans)
 
     @property
     def step_count(self) -> int:
         """Number of training steps taken (restored from checkpoints)."""
-        return self._step
+        return self._progress.step
 
     @property
     def steps_per_call(self) -> int:
         """Steps ``run`` dispatches per call (``load(steps_per_call=K)``); 1 by default."""
-        return self._k
+        return self._calls.k
 
     @property
     def seed(self) -> int | None:
         """The RNG seed the next training step receives; None when no program uses one."""
-        return self._seed
+        return self._progress.seed
 
     @seed.setter
     def seed(self, value: int) -> None:
-        if self._seed is None:
-            raise BindingError(
-                "This bundle's programs use no random numbers, so it has no seed to set."
-            )
-        if not isinstance(value, int) or not 0 <= value < _U64:
-            raise BindingError(f"The seed must be an integer in [0, 2**64), got {value!r}.")
-        self._seed = value
+        self._progress.set_seed(value)
+
+    @property
+    def data_position(self) -> Any:
+        """Where the data stands for the next step (a loader's ``state()``), or None."""
+        return self._progress.data_position
+
+    @data_position.setter
+    def data_position(self, value: Any) -> None:
+        self._progress.data_position = value
 
     @property
     def hyperparameters(self) -> dict[str, float]:
         """Current hyperparameter values by name."""
-        return dict(self._hyper)
+        return dict(self._hp.values)
 
     @property
     def state_names(self) -> tuple[str, ...]:
-        return tuple(self._names)
+        return self._store.names
 
     def state_bytes_per_device(self) -> dict[str, int]:
         """Bytes of training state resident on each of this process's devices.
@@ -152,7 +144,7 @@ class Trainer(StateAndCheckpoints, StepCalls):
         Replicated state counts in full on every device; with
         ``shard_optimizer_state`` the split optimizer state counts 1/N per device.
         """
-        return self.placement.bytes_per_device(self._state)
+        return self._store.bytes_per_device()
 
     # ------------------------------------------------------- hyperparameters
     def set_hyperparameter(self, name: str, value: float) -> None:
@@ -168,64 +160,14 @@ class Trainer(StateAndCheckpoints, StepCalls):
         continues it. ``None`` removes the schedule.
         """
         self._hp.set_schedule(name, schedule)
-        self._pending_schedules.difference_update(self._hp.resolve(name))
+        self._hp.forget_pending(name)
 
     @property
     def schedules(self) -> dict[str, str | None]:
         """The spec of each scheduled hyperparameter (None for a Python function)."""
         return dict(self._hp.specs)
 
-    def _check_schedules_set(self) -> None:
-        if self._pending_schedules:
-            names = ", ".join(sorted(self._pending_schedules))
-            raise BindingError(
-                f"The checkpoint was saved while {names} followed a Python schedule, which "
-                "checkpoints cannot store. Call set_schedule(name, fn) again before "
-                "stepping (or set_schedule(name, None) to keep the checkpoint's value)."
-            )
-
     # -------------------------------------------------------------- stepping
-    def _args(
-        self, plan: CompiledPlan, dev_batch: Mapping[str, Any], seed: int | None
-    ) -> list[Any]:
-        args = plan.arguments(self._state, dev_batch)
-        if plan.seed_slot is not None:
-            assert seed is not None
-            args[plan.seed_slot] = self._put_scalar(np.array(seed, dtype=np.uint64).view(np.int64))
-        for pos, name in plan.hyper_slots:
-            args[pos] = self._hyper_buf(name)
-        return args
-
-    def _dispatch(self, plan: CompiledPlan, dev_batch: Mapping[str, Any]) -> dict[str, Any]:
-        if self._schedules:
-            for name, fn in self._schedules.items():
-                v = float(fn(self._step))
-                if self._hyper[name] != v:
-                    # Checked before dispatch: nothing has been donated yet.
-                    self._hp.check(name, v, source=f"the schedule of {name!r} at step {self._step}")
-                    self._hyper[name] = v
-                    self._hyper_bufs.pop(name, None)
-        args = self._args(plan, dev_batch, self._seed)
-        try:
-            outs = plan.dispatch(args)
-        except _compat.JaxRuntimeError as e:
-            raise self._device_error(plan, e) from e
-        metrics = {name: outs[pos] for pos, name in plan.metric_slots}
-        if self._stop_on_nonfinite:
-            # Compiled without donation: on a refusal the old state is intact.
-            check_step(
-                self._step,
-                metrics,
-                [outs[pos] for pos, _ in plan.update_slots] if self._check_state else None,
-            )
-        st = self._state
-        for pos, si in plan.update_slots:
-            st[si] = outs[pos]
-        self._step += 1
-        if self._seed is not None:
-            self._seed = advance_seed(self._seed_rule, self._seed, 1, self._seed_draws)
-        return metrics
-
     def step(self, batch: Mapping[str, Any]) -> dict[str, Any]:
         """Run one training step on ``batch`` and return its metrics.
 
@@ -238,9 +180,9 @@ class Trainer(StateAndCheckpoints, StepCalls):
           NonFiniteLossError: with ``stop_on_nonfinite``, the loss was not finite; the
             state is the state from before the step.
         """
-        self._check_schedules_set()
-        plan, dev = self._pick("train", batch)
-        return self._dispatch(plan, dev)
+        self._hp.check_pending()
+        plan, dev = self._dispatcher.pick("train", batch)
+        return self._dispatcher.step(plan, dev)
 
     def run(
         self,
@@ -277,62 +219,28 @@ class Trainer(StateAndCheckpoints, StepCalls):
         a short last batch), run one step at a time. A batch no bucket takes is
         refused after the steps before it ran.
         """
-        out: list[dict[str, Any]] = []
-        self._stop_requested = False
-        self._check_schedules_set()
-        if isinstance(batches, Sequence):
-            if not batches:
-                raise BindingError("run() needs at least one batch.")
-            n = len(batches)
-            source: Iterator[Mapping[str, Any]] = (batches[(offset + i) % n] for i in range(steps))
-            position: Callable[[], Any] | None = None
-        else:
-            source = iter(batches)
-            position = getattr(source, "state", None)
-        # A loader of one process's rows in a multi-process job (process_count > 1).
-        local = getattr(batches, "process_count", 1) > 1
-        if steps <= 0:
-            return out
-        if position is not None:
-            self.data_position = position()
-        if self._k > 1:
-            return self._run_calls(source, steps, on_step, position, local, keep_metrics)
-        first = next(source, _END)
-        if first is _END:
-            return out
-        nxt = self._pick("train", first, local)
-        failed: BindingError | None = None
-        for i in range(steps):
-            plan, dev = nxt
-            metrics = self._dispatch(plan, dev)
-            more = i + 1 < steps
-            if position is not None:
-                self.data_position = position()  # the batch after this step's
-            if more:
-                # Dispatch was asynchronous: this transfer overlaps the running step.
-                try:
-                    following = next(source, _END)
-                    more = following is not _END
-                    if more:
-                        nxt = self._pick("train", following, local)
-                except BindingError as e:
-                    # A batch the data cannot give (a shard truncated under the run) or
-                    # no bucket takes: this step ran, so it is reported before the error.
-                    failed, more = e, False
-            if on_step is not None:
-                on_step(i, metrics)
-            if keep_metrics or not more or self._stop_requested:
-                out.append(metrics)
-            if not more or self._stop_requested:
-                break
-        if failed is not None:
-            raise failed
-        return out
+        return self._runner.run(batches, steps, on_step, offset, keep_metrics)
 
-    # ------------------------------------------------- K steps per call
     def request_stop(self) -> None:
         """End the ``run`` in progress after the current step (call it from ``on_step``)."""
-        self._stop_requested = True
+        self._runner.stop_requested = True
+
+    def step_many(self, batches: Mapping[str, Any]) -> dict[str, Any]:
+        """Run K training steps (K = ``steps_per_call``) in one call on a stack of batches.
+
+        ``batches`` maps every batch input to an array with a leading axis of K: row
+        ``i`` is step ``i``'s batch, all of one shape bucket. Returns every metric
+        stacked the same way (``metrics["loss"][i]`` is step ``i``'s loss). The result
+        is bit for bit that of K calls of ``step``.
+
+        Raises:
+          BatchStackError: the trainer runs one step per call, or the stack's arrays do
+            not have K rows of one bucket's shapes (nothing was dispatched).
+          NonFiniteLossError: with ``stop_on_nonfinite``, a step's loss was not finite;
+            the state is the state from before that step (the call is replayed one
+            step at a time up to it).
+        """
+        return self._calls.step_many(batches)
 
     def evaluate(self, batch: Mapping[str, Any], entry: str = "eval") -> dict[str, Any]:
         """Run a read-only entry on the current state. Nothing is donated or changed.
@@ -349,30 +257,8 @@ class Trainer(StateAndCheckpoints, StepCalls):
                 "state buffers would be donated and lost. Use step() to train, or evaluate "
                 f"one of the read-only entries: {', '.join(map(repr, read_only)) or 'none'}."
             )
-        plan, dev = self._pick(entry, batch)
-        if self._broken is not None:
-            raise BindingError(self._broken)
-        args = self._args(plan, dev, None)
-        try:
-            outs = plan.dispatch(args)
-        except _compat.JaxRuntimeError as e:
-            raise self._device_error(plan, e) from e
-        return {name: outs[pos] for pos, name in plan.metric_slots}
-
-    def _device_error(self, plan: CompiledPlan, e: Exception) -> DeviceError:
-        """The error for a failure inside XLA or the device (the arguments were checked
-        before the call); a program that donated marks the trainer broken."""
-        if plan.compiled.donating:
-            self._broken = (
-                f"A step failed inside the device runtime ({e}); its donated state "
-                "buffers may be gone. Load a checkpoint (trainer.load_checkpoint) or "
-                "the bundle again to continue."
-            )
-            return DeviceError(self._broken)
-        return DeviceError(
-            f"A step failed inside the device runtime ({e}); it donated nothing, so the "
-            "state is as it was before the step."
-        )
+        plan, dev = self._dispatcher.pick(entry, batch)
+        return self._dispatcher.evaluate(plan, dev)
 
     def evaluate_dataset(
         self,
@@ -384,3 +270,56 @@ class Trainer(StateAndCheckpoints, StepCalls):
         """Each scalar metric of ``entry`` averaged over every real row of ``batches``
         (a padded last batch masked); see ``stepbundle.runtime.evaluation``."""
         return evaluate_dataset(self, batches, entry=entry, mask_key=mask_key)
+
+    # ----------------------------------------------------------------- state
+    def state_dict(self, *, include_aliases: bool = True) -> dict[str, np.ndarray[Any, Any]]:
+        """The current state as numpy arrays (copies), under PyTorch's names.
+
+        Tied weights appear under each of their names, as in ``module.state_dict()``.
+        """
+        return self._store.state_dict(include_aliases=include_aliases)
+
+    def load_state_dict(self, values: Mapping[str, np.ndarray[Any, Any]]) -> None:
+        """Replace the state with ``values`` (every state name, exact dtypes and shapes)."""
+        self._store.load(values)
+
+    def block_until_ready(self) -> None:
+        """Wait until every dispatched step has finished."""
+        self._store.block_until_ready()
+
+    # ----------------------------------------------------------- checkpoints
+    def save_checkpoint(self, path: str | os.PathLike[str]) -> None:
+        """Write the state, step count, RNG seed and hyperparameters atomically.
+
+        The file is safetensors with PyTorch's state names; the step count, seed and
+        hyperparameters sit in its metadata (``stepbundle`` key, JSON), so the write is
+        one atomic rename. In a multi-process job every process calls this: all take
+        part in gathering the state, process 0 writes the file, and every process
+        returns (or raises) once it says whether the file is in place.
+
+        Raises:
+          CheckpointError: the file could not be written (on every process of a job);
+            the previous file at ``path`` is untouched.
+        """
+        self._checkpoints.save(path)
+
+    def load_checkpoint(
+        self, path: str | os.PathLike[str], *, allow_other_bundle: bool = False
+    ) -> None:
+        """Restore state, step count, seed and hyperparameters exactly.
+
+        Everything is checked before anything changes: a refused checkpoint leaves the
+        trainer as it was.
+
+        Args:
+          path: a checkpoint written by ``save_checkpoint``.
+          allow_other_bundle: restore a checkpoint written by another bundle (another
+            digest) whose state still matches this bundle's state table, e.g. the same
+            model re-exported.
+
+        Raises:
+          CheckpointFormatError: the checkpoint's format is unknown to this version.
+          OtherBundleError: another bundle wrote it and ``allow_other_bundle`` is False.
+          CheckpointError: the file is damaged, or its state does not match.
+        """
+        self._checkpoints.load(path, allow_other_bundle=allow_other_bundle)

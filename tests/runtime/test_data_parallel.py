@@ -79,7 +79,7 @@ def test_data_parallel_run_matches_one_device(name: str, n: int, pack: bool) -> 
     assert losses_many[0] != losses_many[-1]
     # XLA partitioned the program: each device got its rows, and the partitioner
     # inserted the cross-device reduction itself.
-    plan, dev = many._pick("train", golden_batches(name)[0])
+    plan, dev = many._dispatcher.pick("train", golden_batches(name)[0])
     for k, a in dev.items():
         rows = a.shape[0]
         assert sorted(s.data.shape[0] for s in a.addressable_shards) == [rows // n] * n, k
@@ -100,7 +100,7 @@ def test_dropout_masks_match_one_device_for_the_same_seed() -> None:
 
 def test_state_is_replicated_and_donated_on_every_device() -> None:
     t = load(golden_bundle("linear_adamw"), cache_dir=False, devices=4, pack_state=False)
-    before = list(t._state)
+    before = list(t._store.buffers)
     for a in before:
         assert len(a.addressable_shards) == 4 and a.is_fully_replicated
     t.step(golden_batches("linear_adamw")[0])
@@ -108,7 +108,7 @@ def test_state_is_replicated_and_donated_on_every_device() -> None:
     donated = [a.is_deleted() for a in before]
     # Every state tensor the step updates was donated (the rest are read-only).
     assert sum(donated) >= 6, donated
-    assert all(a.is_fully_replicated for a in t._state)
+    assert all(a.is_fully_replicated for a in t._store.buffers)
 
 
 def test_rejected_batch_donates_nothing_on_any_device() -> None:
@@ -116,7 +116,7 @@ def test_rejected_batch_donates_nothing_on_any_device() -> None:
     reference, _ = _run("linear_adamw", steps=2, devices=4)
     t = load(golden_bundle("linear_adamw"), cache_dir=False, devices=4)
     t.step(batches[0])
-    held = list(t._state)
+    held = list(t._store.buffers)
     with pytest.raises(BindingError, match="Shape mismatch for batch input 'x'"):
         t.step({**batches[1], "x": batches[1]["x"][:4]})
     assert not any(a.is_deleted() for a in held)
@@ -131,7 +131,7 @@ def test_batch_already_split_over_the_devices_is_used_in_place() -> None:
     ref = load(golden_bundle("linear_adamw"), cache_dir=False, devices=4)
     batch = golden_batches("linear_adamw")[0]
     on_devices = {k: t.placement.put_batch(v) for k, v in batch.items()}
-    _, dev = t._pick("train", on_devices)
+    _, dev = t._dispatcher.pick("train", on_devices)
     assert all(dev[k] is on_devices[k] for k in batch)
     assert float(t.step(on_devices)["loss"]) == float(ref.step(batch)["loss"])
 
@@ -179,7 +179,7 @@ def test_eval_entry_and_short_bucket_on_four_devices() -> None:
         assert rel(np.asarray(got[k]), np.asarray(want[k])) <= TOL, k
     # The bundle's short bucket (5 rows) cannot split over 4 devices; the full one can.
     short = {k: v[:5] for k, v in batch.items()}
-    held = list(four._state)
+    held = list(four._store.buffers)
     with pytest.raises(BindingError) as err:
         four.step(short)
     msg = str(err.value)
@@ -240,7 +240,7 @@ def test_scalar_state_keeps_its_shape_on_several_devices(zero1: bool, tmp_path: 
         )  # fmt: skip
         shapes = {k: v.shape for k, v in one.state_dict().items()}
         assert any(s == () for s in shapes.values())
-        for buf in two._state:
+        for buf in two._store.buffers:
             assert {tuple(s.data.shape) for s in buf.addressable_shards} <= {
                 tuple(buf.shape),
                 (buf.shape[0] // 2, *buf.shape[1:]) if buf.ndim else (),

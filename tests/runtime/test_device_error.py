@@ -21,7 +21,7 @@ def test_a_device_failure_is_a_device_error_and_a_checkpoint_recovers(tmp_path: 
     good = t.state_dict()
     # Fault injection: a state buffer vanishes from the device (as after a lost device);
     # XLA refuses the execute, after the other buffers were handed over.
-    t._state[0].delete()
+    t._store.buffers[0].delete()
     with pytest.raises(DeviceError, match="failed inside the device runtime") as failed:
         t.step(batch)
     assert "Load a checkpoint" in str(failed.value)
@@ -37,6 +37,6 @@ def test_a_device_failure_is_a_device_error_and_a_checkpoint_recovers(tmp_path: 
 
 def test_a_device_failure_during_evaluate_is_a_device_error_too() -> None:
     t = load(golden_bundle("linear_adamw"), cache_dir=False)
-    t._state[0].delete()  # fault injection, as above
+    t._store.buffers[0].delete()  # fault injection, as above
     with pytest.raises(DeviceError, match="it donated nothing"):
         t.evaluate(golden_batches("linear_adamw")[0])

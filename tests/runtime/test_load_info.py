@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 from runtime_helpers import golden_batches, golden_bundle
 
-from stepbundle.runtime import _compat, fallback, load, program
+from stepbundle.runtime import _compat, compile_cache, fallback, load
+from stepbundle.runtime.compile_cache import CacheOutcome, CacheWarning
 from stepbundle.runtime.fallback import PathKind, StepbundleFallbackWarning
-from stepbundle.runtime.program import CacheOutcome, CacheWarning
 
 BUNDLE = "linear_adamw"
 PROGRAMS = {"train[0]", "train[1]", "eval[0]", "eval[1]"}
@@ -120,7 +120,7 @@ def test_a_read_only_cache_is_reported_and_warned_once(
     def read_only(path: Any, content: Any, **_: Any) -> None:
         raise OSError(errno.EROFS, "Read-only file system", str(path))
 
-    monkeypatch.setattr(program, "atomic_write", read_only)
+    monkeypatch.setattr(compile_cache, "atomic_write", read_only)
     cache = tmp_path / "cache"
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

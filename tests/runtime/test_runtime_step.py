@@ -62,7 +62,7 @@ def test_unknown_entry_and_non_mapping_batch(linear) -> None:
 
 def test_state_buffers_are_donated() -> None:
     t = load(golden_bundle("linear_adamw"), cache_dir=False, pack_state=False)
-    before = list(t._state)
+    before = list(t._store.buffers)
     t.step(golden_batches("linear_adamw")[0])
     idx = {n: i for i, n in enumerate(t.state_names)}
     # Parameters and optimizer state are read and rewritten: their old buffers were
@@ -70,20 +70,20 @@ def test_state_buffers_are_donated() -> None:
     for name in ("weight", "bias", "optimizer.state.weight.exp_avg", "optimizer.state.weight.step"):
         assert before[idx[name]].is_deleted(), name
     # The new buffers are live.
-    assert not any(a.is_deleted() for a in t._state)
+    assert not any(a.is_deleted() for a in t._store.buffers)
 
 
 def test_packed_state_buffers_are_donated(linear) -> None:
     # Packed (the default): the f32 pack holds every small tensor the step reads; it is
     # donated to its own update like any state buffer.
-    names = linear._layout.buffer_names
+    names = linear._store.layout.buffer_names
     assert "pack.f32" in names
-    pack = linear._layout.packs[0]
+    pack = linear._store.layout.packs[0]
     assert {"weight", "bias", "optimizer.state.weight.exp_avg"} <= {m.state for m in pack.members}
-    before = list(linear._state)
+    before = list(linear._store.buffers)
     linear.step(golden_batches("linear_adamw")[0])
     assert before[names.index("pack.f32")].is_deleted()
-    plan = linear._plans["train"][0]
+    plan = linear._router.plans["train"][0]
     assert len(plan.compiled.program.inputs) < 10  # 1 pack + 2 batch + constants
 
 
@@ -92,7 +92,7 @@ def test_packing_changes_nothing_but_speed(name: str) -> None:
     batches = golden_batches(name)
     packed = load(golden_bundle(name), cache_dir=False)
     plain = load(golden_bundle(name), cache_dir=False, pack_state=False)
-    assert packed._layout.packs and not plain._layout.packs
+    assert packed._store.layout.packs and not plain._store.layout.packs
     a = [float(m["loss"]) for m in packed.run(batches, 4)]
     b = [float(m["loss"]) for m in plain.run(batches, 4)]
     assert a == b
@@ -114,11 +114,11 @@ def test_packed_members_are_read_at_offsets_xla_cannot_fold() -> None:
     show it."""
     packed = load(golden_bundle("batchnorm_lr"), cache_dir=False)
     plain = load(golden_bundle("batchnorm_lr"), cache_dir=False, pack_state=False)
-    members = len(packed._layout.packs[0].members)
+    members = len(packed._store.layout.packs[0].members)
     assert members >= 4
 
     def hlo(t: Any) -> str:
-        text: str = t._plans["train"][0].executable.hlo_modules()[0].to_string()
+        text: str = t._router.plans["train"][0].executable.hlo_modules()[0].to_string()
         return text
 
     optimized = hlo(packed)
@@ -132,7 +132,7 @@ def test_packed_members_are_read_at_offsets_xla_cannot_fold() -> None:
 
 
 def test_evaluate_donates_nothing(linear) -> None:
-    before = list(linear._state)
+    before = list(linear._store.buffers)
     linear.evaluate(golden_batches("linear_adamw")[0])
     assert not any(a.is_deleted() for a in before)
 
@@ -236,6 +236,6 @@ def test_run_can_drop_metrics_for_long_runs() -> None:
 def test_single_pass_result_handling_is_active(linear) -> None:
     # Both supported jaxlib versions offer the handler API; the slow fallback would
     # double the host cost of every output.
-    plan = linear._plans["train"][0]
+    plan = linear._router.plans["train"][0]
     assert plan.dispatch._handlers is not None
     assert len(plan.dispatch._handlers) == len(plan.compiled.program.outputs)

@@ -1,0 +1,278 @@
+"""What ``load`` is asked to do: frozen option records, each checked when it is made.
+
+``load(path, device, options=LoadOptions(...))`` takes one ``LoadOptions``, grouped by
+concern: ``CompileOptions`` (what is compiled, and how), ``StateOptions`` (where the
+initial state comes from, how it is held), ``SafetyOptions`` (what is refused) and
+``ParallelOptions`` (how many devices). Every record checks its own fields, and
+``LoadOptions`` the rules between groups, in ``__post_init__``: a bad option fails where
+it is written, with the typed error ``load`` raised for it before, and before any file
+is opened. Checks that need the bundle (an entry it lacks, a missing ``loss`` metric) or
+the devices (more than the job has) stay with ``load``.
+
+``LoadOptions.from_keywords`` builds the records from ``load``'s former keyword
+arguments (``load(path, stop_on_nonfinite=True, ...)``), which ``load`` still takes.
+
+Imports: stepbundle.schema and stepbundle.stablehlo (the precision names).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TypedDict
+
+from stepbundle.stablehlo.precision import MATMUL_PRECISIONS
+
+from .errors import BindingError, PlatformError
+
+__all__ = [
+    "CompileOptions",
+    "LegacyLoadKeywords",
+    "LoadOptions",
+    "ParallelOptions",
+    "SafetyOptions",
+    "StateOptions",
+]
+
+PathLike = str | os.PathLike[str]
+
+
+def _whole(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    """What is compiled, and how.
+
+    Attributes:
+      entries: the entry points to compile (a name or several); None compiles every
+        entry of the bundle. Kept as a tuple.
+      cache_dir: persistent compilation cache. True (default): ``$STEPBUNDLE_CACHE_DIR``
+        or ``~/.cache/stepbundle``; a path or URL: that folder (shared by every host
+        that can reach it); False or None: no cache.
+      steps_per_call: K > 1 also compiles each train program behind a loop of K steps
+        (``multistep.py``): ``Trainer.run`` then dispatches K steps per call, and
+        ``Trainer.step_many`` takes a stack of K batches. The results are bit for bit
+        those of K single steps; callbacks see the state at the end of each call (see
+        ``Trainer.run``). The single-step programs are compiled too (for ``step`` and
+        for a run's last steps when they do not fill a call).
+      matmul_precision: "default", "high" or "highest": set on every matmul and
+        convolution of every program before it is compiled (``stablehlo/precision.py``;
+        part of the compile-cache key). On the CPU all three compute the same. None: the
+        precision the manifest records (``"default"`` for bundles before format 1.2).
+      compile_only: compile every program (filling the compile cache) and place nothing:
+        no state is read or copied to the device, so a bundle without weights needs no
+        ``init_from``. The trainer returned has ``load_info`` and refuses to step
+        (``stepbundle compile`` uses it to pre-warm a shared cache).
+    """
+
+    entries: tuple[str, ...] | None = None
+    cache_dir: PathLike | bool | None = True
+    steps_per_call: int = 1
+    matmul_precision: str | None = None
+    compile_only: bool = False
+
+    def __post_init__(self) -> None:
+        entries: object = self.entries
+        if isinstance(entries, str):
+            object.__setattr__(self, "entries", (entries,))
+        elif entries is not None:
+            if not isinstance(entries, Sequence) or not all(isinstance(e, str) for e in entries):
+                raise BindingError(
+                    f"entries must be an entry name, a list of entry names or None, got "
+                    f"{entries!r}."
+                )
+            object.__setattr__(self, "entries", tuple(entries))
+        if not _whole(self.steps_per_call):
+            raise BindingError(
+                f"steps_per_call must be a whole number of at least 1, got {self.steps_per_call!r}."
+            )
+        if self.steps_per_call < 1:
+            raise BindingError(
+                f"steps_per_call must be a whole number of at least 1, got {self.steps_per_call}."
+            )
+        if self.matmul_precision is not None and self.matmul_precision not in MATMUL_PRECISIONS:
+            raise BindingError(
+                f"matmul_precision must be one of {', '.join(MATMUL_PRECISIONS)} or None, "
+                f"got {self.matmul_precision!r}."
+            )
+
+
+@dataclass(frozen=True)
+class StateOptions:
+    """Where the initial state comes from, and how the device holds it.
+
+    Attributes:
+      init_from: a checkpoint to take the initial state from, in place of the bundle's:
+        a ``.safetensors`` file (PyTorch's, Hugging Face's, or one the runtime wrote), a
+        Hugging Face ``model.safetensors.index.json`` with its shards, or a
+        ``save_pretrained`` folder. Its tensors are matched to the state table by name
+        (or alias), checked for dtype and shape before anything is placed, and copied to
+        the device one at a time. Entries it lacks keep the bundle's value (stored, or
+        by rule: a fresh optimizer's zeros); a bundle exported without state needs it.
+      init_strict: with ``init_from``, refuse a checkpoint that holds tensors the state
+        table does not name, or lacks a parameter (default). False ignores the first
+        and keeps the bundle's value for the second; a missing entry the bundle has no
+        value for, and any dtype or shape mismatch, are refused either way.
+      pack_state: keep the small state tensors the training step reads in one device
+        buffer per dtype (see ``packing.py``): True packs tensors of up to 65536
+        elements, a whole number sets that limit (0: off), False keeps one buffer per
+        tensor. The programs compute the same either way; packing removes most of the
+        per-buffer cost of a step with hundreds of state tensors.
+    """
+
+    init_from: PathLike | None = None
+    init_strict: bool = True
+    pack_state: bool | int = True
+
+    def __post_init__(self) -> None:
+        p = self.pack_state
+        if not isinstance(p, bool) and (not _whole(p) or p < 0):
+            raise BindingError(
+                "pack_state must be True, False or a whole number of elements (0: no "
+                f"packing), got {p!r}."
+            )
+
+
+@dataclass(frozen=True)
+class SafetyOptions:
+    """What the runtime refuses, beyond what it always refuses.
+
+    Attributes:
+      expect_digest: refuse any bundle whose digest ("sha256:...") differs.
+      stop_on_nonfinite: compile without donation, check every step's metrics, and stop
+        (``NonFiniteLossError``) before a step with a NaN or infinite metric replaces
+        the state (costs a sync per step and a second copy of the state).
+      check_state: with ``stop_on_nonfinite``, also check every step's new state on the
+        device (one reduction per step) and stop before NaN or infinite values enter
+        it, even when the metrics look finite.
+    """
+
+    expect_digest: str | None = None
+    stop_on_nonfinite: bool = False
+    check_state: bool = False
+
+    def __post_init__(self) -> None:
+        if self.check_state and not self.stop_on_nonfinite:
+            raise BindingError(
+                "check_state=True needs stop_on_nonfinite=True: the state can only be kept "
+                "when the programs do not donate it."
+            )
+
+
+@dataclass(frozen=True)
+class ParallelOptions:
+    """How many devices a run uses.
+
+    Attributes:
+      devices: number of devices to run on, or "all". With N > 1 the run is data
+        parallel over the first N devices of the job (every process's, when
+        ``jax.distributed`` joined several): each step takes the global batch, split
+        on its first dimension, and the state is replicated. The programs are the
+        bundle's own, compiled with XLA's SPMD partitioner; nothing is re-exported.
+        Only shape buckets whose batch splits evenly over N can run.
+      shard_optimizer_state: with N > 1 devices, split optimizer state (tensors whose
+        first dimension is a multiple of N) over the devices instead of replicating
+        it (ZeRO stage 1); each device then holds 1/N of it.
+    """
+
+    devices: int | str = 1
+    shard_optimizer_state: bool = False
+
+    def __post_init__(self) -> None:
+        d = self.devices
+        if isinstance(d, str):
+            if d != "all":
+                raise PlatformError(f"devices must be a number or 'all', got {d!r}.")
+        elif not _whole(d):
+            raise PlatformError(f"devices must be a whole number or 'all', got {d!r}.")
+        elif d < 1:
+            raise PlatformError(f"devices must be a whole number of at least 1, got {d!r}.")
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    """Everything ``load`` is asked to do besides which bundle and which device.
+
+    Attributes:
+      compile: what is compiled, and how (``CompileOptions``).
+      state: where the initial state comes from, how it is held (``StateOptions``).
+      safety: what is refused (``SafetyOptions``).
+      parallel: how many devices (``ParallelOptions``).
+    """
+
+    compile: CompileOptions = field(default_factory=CompileOptions)
+    state: StateOptions = field(default_factory=StateOptions)
+    safety: SafetyOptions = field(default_factory=SafetyOptions)
+    parallel: ParallelOptions = field(default_factory=ParallelOptions)
+
+    def __post_init__(self) -> None:
+        if self.compile.compile_only and self.state.init_from is not None:
+            raise BindingError(
+                "compile_only places no state, so it takes no init_from: drop init_from "
+                "(--init-from), or load without compile_only to start from the checkpoint."
+            )
+
+    @classmethod
+    def from_keywords(
+        cls,
+        *,
+        entry: str | list[str] | None = None,
+        cache_dir: PathLike | bool | None = True,
+        expect_digest: str | None = None,
+        stop_on_nonfinite: bool = False,
+        check_state: bool = False,
+        devices: int | str = 1,
+        pack_state: bool | int = True,
+        shard_optimizer_state: bool = False,
+        init_from: PathLike | None = None,
+        init_strict: bool = True,
+        compile_only: bool = False,
+        steps_per_call: int = 1,
+        matmul_precision: str | None = None,
+    ) -> LoadOptions:
+        """The options ``load``'s former keyword arguments stand for (same names, same
+        defaults; ``entry`` is ``CompileOptions.entries``).
+
+        Compatibility layer for ``load(path, stop_on_nonfinite=True, ...)``: remove after
+        0.3, once callers pass ``options=LoadOptions(...)``.
+        """
+        return cls(
+            compile=CompileOptions(
+                entries=None
+                if entry is None
+                else tuple([entry] if isinstance(entry, str) else entry),
+                cache_dir=cache_dir,
+                steps_per_call=steps_per_call,
+                matmul_precision=matmul_precision,
+                compile_only=compile_only,
+            ),
+            state=StateOptions(init_from=init_from, init_strict=init_strict, pack_state=pack_state),
+            safety=SafetyOptions(
+                expect_digest=expect_digest,
+                stop_on_nonfinite=stop_on_nonfinite,
+                check_state=check_state,
+            ),
+            parallel=ParallelOptions(devices=devices, shard_optimizer_state=shard_optimizer_state),
+        )
+
+
+class LegacyLoadKeywords(TypedDict, total=False):
+    """``load``'s former keyword arguments (see ``LoadOptions.from_keywords``); remove after
+    0.3 with it."""
+
+    entry: str | list[str] | None
+    cache_dir: PathLike | bool | None
+    expect_digest: str | None
+    stop_on_nonfinite: bool
+    check_state: bool
+    devices: int | str
+    pack_state: bool | int
+    shard_optimizer_state: bool
+    init_from: PathLike | None
+    init_strict: bool
+    compile_only: bool
+    steps_per_call: int
+    matmul_precision: str | None

@@ -1,0 +1,175 @@
+"""The rewrite pipeline: what the runtime changes in a checked program before compiling it.
+
+``REWRITES`` is an ordered table of named rewrites. Each is a small function
+``(Stage, RewriteContext) -> Stage`` that decides for itself whether it applies (a
+platform, an option) and returns the stage unchanged when it does not. A rewrite may
+edit ``stage.module`` in place, or return a new module with the ``Program`` record that
+describes its arguments and results (as the state-packing and K-step wrappers do).
+
+Adding one is one function and one line in ``REWRITES``, e.g. a TPU-only rewrite::
+
+    def my_rewrite(stage: Stage, ctx: RewriteContext) -> Stage:
+        if ctx.platform == "tpu":
+            ...  # edit stage.module in place
+        return stage
+
+    REWRITES = (..., ("my-rewrite", my_rewrite), ...)
+
+Where a line goes matters:
+- rewrites of the step's own operations (precision, RNG algorithm, convolutions) go
+  after ``strip-attributes`` and before ``pack-state``, which wraps ``@main`` in a
+  function that takes the packed buffers (the step's ops then sit in a callee);
+- ``aliasing-and-sharding`` stays last: it annotates the final ``@main``'s arguments
+  and results, from the final ``Program`` record.
+
+The rewritten bytecode is the compile cache's key (``compile_cache.py``), so a new or
+changed rewrite can never be served an executable compiled without it; no cache version
+bump is needed for a rewrite. A rewrite must depend only on what ``RewriteContext``
+holds (everything in it is in the key, directly or through the bytecode).
+
+Imports: stepbundle.schema, stepbundle.stablehlo, the runtime's wrappers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from stepbundle.schema.manifest import Program, StateUpdateOutput
+from stepbundle.stablehlo import artifact as mlir
+from stepbundle.stablehlo.conv_layout import canonicalize_convolutions
+from stepbundle.stablehlo.conv_wgrad import rewrite_weight_gradients
+from stepbundle.stablehlo.precision import set_matmul_precision
+from stepbundle.stablehlo.rng_algorithm import pin_rng_algorithm
+
+from . import multistep, packing
+from .sharding import AXIS, MESH, Placement
+
+__all__ = ["REWRITES", "Rewrite", "RewriteContext", "Stage", "apply_rewrites"]
+
+
+@dataclass(frozen=True)
+class RewriteContext:
+    """What a rewrite may depend on besides the module and its manifest record.
+
+    Attributes:
+      platform: the PJRT platform compiled for ("cpu", "cuda", "rocm", "tpu").
+      placement: the devices, and how each argument and result is sharded over them.
+      layout: how the trainer holds the state (packs of small tensors), or None.
+      donate: whether state inputs are donated to their updates.
+      steps_per_call: K > 1 compiles the step behind a loop of K steps.
+      matmul_precision: "default", "high" or "highest" for every matmul and
+        convolution, or None to keep the program's own.
+    """
+
+    platform: str
+    placement: Placement
+    layout: packing.Layout | None = None
+    donate: bool = False
+    steps_per_call: int = 1
+    matmul_precision: str | None = None
+
+
+@dataclass(frozen=True)
+class Stage:
+    """A module on its way to the compiler, and the record of its arguments and results."""
+
+    module: mlir.Module
+    program: Program
+
+
+Rewrite = Callable[[Stage, RewriteContext], Stage]
+
+
+def strip_attributes(stage: Stage, ctx: RewriteContext) -> Stage:
+    """Drop the module's own aliasing and sharding attributes: they are never trusted,
+    and ``aliasing-and-sharding`` regenerates them from the manifest."""
+    stage.module.strip_attributes()
+    return stage
+
+
+def matmul_precision(stage: Stage, ctx: RewriteContext) -> Stage:
+    """Set ``precision_config`` on every dot_general and convolution."""
+    if ctx.matmul_precision is not None:
+        set_matmul_precision(stage.module, ctx.matmul_precision)
+    return stage
+
+
+def rng_algorithm(stage: Stage, ctx: RewriteContext) -> Stage:
+    """One random-bit algorithm on every backend: DEFAULT is Philox on the CPU and
+    something else on a TPU (``stablehlo/rng_algorithm.py`` says what was measured)."""
+    pin_rng_algorithm(stage.module)
+    return stage
+
+
+def weight_gradients(stage: Stage, ctx: RewriteContext) -> Stage:
+    """On TPUs, weight-gradient convolutions (a map-sized window) as matrix products: they
+    took the TPU compiler most of a minute, seconds after this and the rng pin
+    (``stablehlo/conv_wgrad.py`` has the figures)."""
+    if ctx.platform == "tpu":
+        rewrite_weight_gradients(stage.module)
+    return stage
+
+
+def pack_state(stage: Stage, ctx: RewriteContext) -> Stage:
+    """Wrap the step in a function that takes and returns the state's packs."""
+    if ctx.layout is None or not ctx.layout.packs:
+        return stage
+    return Stage(*packing.wrap_program(stage.module, stage.program, ctx.layout))
+
+
+def canonical_convolutions(stage: Stage, ctx: RewriteContext) -> Stage:
+    """With K > 1: XLA:CPU puts only the entry computation's convolutions in the order of
+    its fast kernels; inside the loop they would run (and round) otherwise."""
+    if ctx.steps_per_call > 1:
+        canonicalize_convolutions(stage.module)
+    return stage
+
+
+def steps_per_call(stage: Stage, ctx: RewriteContext) -> Stage:
+    """With K > 1, wrap the step in a loop of K steps over stacked batches."""
+    if ctx.steps_per_call <= 1:
+        return stage
+    return Stage(*multistep.wrap_steps(stage.module, stage.program, ctx.steps_per_call))
+
+
+def aliasing_and_sharding(stage: Stage, ctx: RewriteContext) -> Stage:
+    """Donation from the manifest's alias table, and with several devices the mesh and
+    every argument's and result's sharding."""
+    module, program = stage.module, stage.program
+    aliases: list[int | None] = [None] * len(program.inputs)
+    if ctx.donate:
+        for j, out in enumerate(program.outputs):
+            if isinstance(out, StateUpdateOutput) and out.donates is not None:
+                aliases[out.donates] = j
+    placement = ctx.placement
+    if placement.partitioned:
+        module.set_mesh(MESH, [(AXIS, placement.n)])
+        args, results = placement.annotations(program, stacked=ctx.steps_per_call > 1)
+        module.set_arg_attributes(aliases, args)
+        module.set_result_shardings(results)
+    else:
+        module.set_arg_attributes(aliases)
+    return stage
+
+
+# The pipeline, in order (see the module docstring for where a new line goes).
+REWRITES: tuple[tuple[str, Rewrite], ...] = (
+    ("strip-attributes", strip_attributes),
+    ("rng-algorithm", rng_algorithm),
+    ("matmul-precision", matmul_precision),
+    ("weight-gradients", weight_gradients),
+    ("pack-state", pack_state),
+    ("canonical-convolutions", canonical_convolutions),
+    ("steps-per-call", steps_per_call),
+    ("aliasing-and-sharding", aliasing_and_sharding),
+)
+
+
+def apply_rewrites(
+    stage: Stage, ctx: RewriteContext, rewrites: Sequence[tuple[str, Rewrite]] | None = None
+) -> Stage:
+    """Run ``rewrites`` (default: ``REWRITES``, read at call time) over ``stage`` in order."""
+    for _, rewrite in REWRITES if rewrites is None else rewrites:
+        stage = rewrite(stage, ctx)
+    return stage

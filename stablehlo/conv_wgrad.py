@@ -45,7 +45,6 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import stablehlo as _stablehlo
 
@@ -60,16 +59,29 @@ MAX_POSITIONS = 49
 product each."""
 
 
+def _flat(attr: Any) -> list[Any]:
+    """The values of an array attribute (``array<i64: ...>``) or of a dense elements one
+    (``dense<...> : tensor<2x2xi64>``, row-major), without numpy (this layer has none)."""
+    for kind in (ir.DenseI64ArrayAttr, ir.DenseBoolArrayAttr):
+        if kind.isinstance(attr):
+            return list(kind(attr))
+    dense = ir.DenseIntElementsAttr(attr)
+    if dense.is_splat:
+        n = math.prod(ir.ShapedType(dense.type).shape)
+        return [dense.get_splat_value().value] * n
+    return [dense[i] for i in range(len(dense))]
+
+
 def _ints(op: Any, name: str, default: Sequence[int]) -> list[int]:
     if name not in op.attributes:
         return list(default)
-    return [int(v) for v in np.asarray(op.attributes[name]).reshape(-1)]
+    return [int(v) for v in _flat(op.attributes[name])]
 
 
 def _bools(op: Any, name: str, n: int) -> list[bool]:
     if name not in op.attributes:
         return [False] * n
-    return [bool(v) for v in np.asarray(op.attributes[name]).reshape(-1)]
+    return [bool(v) for v in _flat(op.attributes[name])]
 
 
 def _create(name: str, result: Any, operands: list[Any], attributes: dict[str, Any]) -> Any:

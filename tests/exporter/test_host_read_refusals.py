@@ -137,6 +137,6 @@ def test_a_read_inside_the_optimizer_names_torch_and_the_fix() -> None:
     with pytest.raises(HostReadError) as err:
         export(r, "/nonexistent/x.stepbundle")
     message = str(err.value)
-    assert "export_helpers.py:" in err.value.location  # the step's optimizer.step() line
+    assert "support.py:" in err.value.location  # mse_step's optimizer.step() line
     assert "inside the optimizer's update (torch/optim/" in message
     assert "build the optimizer with capturable=True" in message

@@ -7,6 +7,7 @@ same records (a compatibility layer, to be removed after 0.3) and give the same 
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -114,9 +115,15 @@ def test_options_and_keywords_together_are_refused() -> None:
 
 
 def test_the_names_the_readme_uses_are_exported() -> None:
-    """What the README reaches for is at ``stepbundle.runtime``, not in a submodule."""
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    """What the README and docs/ reach for is at ``stepbundle.runtime``, not in a submodule."""
+    root = Path(__file__).resolve().parents[2]
+    text = "\n".join(
+        p.read_text() for p in [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+    )
     for name in ("to_floats", "write_dataset", "set_cpu_devices", "ALLOWED_CUSTOM_CALLS"):
-        assert f"stepbundle.runtime.{name}" in readme, name
+        assert f"stepbundle.runtime.{name}" in text or f"sr.{name}" in text, name
         assert name in sr.__all__ and hasattr(sr, name), name
+    # A public name is never spelled through its submodule.
+    deep = re.findall(r"stepbundle\.runtime\.[a-z_]+\.([A-Za-z_]+)", text)
+    assert not [n for n in deep if n in sr.__all__], deep
     assert all(hasattr(sr, name) for name in sr.__all__)

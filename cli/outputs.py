@@ -75,12 +75,22 @@ def _check_remote_folder(url: str, resume: str | None) -> None:
 
 def check_outputs(args: argparse.Namespace) -> None:
     """Refuse, before anything is loaded, outputs that could not be written or that would
-    overwrite an input or earlier checkpoints."""
+    overwrite an input or earlier checkpoints.
+
+    ``args.metrics_file`` and ``args.tensorboard`` are replaced by the local paths they
+    name (``paths.sink_path``), which the checks and the run's writers then share.
+    """
     from stepbundle.schema.atomic import stale_temp_files
 
     from .output_paths import check_output_paths
+    from .paths import sink_path
     from .sinks import check_sink_outputs
 
+    # The sinks' local paths, once: every check below and the writers use these.
+    if args.metrics_file:
+        args.metrics_file = sink_path("--metrics-file", args.metrics_file)
+    if args.tensorboard:
+        args.tensorboard = sink_path("--tensorboard", args.tensorboard)
     _check_bundle(args.bundle)
     check_output_paths(args)  # before anything below creates an output
     check_sink_outputs(args.metrics_file, args.tensorboard)

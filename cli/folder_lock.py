@@ -10,11 +10,17 @@ holds the lock, and a run that locked a file no longer under that name tries aga
 two runs never hold two different files. It holds the holder's process id and host, for the
 refusal. Locks are taken by process 0 of a multi-process job, the one that writes.
 
+Once the lock is held, no run writes in the folder, so every checkpoint temp file there
+(``atomic_write``'s ``.<name>.tmp-...``) was left by a killed writer and is removed. This
+is done only under the lock: a run that is refused removes nothing (a process id cannot
+tell a live writer across PID namespaces, and a refused run once removed the temp file
+of the live run's checkpoint in flight). Without a lock, only temp files a day old go.
+
 Limits: a folder at a URL (an object store) has no lock. A local file system that
 cannot lock (some network mounts) gets a one-line warning and the run goes on, as before.
 Windows has no ``fcntl``: no lock there.
 
-Imports: the standard library only.
+Imports: the standard library; ``stepbundle.schema.atomic``.
 """
 
 from __future__ import annotations
@@ -29,6 +35,8 @@ from pathlib import Path
 __all__ = ["LOCK_NAME", "holding"]
 
 LOCK_NAME = ".stepbundle-run.lock"
+# Without a lock, a temp file this old is dead: a writer changes its file as it writes.
+UNLOCKED_SWEEP_AGE_S = 24 * 3600.0
 
 
 @contextlib.contextmanager
@@ -41,6 +49,7 @@ def holding(folder: Path, given: str) -> Iterator[None]:
     try:
         import fcntl
     except ImportError:  # Windows
+        _sweep(folder, UNLOCKED_SWEEP_AGE_S)
         yield
         return
     path = folder / LOCK_NAME
@@ -49,6 +58,7 @@ def holding(folder: Path, given: str) -> Iterator[None]:
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
         except OSError as e:
             _warn(path, e)
+            _sweep(folder, UNLOCKED_SWEEP_AGE_S)
             yield
             return
         try:
@@ -64,6 +74,7 @@ def holding(folder: Path, given: str) -> Iterator[None]:
         except OSError as e:  # a file system without locks
             os.close(fd)
             _warn(path, e)
+            _sweep(folder, UNLOCKED_SWEEP_AGE_S)
             yield
             return
         if _same_file(fd, path):
@@ -72,6 +83,7 @@ def holding(folder: Path, given: str) -> Iterator[None]:
     try:
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"process {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+        _sweep(folder, 0.0)  # held: no writer is live here
         yield
     finally:
         # Removed while still held, so a run that opens the old file finds it gone (see
@@ -89,6 +101,16 @@ def _same_file(fd: int, path: Path) -> bool:
         return False
     held = os.fstat(fd)
     return (st.st_dev, st.st_ino) == (held.st_dev, held.st_ino)
+
+
+def _sweep(folder: Path, min_age_s: float) -> None:
+    """Remove the checkpoint temp files killed writers left in ``folder``."""
+    from stepbundle.schema.atomic import temp_files
+
+    for stale in temp_files(folder, min_age_s=min_age_s):
+        with contextlib.suppress(OSError):
+            os.unlink(stale)
+            print(f"[run] removed {stale}, left by an interrupted write", file=sys.stderr)
 
 
 def _warn(path: Path, e: OSError) -> None:

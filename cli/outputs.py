@@ -12,9 +12,7 @@ Imports: the standard library, stepbundle.schema; stepbundle.runtime's ``remote`
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
-import sys
 import tempfile
 from pathlib import Path
 
@@ -80,8 +78,6 @@ def check_outputs(args: argparse.Namespace) -> None:
     ``args.metrics_file`` and ``args.tensorboard`` are replaced by the local paths they
     name (``paths.sink_path``), which the checks and the run's writers then share.
     """
-    from stepbundle.schema.atomic import stale_temp_files
-
     from .output_paths import check_output_paths
     from .paths import sink_path
     from .sinks import check_sink_outputs
@@ -151,8 +147,6 @@ def check_outputs(args: argparse.Namespace) -> None:
                 f"({earlier[-1].name} and {len(earlier) - 1} more); a new run would overwrite "
                 f"them. Continue with --resume {earlier[-1]}, or choose an empty folder."
             )
+        # Temp files killed writers left are removed once the folder's lock is held
+        # (folder_lock), not here: a run refused for a live holder must touch nothing.
         _check_writable_folder(folder, "--checkpoint-dir")
-        for stale in stale_temp_files(folder):  # left by a killed writer
-            with contextlib.suppress(OSError):
-                os.unlink(stale)
-                print(f"[run] removed {stale}, left by an interrupted write", file=sys.stderr)

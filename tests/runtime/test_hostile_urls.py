@@ -29,7 +29,13 @@ from stepbundle.cli.main import main
 from stepbundle.runtime import remote
 from stepbundle.runtime.checkpoint import read_checkpoint
 from stepbundle.runtime.errors import CheckpointError
-from stepbundle.runtime.store import NotInStoreError, pull, resolve_bundle, stored_path
+from stepbundle.runtime.store import (
+    STALE_TEMP_AGE_S,
+    NotInStoreError,
+    pull,
+    resolve_bundle,
+    stored_path,
+)
 from stepbundle.schema.errors import BundleError
 
 NAME = "linear_adamw"
@@ -353,8 +359,16 @@ def test_a_killed_pull_leaves_no_temp_file_behind(server: HostileServer, cache: 
     assert left, "the pull never started writing"
     with pytest.raises(NotInStoreError):  # a temp file is never an entry
         resolve_bundle(DIGEST)
+    # The store has no lock, and a process id says nothing across PID namespaces: a
+    # temp file is removed only once a day old (a live pull changes its file far more
+    # often), so a fresh one, possibly a live pull's, stays.
     got = pull(f"{server.url}/ok/b.stepbundle")
     assert got.fetched and got.path == stored_path(DIGEST)
+    assert sorted(p.name for p in store.iterdir()) == sorted([got.path.name, left[0].name])
+    day_old = time.time() - STALE_TEMP_AGE_S - 60
+    os.utime(left[0], (day_old, day_old))
+    again = pull(f"{server.url}/ok/b.stepbundle")
+    assert not again.fetched
     assert sorted(p.name for p in store.iterdir()) == [got.path.name]
 
 

@@ -105,6 +105,41 @@ def test_a_checkpoint_folder_a_live_run_holds_is_refused_and_freed_by_its_death(
     assert not (ck / ".stepbundle-run.lock").exists()  # a run that ends removes it
 
 
+def test_a_refused_run_removes_none_of_the_live_run_s_temp_files(tmp_path: Path) -> None:
+    """Before: the refused run swept "stale" temp files before it tried the lock, judging
+    them by process id, so the live run's checkpoint in flight (written from another PID
+    namespace: its id is no live process here) was deleted under it."""
+    from stepbundle.schema.atomic import _HOST
+
+    ck = tmp_path / "ck"
+    base = ["run", str(BUNDLE), "--data", str(NPZ), "--no-cache", "--checkpoint-dir", str(ck)]
+    a = subprocess.Popen(
+        [sys.executable, "-m", "stepbundle", *base, "--steps", "10000000"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True)  # fmt: skip
+    in_flight = ck / f".step-00000040.safetensors.tmp-{_HOST}-{int(gone.stdout)}-0123abcd"
+    try:
+        deadline = time.monotonic() + 120
+        while not (ck / ".stepbundle-run.lock").exists() or not in_flight.exists():
+            assert a.poll() is None and time.monotonic() < deadline, "run A did not start"
+            if ck.is_dir() and not in_flight.exists():
+                in_flight.write_bytes(b"\0" * 1000)
+            time.sleep(0.05)
+        b = cli(*base, "--steps", "3")
+        assert b.returncode == 2 and "in use by another run" in b.stderr, b.stderr
+        assert in_flight.exists() and "removed" not in b.stderr
+    finally:
+        a.send_signal(signal.SIGKILL)
+        a.wait(timeout=60)
+    # A is dead: the next run holds the lock, so the file is a killed writer's and goes.
+    c = cli(*base, "--steps", "1")
+    assert c.returncode == 0, c.stderr
+    assert not in_flight.exists() and f"removed {in_flight}" in c.stderr
+
+
 # ------------------------------------------------------------ 2: no output is an input
 def test_every_output_that_is_an_input_is_refused_before_loading(tmp_path: Path) -> None:
     inputs = make_inputs(tmp_path)

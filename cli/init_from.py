@@ -56,7 +56,9 @@ def init_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     if (
         init_from is None
         and args.resume
-        and _has_no_weights(args.bundle, getattr(args, "expect_digest", None))
+        and _has_no_weights(
+            getattr(args, "bundle_file", None) or args.bundle, getattr(args, "expect_digest", None)
+        )
     ):
         init_from = args.resume
     return {"init_from": init_from, "init_strict": args.init_strict}

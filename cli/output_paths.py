@@ -61,11 +61,12 @@ def _local(location: str) -> Path | None:
 
 def _inputs(args: argparse.Namespace) -> list[_Place]:
     places = []
-    bundle: str = args.bundle
+    # A digest's store entry, found and verified once by check_outputs (bundle_file).
+    bundle: str = getattr(args, "bundle_file", None) or args.bundle
     if bundle.startswith("sha256:"):
         from stepbundle.runtime.store import resolve_bundle
 
-        bundle = os.fspath(resolve_bundle(bundle))  # _check_bundle found it in the store
+        bundle = os.fspath(resolve_bundle(bundle))
     for flag, given in (
         ("the bundle", bundle),
         ("--data", args.data),

@@ -38,15 +38,21 @@ def _local(location: str) -> Path | None:
     return local_path(location)
 
 
-def _check_bundle(bundle: str) -> None:
+def _check_bundle(args: argparse.Namespace) -> None:
+    """Refuse a bundle that cannot be opened. A ``sha256:<digest>`` is looked up in the
+    store here, once (its entry verified in full, ``store.resolve_bundle``), and the run
+    reads the file found from then on: ``args.bundle_file`` and ``args.bundle_digest``."""
+    bundle: str = args.bundle
     if bundle.startswith("sha256:"):
         from stepbundle.runtime.store import resolve_bundle
         from stepbundle.schema.errors import BundleError
 
         try:
-            resolve_bundle(bundle)  # a digest is only looked up: nothing is fetched
+            found = resolve_bundle(bundle)  # a digest is only looked up: nothing is fetched
         except BundleError as e:  # not a digest, or not in the store
             raise ValueError(str(e)) from None
+        args.bundle_file = os.fspath(found)
+        args.bundle_digest = "sha256:" + bundle.removeprefix("sha256:").lower()
         return
     local = _local(bundle)
     if local is None:
@@ -76,7 +82,9 @@ def check_outputs(args: argparse.Namespace) -> None:
     overwrite an input or earlier checkpoints.
 
     ``args.metrics_file`` and ``args.tensorboard`` are replaced by the local paths they
-    name (``paths.sink_path``), which the checks and the run's writers then share.
+    name (``paths.sink_path``), which the checks and the run's writers then share; a
+    bundle given as ``sha256:<digest>`` gets ``args.bundle_file``, its verified store
+    entry, which the checks and the load then read (``_check_bundle``).
     """
     from .output_paths import check_output_paths
     from .paths import sink_path
@@ -87,7 +95,7 @@ def check_outputs(args: argparse.Namespace) -> None:
         args.metrics_file = sink_path("--metrics-file", args.metrics_file)
     if args.tensorboard:
         args.tensorboard = sink_path("--tensorboard", args.tensorboard)
-    _check_bundle(args.bundle)
+    _check_bundle(args)
     check_output_paths(args)  # before anything below creates an output
     check_sink_outputs(args.metrics_file, args.tensorboard)
     if args.checkpoint_every and not args.checkpoint_dir:

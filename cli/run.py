@@ -225,14 +225,16 @@ def _open_trainer(args: argparse.Namespace) -> Any:
 
     from .init_from import init_kwargs
 
+    # A sha256: bundle was found and verified in the store once (outputs._check_bundle);
+    # the load reads that file, held to the digest, rather than verify it again.
     trainer = load(
-        args.bundle,
+        getattr(args, "bundle_file", None) or args.bundle,
         device=args.device,
         # An evaluation run compiles only its entry (the training buckets need not
         # split over the devices then).
         entry=None if args.entry == "train" else args.entry,
         cache_dir=False if args.no_cache else (args.cache_dir or True),
-        expect_digest=args.expect_digest,
+        expect_digest=args.expect_digest or getattr(args, "bundle_digest", None),
         stop_on_nonfinite=args.stop_on_nonfinite,
         check_state=args.check_state,
         devices=args.devices,

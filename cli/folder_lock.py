@@ -8,7 +8,10 @@ ends, however it ends (SIGKILL included), so the file a killed run leaves behind
 blocks the ``--resume`` that follows; a run that ends removes the file while it still
 holds the lock, and a run that locked a file no longer under that name tries again, so
 two runs never hold two different files. It holds the holder's process id and host, for the
-refusal. Locks are taken by process 0 of a multi-process job, the one that writes.
+refusal. Locks are taken by process 0 of a multi-process job, the one that writes. The
+lock file is opened without following links (and never truncated on open): a symbolic
+link, a hard link or anything but a regular file there is refused, or the run would write
+its id into the file it names.
 
 Once the lock is held, no run writes in the folder, so every checkpoint temp file there
 (``atomic_write``'s ``.<name>.tmp-...``) was left by a killed writer and is removed. This
@@ -26,8 +29,10 @@ Imports: the standard library; ``stepbundle.schema.atomic``.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import socket
+import stat
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -44,7 +49,8 @@ def holding(folder: Path, given: str) -> Iterator[None]:
     """Hold the run lock of ``folder`` (an existing folder) until the block ends.
 
     Raises:
-      ValueError: another live process holds it.
+      ValueError: another live process holds it, or the lock file is a symbolic link,
+        a hard link or not a regular file (the run would write into what it names).
     """
     try:
         import fcntl
@@ -55,12 +61,22 @@ def holding(folder: Path, given: str) -> Iterator[None]:
     path = folder / LOCK_NAME
     while True:
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+            # Never through a link: the run writes its id into the file it opens.
+            fd = os.open(
+                path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, 0o666
+            )
         except OSError as e:
+            if e.errno == errno.ELOOP:  # O_NOFOLLOW met a symbolic link
+                raise ValueError(_not_a_lock_file(path, given, "a symbolic link")) from None
             _warn(path, e)
             _sweep(folder, UNLOCKED_SWEEP_AGE_S)
             yield
             return
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink > 1:
+            os.close(fd)
+            what = "a hard link to another file" if stat.S_ISREG(st.st_mode) else "not a file"
+            raise ValueError(_not_a_lock_file(path, given, what))
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -91,6 +107,14 @@ def holding(folder: Path, given: str) -> Iterator[None]:
         with contextlib.suppress(OSError):
             os.unlink(path)
         os.close(fd)
+
+
+def _not_a_lock_file(path: Path, given: str, what: str) -> str:
+    return (
+        f"--checkpoint-dir {given!r}: its run lock {str(path)!r} is {what}, not a lock file "
+        "a run made; a run writes into its lock file, so it would overwrite what that "
+        "names. Remove it (a run makes a new one) and run again."
+    )
 
 
 def _same_file(fd: int, path: Path) -> bool:

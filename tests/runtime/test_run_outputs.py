@@ -140,6 +140,30 @@ def test_a_refused_run_removes_none_of_the_live_run_s_temp_files(tmp_path: Path)
     assert not in_flight.exists() and f"removed {in_flight}" in c.stderr
 
 
+@pytest.mark.parametrize("kind", ["symlink", "hard link", "fifo"])
+def test_a_lock_file_that_is_a_link_is_refused_untouched(tmp_path: Path, kind: str) -> None:
+    """Before: ``ln -s ../precious.txt ck/.stepbundle-run.lock`` made a run truncate
+    precious.txt and write its process id into it (a hard link did the same)."""
+    precious = tmp_path / "precious.txt"
+    precious.write_text("precious\n")
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    lock = ck / ".stepbundle-run.lock"
+    if kind == "symlink":
+        lock.symlink_to("../precious.txt")
+    elif kind == "hard link":
+        os.link(precious, lock)
+    else:
+        os.mkfifo(lock)
+    r = cli("run", str(BUNDLE), "--data", str(NPZ), "--no-cache", "--steps", "1",
+            "--checkpoint-dir", str(ck))  # fmt: skip
+    assert r.returncode == 2, r.stderr
+    line = last_line(r)
+    assert f"its run lock {str(lock)!r} is" in line and "Remove it" in line, line
+    assert precious.read_text() == "precious\n"
+    assert not list(ck.glob("step-*")) and os.path.lexists(lock)
+
+
 # ------------------------------------------------------------ 2: no output is an input
 def test_every_output_that_is_an_input_is_refused_before_loading(tmp_path: Path) -> None:
     inputs = make_inputs(tmp_path)

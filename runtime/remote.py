@@ -142,6 +142,14 @@ def filesystem(url: str) -> tuple[Any, str]:
             "https://, or the URL of an installed fsspec backend (gs://, s3://, ...).",
             url,
         ) from None
+    except Exception as e:  # a backend failing as it starts (reference:: reads its file)
+        raise RemoteError(
+            f"fsspec could not open {url!r} as a file system ({type(e).__name__}: {e}). "
+            "Check the URL; a chained URL (a::b://...) also needs what its first part reads "
+            "(reference:: needs a references file at the path after ::).",
+            url,
+            f"{type(e).__name__}: {e}",
+        ) from None
 
 
 @contextlib.contextmanager

@@ -154,6 +154,48 @@ def test_eval_and_pull_refuse_pipes_too(
     assert err.count("is a named pipe (FIFO)") == 2, err
 
 
+@pytest.mark.parametrize("where", ["--data", "--eval-data", "--init-from"])
+def test_a_named_pipe_inside_a_folder_is_named_as_one(
+    where: str,
+    tmp_path: Path,
+    npz: Path,
+    xla_cache: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Before: a FIFO dataset.json was "has no dataset.json", and a FIFO
+    model.safetensors in an --init-from folder "holds neither ... (safetensors files
+    there: model.safetensors)"."""
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    name = "model.safetensors" if where == "--init-from" else "dataset.json"
+    os.mkfifo(folder / name)
+    argv = ["run", str(golden_bundle(NAME)), "--steps", "1", "--cache-dir", str(xla_cache)]
+    if where == "--data":
+        argv += ["--data", str(folder)]
+    else:
+        argv += ["--data", str(npz), where, str(folder)]
+    if where == "--eval-data":
+        argv += ["--eval-every", "1"]
+
+    def blocked(signum: int, frame: object) -> None:
+        raise TimeoutError(f"stepbundle run blocked on the FIFO in {where}")
+
+    previous = signal.signal(signal.SIGALRM, blocked)
+    signal.alarm(20)
+    try:
+        code = main(argv)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    err = capsys.readouterr().err
+    assert code in (1, 2), err
+    if where == "--init-from":
+        assert f"holds {name}, but it is a named pipe (FIFO), not a regular file" in err, err
+    else:
+        assert f"its {name} is a named pipe (FIFO), not a regular file" in err, err
+        assert "has no dataset.json" not in err
+
+
 # Issue #29, 10: a full store
 def _small_filesystem(folder: Path) -> bool:
     """Mount a tmpfs of 64 KiB at ``folder``; False where mounting is not allowed."""

@@ -230,6 +230,17 @@ def test_a_process_local_file_system_is_refused_as_an_output(flags: list[str]) -
     assert "[run] loaded" not in result.stderr
 
 
+def test_a_url_whose_file_system_fails_to_start_is_one_sentence() -> None:
+    """Before: ``stepbundle: error: /x`` (fsspec's FileNotFoundError, as it was)."""
+    url = "reference::memory://x"
+    result = cli("run", str(BUNDLE), "--data", str(NPZ), "--no-cache", "--steps", "1",
+                 "--checkpoint-dir", url)  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    line = last_line(result)
+    assert f"fsspec could not open {url!r} as a file system" in line, line
+    assert "reference:: needs a references file" in line, line
+
+
 # --------------------------------------------- 9: --eval-data is read before the first step
 @pytest.mark.parametrize("kind", ["missing folder", "not an npz", "dataset without index"])
 def test_eval_data_is_refused_before_the_first_step(tmp_path: Path, kind: str) -> None:
@@ -287,6 +298,13 @@ def test_eval_takes_the_eval_batch_size_under_run_s_name(tmp_path: Path) -> None
     default = cli(*base)
     assert default.returncode == 0, default.stderr
     assert json.loads(default.stdout)["rows"] == 24
+    # The batch size is used, not only accepted: 24 rows are 5 batches of 5 (the last
+    # padded), and 3 of the bundle's own 8 without the option. The plain line says so.
+    plain = [arg for arg in base if arg != "--json"]
+    for flags, batches in ((["--eval-batch-size", "5"], 5), (["--batch-size", "5"], 5), ([], 3)):
+        r = cli(*plain, *flags)
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.rstrip().endswith(f"(24 rows, {batches} batches)"), (flags, r.stdout)
     help_text = cli("eval", "--help").stdout
     assert "--eval-batch-size" in help_text and "--batch-size" not in help_text.replace(
         "--eval-batch-size", ""

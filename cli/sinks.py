@@ -14,8 +14,7 @@ Both sinks write local files: a ``--metrics-file`` or ``--tensorboard`` given as
 is refused up front (``paths.sink_path``), except a ``file://`` URL, which stands for its
 path; the checks and the writers then use that one path.
 
-Imports: the standard library, ``stepbundle.schema.errors``; this package's
-``record_file`` (and ``metrics_file``, lazily); tensorboardX lazily.
+Imports: the standard library; this package's ``record_file``; tensorboardX lazily.
 """
 
 from __future__ import annotations
@@ -30,8 +29,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
-
-from stepbundle.schema.errors import BundleError
 
 from .record_file import RecordFile, SinkError
 
@@ -195,18 +192,12 @@ def check_sink_outputs(metrics_file: str | None, tensorboard: str | None) -> Non
       OSError: a folder cannot be created or written into.
     """
     if metrics_file is not None:
-        from .metrics_file import check_metrics_file
-
         target = Path(metrics_file)
         if target.is_dir():
             raise ValueError(
                 f"--metrics-file {metrics_file!r} is a folder; give a file name, e.g. "
                 f"{str(target / 'metrics.jsonl')!r}."
             )
-        try:
-            check_metrics_file(metrics_file)
-        except BundleError as e:
-            raise ValueError(str(e)) from None
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
             with open(target, "a", encoding="utf-8"):

@@ -63,7 +63,7 @@ _DIGEST = re.compile(r"sha256:[0-9a-f]{64}\Z")
 _TEMP = re.compile(r"\.sha256-[0-9a-f]{64}\.stepbundle\.tmp-.+\Z")
 # The store has no lock, so a temp file is known dead only by its age. A live pull
 # changes its file with every chunk it writes (the download is held to a minimum rate,
-# remote_errors.MinimumRate), and verifying the finished file takes about a second per
+# remote_errors.TransferPace), and verifying the finished file takes about a second per
 # GB: a file unchanged for a day is no live pull's. A process id would not do: it
 # means nothing across PID namespaces (containers sharing a store).
 STALE_TEMP_AGE_S = 24 * 3600.0

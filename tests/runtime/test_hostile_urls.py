@@ -79,30 +79,78 @@ def _cli(*argv: str, env: dict[str, str], timeout: float = 30) -> subprocess.Com
     )
 
 
-# Issue #29, 6: the deadline
-def test_a_trickling_server_is_cut_off_at_the_transfer_deadline(
+# Issue #29, 6 (and its review, 9): a minimum average rate, not a whole deadline
+# A trickle is stopped within about a second; 5 KB/s passes the slow check.
+FAST_CHECKS = {"STEPBUNDLE_TRANSFER_GRACE_S": "1", "STEPBUNDLE_MIN_TRANSFER_RATE": "20000"}
+SLOW_CHECKS = {"STEPBUNDLE_TRANSFER_GRACE_S": "1", "STEPBUNDLE_MIN_TRANSFER_RATE": "2000"}
+
+
+def test_a_trickling_server_is_cut_off_below_the_minimum_rate(
     server: HostileServer, cache: Path
 ) -> None:
-    """One byte every 0.2 s never trips aiohttp's per-read limit; the whole-transfer
-    deadline ends it, naming the URL and the deadline."""
+    """One byte every 0.2 s never trips aiohttp's per-read limit; the minimum average
+    rate ends it once the grace period is over, naming the URL and the rate."""
     url = f"{server.url}/trickle/b.stepbundle"
     t0 = time.monotonic()
-    done = _cli("pull", url, env={"STEPBUNDLE_TRANSFER_DEADLINE_S": "1.5"}, timeout=25)
+    done = _cli("pull", url, env=FAST_CHECKS, timeout=25)
     assert done.returncode == 1, done.stderr
     assert time.monotonic() - t0 < 20
-    assert url in done.stderr and "deadline of 1.5 s" in done.stderr, done.stderr
-    assert "STEPBUNDLE_TRANSFER_DEADLINE_S" in done.stderr and "Traceback" not in done.stderr
+    assert url in done.stderr and "went too slowly" in done.stderr, done.stderr
+    assert "below the minimum average of 20000 bytes/s" in done.stderr, done.stderr
+    assert "STEPBUNDLE_MIN_TRANSFER_RATE" in done.stderr and "Traceback" not in done.stderr
     assert not list((cache / "bundles").glob("*"))  # nothing entered the store
+
+
+def test_a_slow_steady_download_is_not_cut_off(server: HostileServer, cache: Path) -> None:
+    """About 5 KB/s, above the 2000 bytes/s minimum: the pull takes several grace
+    periods and finishes. The old whole-transfer deadline, set here shorter than the
+    pull, stopped it (as 3600 s stopped every download longer than an hour); it is now
+    ignored, with a warning that names what replaced it."""
+    server.step_bytes, server.interval = 500, 0.1
+    url = f"{server.url}/trickle/b.stepbundle"
+    t0 = time.monotonic()
+    env = {**SLOW_CHECKS, "STEPBUNDLE_TRANSFER_DEADLINE_S": "2"}
+    done = _cli("pull", url, env=env, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "STEPBUNDLE_TRANSFER_DEADLINE_S is ignored" in done.stderr, done.stderr
+    assert time.monotonic() - t0 > 2 * float(SLOW_CHECKS["STEPBUNDLE_TRANSFER_GRACE_S"])
+    assert stored_path(DIGEST).exists()
 
 
 def test_a_trickling_checkpoint_download_is_cut_off(
     server: HostileServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("STEPBUNDLE_TRANSFER_DEADLINE_S", "1")
+    for name, value in FAST_CHECKS.items():
+        monkeypatch.setenv(name, value)
     url = f"{server.url}/trickle/b.stepbundle"
-    with pytest.raises(CheckpointError, match="deadline of 1 s") as e:
+    with pytest.raises(CheckpointError, match="went too slowly") as e:
         read_checkpoint(url)
     assert url in str(e.value)
+
+
+def test_the_rate_rule_lets_a_long_fast_download_finish_and_stops_a_trickle() -> None:
+    """At the defaults (64 KiB/s after 60 s): 20 GB at 3 MB/s takes almost two hours
+    and is never stopped (the old 3600 s deadline stopped it every time); a byte every
+    30 s is stopped at the first check after the grace period."""
+    now = [0.0]
+    pace = remote.TransferPace("https://x/big", clock=lambda: now[0])
+    assert (pace.min_rate, pace.grace_s) == (64 << 10, 60.0)
+    while pace.done < 20e9:
+        now[0] += 10.0
+        pace.count(30_000_000)
+        pace.check()
+    assert now[0] > 3600
+    # A request for the next 8 MiB at the limit may take until the average would fall
+    # below the minimum, never less than a second.
+    assert pace.time_for(8 << 20) == pytest.approx((pace.done + (8 << 20)) / (64 << 10) - now[0])
+    now[0] = 0.0
+    trickle = remote.TransferPace("https://x/trickle", clock=lambda: now[0])
+    while not trickle.too_slow():
+        assert now[0] <= 60.0, "a trickle is stopped when the grace period ends"
+        now[0] += 30.0
+        trickle.count(1)
+    with pytest.raises(remote.RemoteError, match="went too slowly: 3 bytes in 90.0 s"):
+        trickle.check()
 
 
 # Issue #29, 7: pipes
@@ -415,6 +463,10 @@ def test_a_killed_pull_leaves_no_temp_file_behind(server: HostileServer, cache: 
 
 
 def test_transfer_limits_refuse_bad_settings(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("STEPBUNDLE_TRANSFER_DEADLINE_S", "soon")
-    with pytest.raises(BundleError, match="STEPBUNDLE_TRANSFER_DEADLINE_S='soon'"):
-        remote.filesystem("http://127.0.0.1:1/x")
+    monkeypatch.setenv("STEPBUNDLE_MIN_TRANSFER_RATE", "slow")
+    with pytest.raises(BundleError, match="STEPBUNDLE_MIN_TRANSFER_RATE='slow'"):
+        remote.TransferPace("http://127.0.0.1:1/x")
+    monkeypatch.delenv("STEPBUNDLE_MIN_TRANSFER_RATE")
+    monkeypatch.setenv("STEPBUNDLE_TRANSFER_GRACE_S", "-1")
+    with pytest.raises(BundleError, match="STEPBUNDLE_TRANSFER_GRACE_S='-1'"):
+        remote.TransferPace("http://127.0.0.1:1/x")

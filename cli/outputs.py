@@ -97,16 +97,16 @@ def check_outputs(args: argparse.Namespace) -> None:
         args.tensorboard = sink_path("--tensorboard", args.tensorboard)
     _check_bundle(args)
     check_output_paths(args)  # before anything below creates an output
+    check_sink_outputs(args.metrics_file, args.tensorboard)  # a folder, a missing folder
     if args.metrics_file:
         from stepbundle.schema.errors import BundleError
 
         from .metrics_file import check_metrics_file
 
         try:
-            check_metrics_file(args.metrics_file)  # read only, before anything creates it
+            check_metrics_file(args.metrics_file)  # read only: rows of ours, or none
         except BundleError as e:
             raise ValueError(str(e)) from None
-    check_sink_outputs(args.metrics_file, args.tensorboard)
     if args.checkpoint_every and not args.checkpoint_dir:
         raise ValueError(
             "--checkpoint-every writes checkpoints into --checkpoint-dir, which is missing: "

@@ -73,7 +73,8 @@ def _make(loss_fn: Callable[..., Any], params: Any, tx: optax.GradientTransforma
 def mlp_step(
     state: Mapping[str, np.ndarray], depth: int, lr: float, weight_decay: float
 ) -> tuple[Step, Any]:
-    """DESIGN.md's MLP: ``depth`` x (Linear, LayerNorm, GELU); modules 3i, 3i+1, 3i+2."""
+    """The benchmark MLP of ``models.mlp``: ``depth`` x (Linear(16, 16), LayerNorm(16),
+    GELU); modules 3i, 3i+1, 3i+2."""
     params = _nest(state)
 
     def loss_fn(p: Any, batch: Mapping[str, Any], key: Any) -> Any:

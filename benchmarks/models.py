@@ -1,6 +1,6 @@
 """The benchmark's PyTorch models, their training step, and the recipes that export them.
 
-- ``mlp(depth)``: DESIGN.md's MLP, ``depth`` x (Linear(16, 16), LayerNorm(16), GELU),
+- ``mlp(depth)``: an MLP of ``depth`` x (Linear(16, 16), LayerNorm(16), GELU),
   trained on batches of 32 with MSE and AdamW.
 - ``SmallGPT``: a small decoder-only transformer written here: token and position
   embeddings, pre-LayerNorm blocks with causal self-attention and a GELU MLP, dropout,

@@ -2,7 +2,8 @@
 
     .venv/bin/python benchmarks/run.py [--quick] [--out build/bench]
 
-For each case (DESIGN.md's MLP at several depths, and a small GPT) it exports a bundle,
+For each case (an MLP of Linear(16, 16), LayerNorm(16), GELU blocks at several depths, and
+a small GPT: benchmarks/models.py) it exports a bundle,
 then times, interleaved and repeated in this one process: torch_xla re-tracing every
 step, PyTorch eager, torch.compile, a hand-written jax.jit step, the stepbundle trainer,
 and the floor (a bare execute loop of the trainer's own executable). Then, in fresh

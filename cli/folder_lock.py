@@ -8,27 +8,41 @@ ends, however it ends (SIGKILL included), so the file a killed run leaves behind
 blocks the ``--resume`` that follows; a run that ends removes the file while it still
 holds the lock, and a run that locked a file no longer under that name tries again, so
 two runs never hold two different files. It holds the holder's process id and host, for the
-refusal. Locks are taken by process 0 of a multi-process job, the one that writes.
+refusal. Locks are taken by process 0 of a multi-process job, the one that writes. The
+lock file is opened without following links (and never truncated on open): a symbolic
+link, a hard link or anything but a regular file there is refused, or the run would write
+its id into the file it names.
+
+Once the lock is held, no run writes in the folder, so every checkpoint temp file there
+(``atomic_write``'s ``.<name>.tmp-...``) was left by a killed writer and is removed. This
+is done only under the lock: a run that is refused removes nothing (a process id cannot
+tell a live writer across PID namespaces, and a refused run once removed the temp file
+of the live run's checkpoint in flight). Without a lock, only temp files a day old go.
 
 Limits: a folder at a URL (an object store) has no lock. A local file system that
 cannot lock (some network mounts) gets a one-line warning and the run goes on, as before.
 Windows has no ``fcntl``: no lock there.
 
-Imports: the standard library only.
+Imports: the standard library; ``stepbundle.schema.atomic``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import socket
+import stat
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
-__all__ = ["LOCK_NAME", "holding"]
+__all__ = ["LOCK_NAME", "holding", "lock_for_run"]
 
 LOCK_NAME = ".stepbundle-run.lock"
+# Without a lock, a temp file this old is dead: a writer changes its file as it writes.
+UNLOCKED_SWEEP_AGE_S = 24 * 3600.0
 
 
 @contextlib.contextmanager
@@ -36,21 +50,34 @@ def holding(folder: Path, given: str) -> Iterator[None]:
     """Hold the run lock of ``folder`` (an existing folder) until the block ends.
 
     Raises:
-      ValueError: another live process holds it.
+      ValueError: another live process holds it, or the lock file is a symbolic link,
+        a hard link or not a regular file (the run would write into what it names).
     """
     try:
         import fcntl
     except ImportError:  # Windows
+        _sweep(folder, UNLOCKED_SWEEP_AGE_S)
         yield
         return
     path = folder / LOCK_NAME
     while True:
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+            # Never through a link: the run writes its id into the file it opens.
+            fd = os.open(
+                path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, 0o666
+            )
         except OSError as e:
+            if e.errno == errno.ELOOP:  # O_NOFOLLOW met a symbolic link
+                raise ValueError(_not_a_lock_file(path, given, "a symbolic link")) from None
             _warn(path, e)
+            _sweep(folder, UNLOCKED_SWEEP_AGE_S)
             yield
             return
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink > 1:
+            os.close(fd)
+            what = "a hard link to another file" if stat.S_ISREG(st.st_mode) else "not a file"
+            raise ValueError(_not_a_lock_file(path, given, what))
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -64,6 +91,7 @@ def holding(folder: Path, given: str) -> Iterator[None]:
         except OSError as e:  # a file system without locks
             os.close(fd)
             _warn(path, e)
+            _sweep(folder, UNLOCKED_SWEEP_AGE_S)
             yield
             return
         if _same_file(fd, path):
@@ -72,6 +100,7 @@ def holding(folder: Path, given: str) -> Iterator[None]:
     try:
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"process {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+        _sweep(folder, 0.0)  # held: no writer is live here
         yield
     finally:
         # Removed while still held, so a run that opens the old file finds it gone (see
@@ -79,6 +108,14 @@ def holding(folder: Path, given: str) -> Iterator[None]:
         with contextlib.suppress(OSError):
             os.unlink(path)
         os.close(fd)
+
+
+def _not_a_lock_file(path: Path, given: str, what: str) -> str:
+    return (
+        f"--checkpoint-dir {given!r}: its run lock {str(path)!r} is {what}, not a lock file "
+        "a run made; a run writes into its lock file, so it would overwrite what that "
+        "names. Remove it (a run makes a new one) and run again."
+    )
 
 
 def _same_file(fd: int, path: Path) -> bool:
@@ -91,9 +128,31 @@ def _same_file(fd: int, path: Path) -> bool:
     return (st.st_dev, st.st_ino) == (held.st_dev, held.st_ino)
 
 
+def _sweep(folder: Path, min_age_s: float) -> None:
+    """Remove the checkpoint temp files killed writers left in ``folder``."""
+    from stepbundle.schema.atomic import temp_files
+
+    for stale in temp_files(folder, min_age_s=min_age_s):
+        with contextlib.suppress(OSError):
+            os.unlink(stale)
+            print(f"[run] removed {stale}, left by an interrupted write", file=sys.stderr)
+
+
 def _warn(path: Path, e: OSError) -> None:
     print(
         f"[run] warning: cannot lock {path} ({e.strerror or e}); make sure no other run "
         "writes into this folder",
         file=sys.stderr,
     )
+
+
+def lock_for_run(args: Any, joined: bool) -> contextlib.AbstractContextManager[None]:
+    """The lock on a run's local ``--checkpoint-dir``, taken by the process that writes
+    the checkpoints: this one, or process 0 of a job (``joined``)."""
+    from stepbundle.runtime import distributed
+    from stepbundle.runtime.remote import local_path
+
+    folder = local_path(args.checkpoint_dir) if args.checkpoint_dir else None
+    if folder is None or (joined and distributed.process_id() != 0):
+        return contextlib.nullcontext()
+    return holding(folder, args.checkpoint_dir)

@@ -59,7 +59,9 @@ def state_options(args: argparse.Namespace) -> Any:
     if (
         init_from is None
         and args.resume
-        and _has_no_weights(args.bundle, getattr(args, "expect_digest", None))
+        and _has_no_weights(
+            getattr(args, "bundle_file", None) or args.bundle, getattr(args, "expect_digest", None)
+        )
     ):
         init_from = args.resume
     return StateOptions(

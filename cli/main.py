@@ -358,7 +358,7 @@ def _add_eval(sub: Any) -> None:
     ev.set_defaults(fn=cmd_eval)
 
 
-# Exit codes (the README lists them too).
+# Exit codes (docs/cli.md lists them too, under "Exit codes": docs/cli.md#exit-codes).
 EXIT_OK = 0
 EXIT_FAILED = 1  # the bundle, a checkpoint or a step was refused or failed
 EXIT_USAGE = 2  # a bad argument or input file, found before anything ran

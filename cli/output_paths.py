@@ -10,8 +10,8 @@ are compared resolved (links followed), and an existing output file also by devi
 inode, so a hard link to an input is that input. An input inside an output folder is
 fine: ``--resume ck/step-100.safetensors --checkpoint-dir ck`` is how a run continues.
 
-Imports: the standard library; stepbundle.runtime's ``remote`` and ``store`` when an
-argument is a URL or a digest.
+Imports: the standard library; this package's ``paths``; stepbundle.runtime's ``remote``
+and ``store`` when an argument is a URL or a digest.
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from .paths import sink_path
 
 __all__ = ["check_output_paths"]
 
@@ -59,11 +61,12 @@ def _local(location: str) -> Path | None:
 
 def _inputs(args: argparse.Namespace) -> list[_Place]:
     places = []
-    bundle: str = args.bundle
+    # A digest's store entry, found and verified once by check_outputs (bundle_file).
+    bundle: str = getattr(args, "bundle_file", None) or args.bundle
     if bundle.startswith("sha256:"):
         from stepbundle.runtime.store import resolve_bundle
 
-        bundle = os.fspath(resolve_bundle(bundle))  # _check_bundle found it in the store
+        bundle = os.fspath(resolve_bundle(bundle))
     for flag, given in (
         ("the bundle", bundle),
         ("--data", args.data),
@@ -91,6 +94,8 @@ def _outputs(args: argparse.Namespace) -> list[_Place]:
     ):
         if not given:
             continue
+        if flag in ("--metrics-file", "--tensorboard"):
+            given = sink_path(flag, given)  # local only: the path the sink writes
         _refuse_process_local(flag, given)
         path = _local(given)
         if path is not None:

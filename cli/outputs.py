@@ -12,9 +12,7 @@ Imports: the standard library, stepbundle.schema; stepbundle.runtime's ``remote`
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
-import sys
 import tempfile
 from pathlib import Path
 
@@ -40,15 +38,21 @@ def _local(location: str) -> Path | None:
     return local_path(location)
 
 
-def _check_bundle(bundle: str) -> None:
+def _check_bundle(args: argparse.Namespace) -> None:
+    """Refuse a bundle that cannot be opened. A ``sha256:<digest>`` is looked up in the
+    store here, once (its entry verified in full, ``store.resolve_bundle``), and the run
+    reads the file found from then on: ``args.bundle_file`` and ``args.bundle_digest``."""
+    bundle: str = args.bundle
     if bundle.startswith("sha256:"):
         from stepbundle.runtime.store import resolve_bundle
         from stepbundle.schema.errors import BundleError
 
         try:
-            resolve_bundle(bundle)  # a digest is only looked up: nothing is fetched
+            found = resolve_bundle(bundle)  # a digest is only looked up: nothing is fetched
         except BundleError as e:  # not a digest, or not in the store
             raise ValueError(str(e)) from None
+        args.bundle_file = os.fspath(found)
+        args.bundle_digest = "sha256:" + bundle.removeprefix("sha256:").lower()
         return
     local = _local(bundle)
     if local is None:
@@ -75,15 +79,34 @@ def _check_remote_folder(url: str, resume: str | None) -> None:
 
 def check_outputs(args: argparse.Namespace) -> None:
     """Refuse, before anything is loaded, outputs that could not be written or that would
-    overwrite an input or earlier checkpoints."""
-    from stepbundle.schema.atomic import stale_temp_files
+    overwrite an input or earlier checkpoints.
 
+    ``args.metrics_file`` and ``args.tensorboard`` are replaced by the local paths they
+    name (``paths.sink_path``), which the checks and the run's writers then share; a
+    bundle given as ``sha256:<digest>`` gets ``args.bundle_file``, its verified store
+    entry, which the checks and the load then read (``_check_bundle``).
+    """
     from .output_paths import check_output_paths
+    from .paths import sink_path
     from .sinks import check_sink_outputs
 
-    _check_bundle(args.bundle)
+    # The sinks' local paths, once: every check below and the writers use these.
+    if args.metrics_file:
+        args.metrics_file = sink_path("--metrics-file", args.metrics_file)
+    if args.tensorboard:
+        args.tensorboard = sink_path("--tensorboard", args.tensorboard)
+    _check_bundle(args)
     check_output_paths(args)  # before anything below creates an output
-    check_sink_outputs(args.metrics_file, args.tensorboard)
+    check_sink_outputs(args.metrics_file, args.tensorboard)  # a folder, a missing folder
+    if args.metrics_file:
+        from stepbundle.schema.errors import BundleError
+
+        from .metrics_file import check_metrics_file
+
+        try:
+            check_metrics_file(args.metrics_file)  # read only: rows of ours, or none
+        except BundleError as e:
+            raise ValueError(str(e)) from None
     if args.checkpoint_every and not args.checkpoint_dir:
         raise ValueError(
             "--checkpoint-every writes checkpoints into --checkpoint-dir, which is missing: "
@@ -141,8 +164,6 @@ def check_outputs(args: argparse.Namespace) -> None:
                 f"({earlier[-1].name} and {len(earlier) - 1} more); a new run would overwrite "
                 f"them. Continue with --resume {earlier[-1]}, or choose an empty folder."
             )
+        # Temp files killed writers left are removed once the folder's lock is held
+        # (folder_lock), not here: a run refused for a live holder must touch nothing.
         _check_writable_folder(folder, "--checkpoint-dir")
-        for stale in stale_temp_files(folder):  # left by a killed writer
-            with contextlib.suppress(OSError):
-                os.unlink(stale)
-                print(f"[run] removed {stale}, left by an interrupted write", file=sys.stderr)

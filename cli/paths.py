@@ -6,6 +6,12 @@ command for ever on its first open (``runtime/file_kinds.py``). It also refuses 
 ``http(s)://`` ``--checkpoint-dir`` or ``--save-state``: such URLs can only be read.
 URLs and ``sha256:`` digests are not local paths and are left to the runtime.
 
+``--metrics-file`` and ``--tensorboard`` are written as local files only: ``sink_path``
+turns a ``file://`` URL into its path and refuses every other URL, and ``stepbundle run``
+puts that path back into its arguments, so its checks and its writers use one path.
+(``https://../x.stepbundle`` was once checked as a URL, skipped, and then written as the
+local path ``https:/../x.stepbundle``, which is ``../x.stepbundle``.)
+
 Imports: the standard library, stepbundle.runtime's ``file_kinds``.
 """
 
@@ -13,7 +19,7 @@ from __future__ import annotations
 
 import argparse
 
-__all__ = ["check_path_kinds"]
+__all__ = ["check_path_kinds", "sink_path"]
 
 # argument -> (its flag, a regular file taken, a folder taken)
 _PATHS = {
@@ -30,6 +36,29 @@ _PATHS = {
 }
 
 _WRITTEN = ("checkpoint_dir", "save_state")
+_SINKS = ("metrics_file", "tensorboard")
+
+
+def sink_path(flag: str, given: str) -> str:
+    """The local path a ``--metrics-file`` or ``--tensorboard`` argument names: itself,
+    or the path of a ``file://`` URL.
+
+    Raises:
+      ValueError: any other URL (sinks append and sync as they go, which object stores
+        and read-only http(s) cannot).
+    """
+    if "://" not in given:
+        return given
+    from stepbundle.runtime.remote import local_path
+
+    local = local_path(given)
+    if local is None:
+        raise ValueError(
+            f"{flag} {given!r} is a URL, but {flag} is written on the local disk, appended to "
+            "and synced as the run goes (a file:// URL is taken as its path; no other URL "
+            "is). Give a local path, and copy the output where it should go after the run."
+        )
+    return str(local)
 
 
 def check_path_kinds(args: argparse.Namespace) -> None:
@@ -37,7 +66,7 @@ def check_path_kinds(args: argparse.Namespace) -> None:
 
     Raises:
       ValueError: a path is a named pipe, a device or a socket (``NotARegularFileError``),
-        or an output is an http(s) URL.
+        an output is an http(s) URL, or a sink's is a URL other than file://.
     """
     from stepbundle.runtime.file_kinds import check_kind
 
@@ -45,6 +74,8 @@ def check_path_kinds(args: argparse.Namespace) -> None:
         value = getattr(args, name, None)
         if not isinstance(value, str) or not value or value.startswith("sha256:"):
             continue
+        if name in _SINKS:
+            value = sink_path(flag, value)
         scheme = value.split("://", 1)[0].lower() if "://" in value else ""
         if name in _WRITTEN and scheme in ("http", "https"):
             raise ValueError(

@@ -14,7 +14,7 @@ import os
 
 from stepbundle.schema.errors import BundleError
 
-__all__ = ["RecordFile", "SinkError", "cut_torn_line"]
+__all__ = ["RecordFile", "SinkError"]
 
 
 class SinkError(BundleError):
@@ -87,21 +87,3 @@ class RecordFile:
         fd, self._fd = self._fd, None
         if fd is not None:
             os.close(fd)
-
-
-def cut_torn_line(file: RecordFile) -> int:
-    """Cut a last line without its newline (a run killed mid-write, before the file was
-    written through; or another writer) off ``file``; returns the bytes cut."""
-    end = file.size
-    if end == 0 or os.pread(file.fd, 1, end - 1) == b"\n":
-        return 0
-    pos = end
-    while pos > 0:  # back to the last newline, 64 KiB at a time
-        start = max(0, pos - 65536)
-        found = os.pread(file.fd, pos - start, start).rfind(b"\n")
-        if found >= 0:
-            pos = start + found + 1
-            break
-        pos = start
-    file.cut(pos)
-    return end - pos

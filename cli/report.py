@@ -18,7 +18,8 @@ Which steps are reported:
 Only the process that writes files (process 0 of a multi-process job) reports.
 
 Imports: the standard library, ``stepbundle.runtime.metrics`` (numpy), the CLI's
-``progress`` (tqdm) and ``sinks`` modules; tensorboardX through ``sinks``, lazily.
+``progress`` (tqdm), ``sinks`` and ``metrics_file`` modules; tensorboardX through
+``sinks``, lazily.
 """
 
 from __future__ import annotations
@@ -32,8 +33,9 @@ from typing import Any, TextIO
 
 from stepbundle.runtime.metrics import json_safe, to_floats
 
+from .metrics_file import MetricsFile
 from .progress import ProgressBar, format_value
-from .sinks import LogRecord, MetricsFile, Sink, SinkError, TensorBoard, lr_name
+from .sinks import LogRecord, Sink, SinkError, TensorBoard, lr_name
 
 __all__ = ["Reporter", "plain_line"]
 
@@ -60,7 +62,11 @@ class Reporter:
       steps: how many steps this run dispatches.
       json_lines: ``--json``: one JSON object per reported step on ``stdout``.
       log_every: ``--log-every``, or None for each output's default.
-      metrics_file, tensorboard: ``--metrics-file`` and ``--tensorboard``, or None.
+      metrics_file, tensorboard: ``--metrics-file`` and ``--tensorboard``, or None; the
+        metrics file as a path, or a ``MetricsFile`` the run opened (and locked) earlier.
+      resume_at: the step a resumed run starts at: rows of that step and later that end
+        the metrics file were left by the run the checkpoint came from and are cut off
+        (``MetricsFile.start``); None for a run that is not resumed.
       writes_files: False in every process of a multi-process job but process 0: then
         nothing is read, printed or opened.
       hyperparameters: returns the current hyperparameters (``trainer.hyperparameters``);
@@ -80,13 +86,14 @@ class Reporter:
         steps: int,
         json_lines: bool,
         log_every: int | None,
-        metrics_file: str | None,
+        metrics_file: str | MetricsFile | None,
         tensorboard: str | None,
         writes_files: bool,
         hyperparameters: Callable[[], Mapping[str, float]],
         stdout: TextIO,
         stderr: TextIO,
         on_sink_failure: Callable[[SinkError], object] | None = None,
+        resume_at: int | None = None,
     ) -> None:
         self._steps = steps
         self._json = json_lines
@@ -104,12 +111,23 @@ class Reporter:
             return
         try:
             if metrics_file is not None:
-                lines = MetricsFile(metrics_file)
+                lines = (
+                    metrics_file
+                    if isinstance(metrics_file, MetricsFile)
+                    else MetricsFile(metrics_file)
+                )
                 self._sinks.append(lines)
+                lines.start(resume_at)
                 if lines.torn_bytes:
                     print(
                         f"[run] --metrics-file: cut a torn last line ({lines.torn_bytes} "
-                        f"bytes, no newline) off {metrics_file!r} before appending",
+                        f"bytes, no newline) off {lines.path!r} before appending",
+                        file=stderr,
+                    )
+                if lines.dropped:
+                    print(
+                        f"[run] dropped {lines.dropped} line(s) of {lines.path} from step "
+                        f"{resume_at} on, left by the run the checkpoint came from",
                         file=stderr,
                     )
             if tensorboard is not None:

@@ -13,12 +13,15 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .common import EXIT_PIPE_CLOSED
 from .common import die as _die
 from .stopping import Stopper, StopRequested, exit_on_sigterm
 from .watchdog import Watchdog
+
+if TYPE_CHECKING:
+    from .metrics_file import MetricsFile
 
 __all__ = ["cmd_run"]
 
@@ -104,34 +107,33 @@ def cmd_run(args: argparse.Namespace) -> int:
                 distributed.agree(False, timeout_s=_SETUP_TIMEOUT_S)
         return _die(message, code)
 
+    from .folder_lock import lock_for_run
+    from .metrics_file import MetricsFileRefusedError, metrics_file_for_run
+    from .record_file import SinkError
+
     with contextlib.ExitStack() as held:
         try:
-            held.enter_context(_folder_lock(args, joined))
-        except ValueError as e:
+            held.enter_context(lock_for_run(args, joined))
+            metrics = metrics_file_for_run(args, joined)
+        except (ValueError, MetricsFileRefusedError) as e:
             return fail(str(e), 2)
-        return _load_and_run(args, joined, fail)
+        except SinkError as e:
+            return fail(str(e), 1)
+        if metrics is not None:
+            held.callback(metrics.close)
+        return _load_and_run(args, joined, fail, metrics)
 
 
-def _folder_lock(args: argparse.Namespace, joined: bool) -> contextlib.AbstractContextManager[None]:
-    """The lock on a local ``--checkpoint-dir`` (``folder_lock``), taken by the process
-    that writes the checkpoints: this one, or process 0 of a job."""
-    from stepbundle.runtime import distributed
-    from stepbundle.runtime.remote import local_path
-
-    from .folder_lock import holding
-
-    folder = local_path(args.checkpoint_dir) if args.checkpoint_dir else None
-    if folder is None or (joined and distributed.process_id() != 0):
-        return contextlib.nullcontext()
-    return holding(folder, args.checkpoint_dir)
-
-
-def _load_and_run(args: argparse.Namespace, joined: bool, fail: Callable[[str, int], int]) -> int:
+def _load_and_run(
+    args: argparse.Namespace,
+    joined: bool,
+    fail: Callable[[str, int], int],
+    metrics: MetricsFile | None,
+) -> int:
     from stepbundle.runtime import distributed
     from stepbundle.schema.errors import BundleError
 
     from .data import DATA_ERRORS, is_dataset, read_npz, training_batches
-    from .sinks import trim_metrics_file
 
     npz = None
     # Both data sets are opened before the bundle is compiled: --eval-data is not first
@@ -164,18 +166,6 @@ def _load_and_run(args: argparse.Namespace, joined: bool, fail: Callable[[str, i
         batches, offset = training_batches(args, trainer, npz)
     except (BundleError, ValueError) as e:
         return fail(str(e), 1)
-    if args.resume and args.metrics_file and trainer.placement.writes_files:
-        # Rows a killed run wrote past its checkpoint would otherwise come twice.
-        try:
-            dropped = trim_metrics_file(args.metrics_file, trainer.step_count)
-        except OSError as e:
-            return fail(f"cannot rewrite --metrics-file {args.metrics_file!r}: {e}", 1)
-        if dropped:
-            print(
-                f"[run] dropped {dropped} line(s) of {args.metrics_file} past step "
-                f"{trainer.step_count - 1}, left by the run the checkpoint came from",
-                file=sys.stderr,
-            )
     try:
         if joined and not distributed.agree(True, timeout_s=_SETUP_TIMEOUT_S):
             return _die("another process of the job failed to start; its error says why", 1)
@@ -195,7 +185,7 @@ def _load_and_run(args: argparse.Namespace, joined: bool, fail: Callable[[str, i
             if args.save_state:  # the state asked for is the resumed one
                 _save_state(trainer, args.save_state)
             return 0
-        return _run_train(args, trainer, batches, steps, offset)
+        return _run_train(args, trainer, batches, steps, offset, metrics)
     except BundleError as e:
         return _die(str(e), 1)
 
@@ -225,7 +215,7 @@ def _open_trainer(args: argparse.Namespace) -> Any:
         ),
         state=state_options(args),
         safety=SafetyOptions(
-            expect_digest=args.expect_digest,
+            expect_digest=args.expect_digest or getattr(args, "bundle_digest", None),
             stop_on_nonfinite=args.stop_on_nonfinite,
             check_state=args.check_state,
         ),
@@ -233,7 +223,9 @@ def _open_trainer(args: argparse.Namespace) -> Any:
             devices=args.devices, shard_optimizer_state=args.shard_optimizer_state
         ),
     )
-    trainer = load(args.bundle, args.device, options=options)
+    # A sha256: bundle was found and verified in the store once (outputs._check_bundle);
+    # the load reads that file, held to the digest, rather than verify it again.
+    trainer = load(getattr(args, "bundle_file", None) or args.bundle, args.device, options=options)
     if args.resume:
         trainer.load_checkpoint(args.resume, allow_other_bundle=args.allow_other_bundle)
     if args.seed is not None:
@@ -290,7 +282,12 @@ def _run_eval(args: argparse.Namespace, trainer: Any, batches: Iterable[Any]) ->
 
 
 def _run_train(
-    args: argparse.Namespace, trainer: Any, batches: Any, steps: int, offset: int
+    args: argparse.Namespace,
+    trainer: Any,
+    batches: Any,
+    steps: int,
+    offset: int,
+    metrics: MetricsFile | None,
 ) -> int:
     from stepbundle.runtime.dataset import DataError
     from stepbundle.runtime.errors import NonFiniteLossError
@@ -317,7 +314,10 @@ def _run_train(
         steps=steps,
         json_lines=args.json,
         log_every=args.log_every,
-        metrics_file=args.metrics_file,
+        # Rows a killed run wrote past its checkpoint would otherwise come twice: the
+        # rows from the resumed step on are cut off now, as this run starts writing.
+        metrics_file=metrics if metrics is not None else args.metrics_file,
+        resume_at=start_step if args.resume else None,
         tensorboard=args.tensorboard,
         writes_files=trainer.placement.writes_files,
         hyperparameters=lambda: trainer.hyperparameters,

@@ -6,21 +6,23 @@ and is closed once at the end of the run, whatever ended it. Every record is wri
 through to the OS as it comes (``record_file.RecordFile``: one ``write(2)``, no buffer, no
 thread), so a SIGKILL loses nothing already reported; ``flush()`` (at each checkpoint)
 also syncs it to the disk. A write that fails (a full disk) cuts the file back to its last
-whole record and raises ``SinkError``. TensorBoard events are tensorboardX's protobufs
+whole record and raises ``SinkError``. The metrics file's sink is ``metrics_file``
+(it holds a lock and may trim the file). TensorBoard events are tensorboardX's protobufs
 (no torch), the ``tensorboard`` extra, imported only when asked for.
 
-Imports: the standard library; ``stepbundle.runtime.metrics`` (numpy only); this
-package's ``record_file``; tensorboardX lazily.
+Both sinks write local files: a ``--metrics-file`` or ``--tensorboard`` given as a URL
+is refused up front (``paths.sink_path``), except a ``file://`` URL, which stands for its
+path; the checks and the writers then use that one path.
+
+Imports: the standard library; this package's ``record_file``; tensorboardX lazily.
 """
 
 from __future__ import annotations
 
 import errno
-import json
 import os
 import re
 import socket
-import stat
 import struct
 import time
 from collections.abc import Mapping
@@ -28,21 +30,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from stepbundle.runtime.metrics import json_float, json_safe
-from stepbundle.schema.atomic import atomic_write
-
-from .record_file import RecordFile, SinkError, cut_torn_line
+from .record_file import RecordFile, SinkError
 
 __all__ = [
     "TENSORBOARD_MISSING",
     "LogRecord",
-    "MetricsFile",
     "Sink",
     "SinkError",
     "TensorBoard",
     "check_sink_outputs",
     "lr_name",
-    "trim_metrics_file",
 ]
 
 TENSORBOARD_MISSING = (
@@ -92,63 +89,6 @@ class Sink(Protocol):
     def flush(self) -> None: ...
 
     def close(self) -> None: ...
-
-
-class MetricsFile:
-    """``--metrics-file``: one JSON object per logged step, appended to a file.
-
-    Each line is ``{"step": ..., "time": ..., "lr": ..., <metric>: ...}`` (``lr`` only
-    when the bundle has one; a metric named ``step``, ``time`` or ``lr`` is written as
-    ``metric.<name>``). Non-finite values are the strings ``"NaN"``, ``"Infinity"``,
-    ``"-Infinity"``, so every line is strict JSON. The file is appended to (a resumed
-    run continues it) one whole line per ``write(2)``, so ``tail -f`` follows it, a
-    killed run loses nothing it wrote, and a failed write (a full disk) is cut back to
-    the last whole line and raised as ``SinkError``. A last line without its newline,
-    left by someone else, is cut off when the file is opened (``torn_bytes``).
-    """
-
-    _RESERVED = frozenset({"step", "time", "lr"})
-
-    def __init__(self, path: str | os.PathLike[str]) -> None:
-        self.path = os.fspath(path)
-        try:
-            self._file: RecordFile | None = RecordFile(self.path)
-            self.torn_bytes = cut_torn_line(self._file)
-        except OSError as e:
-            raise SinkError("--metrics-file", self.path, e, "open") from None
-
-    def write(self, record: LogRecord) -> None:
-        assert self._file is not None, "the metrics file is closed"
-        line: dict[str, Any] = {"step": record.step, "time": round(record.time_s, 6)}
-        lr = record.lr
-        if lr is not None:
-            line["lr"] = json_float(lr)
-        for name, v in json_safe(record.metrics).items():
-            if record.group != "train":
-                name = f"{record.group}/{name}"
-            line[f"metric.{name}" if name in self._RESERVED else name] = v
-        data = (json.dumps(line, allow_nan=False) + "\n").encode("utf-8")
-        try:
-            self._file.append(data)
-        except OSError as e:
-            raise SinkError(
-                "--metrics-file", self.path, e, f"append step {record.step} to"
-            ) from None
-
-    def flush(self) -> None:
-        if self._file is not None:
-            try:
-                self._file.sync()
-            except OSError as e:
-                raise SinkError("--metrics-file", self.path, e, "sync") from None
-
-    def close(self) -> None:
-        file, self._file = self._file, None
-        if file is not None:
-            try:
-                file.close()
-            except OSError as e:
-                raise SinkError("--metrics-file", self.path, e, "close") from None
 
 
 class TensorBoard:
@@ -283,48 +223,3 @@ def check_sink_outputs(metrics_file: str | None, tensorboard: str | None) -> Non
             raise OSError(
                 f"--tensorboard: cannot write into {tensorboard!r} ({e.strerror or e})"
             ) from None
-
-
-def _step_of(line: bytes) -> int | None:
-    """The ``step`` of a metrics line; None for a line that is not one (torn, foreign)."""
-    try:
-        row = json.loads(line)
-    except ValueError:
-        return None
-    step = row.get("step") if isinstance(row, dict) else None
-    return step if type(step) is int else None
-
-
-def trim_metrics_file(path: str | os.PathLike[str], first_step: int) -> int:
-    """Make ``--metrics-file`` end where a resumed run begins; return the lines dropped.
-
-    A run killed after its last checkpoint has written rows for steps the resumed run
-    takes again (the resume would leave two rows for each), and a kill during a write
-    leaves a torn last line. Dropped: every row whose step is ``first_step`` or later
-    (evaluation rows too: they carry the step they followed), and a last line cut short
-    (no newline, not JSON; a whole row that lacks only its newline gets one). Other lines
-    stay as they are. The file is replaced atomically (a new file renamed onto it), and
-    only when something changes.
-    """
-    target = os.path.realpath(path)  # a link stays a link to the rewritten file
-    try:
-        with open(target, "rb") as f:
-            raw = f.read()
-    except FileNotFoundError:
-        return 0
-    lines = raw.splitlines(keepends=True)
-    kept = []
-    for line in lines:
-        step = _step_of(line)
-        if step is not None and step >= first_step:
-            continue
-        kept.append(line)
-    if kept and not kept[-1].endswith(b"\n"):  # cut short by a kill while it was written
-        last = kept.pop()
-        if _step_of(last) is not None:  # whole but for its newline
-            kept.append(last + b"\n")
-    joined = b"".join(kept)
-    if joined == raw:
-        return 0
-    atomic_write(target, [joined], mode=stat.S_IMODE(os.stat(target).st_mode))
-    return len(lines) - len(kept)

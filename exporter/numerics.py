@@ -3,7 +3,9 @@
 torch_xla lowers training BatchNorm to ``stablehlo.batch_norm_training`` and
 ``stablehlo.batch_norm_grad``, ops every XLA release expands its own way, with the
 variance as E[x^2] - E[x]^2. That cancels when a channel's mean is large against its
-spread (DESIGN.md, "XLA's BatchNorm is numerically weak"): on torchvision's resnet18 the
+spread (both terms are large and nearly equal, so float32 keeps few correct digits of
+their difference: inputs of mean 30 and std 1 come out ~1e-4 off, where PyTorch's kernels,
+which subtract the mean first, are ~1e-6 off): on torchvision's resnet18 the
 gradients come out ~1% off PyTorch float64, and a bundle's results change with the XLA
 version that runs it. So by default (``"pytorch"``) the exporter rewrites both ops, after
 torch_xla has lowered the step, into plain StableHLO computing what PyTorch's kernels
@@ -13,7 +15,8 @@ bundle to equal torch_xla eager bit for bit (on the XLA release torch_xla uses).
 
 The choice is written to the manifest (``Manifest.numerics``).
 
-Imports: stepbundle.stablehlo, stepbundle.schema, stepbundle.exporter.errors.
+Imports: stepbundle.stablehlo, stepbundle.schema, stepbundle.frontend.errors
+(frontend_core/errors.py).
 """
 
 from __future__ import annotations

@@ -14,7 +14,8 @@ The exporter proves both from the values torch_xla fed its two traced steps
 that computes each restored seed from it (``derive_seeds``); ``K`` and ``N`` go to
 ``Rng.restored_after_draws`` and ``Rng.step_after_draws``.
 
-Imports: stepbundle.schema.rng, stepbundle.stablehlo.artifact, stepbundle.exporter.errors.
+Imports: stepbundle.schema.rng, stepbundle.stablehlo.artifact, stepbundle.frontend.errors
+(frontend_core/errors.py).
 """
 
 from __future__ import annotations

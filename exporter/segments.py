@@ -3,7 +3,8 @@
 torch_xla's checkpoint is reentrant; a segment none of whose inputs needs grad silently
 trains nothing inside it, so the exporter refuses that up front.
 
-Imports: torch, stepbundle.exporter.xla (torch_xla's checkpoint class), stepbundle.exporter.errors.
+Imports: torch, stepbundle.exporter.xla (torch_xla's checkpoint class),
+stepbundle.frontend.errors (frontend_core/errors.py).
 """
 
 from __future__ import annotations

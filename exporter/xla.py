@@ -10,7 +10,8 @@ the tested release returns. Upgrading torch_xla means reading this file and runn
 
 The rest of the exporter imports torch_xla only through this module.
 
-Imports: torch, torch_xla, stepbundle.exporter.errors.
+Imports: torch, torch_xla, stepbundle.frontend.errors (frontend_core/errors.py),
+stepbundle.schema.
 """
 
 from __future__ import annotations

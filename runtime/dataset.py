@@ -41,8 +41,9 @@ Input names are file-name safe (letters, digits, ``_``, ``.``, ``-``; not starti
 float16/32/64). bfloat16 is not offered: ``.npy`` cannot name it (numpy writes it as
 raw ``V2``); store it as uint16 and view it after loading, or as float32.
 
-Imports: numpy, the standard library (and this package's index module). The index, the
-typed errors and ``InputSpec`` live in ``dataset_index.py`` and are re-exported here.
+Imports: numpy, the standard library (and this package's ``dataset_index`` and
+``file_kinds``). The index, the typed errors and ``InputSpec`` live in
+``dataset_index.py`` and are re-exported here.
 """
 
 from __future__ import annotations
@@ -77,6 +78,7 @@ from .dataset_index import (
     data_error,
     shard_file_name,
 )
+from .file_kinds import kind_of
 
 __all__ = [
     "DATASET_FORMAT",
@@ -316,16 +318,22 @@ def open_dataset(path: str | os.PathLike[str]) -> Dataset:
     folder = Path(path)
     index_path = folder / INDEX_NAME
     if not index_path.is_file():
-        hint = (
-            "it is not a folder"
-            if not folder.is_dir()
-            else f"it has no {INDEX_NAME} (not a dataset, or a write that did not finish)"
-        )
+        try:
+            mode: int | None = index_path.stat().st_mode
+        except OSError:
+            mode = None
+        if not folder.is_dir():
+            hint = "it is not a folder"
+        elif mode is not None:  # there, but a FIFO, a device, a folder: never opened
+            hint = f"its {INDEX_NAME} is {kind_of(mode)}, not a regular file"
+        else:
+            hint = f"it has no {INDEX_NAME} (not a dataset, or a write that did not finish)"
         raise data_error(
             DataErrorKind.MISSING_INDEX,
             index_path,
             f"{str(folder)!r} is not a stepbundle dataset: {hint}. Write one with "
-            "stepbundle.runtime.dataset_writer.write_dataset (see examples/write_dataset.py).",
+            "stepbundle.runtime.dataset_writer.write_dataset (see examples/write_dataset.py)"
+            + (", or put the index file it wrote back in place." if mode is not None else "."),
         )
     if index_path.stat().st_size > MAX_INDEX_BYTES:
         raise data_error(

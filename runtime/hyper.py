@@ -85,7 +85,9 @@ class Hyperparameters:
         capturable Adam/AdamW (whose update then divides 0 by 0 where a second moment
         is 0, turning those parameters into NaN in one step). The value checked is the
         one the device receives: cast to the dtype the bundle declares (1e-46 is 0 as
-        float32)."""
+        float32), and an lr below that dtype's smallest normal number counts as 0 too
+        (1e-44 is a float32 subnormal, which a TPU, or a GPU with flush-to-zero, reads
+        as 0)."""
         if not math.isfinite(value):
             raise BindingError(
                 f"Hyperparameter {name!r} must be finite, but {source} gave {value!r}."
@@ -97,20 +99,31 @@ class Hyperparameters:
                     f"Hyperparameter {full!r} is {dtype}, and {source} gave {value!r}, which "
                     f"is infinite as {dtype} (largest {float(np.finfo(dtype).max)!r})."
                 )
+            if not (self._zero_lr_refused and full.rsplit(".", 1)[-1] == "lr"):
+                continue
             seen = value if dtype is None else float(np.asarray(value, dtype=dtype))
-            if seen == 0.0 and self._zero_lr_refused and full.rsplit(".", 1)[-1] == "lr":
+            tiny = 0.0 if dtype is None or dtype.kind != "f" else float(np.finfo(dtype).tiny)
+            if seen != 0.0 and abs(seen) >= tiny:
+                continue
+            if value == 0.0:
+                given = f"{name!r} = 0"
+            elif seen == 0.0:
                 given = (
-                    f"{name!r} = 0"
-                    if value == 0.0
-                    else f"{name!r} = {value!r}, which is 0 as {dtype} (the dtype the bundle "
+                    f"{name!r} = {value!r}, which is 0 as {dtype} (the dtype the bundle "
                     f"declares for {full!r})"
                 )
-                raise BindingError(
-                    f"{source[:1].upper()}{source[1:]} gave {given}. This bundle's optimizer "
-                    "is capturable Adam/AdamW, whose update with an lr of exactly 0 computes "
-                    "0/0 and turns parameters into NaN. Use a small positive lr (e.g. 1e-12; "
-                    "a schedule's min=1e-12), or stop training instead."
+            else:
+                given = (
+                    f"{name!r} = {value!r}, which is a subnormal {dtype} (the dtype the "
+                    f"bundle declares for {full!r}; its smallest normal number is {tiny!r}), "
+                    "and accelerators (TPUs; GPUs with flush-to-zero) flush subnormals to 0"
                 )
+            raise BindingError(
+                f"{source[:1].upper()}{source[1:]} gave {given}. This bundle's optimizer "
+                "is capturable Adam/AdamW, whose update with an lr of exactly 0 computes "
+                "0/0 and turns parameters into NaN. Use a small positive lr (e.g. 1e-12; "
+                "a schedule's min=1e-12), or stop training instead."
+            )
 
     def check_schedule(self, name: str, spec: str) -> None:
         """Refuse a schedule spec ``parse_schedule`` does not take (ValueError), or whose

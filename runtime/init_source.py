@@ -31,6 +31,7 @@ from pathlib import Path, PurePosixPath
 
 from . import remote
 from .errors import CheckpointError
+from .file_kinds import kind_of
 from .tensor_file import MAX_HEADER, SafetensorsFile, TensorRecord, open_safetensors
 
 __all__ = ["INDEX_NAME", "SINGLE_NAME", "InitSource", "open_source"]
@@ -75,6 +76,16 @@ def _resolve(p: Path) -> Path:
         for name in (INDEX_NAME, SINGLE_NAME):
             if (p / name).is_file():
                 return p / name
+        for name in (INDEX_NAME, SINGLE_NAME):
+            try:
+                mode = (p / name).stat().st_mode  # there, but no file: never opened
+            except OSError:
+                continue
+            raise CheckpointError(
+                f"The folder {str(p)!r} holds {name}, but it is {kind_of(mode)}, not a "
+                "regular file (a pipe would block the run, a device read without end). "
+                "Put the checkpoint file itself there, or give its path."
+            )
         found = sorted(q.name for q in p.glob("*.safetensors*"))[:5]
         raise CheckpointError(
             f"The folder {str(p)!r} holds neither {INDEX_NAME} nor {SINGLE_NAME} "

@@ -18,9 +18,11 @@ Every failure of a backend (aiohttp's, botocore's, google-auth's and OSError amo
 them: each backend raises its own types) becomes a ``RemoteError`` naming the URL and
 the cause (``remote_errors.py``: HTTP 401/403, 5xx, redirect loops and timeouts each
 have their own type and words); a missing object stays ``FileNotFoundError``, which
-callers treat as "none there". Every transfer has a whole-transfer deadline
-(``$STEPBUNDLE_TRANSFER_DEADLINE_S``), and a download into the temporary folder a size
-limit (``$STEPBUNDLE_MAX_DOWNLOAD_BYTES``). ``RemoteError`` is an ``OSError`` as well
+callers treat as "none there". Every download is held to a minimum average rate after a
+grace period (``TransferPace``: ``$STEPBUNDLE_MIN_TRANSFER_RATE``,
+``$STEPBUNDLE_TRANSFER_GRACE_S``) and, on HTTP, to 60 s at most without data per read,
+and a download into the temporary folder to a size limit
+(``$STEPBUNDLE_MAX_DOWNLOAD_BYTES``). ``RemoteError`` is an ``OSError`` as well
 as a ``BundleError``, so code that handles a failed local write (a checkpoint, a
 compile-cache entry) handles a failed upload the same way.
 
@@ -42,21 +44,21 @@ from stepbundle.schema.atomic import Chunks, WriteFn
 from stepbundle.schema.errors import BundleError
 
 from .remote_errors import (
+    READ_TIMEOUT_S,
     BackendMissingError,
-    Deadline,
     DownloadTooLargeError,
     RemoteError,
+    TransferPace,
     classify,
     max_download_bytes,
-    transfer_deadline_s,
 )
 
 __all__ = [
     "BackendMissingError",
-    "Deadline",
     "DownloadTooLargeError",
     "RemoteError",
     "SequentialReader",
+    "TransferPace",
     "downloaded",
     "filesystem",
     "is_url",
@@ -117,11 +119,11 @@ def filesystem(url: str) -> tuple[Any, str]:
             import aiohttp
 
             # aiohttp's default limits a whole request to 300 s, which cuts every long
-            # download (a server without range requests sends a bundle in one response);
-            # a stalled connection fails after a minute without data, and no request
-            # outlives the whole-transfer deadline (SequentialReader holds each read to
-            # what is left of it; a trickle of a byte a second defeats sock_read alone).
-            timeout = aiohttp.ClientTimeout(total=transfer_deadline_s(), sock_read=60)
+            # download (a server without range requests sends a bundle in one response):
+            # no total here. A stalled connection fails after a minute without data, and
+            # SequentialReader gives each of its requests a total from the transfer's
+            # minimum rate (a trickle of a byte a second defeats sock_read alone).
+            timeout = aiohttp.ClientTimeout(total=None, sock_read=READ_TIMEOUT_S)
             options["client_kwargs"] = {"timeout": timeout}
         fs, path = fsspec.core.url_to_fs(url, **options)
         return fs, str(path)
@@ -142,10 +144,18 @@ def filesystem(url: str) -> tuple[Any, str]:
             "https://, or the URL of an installed fsspec backend (gs://, s3://, ...).",
             url,
         ) from None
+    except Exception as e:  # a backend failing as it starts (reference:: reads its file)
+        raise RemoteError(
+            f"fsspec could not open {url!r} as a file system ({type(e).__name__}: {e}). "
+            "Check the URL; a chained URL (a::b://...) also needs what its first part reads "
+            "(reference:: needs a references file at the path after ::).",
+            url,
+            f"{type(e).__name__}: {e}",
+        ) from None
 
 
 @contextlib.contextmanager
-def failures(url: str, doing: str, deadline: Deadline | None = None) -> Iterator[None]:
+def failures(url: str, doing: str, pace: TransferPace | None = None) -> Iterator[None]:
     """Turn a backend's failure while ``doing`` something with ``url`` into RemoteError.
 
     stepbundle's own errors pass through, and so does ``FileNotFoundError`` when the
@@ -159,12 +169,12 @@ def failures(url: str, doing: str, deadline: Deadline | None = None) -> Iterator
     except BundleError:
         raise
     except FileNotFoundError as e:
-        typed = classify(url, e, deadline)
+        typed = classify(url, e, pace)
         if typed is None:
             raise
         raise typed from None
     except Exception as e:
-        typed = classify(url, e, deadline)
+        typed = classify(url, e, pace)
         if typed is not None:
             raise typed from None
         cause = f"{type(e).__name__}: {e}"
@@ -194,30 +204,34 @@ class SequentialReader:
     request and skips to where it was. Such a server sends the object from its start,
     so a refusal after the header and manifest stops a transfer already under way.
 
-    The whole read is held to ``deadline``: on HTTP every request is given what is left
-    of it as aiohttp's total timeout, so a server that trickles bytes is cut off on
-    time; on other backends it is checked between reads. Past it, a read raises
-    ``TransferTimeoutError``.
+    The whole read is held to ``pace``'s minimum average rate: on HTTP every request is
+    given the time its bytes may take (``TransferPace.time_for``) as aiohttp's total
+    timeout, so a server that trickles bytes is cut off on time; on other backends the
+    rate is checked between reads. Too slow, a read raises ``TransferTimeoutError``.
     """
 
-    def __init__(self, fs: Any, path: str, deadline: Deadline) -> None:
-        self._fs, self._path, self._deadline = fs, path, deadline
+    def __init__(self, fs: Any, path: str, pace: TransferPace) -> None:
+        self._fs, self._path, self._pace = fs, path, pace
         self._http = "http" in fs.protocol
-        deadline.remaining()
-        # The first request (fsspec's HEAD for the size) is held to the session's total
-        # timeout, the whole deadline: fsspec's sync() would take a timeout= of its own.
-        self._f = fs.open(path, "rb", block_size=CHUNK, cache_type="none")
         self._pos = 0
+        self._size: int | None = None
         self._streaming = False
+        # The first request (fsspec's HEAD for the size) is held to the session's limits
+        # only, 60 s without data per read: fsspec's sync() takes a timeout= of its own.
+        self._pace.check()
+        self._f = fs.open(path, "rb", block_size=CHUNK, cache_type="none")
+        self._size = getattr(self._f, "size", None)
 
-    def _limits(self) -> dict[str, Any]:
-        """The request options that hold one request to what is left of the deadline."""
-        left = self._deadline.remaining()
+    def _limits(self, n: int) -> dict[str, Any]:
+        """The request options that give a request for ``n`` bytes the time they may take."""
+        if self._size is not None:
+            n = max(0, min(n, self._size - self._pos))
+        seconds = self._pace.time_for(n)
         if not self._http:
             return {}
         import aiohttp
 
-        return {"timeout": aiohttp.ClientTimeout(total=left, sock_read=60)}
+        return {"timeout": aiohttp.ClientTimeout(total=seconds, sock_read=READ_TIMEOUT_S)}
 
     @property
     def declared_size(self) -> int | None:
@@ -230,9 +244,9 @@ class SequentialReader:
     def read(self, n: int) -> bytes:
         try:
             if not self._streaming and hasattr(self._f, "kwargs"):
-                self._f.kwargs.update(self._limits())  # fsspec's HTTPFile: per request
+                self._f.kwargs.update(self._limits(n))  # fsspec's HTTPFile: per request
             else:
-                self._deadline.remaining()
+                self._pace.check()
             try:
                 data = bytes(self._f.read(n))
             except ValueError:
@@ -243,10 +257,11 @@ class SequentialReader:
         except BundleError:
             raise
         except Exception:
-            if self._deadline.expired():
-                raise self._deadline.error() from None
+            if self._pace.too_slow():
+                raise self._pace.error() from None
             raise
         self._pos += len(data)
+        self._pace.count(len(data))
         return data
 
     def _stream(self) -> None:
@@ -254,14 +269,20 @@ class SequentialReader:
             self._f.close()
         # With size= given fsspec skips its HEAD, and hands timeout= to the one GET.
         size = getattr(self._f, "size", None) or 1
-        self._f = self._fs.open(self._path, "rb", block_size=0, size=size, **self._limits())
+        # One request for the whole object, from its start: it gets the time all of it
+        # may take, and the bytes skipped again count as bytes that came.
+        pos, self._pos = self._pos, 0
+        self._f = self._fs.open(self._path, "rb", block_size=0, size=size, **self._limits(size))
         self._streaming = True
-        left = self._pos
+        left = pos
         while left:
             skipped = len(self._f.read(min(left, CHUNK)))
             if not skipped:
                 break
+            self._pace.count(skipped)
+            self._pace.check()
             left -= skipped
+        self._pos = pos
 
     def close(self) -> None:
         with contextlib.suppress(Exception):
@@ -269,17 +290,18 @@ class SequentialReader:
 
 
 @contextlib.contextmanager
-def reading(url: str, deadline: Deadline | None = None) -> Iterator[SequentialReader]:
+def reading(url: str, pace: TransferPace | None = None) -> Iterator[SequentialReader]:
     """``url`` opened for reading front to back (``SequentialReader``), the whole transfer
-    held to ``deadline`` (default: ``$STEPBUNDLE_TRANSFER_DEADLINE_S`` from now).
+    held to ``pace`` (default: the minimum rate of ``$STEPBUNDLE_MIN_TRANSFER_RATE``
+    after ``$STEPBUNDLE_TRANSFER_GRACE_S``, from now).
 
     Reads raise the backend's own errors (or ``TransferTimeoutError``); wrap them in
     ``failures``.
     """
-    deadline = deadline or Deadline(url)
+    pace = pace or TransferPace(url)
     fs, path = filesystem(url)
-    with failures(url, "open", deadline):
-        f = SequentialReader(fs, path, deadline)
+    with failures(url, "open", pace):
+        f = SequentialReader(fs, path, pace)
     try:
         yield f
     finally:
@@ -342,7 +364,7 @@ def downloaded(url: str, suffix: str = "", max_bytes: int | None = None) -> Iter
       FileNotFoundError: there is no object at ``url``.
       DownloadTooLargeError: the object is (or claims to be) larger than ``max_bytes``,
         or sent more than it declared.
-      RemoteError: it could not be read (``TransferTimeoutError`` past the deadline).
+      RemoteError: it could not be read (``TransferTimeoutError``: too slow).
     """
     limit = max_download_bytes() if max_bytes is None else max_bytes
     fd, name = tempfile.mkstemp(prefix=".stepbundle-download-", suffix=suffix)

@@ -7,11 +7,17 @@ redirect loop, a refused connection, a timeout), so "not found" used to be all a
 saw. ``classify`` walks that chain and names the real cause; only a 404 (or a missing
 object on a backend that says so) stays "not found".
 
-Two limits bound every download, each with an environment variable to change it:
+Limits bound every download, each with an environment variable to change it:
 
-- ``STEPBUNDLE_TRANSFER_DEADLINE_S`` (default 3600): the seconds one whole transfer
-  (a bundle, a checkpoint) may take. aiohttp's own limits are per read, so a server
-  sending one byte every 30 seconds was never timed out.
+- A minimum average rate: once a transfer (a bundle, a checkpoint) has run for
+  ``STEPBUNDLE_TRANSFER_GRACE_S`` (default 60) seconds, it is stopped as soon as its
+  average since the start falls below ``STEPBUNDLE_MIN_TRANSFER_RATE`` (default 64 KiB/s)
+  bytes a second (``TransferPace``). A slow link that keeps going (20 GB at 10 MB/s,
+  half an hour and more) finishes; a server sending a byte every 30 seconds, which
+  aiohttp's per-read limit never trips, is stopped after the grace period. This replaced
+  a whole-transfer deadline of 3600 s (``STEPBUNDLE_TRANSFER_DEADLINE_S``, now ignored
+  with a warning), which every download longer than an hour failed, however fast it went.
+- No data for 60 s on one read (aiohttp's ``sock_read``) stops an HTTP transfer at once.
 - ``STEPBUNDLE_MAX_DOWNLOAD_BYTES`` (default 64 GiB): the most bytes a download of a
   checkpoint (``--resume``, ``--init-from``) may write to the temporary folder, unless
   its caller knows a tighter bound.
@@ -24,26 +30,32 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+import warnings
+from collections.abc import Callable
 
 from stepbundle.schema.errors import BundleError
 
 __all__ = [
     "AccessDeniedError",
     "BackendMissingError",
-    "Deadline",
     "DownloadTooLargeError",
     "HttpStatusError",
     "RemoteError",
     "ServerError",
     "TooManyRedirectsError",
+    "TransferPace",
     "TransferTimeoutError",
     "classify",
     "max_download_bytes",
-    "transfer_deadline_s",
 ]
 
-DEADLINE_ENV = "STEPBUNDLE_TRANSFER_DEADLINE_S"
-DEFAULT_DEADLINE_S = 3600.0
+MIN_RATE_ENV = "STEPBUNDLE_MIN_TRANSFER_RATE"
+DEFAULT_MIN_RATE = 64 << 10  # bytes per second: 64 KiB/s, a poor mobile link
+GRACE_ENV = "STEPBUNDLE_TRANSFER_GRACE_S"
+DEFAULT_GRACE_S = 60.0  # connection set-up and a slow start never count
+READ_TIMEOUT_S = 60.0  # no data for this long on one read stops an HTTP transfer
+# Replaced by the minimum rate; remove this name and its warning after 0.3.
+OLD_DEADLINE_ENV = "STEPBUNDLE_TRANSFER_DEADLINE_S"
 MAX_BYTES_ENV = "STEPBUNDLE_MAX_DOWNLOAD_BYTES"
 DEFAULT_MAX_DOWNLOAD_BYTES = 64 << 30
 
@@ -68,7 +80,8 @@ class BackendMissingError(RemoteError):
 
 
 class TransferTimeoutError(RemoteError):
-    """A transfer did not finish within the whole-transfer deadline."""
+    """A transfer went too slowly: its average rate fell below the minimum after the
+    grace period (``TransferPace``)."""
 
 
 class HttpStatusError(RemoteError):
@@ -109,42 +122,93 @@ def _env_number(name: str, default: float) -> float:
     return value
 
 
-def transfer_deadline_s() -> float:
-    """Seconds a whole transfer may take (``$STEPBUNDLE_TRANSFER_DEADLINE_S``, default 3600)."""
-    return _env_number(DEADLINE_ENV, DEFAULT_DEADLINE_S)
-
-
 def max_download_bytes() -> int:
     """The most bytes a checkpoint download may hold (``$STEPBUNDLE_MAX_DOWNLOAD_BYTES``,
     default 64 GiB)."""
     return int(_env_number(MAX_BYTES_ENV, DEFAULT_MAX_DOWNLOAD_BYTES))
 
 
-class Deadline:
-    """The end of one transfer of ``url``: ``remaining()`` is the seconds left, and raises
-    ``TransferTimeoutError`` once there are none."""
+_warned_old_deadline = False
 
-    def __init__(self, url: str, seconds: float | None = None) -> None:
+
+class TransferPace:
+    """One transfer of ``url`` held to a minimum average rate (module docstring).
+
+    The transfer counts its bytes (``count``); ``too_slow()`` says whether, past the
+    grace period, the average since the start is below the minimum, and ``check()``
+    raises ``TransferTimeoutError`` then. ``time_for(n)`` is how long a request for
+    ``n`` more bytes may take: until the moment the average, those bytes included,
+    would fall below the minimum (never before the grace period ends). On HTTP each
+    request gets that as aiohttp's total timeout, so a trickle inside one request is cut
+    off on time too.
+
+    Args:
+      url: the URL, for the message.
+      min_rate, grace_s: bytes a second and seconds; default
+        ``$STEPBUNDLE_MIN_TRANSFER_RATE`` and ``$STEPBUNDLE_TRANSFER_GRACE_S``.
+      clock: seconds, monotonic (tests pass a fake one).
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        min_rate: float | None = None,
+        grace_s: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        global _warned_old_deadline
+        if os.environ.get(OLD_DEADLINE_ENV) and not _warned_old_deadline:
+            _warned_old_deadline = True
+            warnings.warn(
+                f"{OLD_DEADLINE_ENV} is ignored: a transfer is no longer held to a whole "
+                f"deadline but to a minimum average rate ({MIN_RATE_ENV}, bytes a second, "
+                f"default {DEFAULT_MIN_RATE}) after a grace period ({GRACE_ENV}, default "
+                f"{DEFAULT_GRACE_S:g} s). Unset it, and set those instead if needed.",
+                stacklevel=2,
+            )
         self.url = url
-        self.seconds = transfer_deadline_s() if seconds is None else seconds
-        self._end = time.monotonic() + self.seconds
+        self.min_rate = (
+            _env_number(MIN_RATE_ENV, DEFAULT_MIN_RATE) if min_rate is None else min_rate
+        )
+        self.grace_s = _env_number(GRACE_ENV, DEFAULT_GRACE_S) if grace_s is None else grace_s
+        self._clock = clock
+        self._start = clock()
+        self.done = 0
 
-    def expired(self) -> bool:
-        return time.monotonic() >= self._end
+    def elapsed(self) -> float:
+        return self._clock() - self._start
 
-    def remaining(self) -> float:
-        left = self._end - time.monotonic()
-        if left <= 0:
+    def count(self, n: int) -> None:
+        """Count ``n`` bytes that arrived."""
+        self.done += n
+
+    def too_slow(self) -> bool:
+        t = self.elapsed()
+        return t > self.grace_s and self.done < self.min_rate * t
+
+    def check(self) -> None:
+        """Raise ``TransferTimeoutError`` if the transfer is too slow (``too_slow``)."""
+        if self.too_slow():
             raise self.error()
-        return left
+
+    def time_for(self, n: int) -> float:
+        """Seconds a request for ``n`` more bytes may take from now (at least one: a
+        request needs time to start). Raises ``TransferTimeoutError`` if the transfer
+        is too slow already."""
+        self.check()
+        return max(1.0, max(self.grace_s, (self.done + n) / self.min_rate) - self.elapsed())
 
     def error(self) -> TransferTimeoutError:
+        t = self.elapsed()
         return TransferTimeoutError(
-            f"The transfer of {self.url!r} did not finish within its deadline of "
-            f"{self.seconds:g} s (the server is too slow or stalled). Retry when it answers "
-            f"faster; if it is just slow, raise the deadline with {DEADLINE_ENV}=SECONDS.",
+            f"The transfer of {self.url!r} went too slowly: {self.done} bytes in {t:.1f} s, "
+            f"below the minimum average of {self.min_rate:g} bytes/s that a transfer must "
+            f"keep after its first {self.grace_s:g} s (the server is too slow or stalled). "
+            "Retry when it answers faster; for a link really this slow, lower the minimum "
+            f"with {MIN_RATE_ENV}=BYTES_PER_SECOND.",
             self.url,
-            f"deadline of {self.seconds:g} s",
+            f"{self.done} bytes in {t:.1f} s, below {self.min_rate:g} bytes/s",
         )
 
 
@@ -157,7 +221,7 @@ def _chain(e: BaseException) -> list[BaseException]:
     return seen
 
 
-def classify(url: str, e: BaseException, deadline: Deadline | None = None) -> RemoteError | None:
+def classify(url: str, e: BaseException, pace: TransferPace | None = None) -> RemoteError | None:
     """The typed error for a backend's failure ``e`` with ``url``; None when ``e`` only
     says the object is missing (a 404), which callers treat as "none there"."""
     try:
@@ -168,11 +232,14 @@ def classify(url: str, e: BaseException, deadline: Deadline | None = None) -> Re
         if isinstance(cause, RemoteError):
             return cause
         if isinstance(cause, asyncio.TimeoutError | TimeoutError):
-            if deadline is not None and deadline.expired():
-                return deadline.error()
+            # aiohttp's ServerTimeoutError is the per-read limit; any other timeout is
+            # the total a request was given by the pace (TransferPace.time_for).
+            per_read = aiohttp is not None and isinstance(cause, aiohttp.ServerTimeoutError)
+            if pace is not None and not per_read and pace.elapsed() >= pace.grace_s:
+                return pace.error()
             return RemoteError(
-                f"{url!r} stopped answering (no data for 60 s). Retry when the server "
-                "answers, or check the network.",
+                f"{url!r} stopped answering (no data for {READ_TIMEOUT_S:g} s). Retry when "
+                "the server answers, or check the network.",
                 url,
                 f"{type(cause).__name__}: {cause}",
             )
@@ -221,6 +288,6 @@ def classify(url: str, e: BaseException, deadline: Deadline | None = None) -> Re
                 url,
                 f"{type(cause).__name__}: {cause}",
             )
-    if deadline is not None and deadline.expired():
-        return deadline.error()
+    if pace is not None and pace.too_slow():
+        return pace.error()
     return None

@@ -24,11 +24,12 @@ import os
 import re
 import secrets
 import socket
+import stat
 import time
 from collections.abc import Callable, Iterable
 from typing import BinaryIO
 
-__all__ = ["stale_temp_files", "Chunks", "WriteFn", "atomic_write", "fsync_directory"]
+__all__ = ["Chunks", "WriteFn", "atomic_write", "fsync_directory", "temp_files"]
 
 WriteFn = Callable[[BinaryIO], object]
 """A function that writes the whole content to the binary file it is given."""
@@ -118,8 +119,10 @@ def fsync_directory(directory: str | os.PathLike[str]) -> None:
         os.close(fd)
 
 
-# Temp names carry the host, so a folder shared between machines (or containers with
-# their own process ids) is cleaned only of this host's dead writers' files.
+# Temp names carry the host and process id, for a person reading a folder listing. They
+# do not tell a live writer from a dead one: a process id means nothing across PID
+# namespaces (containers that share a folder, and often a host name), so a live writer's
+# file once looked dead and was removed under it (``temp_files``).
 _HOST = re.sub(r"[^A-Za-z0-9_.]", "_", socket.gethostname())[:64] or "host"
 _TEMP_NAME = re.compile(
     r"\.(?P<name>.+)\.tmp-(?P<host>[A-Za-z0-9_.]+)-(?P<pid>[0-9]+)-[0-9a-f]{8}\Z"
@@ -129,14 +132,17 @@ _LEGACY_TEMP_NAME = re.compile(r"\..+\.[A-Za-z0-9_]{8}\.tmp\Z")
 LEGACY_MIN_AGE_S = 3600.0
 
 
-def stale_temp_files(directory: str | os.PathLike[str]) -> list[str]:
-    """Temp files that ``atomic_write`` left in ``directory`` when its process was killed.
+def temp_files(directory: str | os.PathLike[str], *, min_age_s: float = 0.0) -> list[str]:
+    """The temp files ``atomic_write`` writes in ``directory`` that were last changed at
+    least ``min_age_s`` seconds ago, sorted.
 
-    A temp file names the host and process that write it. One of this host whose process
-    no longer exists will never be renamed into place and only takes space. Files of
-    live processes, and of other hosts (whose processes this host cannot see), are not
-    listed. Temp files of the older naming (no host, no process) are listed once they
-    are an hour old.
+    Nothing here tells a live writer's file from one a killed writer left: the caller
+    decides. One that holds the folder's lock, so that no writer is live there, takes
+    them all (``min_age_s=0``); one without a lock takes only files older than any live
+    write leaves them (a writer changes its file as it writes). Temp files of the older
+    naming (``.<name>.<random>.tmp``, no host or process) are listed only once they are
+    ``LEGACY_MIN_AGE_S`` old, whatever ``min_age_s`` is: an older stepbundle, which
+    takes no lock, may still be writing one.
     """
     found = []
     try:
@@ -145,21 +151,15 @@ def stale_temp_files(directory: str | os.PathLike[str]) -> list[str]:
         return []
     now = time.time()
     for entry in names:
+        if _TEMP_NAME.fullmatch(entry):
+            age = min_age_s
+        elif _LEGACY_TEMP_NAME.fullmatch(entry):
+            age = max(min_age_s, LEGACY_MIN_AGE_S)
+        else:
+            continue
         path = os.path.join(directory, entry)
-        m = _TEMP_NAME.fullmatch(entry)
-        if m is None:
-            if _LEGACY_TEMP_NAME.fullmatch(entry):
-                with contextlib.suppress(OSError):
-                    if now - os.stat(path).st_mtime > LEGACY_MIN_AGE_S:
-                        found.append(path)
-            continue
-        pid = int(m.group("pid"))
-        if m.group("host") != _HOST or pid == os.getpid():
-            continue
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            found.append(path)
-        except PermissionError:  # alive, another user's
-            continue
+        with contextlib.suppress(OSError):
+            st = os.lstat(path)
+            if stat.S_ISREG(st.st_mode) and now - st.st_mtime >= age:
+                found.append(path)
     return sorted(found)

@@ -68,7 +68,7 @@ def _flat(attr: Any) -> list[Any]:
     dense = ir.DenseIntElementsAttr(attr)
     if dense.is_splat:
         n = math.prod(ir.ShapedType(dense.type).shape)
-        return [dense.get_splat_value().value] * n
+        return [ir.IntegerAttr(dense.get_splat_value()).value] * n
     return [dense[i] for i in range(len(dense))]
 
 

@@ -75,13 +75,32 @@ def _npz(tmp: Path) -> Path:
     return GOLDEN.with_name("linear_adamw.inputs.npz")
 
 
-def trickle_deadline(tmp: Path) -> None:
-    """6: a server sending a byte every 0.2 s is cut off at the whole-transfer deadline."""
+# The minimum-rate check made quick: a 1 s grace period, then 20000 bytes/s.
+FAST_PACE = {"STEPBUNDLE_TRANSFER_GRACE_S": "1", "STEPBUNDLE_MIN_TRANSFER_RATE": "20000"}
+
+
+def trickle_rate(tmp: Path) -> None:
+    """6: a server sending a byte every 0.2 s is cut off once, past the grace period,
+    its average rate is below the minimum."""
     data, _, _ = _bundle()
     with HostileServer(objects={"b": data}, interval=0.2) as s:
         url = f"{s.url}/trickle/b"
-        done = _cli(tmp, "pull", url, env={"STEPBUNDLE_TRANSFER_DEADLINE_S": "2"})
-    _refused(done, 1, url, "deadline of 2 s")
+        done = _cli(tmp, "pull", url, env=FAST_PACE)
+    _refused(done, 1, url, "went too slowly", "STEPBUNDLE_MIN_TRANSFER_RATE")
+
+
+def slow_but_steady(tmp: Path) -> None:
+    """6 (review, 9): a download slower than a whole-transfer deadline, but above the
+    minimum rate, finishes (5 KB/s against 2000 bytes/s, several grace periods)."""
+    data, _, digest = _bundle()
+    env = {"STEPBUNDLE_TRANSFER_GRACE_S": "1", "STEPBUNDLE_MIN_TRANSFER_RATE": "2000"}
+    env["STEPBUNDLE_TRANSFER_DEADLINE_S"] = "2"  # the old limit: now ignored, with a warning
+    with HostileServer(objects={"b": data}, interval=0.1, step_bytes=500) as s:
+        t0 = time.monotonic()
+        done = _cli(tmp, "pull", f"{s.url}/trickle/b", env=env)
+    _refused(done, 0, "STEPBUNDLE_TRANSFER_DEADLINE_S is ignored")
+    if time.monotonic() - t0 < 2 or digest not in done.stdout:
+        raise AssertionError(f"expected a pull of {digest} over more than 2 s: {done.stdout}")
 
 
 def fifo_inputs(tmp: Path) -> None:
@@ -211,7 +230,9 @@ def download_size_limit(tmp: Path) -> None:
 
 
 def killed_pull(tmp: Path) -> None:
-    """19: a pull killed part way leaves a temp file that the next pull removes."""
+    """19: a pull killed part way leaves a temp file; the next pull keeps it while it may
+    be a live pull's (the store has no lock; a process id says nothing across PID
+    namespaces), and removes it once a day old."""
     data, end, _ = _bundle()
     store = tmp / "cache" / "bundles"
     with HostileServer(objects={"b": data}, interval=0.05, fast_bytes=end + 100) as s:
@@ -229,19 +250,28 @@ def killed_pull(tmp: Path) -> None:
         finally:
             child.kill()
             child.wait()
-        if not list(store.glob(".sha256-*")):
+        temps = list(store.glob(".sha256-*"))
+        if not temps:
             raise AssertionError("the pull never began writing its temp file")
         done = _cli(tmp, "pull", f"{s.url}/ok/b")
-    _refused(done, 0)
+        _refused(done, 0)
+        entry = Path(done.stdout.split()[1]).name
+        names = sorted(p.name for p in store.iterdir())
+        if names != sorted([entry, temps[0].name]):
+            raise AssertionError(f"the store holds {names}: a fresh temp file was removed")
+        day_old = time.time() - 2 * 24 * 3600
+        os.utime(temps[0], (day_old, day_old))
+        _refused(_cli(tmp, "pull", f"{s.url}/ok/b"), 0)
     names = sorted(p.name for p in store.iterdir())
-    if names != [Path(done.stdout.split()[1]).name]:
-        raise AssertionError(f"the store holds {names} after the next pull")
+    if names != [entry]:
+        raise AssertionError(f"the store holds {names} after a pull with a day-old temp file")
 
 
 def attacks() -> list[tuple[str, Callable[[Path], None]]]:
     """Every attack of this surface, by name."""
     return [
-        ("6 trickling server hits the transfer deadline", trickle_deadline),
+        ("6 trickling server falls below the minimum rate", trickle_rate),
+        ("6 slow but steady download finishes", slow_but_steady),
         ("7 named pipes as inputs and outputs", fifo_inputs),
         ("10 store on a full disk", full_store),
         ("11 malformed sha256 digest", malformed_digest),
@@ -249,7 +279,7 @@ def attacks() -> list[tuple[str, Callable[[Path], None]]]:
         ("16 store entry damaged after its header", damaged_entry),
         ("17 HTTP statuses, --resume URL, http --checkpoint-dir", http_statuses),
         ("18 download size limits", download_size_limit),
-        ("19 killed pull leaves temp files", killed_pull),
+        ("19 killed pull's temp file goes once a day old", killed_pull),
     ]
 
 

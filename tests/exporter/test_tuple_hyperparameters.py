@@ -3,7 +3,7 @@
 Declared, a hyperparameter the step changes itself is refused by name; undeclared, the
 changing settings change the graph, and the torch_xla front-end's graph-change message
 (exporter/graphdiff.py) names them and the declaration that fixes it. What both
-front-ends do with tuple hyperparameters is tests/frontends/test_tuple_hyperparameters.py.
+front-ends do with tuple hyperparameters is tests/frontends/test_frontends_tuple_hyperparameters.py.
 """
 
 from __future__ import annotations

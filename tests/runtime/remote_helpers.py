@@ -175,7 +175,8 @@ class HostileServer:
     """A real HTTP server on 127.0.0.1 that misbehaves on purpose, by path:
 
     - ``/trickle/NAME``: the object ``NAME`` with ranges, the first ``fast_bytes`` of it
-      at once and every later byte after ``interval`` seconds (a slowloris sender);
+      at once and then ``step_bytes`` bytes every ``interval`` seconds (one byte: a
+      slowloris sender; more: a slow but steady link);
     - ``/status/CODE``: every request answered with that HTTP status;
     - ``/loop``: a redirect to itself, for ever;
     - ``/endless``: 200 with no Content-Length and bytes without end (up to ``cap``);
@@ -188,6 +189,7 @@ class HostileServer:
     objects: dict[str, bytes] = field(default_factory=dict)
     interval: float = 0.2
     fast_bytes: int = 0
+    step_bytes: int = 1
     cap: int = 256 << 20
     body_bytes: int = 0
     url: str = ""
@@ -231,8 +233,9 @@ class HostileServer:
                 fast_end = end if not trickle else max(start, min(end, server.fast_bytes))
                 if fast_end > start and not self._send(data[start:fast_end]):
                     return
-                for i in range(fast_end, end):
-                    if server._stopping.wait(server.interval) or not self._send(data[i : i + 1]):
+                for i in range(fast_end, end, server.step_bytes):
+                    piece = data[i : min(end, i + server.step_bytes)]
+                    if server._stopping.wait(server.interval) or not self._send(piece):
                         return
 
             def _endless(self, declared: int | None) -> None:

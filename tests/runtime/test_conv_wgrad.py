@@ -97,3 +97,22 @@ def test_a_strided_weight_gradient_is_left_alone() -> None:
     module = mlir.Module.parse_text(_like(), text)
     assert rewrite_weight_gradients(module) == 0
     assert _ops(module, "stablehlo.convolution") == 3
+
+
+def test_attributes_are_read_in_both_spellings() -> None:
+    """Padding comes as dense elements (splat or not), strides as arrays; all read flat."""
+    from jaxlib.mlir import ir
+
+    from stepbundle.stablehlo.conv_wgrad import _flat
+
+    with ir.Context():
+        read = [
+            _flat(ir.Attribute.parse(text))
+            for text in (
+                "dense<1> : tensor<2x2xi64>",
+                "dense<[[0, 1], [2, 3]]> : tensor<2x2xi64>",
+                "array<i64: 2, 3>",
+                "array<i1: true, false>",
+            )
+        ]
+    assert read == [[1, 1, 1, 1], [0, 1, 2, 3], [2, 3], [True, False]]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import logging
 import struct
 from collections.abc import Iterator
 from pathlib import Path
@@ -239,3 +240,37 @@ def test_cli_resume_a_bundle_given_by_digest(
     assert main(["eval", DIGEST, "--data", str(data), "--resume", str(resumed)]) == 0
     err = capsys.readouterr().err
     assert "Traceback" not in err and "No such file" not in err
+
+
+def test_a_run_by_digest_verifies_its_store_entry_once(
+    server: BundleServer,
+    store: Path,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    xla_cache: Path,
+) -> None:
+    """Before: the check of the outputs, the check that no output is an input, the load
+    (and, with --resume, the look for a bundle without weights) each looked the digest up
+    and hashed the whole entry again: 3-4 full reads of a bundle of many GB per run."""
+    pull(f"{server.url}/b.stepbundle", expect_digest=DIGEST)
+    batches = golden_batches(NAME)
+    data = tmp_path / "d.npz"
+    np.savez(data, **{k: np.stack([b[k] for b in batches]) for k in batches[0]})
+    common = ["--data", str(data), "--json", "--cache-dir", str(xla_cache)]
+    ck = tmp_path / "ck"
+    caplog.set_level(logging.DEBUG, logger="stepbundle.runtime.store")
+
+    def verified() -> int:
+        n = sum(r.getMessage().startswith("verifying the store entry") for r in caplog.records)
+        caplog.clear()
+        return n
+
+    assert main(["run", DIGEST, "--steps", "2", "--checkpoint-dir", str(ck), *common]) == 0
+    assert verified() == 1
+    resumed = str(sorted(ck.glob("step-*.safetensors"))[-1])
+    capitals = "sha256:" + DIGEST.removeprefix("sha256:").upper()  # the same digest
+    assert main(["run", capitals, "--steps", "1", "--resume", resumed, *common]) == 0
+    assert verified() == 1
+    other = "sha256:" + "0" * 64
+    assert main(["run", DIGEST, "--steps", "1", "--expect-digest", other, *common]) == 1
+    assert verified() == 1

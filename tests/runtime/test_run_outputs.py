@@ -105,6 +105,65 @@ def test_a_checkpoint_folder_a_live_run_holds_is_refused_and_freed_by_its_death(
     assert not (ck / ".stepbundle-run.lock").exists()  # a run that ends removes it
 
 
+def test_a_refused_run_removes_none_of_the_live_run_s_temp_files(tmp_path: Path) -> None:
+    """Before: the refused run swept "stale" temp files before it tried the lock, judging
+    them by process id, so the live run's checkpoint in flight (written from another PID
+    namespace: its id is no live process here) was deleted under it."""
+    from stepbundle.schema.atomic import _HOST
+
+    ck = tmp_path / "ck"
+    base = ["run", str(BUNDLE), "--data", str(NPZ), "--no-cache", "--checkpoint-dir", str(ck)]
+    a = subprocess.Popen(
+        [sys.executable, "-m", "stepbundle", *base, "--steps", "10000000"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True)  # fmt: skip
+    in_flight = ck / f".step-00000040.safetensors.tmp-{_HOST}-{int(gone.stdout)}-0123abcd"
+    try:
+        deadline = time.monotonic() + 120
+        while not (ck / ".stepbundle-run.lock").exists() or not in_flight.exists():
+            assert a.poll() is None and time.monotonic() < deadline, "run A did not start"
+            if ck.is_dir() and not in_flight.exists():
+                in_flight.write_bytes(b"\0" * 1000)
+            time.sleep(0.05)
+        b = cli(*base, "--steps", "3")
+        assert b.returncode == 2 and "in use by another run" in b.stderr, b.stderr
+        assert in_flight.exists() and "removed" not in b.stderr
+    finally:
+        a.send_signal(signal.SIGKILL)
+        a.wait(timeout=60)
+    # A is dead: the next run holds the lock, so the file is a killed writer's and goes.
+    c = cli(*base, "--steps", "1")
+    assert c.returncode == 0, c.stderr
+    assert not in_flight.exists() and f"removed {in_flight}" in c.stderr
+
+
+@pytest.mark.parametrize("kind", ["symlink", "hard link", "fifo"])
+def test_a_lock_file_that_is_a_link_is_refused_untouched(tmp_path: Path, kind: str) -> None:
+    """Before: ``ln -s ../precious.txt ck/.stepbundle-run.lock`` made a run truncate
+    precious.txt and write its process id into it (a hard link did the same)."""
+    precious = tmp_path / "precious.txt"
+    precious.write_text("precious\n")
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    lock = ck / ".stepbundle-run.lock"
+    if kind == "symlink":
+        lock.symlink_to("../precious.txt")
+    elif kind == "hard link":
+        os.link(precious, lock)
+    else:
+        os.mkfifo(lock)
+    r = cli("run", str(BUNDLE), "--data", str(NPZ), "--no-cache", "--steps", "1",
+            "--checkpoint-dir", str(ck))  # fmt: skip
+    assert r.returncode == 2, r.stderr
+    line = last_line(r)
+    assert f"its run lock {str(lock)!r} is" in line and "Remove it" in line, line
+    assert precious.read_text() == "precious\n"
+    assert not list(ck.glob("step-*")) and os.path.lexists(lock)
+
+
 # ------------------------------------------------------------ 2: no output is an input
 def test_every_output_that_is_an_input_is_refused_before_loading(tmp_path: Path) -> None:
     inputs = make_inputs(tmp_path)
@@ -171,6 +230,17 @@ def test_a_process_local_file_system_is_refused_as_an_output(flags: list[str]) -
     assert "[run] loaded" not in result.stderr
 
 
+def test_a_url_whose_file_system_fails_to_start_is_one_sentence() -> None:
+    """Before: ``stepbundle: error: /x`` (fsspec's FileNotFoundError, as it was)."""
+    url = "reference::memory://x"
+    result = cli("run", str(BUNDLE), "--data", str(NPZ), "--no-cache", "--steps", "1",
+                 "--checkpoint-dir", url)  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    line = last_line(result)
+    assert f"fsspec could not open {url!r} as a file system" in line, line
+    assert "reference:: needs a references file" in line, line
+
+
 # --------------------------------------------- 9: --eval-data is read before the first step
 @pytest.mark.parametrize("kind", ["missing folder", "not an npz", "dataset without index"])
 def test_eval_data_is_refused_before_the_first_step(tmp_path: Path, kind: str) -> None:
@@ -228,6 +298,13 @@ def test_eval_takes_the_eval_batch_size_under_run_s_name(tmp_path: Path) -> None
     default = cli(*base)
     assert default.returncode == 0, default.stderr
     assert json.loads(default.stdout)["rows"] == 24
+    # The batch size is used, not only accepted: 24 rows are 5 batches of 5 (the last
+    # padded), and 3 of the bundle's own 8 without the option. The plain line says so.
+    plain = [arg for arg in base if arg != "--json"]
+    for flags, batches in ((["--eval-batch-size", "5"], 5), (["--batch-size", "5"], 5), ([], 3)):
+        r = cli(*plain, *flags)
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.rstrip().endswith(f"(24 rows, {batches} batches)"), (flags, r.stdout)
     help_text = cli("eval", "--help").stdout
     assert "--eval-batch-size" in help_text and "--batch-size" not in help_text.replace(
         "--eval-batch-size", ""

@@ -78,6 +78,33 @@ def test_an_lr_that_is_zero_as_float32_is_refused_where_an_lr_enters(tmp_path: P
         assert r.stdout == "" and not out.exists()
 
 
+def test_an_lr_that_is_a_float32_subnormal_is_refused(tmp_path: Path) -> None:
+    """1e-44 is not 0 as float32, but it is subnormal, and a TPU flushes it to 0."""
+    sub = 1e-44
+    assert np.float32(sub) != 0 and abs(np.float32(sub)) < np.finfo(np.float32).tiny
+    t = load(ADAM, cache_dir=False)
+    why = r"1e-44, which is a subnormal float32 .*flush subnormals to 0"
+    with pytest.raises(BindingError, match=why):
+        t.set_hyperparameter("lr", sub)
+    with pytest.raises(BindingError, match=r"subnormal float32"):
+        t.set_schedule("lr", f"linear:start=0.01,end={sub},total=4")
+    t.set_hyperparameter("lr", float(np.finfo(np.float32).tiny))  # the smallest normal
+    t.step(golden_batches("batchnorm_lr")[0])
+    good = tmp_path / "good.safetensors"
+    t.save_checkpoint(good)
+    values, meta = read_checkpoint(good)
+    bad = tmp_path / "bad.safetensors"
+    write_checkpoint(bad, values, dataclasses.replace(meta, hyperparameters={"lr": sub}))
+    with pytest.raises(CheckpointError, match=r"subnormal float32"):
+        load(ADAM, cache_dir=False).load_checkpoint(bad)
+    r = cli(
+        "run", str(ADAM), "--data", str(GOLDEN_DIR / "batchnorm_lr.inputs.npz"),
+        "--steps", "2", "--json", "--no-cache", "--set", f"lr={sub}",
+    )  # fmt: skip
+    assert r.returncode == 1 and r.stdout == "", r.stderr
+    assert "flush subnormals to 0" in r.stderr.strip().splitlines()[-1], r.stderr
+
+
 # ------------------------------------------- 22: the metrics file after SIGKILL and resume
 def _rows(path: Path) -> list[dict[str, object]]:
     return [json.loads(line) for line in path.read_text().splitlines()]

@@ -56,6 +56,13 @@ def devices(text: str) -> int | str:
     return n
 
 
+def steps_per_call(text: str) -> int | str:
+    """``--steps-per-call``: a positive integer, or ``auto`` (cli/auto_steps.py)."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    return at_least(1)(text)
+
+
 def hyperparameter(text: str) -> tuple[str, float]:
     """``--set NAME=VALUE``: a name and a finite number."""
     name, eq, value = text.partition("=")

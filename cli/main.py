@@ -249,12 +249,13 @@ def _add_run(sub: Any) -> None:
     )
     r.add_argument(
         "--steps-per-call",
-        type=types.at_least(1),
-        default=1,
+        type=types.steps_per_call,
+        default=None,
         metavar="K",
-        help="run K steps per dispatch, in a loop compiled around the bundle's step (default "
-        "1). Same numbers, bit for bit; checkpoints, --eval-every and stops happen between "
-        "calls, so --checkpoint-every and --eval-every must be multiples of K",
+        help="run K steps per dispatch, in a loop compiled around the bundle's step. Same "
+        "numbers, bit for bit; checkpoints, --eval-every and stops happen between calls, so "
+        "--checkpoint-every and --eval-every must be multiples of K. 'auto' (the default on "
+        "an accelerator; 1 on the CPU) times the step and picks 32, 8 or 1 (docs/tpu.md)",
     )
     r.add_argument(
         "--matmul-precision",

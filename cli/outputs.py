@@ -120,6 +120,7 @@ def check_outputs(args: argparse.Namespace) -> None:
     if args.eval_every and not args.eval_data:
         raise ValueError("--eval-every evaluates --eval-data, which is missing: add it.")
     k = getattr(args, "steps_per_call", 1)
+    k = k if isinstance(k, int) else 1  # auto: cli/auto_steps.py keeps to the cadences
     for flag, every in (
         ("--checkpoint-every", args.checkpoint_every),
         ("--eval-every", args.eval_every),

@@ -152,8 +152,11 @@ def _load_and_run(
                 read_npz(path)
         except (*DATA_ERRORS, BundleError) as e:
             return fail(f"cannot read {flag} {path!r}: {e}", 2)
+    from .auto_steps import decide
+
     try:
         t0 = time.perf_counter()
+        args.auto_steps = decide(args)  # an int in args.steps_per_call from here on
         trainer = _open_trainer(args)
         load_s = time.perf_counter() - t0
         if args.eval_data and "eval" not in trainer.entries:
@@ -263,6 +266,9 @@ def _report_load(args: argparse.Namespace, trainer: Any, load_s: float) -> None:
         + (f", {trainer.steps_per_call} steps per call" if trainer.steps_per_call > 1 else ""),
         file=sys.stderr,
     )
+    auto = getattr(args, "auto_steps", None)
+    if auto is not None:
+        print(f"[run] {auto.describe()}", file=sys.stderr)
     report_origins(trainer, args)
 
 
@@ -398,7 +404,10 @@ def _run_train(
     elapsed = time.perf_counter() - t1
     done = trainer.step_count - start_step
     print(
-        f"[run] {done} steps in {elapsed:.2f}s ({done / max(elapsed, 1e-9):.1f} steps/s)",
+        f"[run] {done} steps in {elapsed:.2f}s ({done / max(elapsed, 1e-9):.1f} steps/s, "
+        f"{trainer.steps_per_call} per call"
+        + (" (auto)" if getattr(args, "auto_steps", None) is not None else "")
+        + ")",
         file=sys.stderr,
     )
     if done < steps and code == 0:

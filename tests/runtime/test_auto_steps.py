@@ -1,0 +1,119 @@
+"""``--steps-per-call auto``: K chosen from a measured step time, never changing a number.
+
+The rule (cli/auto_steps.py) is a pure function of the measured time and the cadences;
+the CLI tests run it for real on the CPU, where a golden step is dispatch-bound, and hold
+the run to the same run at one step per call, byte for byte.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from runtime_helpers import GOLDEN_DIR, golden_bundle
+
+from stepbundle.cli.auto_steps import choose
+
+NAME = "linear_adamw"
+
+
+@pytest.mark.parametrize(
+    ("step_ms", "cadences", "want"),
+    [
+        (0.2, (), 32),
+        (0.999, (0, 0), 32),
+        (1.0, (), 8),
+        (2.9, (), 8),
+        (3.0, (), 1),
+        (40.0, (), 1),
+        (0.2, (24,), 8),  # 32 and 16 do not divide 24
+        (0.2, (100, 0), 4),
+        (0.2, (64, 48), 16),
+        (2.0, (12,), 4),
+        (0.2, (7,), 1),
+    ],
+)
+def test_the_rule(step_ms: float, cadences: tuple[int, ...], want: int) -> None:
+    k, reason = choose(step_ms, cadences)
+    assert k == want
+    assert all(c % k == 0 for c in cadences if c)
+    assert ("not dispatch-bound" in reason) == (step_ms >= 3.0)
+
+
+def _run(tmp_path: Path, name: str, *extra: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "stepbundle",
+            "run",
+            str(golden_bundle(NAME)),
+            "--data",
+            str(GOLDEN_DIR / f"{NAME}.inputs.npz"),
+            "--steps",
+            "48",
+            "--json",
+            "--no-cache",
+            "--save-state",
+            str(tmp_path / f"{name}.safetensors"),
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_auto_measures_chooses_and_changes_no_number(tmp_path: Path) -> None:
+    auto = _run(
+        tmp_path,
+        "auto",
+        "--steps-per-call",
+        "auto",
+        "--checkpoint-dir",
+        str(tmp_path / "ckpt"),
+        "--checkpoint-every",
+        "24",
+    )
+    one = _run(tmp_path, "one", "--steps-per-call", "1")
+    assert auto.returncode == 0, auto.stderr
+    assert one.returncode == 0, one.stderr
+    found = re.search(
+        r"\[run\] steps per call (\d+) \(auto: ([\d.]+) ms/step at 1 per call", auto.stderr
+    )
+    assert found, auto.stderr
+    k, ms = int(found.group(1)), float(found.group(2))
+    assert ms > 0 and 24 % k == 0
+    assert k == choose(ms, (24,))[0]
+    assert f"{k} per call (auto)" in auto.stderr
+    assert "(auto" not in one.stderr and "1 per call)" in one.stderr
+    assert auto.stdout == one.stdout  # every step's metrics, bit for bit
+    assert len(one.stdout.splitlines()) == 48
+    a = (tmp_path / "auto.safetensors").read_bytes()
+    assert a == (tmp_path / "one.safetensors").read_bytes()
+
+
+def test_the_cpu_default_is_one_step_per_call(tmp_path: Path) -> None:
+    out = _run(tmp_path, "default")
+    assert out.returncode == 0, out.stderr
+    assert "1 per call)" in out.stderr and "auto" not in out.stderr
+
+
+def test_a_check_every_step_keeps_k_at_one(tmp_path: Path) -> None:
+    out = _run(tmp_path, "nan", "--steps-per-call", "auto", "--stop-on-nonfinite")
+    assert out.returncode == 0, out.stderr
+    assert "steps per call 1 (auto: --stop-on-nonfinite checks every step)" in out.stderr
+
+
+def test_a_bad_value_is_refused() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "stepbundle", "run", "x", "--steps-per-call", "some"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2
+    assert "--steps-per-call" in out.stderr

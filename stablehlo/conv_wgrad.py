@@ -62,9 +62,13 @@ product each."""
 def _flat(attr: Any) -> list[Any]:
     """The values of an array attribute (``array<i64: ...>``) or of a dense elements one
     (``dense<...> : tensor<2x2xi64>``, row-major), without numpy (this layer has none)."""
+    # Casting by construction works on every jaxlib: the static ``isinstance`` these classes
+    # had is gone from the bindings jax 0.10 ships, and the implicit downcast is not in 0.7.
     for kind in (ir.DenseI64ArrayAttr, ir.DenseBoolArrayAttr):
-        if kind.isinstance(attr):
+        try:
             return list(kind(attr))
+        except (ValueError, TypeError):
+            continue
     dense = ir.DenseIntElementsAttr(attr)
     if dense.is_splat:
         n = math.prod(ir.ShapedType(dense.type).shape)

@@ -90,7 +90,7 @@ def decide(args: argparse.Namespace) -> AutoSteps | None:
         return AutoSteps(1, None, "--stop-on-nonfinite checks every step")
     if args.devices not in (1, "1"):
         return AutoSteps(1, None, "not measured with data parallelism")
-    from stepbundle.runtime import CompileOptions, LoadOptions, load
+    from stepbundle.runtime import CompileOptions, LoadOptions, SafetyOptions, load
     from stepbundle.runtime.store import resolve_bundle
     from stepbundle.schema import open_bundle
 
@@ -111,6 +111,8 @@ def decide(args: argparse.Namespace) -> AutoSteps | None:
             matmul_precision=args.matmul_precision,
         ),
         state=state_options(args),
+        # The probe compiles and runs the bundle: it is held to the digest as the run is.
+        safety=SafetyOptions(expect_digest=digest),
     )
     probe = load(path, args.device, options=options)
     batch = _zero_batch(probe.manifest)

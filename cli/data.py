@@ -19,9 +19,11 @@ from typing import Any
 
 __all__ = [
     "DATA_ERRORS",
+    "NOT_READ",
     "default_batch_size",
     "eval_batches",
     "is_dataset",
+    "open_data",
     "read_npz",
     "training_batches",
 ]
@@ -148,3 +150,35 @@ def eval_batches(
         ),
         mask,
     )
+
+
+NOT_READ = object()
+"""``open_data`` has not run yet (a multi-process job reads its data after joining)."""
+
+
+def open_data(args: argparse.Namespace) -> Any:
+    """Open --data and --eval-data (a dataset folder's index, or an .npz file read whole)
+    before the bundle is compiled: --eval-data is not first read at the first evaluation,
+    maybe hours in. Returns the --data .npz's arrays, or None for a folder.
+
+    Raises:
+      ValueError: a data set cannot be read; the message names its flag.
+    """
+    from stepbundle.schema.errors import BundleError
+
+    npz = None
+    for flag, path in (("--data", args.data), ("--eval-data", args.eval_data)):
+        try:
+            if not path:
+                continue
+            if is_dataset(path):
+                from stepbundle.runtime.dataset import open_dataset
+
+                open_dataset(path)
+            elif flag == "--data":
+                npz = read_npz(path)
+            else:
+                read_npz(path)
+        except (*DATA_ERRORS, BundleError) as e:
+            raise ValueError(f"cannot read {flag} {path!r}: {e}") from None
+    return npz

@@ -22,9 +22,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     from .data import DATA_ERRORS, eval_batches, is_dataset, read_npz
     from .init_from import state_options
-    from .paths import check_path_kinds
+    from .paths import check_path_kinds, resume_from_folder
 
     try:
+        resume_from_folder(args)  # --resume DIR: its latest checkpoint
         check_path_kinds(args)  # a FIFO or device would block the first open for ever
         if is_dataset(args.data):
             from stepbundle.runtime.dataset import open_dataset

@@ -161,7 +161,8 @@ def _add_run(sub: Any) -> None:
     r.add_argument(
         "--resume",
         metavar="CKPT",
-        help="restore a checkpoint (a file or URL) before the first step",
+        help="restore a checkpoint (a file or URL; a local --checkpoint-dir folder: its "
+        "latest step-N checkpoint) before the first step",
     )
     add_init_options(r)
     r.add_argument(
@@ -374,6 +375,9 @@ def _detach_stdout() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # XLA's C++ INFO lines (two "PjRt-IFRT device" lines per process on jax 0.10) are not
+    # for a command's user; warnings and errors still print. A value the user set wins.
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
     args = build_parser().parse_args(argv)
     try:
         code = int(args.fn(args))

@@ -18,8 +18,10 @@ Imports: the standard library, stepbundle.runtime's ``file_kinds``.
 from __future__ import annotations
 
 import argparse
+import re
+from pathlib import Path
 
-__all__ = ["check_path_kinds", "sink_path"]
+__all__ = ["check_path_kinds", "resume_from_folder", "sink_path"]
 
 # argument -> (its flag, a regular file taken, a folder taken)
 _PATHS = {
@@ -59,6 +61,35 @@ def sink_path(flag: str, given: str) -> str:
             "is). Give a local path, and copy the output where it should go after the run."
         )
     return str(local)
+
+
+_CHECKPOINT_NAME = re.compile(r"step-\d{8,}\.safetensors")
+
+
+def resume_from_folder(args: argparse.Namespace) -> None:
+    """``--resume DIR`` (a local checkpoint folder) means its latest checkpoint: the
+    ``step-N.safetensors`` of the largest N, put back into ``args.resume``. A checkpoint
+    kept before a non-finite step (``step-N-before-nonfinite``) is taken only by name.
+
+    Raises:
+      ValueError: the folder holds no checkpoint.
+    """
+    given = getattr(args, "resume", None)
+    if not isinstance(given, str) or ("://" in given and not given.startswith("file://")):
+        return
+    folder = Path(given.removeprefix("file://"))
+    if not folder.is_dir():
+        return
+    found = sorted(
+        (p for p in folder.iterdir() if _CHECKPOINT_NAME.fullmatch(p.name)),
+        key=lambda p: int(p.name[5:].split(".")[0]),
+    )
+    if not found:
+        raise ValueError(
+            f"--resume {given!r} is a folder holding no checkpoint (step-N.safetensors); "
+            "give a checkpoint file, or the --checkpoint-dir of an earlier run."
+        )
+    args.resume = str(found[-1])
 
 
 def check_path_kinds(args: argparse.Namespace) -> None:

@@ -84,11 +84,17 @@ def cmd_run(args: argparse.Namespace) -> int:
     from stepbundle.runtime import distributed
     from stepbundle.schema.errors import BundleError
 
+    from .data import NOT_READ, open_data
     from .outputs import check_outputs
-    from .paths import check_path_kinds
+    from .paths import check_path_kinds, resume_from_folder
 
     try:
+        resume_from_folder(args)  # --resume DIR: its latest checkpoint
         check_path_kinds(args)  # a FIFO or device would block the first open for ever
+        # A refused run creates no output folder or file: the data are read first. In a
+        # multi-process job they are read after joining, so that the others hear of it.
+        alone = not (args.distributed or args.coordinator is not None)
+        npz = open_data(args) if alone else NOT_READ
         check_outputs(args)
     except (OSError, ValueError) as e:
         return _die(str(e), 2)
@@ -121,7 +127,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             return fail(str(e), 1)
         if metrics is not None:
             held.callback(metrics.close)
-        return _load_and_run(args, joined, fail, metrics)
+        return _load_and_run(args, joined, fail, metrics, npz)
 
 
 def _load_and_run(
@@ -129,29 +135,18 @@ def _load_and_run(
     joined: bool,
     fail: Callable[[str, int], int],
     metrics: MetricsFile | None,
+    npz: Any,
 ) -> int:
     from stepbundle.runtime import distributed
     from stepbundle.schema.errors import BundleError
 
-    from .data import DATA_ERRORS, is_dataset, read_npz, training_batches
+    from .data import NOT_READ, open_data, training_batches
 
-    npz = None
-    # Both data sets are opened before the bundle is compiled: --eval-data is not first
-    # read at the first evaluation, maybe hours in.
-    for flag, path in (("--data", args.data), ("--eval-data", args.eval_data)):
+    if npz is NOT_READ:
         try:
-            if not path:
-                continue
-            if is_dataset(path):
-                from stepbundle.runtime.dataset import open_dataset
-
-                open_dataset(path)
-            elif flag == "--data":
-                npz = read_npz(path)
-            else:
-                read_npz(path)
-        except (*DATA_ERRORS, BundleError) as e:
-            return fail(f"cannot read {flag} {path!r}: {e}", 2)
+            npz = open_data(args)
+        except ValueError as e:
+            return fail(str(e), 2)
     from .auto_steps import decide
 
     try:
@@ -231,6 +226,7 @@ def _open_trainer(args: argparse.Namespace) -> Any:
     trainer = load(getattr(args, "bundle_file", None) or args.bundle, args.device, options=options)
     if args.resume:
         trainer.load_checkpoint(args.resume, allow_other_bundle=args.allow_other_bundle)
+        print(f"[run] resumed from {args.resume} (step {trainer.step_count})", file=sys.stderr)
     if args.seed is not None:
         trainer.seed = args.seed
     restored = trainer.schedules  # a resumed run continues the checkpoint's schedules

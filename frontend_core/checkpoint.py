@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from stepbundle.schema.checkpoint_digest import verify_file
 from stepbundle.schema.checkpoint_meta import (
     CheckpointMeta,
     HyperparameterPlace,
@@ -48,8 +49,9 @@ def load_into(
     digest, ...), checked as the runtime checks it.
 
     Raises:
-      CheckpointError: the file has no stepbundle metadata, or malformed metadata
-        (``CheckpointFormatError``: a format this version does not read).
+      CheckpointError: the file has no stepbundle metadata, malformed metadata
+        (``CheckpointFormatError``: a format this version does not read), or bytes that
+        do not match its digest (a damaged file).
       ExportError: with ``strict``, when names in the checkpoint and the model (or a
         hyperparameter and the optimizer's ``param_groups``) differ.
     """
@@ -58,6 +60,7 @@ def load_into(
 
     with safe_open(os.fspath(path), framework="pt") as f:
         meta = parse_checkpoint_metadata(path, f.metadata() or {})
+    verify_file(path, meta)  # a flipped byte is refused here as the runtime refuses it
     tensors = load_file(os.fspath(path))
 
     params = dict(model.named_parameters(remove_duplicate=False))

@@ -33,14 +33,18 @@ def parse_device(device: str) -> tuple[str, int]:
     return name, index
 
 
+_INSTALL = {"cuda": "pip install 'jax[cuda12]'", "tpu": "pip install 'jax[tpu]'"}
+
+
 def client_for(platform: str) -> Any:
     """The PJRT client of ``platform``, or a ``PlatformError`` that says what to install."""
     try:
         return _compat.get_client(platform)
     except RuntimeError as e:  # jax: "Unknown backend cuda", "Backend 'tpu' failed to initialize"
         raise PlatformError(
-            f"No {platform} device is available to jax here ({e}). Install jax's plugin "
-            f"for {platform} (for CUDA: pip install 'jax[cuda12]') or run with --device cpu."
+            f"No {platform} device is available to jax here ({e}). Install jax with its "
+            f"{platform} backend ({_INSTALL.get(platform, 'see jax installation docs')}) on a machine "
+            f"that has one, or use the CPU (device 'cpu', --device cpu)."
         ) from None
 
 

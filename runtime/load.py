@@ -246,8 +246,14 @@ def _wanted_entries(manifest: Manifest, opts: LoadOptions) -> list[str]:
     wanted = list(manifest.entries) if entries is None else list(entries)
     for name in wanted:
         if name not in manifest.entries:
+            hint = (
+                " A bundle has an eval entry when its recipe names one: export it again "
+                "with Recipe(eval_step=...)."
+                if name == "eval"
+                else ""
+            )
             raise BindingError(
-                f"The bundle has no entry {name!r}; it has {', '.join(manifest.entries)}."
+                f"The bundle has no entry {name!r}; it has {', '.join(manifest.entries)}.{hint}"
             )
     if opts.safety.stop_on_nonfinite:
         _check_loss_metrics(manifest, wanted)

@@ -96,6 +96,20 @@ class CheckpointMeta:
     schedules: Mapping[str, str | None] = dataclasses.field(default_factory=dict)
     data: Mapping[str, Any] | None = None
 
+    def __getitem__(self, key: str) -> Any:
+        """``meta["step"]``: ``load_into`` returned the metadata as a dict before 0.2;
+        kept, with a DeprecationWarning, until 0.3. Use the attributes."""
+        import warnings
+
+        warnings.warn(
+            f"CheckpointMeta[{key!r}] is deprecated and goes in 0.3: use meta.{key}",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        if key not in {f.name for f in dataclasses.fields(self)}:
+            raise KeyError(key)
+        return getattr(self, key)
+
     def to_json(self) -> str:
         bad = {k: v for k, v in self.hyperparameters.items() if not math.isfinite(v)}
         if bad:

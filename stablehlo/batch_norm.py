@@ -127,11 +127,20 @@ class _Build:
 
 
 def _updates_running_var(use: Any) -> bool:
-    """Whether a use of the batch variance is torch_xla's running-variance update, whose
-    ``LinearInterpolation`` is ``var * factor + running_var * (1 - factor)``: the one use
-    that multiplies the variance itself (the normalisation adds eps to it first). The
-    factor is ``momentum``, or a value the graph computes for ``momentum=None``."""
-    return bool(use.owner.name == "stablehlo.multiply")
+    """Whether a use of the batch variance is torch_xla's running-variance update,
+    ``LinearInterpolation``: ``var * factor + running_var * (1 - factor)``, with ``factor``
+    ``momentum`` or, for ``momentum=None``, a value the graph computes. torch_xla folds a
+    factor of 1 away, leaving ``add(var, running_var * 0)``; the only other use of the
+    variance is the normalisation's ``add(var, eps)``, eps a constant. So: a multiply, or
+    an add of anything but a constant."""
+    owner = use.owner
+    if owner.name == "stablehlo.multiply":
+        return True
+    if owner.name != "stablehlo.add":
+        return False
+    other = owner.operands[1 - use.operand_number].owner
+    # A block argument's owner is a Block, which has no name: not a constant either.
+    return getattr(other, "name", None) not in ("stablehlo.constant", "stablehlo.broadcast_in_dim")
 
 
 def _training(op: Any) -> list[Any]:

@@ -400,7 +400,15 @@ def arbitrate(
     Runs without dropout only: ``truth`` must have seen the same computation.
     """
     t_state = {**truth.state, **{a: truth.state[p] for a, p in aliases.items()}}
-    vs_truth = compare(got, Run(truth.metrics, t_state), truth_bounds, what, None, initial)
+    # The bundle arbitrated is exported with numerics="torch_xla": its running variances,
+    # like torch_xla's, take the biased batch variance, PyTorch's (float64 here) the
+    # unbiased one, n / (n - 1) larger. Both float32 runs differ from float64 there by
+    # design, so float64 cannot say which is right: they are left out of the verdict
+    # (b_vs_a still holds them to each other; the default export's running variances are
+    # held to float64 at 1e-4 in test_resnet18_matches_pytorch_float64).
+    t_state = {k: v for k, v in t_state.items() if not k.endswith("running_var")}
+    judged = Run(got.metrics, {k: v for k, v in got.state.items() if k in t_state})
+    vs_truth = compare(judged, Run(truth.metrics, t_state), truth_bounds, what, None, initial)
     problems = [f"against PyTorch float64: {f}" for f in vs_truth.failures]
     for i, (g, r, t) in enumerate(zip(got.metrics, ref.metrics, truth.metrics)):
         for k in r:

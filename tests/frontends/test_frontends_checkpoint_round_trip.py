@@ -93,3 +93,30 @@ def test_load_into_restores_state_and_beta1_after_runtime_steps(frontend, tmp_pa
     assert loss == pytest.approx(runtime_next, rel=1e-5)
     for name, p in r.model.named_parameters():
         assert _rel(p.detach(), runtime_state[name]) <= 1e-5, name
+
+
+def test_load_into_refuses_a_damaged_checkpoint_and_changes_nothing(
+    frontend, tmp_path: Path
+) -> None:
+    """The runtime refuses a checkpoint whose bytes do not match its digest; so does
+    ``load_into``, before it copies anything into the model."""
+    from stepbundle.runtime import CheckpointError
+
+    path = tmp_path / "adamw.stepbundle"
+    frontend.export(_recipe(frontend.adam), path)
+    trainer = load(path, cache_dir=False)
+    trainer.run(make_batches(_recipe(frontend.adam), 2), 2)
+    ckpt = tmp_path / "ckpt.safetensors"
+    trainer.save_checkpoint(ckpt)
+    data = bytearray(ckpt.read_bytes())
+    data[-1] ^= 0x40  # the last byte of the last tensor
+    ckpt.write_bytes(bytes(data))
+
+    with pytest.raises(CheckpointError, match="is damaged"):
+        trainer.load_checkpoint(ckpt)
+    r = _recipe(frontend.adam)
+    before = {k: v.clone() for k, v in r.model.state_dict().items()}
+    with pytest.raises(CheckpointError, match="is damaged"):
+        load_into(r.model, r.optimizer, ckpt)
+    assert all(torch.equal(before[k], v) for k, v in r.model.state_dict().items())
+    assert not r.optimizer.state

@@ -86,6 +86,9 @@ def test_auto_measures_chooses_and_changes_no_number(tmp_path: Path) -> None:
     )
     assert found, auto.stderr
     k, ms = int(found.group(1)), float(found.group(2))
+    # A golden step is dispatch-bound on any CPU (0.2 ms here): K = 1 would make the
+    # byte-for-byte comparison below compare single steps with single steps.
+    assert k > 1, auto.stderr
     assert ms > 0 and 24 % k == 0
     assert k == choose(ms, (24,))[0]
     assert f"{k} per call (auto)" in auto.stderr
@@ -94,6 +97,38 @@ def test_auto_measures_chooses_and_changes_no_number(tmp_path: Path) -> None:
     assert len(one.stdout.splitlines()) == 48
     a = (tmp_path / "auto.safetensors").read_bytes()
     assert a == (tmp_path / "one.safetensors").read_bytes()
+
+
+def test_the_probe_is_held_to_the_expected_digest(tmp_path: Path) -> None:
+    """The probe compiles and runs the bundle, so a bundle of the wrong digest must be
+    refused before it: nothing compiled, nothing in the compile cache."""
+    cache = tmp_path / "cache"
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "stepbundle",
+            "run",
+            str(golden_bundle(NAME)),
+            "--data",
+            str(GOLDEN_DIR / f"{NAME}.inputs.npz"),
+            "--steps",
+            "4",
+            "--steps-per-call",
+            "auto",
+            "--expect-digest",
+            "sha256:" + "0" * 64,
+            "--cache-dir",
+            str(cache),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 1, out.stderr
+    assert "not the expected sha256:000" in out.stderr
+    assert "steps per call" not in out.stderr
+    assert not cache.exists() or not any(cache.rglob("*.xla")), list(cache.rglob("*"))
 
 
 def test_the_cpu_default_is_one_step_per_call(tmp_path: Path) -> None:

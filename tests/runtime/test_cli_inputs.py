@@ -249,3 +249,18 @@ def test_thousands_of_virtual_cpu_devices_are_refused_at_once() -> None:
     assert result.returncode == 2
     assert "at most 256 are allowed" in one_line_error(result)
     assert "[run] loaded" not in result.stderr
+
+
+@pytest.mark.parametrize("flag", ["--data", "--eval-data"])
+def test_a_run_refused_for_its_data_creates_no_output(tmp_path: Path, flag: str) -> None:
+    """The data are read before any output folder or file is made: a refused run leaves
+    the disk as it found it."""
+    missing = str(tmp_path / "nope")
+    extra = ["--checkpoint-dir", str(tmp_path / "ck"), "--metrics-file",
+             str(tmp_path / "runs" / "a" / "m.jsonl"), "--tensorboard", str(tmp_path / "tb")]  # fmt: skip
+    if flag == "--eval-data":
+        extra += ["--eval-data", missing, "--eval-every", "2"]
+    result = cli(*run_args("--steps", "4", *extra, data=missing if flag == "--data" else None))
+    assert result.returncode == 2
+    assert f"cannot read {flag} '{missing}'" in one_line_error(result)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []

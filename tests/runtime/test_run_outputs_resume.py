@@ -137,14 +137,18 @@ def test_metrics_file_holds_one_row_per_step_after_sigkill_and_resume(tmp_path: 
         run.send_signal(signal.SIGKILL)
         run.wait(timeout=60)
     kept = sorted(ck.glob("step-*.safetensors"))
-    resume_at = read_checkpoint(kept[-1])[1].step
     rows = metrics.read_text()
-    assert any(json.loads(x)["step"] >= resume_at for x in rows.splitlines()[:-1])
+    written = max(json.loads(x)["step"] for x in rows.splitlines()[:-1])
+    # The kill can land just after a new checkpoint (one every 25 steps of ~1 ms): resume
+    # from the newest checkpoint the killed run wrote rows past, as a preempted job may.
+    resume_from = next(p for p in reversed(kept) if written >= read_checkpoint(p)[1].step)
+    resume_at = read_checkpoint(resume_from)[1].step
+    assert written >= resume_at
     # A write the kill cut short: the last line is torn.
     with metrics.open("a") as f:
         f.write('{"step": 9999, "time": 1.')
     end = resume_at + 7
-    resumed = cli(*base, "--until-step", str(end), "--resume", str(kept[-1]))
+    resumed = cli(*base, "--until-step", str(end), "--resume", str(resume_from))
     assert resumed.returncode == 0, resumed.stderr
     text = metrics.read_text()
     assert text.endswith("\n")
@@ -152,3 +156,30 @@ def test_metrics_file_holds_one_row_per_step_after_sigkill_and_resume(tmp_path: 
     evals = [r for r in _rows(metrics) if "eval/loss" in r]
     assert [r["step"] for r in train] == list(range(end)), [r["step"] for r in train]
     assert [r["step"] for r in evals] == list(range(4, end, 5))
+
+
+# ------------------------------------------- --resume DIR: the folder's latest checkpoint
+def test_resume_from_a_folder_takes_its_latest_checkpoint(tmp_path: Path) -> None:
+    bundle, data = golden_bundle("linear_adamw"), str(GOLDEN_DIR / "linear_adamw.inputs.npz")
+    ck = tmp_path / "ck"
+    common = ("--data", data, "--no-cache", "--json")
+    first = cli("run", str(bundle), *common, "--steps", "20", "--checkpoint-dir", str(ck),
+                "--checkpoint-every", "8")  # fmt: skip
+    assert first.returncode == 0, first.stderr
+    # 8, 16 and the final 20; a checkpoint kept before a non-finite step is taken by name only.
+    (ck / "step-00000099-before-nonfinite.safetensors").write_bytes(b"not taken")
+    by_folder = cli("run", str(bundle), *common, "--until-step", "24", "--resume", str(ck),
+                    "--save-state", str(tmp_path / "a.safetensors"))  # fmt: skip
+    assert by_folder.returncode == 0, by_folder.stderr
+    assert f"resumed from {ck / 'step-00000020.safetensors'} (step 20)" in by_folder.stderr
+    by_file = cli("run", str(bundle), *common, "--until-step", "24", "--resume",
+                  str(ck / "step-00000020.safetensors"), "--save-state",
+                  str(tmp_path / "b.safetensors"))  # fmt: skip
+    assert by_file.returncode == 0, by_file.stderr
+    assert by_folder.stdout == by_file.stdout and len(by_file.stdout.splitlines()) == 4
+    assert (tmp_path / "a.safetensors").read_bytes() == (tmp_path / "b.safetensors").read_bytes()
+
+    (tmp_path / "empty").mkdir()
+    empty = cli("run", str(bundle), *common, "--steps", "2", "--resume", str(tmp_path / "empty"))
+    assert empty.returncode == 2
+    assert "is a folder holding no checkpoint" in empty.stderr.strip().splitlines()[-1]

@@ -1,0 +1,64 @@
+"""The standard-library digest of a checkpoint file (schema/checkpoint_digest.py, what
+``load_into`` checks) against the runtime's digest of the arrays it writes and reads."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from runtime_helpers import golden_batches, golden_bundle
+
+from stepbundle.runtime import CheckpointError, load
+from stepbundle.runtime.checkpoint import read_checkpoint, write_checkpoint
+from stepbundle.runtime.dtypes import NUMPY_DTYPES, SAFETENSORS_CODES
+from stepbundle.schema.checkpoint_digest import NUMPY_DTYPE_STRINGS, file_digest, verify_file
+from stepbundle.schema.checkpoint_meta import CheckpointMeta
+
+
+def test_every_dtype_is_framed_as_numpy_spells_it() -> None:
+    assert {SAFETENSORS_CODES[d]: NUMPY_DTYPES[d].str for d in NUMPY_DTYPES} == NUMPY_DTYPE_STRINGS
+
+
+def test_a_checkpoint_of_every_dtype_has_the_runtimes_digest(tmp_path: Path) -> None:
+    rng = np.random.default_rng(0)
+    values = {
+        f"t.{code}": (rng.standard_normal((3, 2)) * 10).astype(NUMPY_DTYPES[d])
+        for d, code in SAFETENSORS_CODES.items()
+    }
+    values["empty"] = np.zeros((0, 4), np.float32)
+    values["scalar"] = np.array(7, np.int64)
+    meta = CheckpointMeta(
+        format=2, step=5, seed=1, hyperparameters={"lr": 0.1}, bundle_digest="sha256:" + "ab" * 32
+    )
+    path = tmp_path / "c.safetensors"
+    write_checkpoint(path, values, meta)
+    _, written = read_checkpoint(path)  # the runtime's own check passes
+    assert written.sha256 is not None
+    assert file_digest(path, written) == written.sha256
+    verify_file(path, written)
+
+
+def test_a_flipped_byte_anywhere_in_a_tensor_is_refused(tmp_path: Path) -> None:
+    trainer = load(golden_bundle("linear_adamw"), cache_dir=False)
+    trainer.run(golden_batches("linear_adamw"), 2)
+    path = tmp_path / "c.safetensors"
+    trainer.save_checkpoint(path)
+    _, meta = read_checkpoint(path)
+    clean = path.read_bytes()
+    header = 8 + int.from_bytes(clean[:8], "little")
+    for offset in (header, (header + len(clean)) // 2, len(clean) - 1):
+        data = bytearray(clean)
+        data[offset] ^= 0x01
+        path.write_bytes(bytes(data))
+        with pytest.raises(CheckpointError, match="is damaged"):
+            verify_file(path, meta)
+
+
+def test_the_metadata_still_reads_as_a_mapping_with_a_warning() -> None:
+    """``load_into`` returned a dict before 0.2: ``meta["step"]`` keeps working until 0.3."""
+    meta = CheckpointMeta(format=2, step=5, seed=1, hyperparameters={"lr": 0.1}, bundle_digest="x")
+    with pytest.warns(DeprecationWarning, match=r"meta\.step"):
+        assert meta["step"] == 5
+    with pytest.warns(DeprecationWarning), pytest.raises(KeyError):
+        meta["stepz"]

@@ -115,15 +115,21 @@ def soak(
         losses_finite = math.isfinite(float(kept[-1]["loss"]))
     else:
         kept = None
+        rss_mid = None
         for i in range(steps):
             metrics = trainer.step(data[i % n])
             if (i + 1) % sync_every == 0:
                 # Reading the loss waits for the step: dispatch never runs far ahead.
                 losses_finite = losses_finite and math.isfinite(float(metrics["loss"]))
+            if i + 1 == steps // 2:
+                float(metrics["loss"])
+                rss_mid = rss_bytes()
         del metrics
     trainer.block_until_ready()
     seconds = time.perf_counter() - t0
     rss_end = rss_bytes()
+    if via_run:
+        rss_mid = None
     del kept
     return {
         "bundle": name,
@@ -137,6 +143,9 @@ def soak(
         "rss_after_warmup": rss_warm,
         "rss_end": rss_end,
         "growth_after_warmup": rss_end - rss_warm,
+        # Each half's growth (Trainer.step only): a leak grows both, a one-off allocation
+        # (an allocator arena, a library page touched late) one.
+        "growth_halves": None if rss_mid is None else [rss_mid - rss_warm, rss_end - rss_mid],
         "losses_finite": losses_finite,
         "step_count": trainer.step_count,
     }

@@ -40,7 +40,7 @@ from typing import Any
 from stepbundle.runtime.metrics import json_float, json_safe
 from stepbundle.schema.errors import BundleError
 
-from .record_file import RecordFile, SinkError
+from .record_file import RecordFile, SinkError, close_sink, sync_sink
 from .sinks import LogRecord
 
 __all__ = [
@@ -326,20 +326,12 @@ class MetricsFile:
             ) from None
 
     def flush(self) -> None:
-        if self._file is not None:
-            try:
-                self._file.sync()
-            except OSError as e:
-                raise SinkError("--metrics-file", self.path, e, "sync") from None
+        sync_sink(self._file, "--metrics-file", self.path)
 
     def close(self) -> None:
         """Close the file (and so release its lock); idempotent."""
         file, self._file = self._file, None
-        if file is not None:
-            try:
-                file.close()
-            except OSError as e:
-                raise SinkError("--metrics-file", self.path, e, "close") from None
+        close_sink(file, "--metrics-file", self.path)
 
 
 def metrics_file_for_run(args: Any, joined: bool) -> MetricsFile | None:

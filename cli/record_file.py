@@ -14,7 +14,7 @@ import os
 
 from stepbundle.schema.errors import BundleError
 
-__all__ = ["RecordFile", "SinkError"]
+__all__ = ["RecordFile", "SinkError", "close_sink", "sync_sink"]
 
 
 class SinkError(BundleError):
@@ -87,3 +87,21 @@ class RecordFile:
         fd, self._fd = self._fd, None
         if fd is not None:
             os.close(fd)
+
+
+def sync_sink(file: RecordFile | None, sink: str, path: str) -> None:
+    """``file.sync()`` for the sink ``sink`` (its option), a failure as ``SinkError``."""
+    if file is not None:
+        try:
+            file.sync()
+        except OSError as e:
+            raise SinkError(sink, path, e, "sync") from None
+
+
+def close_sink(file: RecordFile | None, sink: str, path: str) -> None:
+    """``file.close()`` for the sink ``sink``, a failure as ``SinkError``; None: nothing."""
+    if file is not None:
+        try:
+            file.close()
+        except OSError as e:
+            raise SinkError(sink, path, e, "close") from None

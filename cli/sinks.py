@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from .record_file import RecordFile, SinkError
+from .record_file import RecordFile, SinkError, close_sink, sync_sink
 
 __all__ = [
     "TENSORBOARD_MISSING",
@@ -159,19 +159,11 @@ class TensorBoard:
             raise SinkError("--tensorboard", self.path, e, f"write step {record.step} to") from None
 
     def flush(self) -> None:
-        if self._file is not None:
-            try:
-                self._file.sync()
-            except OSError as e:
-                raise SinkError("--tensorboard", self.path, e, "sync") from None
+        sync_sink(self._file, "--tensorboard", self.path)
 
     def close(self) -> None:
         file, self._file = self._file, None
-        if file is not None:
-            try:
-                file.close()
-            except OSError as e:
-                raise SinkError("--tensorboard", self.path, e, "close") from None
+        close_sink(file, "--tensorboard", self.path)
 
 
 _INVALID_TAG = re.compile(r"[^-/\w.]")

@@ -2,9 +2,9 @@
 
 The long version, with its figures, is ``benchmarks/soak.py`` (10,000 steps). This one
 runs the same loop for 1,500 steps after a warm-up and bounds the growth of the resident
-set size. Measured here the growth is below 100 KiB; keeping each step's metrics (what
-``Trainer.run``'s returned list does, about 6 KB a step) shows as about 9 MB, well past
-the bound.
+set size in each half of the run. Measured here the growth is below 100 KiB; keeping each
+step's metrics (what ``Trainer.run``'s returned list does, about 6 KB a step) shows as
+about 4.5 MB a half, well past the bound.
 """
 
 from __future__ import annotations
@@ -38,4 +38,9 @@ def test_stepping_does_not_grow_memory(name: str) -> None:
     r = _soak_module().soak(name, steps=1500, warmup=300, sync_every=50)
     assert r["losses_finite"]
     assert r["step_count"] == 1800
-    assert r["growth_after_warmup"] < GROWTH_LIMIT, r
+    # A leak of L bytes a step grows each half by 750 L; a one-off allocation of the
+    # allocator (once measured: exactly 4 MiB, in a run under load) grows one half. So the
+    # lesser half is held to half the limit: a leak of 2.8 KB a step fails as before
+    # (4 MiB over 1,500 steps), a single jump does not.
+    halves = r["growth_halves"]
+    assert min(halves) < GROWTH_LIMIT / 2, r

@@ -43,7 +43,11 @@ def test_the_rule(step_ms: float, cadences: tuple[int, ...], want: int) -> None:
     assert ("not dispatch-bound" in reason) == (step_ms >= 3.0)
 
 
-def _run(tmp_path: Path, name: str, *extra: str) -> subprocess.CompletedProcess[str]:
+def _run(
+    tmp_path: Path, name: str, *extra: str, cache: Path | None = None
+) -> subprocess.CompletedProcess[str]:
+    """48 steps of the golden bundle, metrics as JSON, the state saved as NAME.safetensors;
+    with ``cache`` that compile cache, else none."""
     return subprocess.run(
         [
             sys.executable,
@@ -56,7 +60,7 @@ def _run(tmp_path: Path, name: str, *extra: str) -> subprocess.CompletedProcess[
             "--steps",
             "48",
             "--json",
-            "--no-cache",
+            *(["--cache-dir", str(cache)] if cache else ["--no-cache"]),
             "--save-state",
             str(tmp_path / f"{name}.safetensors"),
             *extra,
@@ -103,28 +107,8 @@ def test_the_probe_is_held_to_the_expected_digest(tmp_path: Path) -> None:
     """The probe compiles and runs the bundle, so a bundle of the wrong digest must be
     refused before it: nothing compiled, nothing in the compile cache."""
     cache = tmp_path / "cache"
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "stepbundle",
-            "run",
-            str(golden_bundle(NAME)),
-            "--data",
-            str(GOLDEN_DIR / f"{NAME}.inputs.npz"),
-            "--steps",
-            "4",
-            "--steps-per-call",
-            "auto",
-            "--expect-digest",
-            "sha256:" + "0" * 64,
-            "--cache-dir",
-            str(cache),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    wrong = "sha256:" + "0" * 64
+    out = _run(tmp_path, "x", "--steps-per-call", "auto", "--expect-digest", wrong, cache=cache)
     assert out.returncode == 1, out.stderr
     assert "not the expected sha256:000" in out.stderr
     assert "steps per call" not in out.stderr

@@ -62,10 +62,13 @@ def choose(step_ms: float, cadences: tuple[int, ...] = ()) -> tuple[int, str]:
             break
     if k == 1:
         return 1, "not dispatch-bound"
+    wanted = k
     while k > 1 and any(c and c % k for c in cadences):
         k //= 2
     if k == 1:
         return 1, "dispatch-bound, but no K > 1 divides the checkpoint/eval cadence"
+    if k < wanted:
+        return k, f"dispatch-bound; {wanted} lowered to {k} to divide the checkpoint/eval cadence"
     return k, "dispatch-bound"
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Any
+from typing import Any, NoReturn
 
 from stepbundle import __version__
 
@@ -26,8 +26,16 @@ from .run import cmd_run
 __all__ = ["build_parser", "main"]
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a mistake is one line: ``run``'s usage alone is 20 lines, printed
+    before the error it buried. ``--help`` still prints all of it."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="stepbundle", description=__doc__.splitlines()[0])
+    p = _Parser(prog="stepbundle", description=__doc__.splitlines()[0])
     p.add_argument("--version", action="version", version=f"stepbundle {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 

@@ -205,7 +205,7 @@ class Reporter:
             line = json.dumps({"step": step, "eval": json_safe(dict(metrics)), "rows": rows})
         else:
             shown = "  ".join(f"{k} {v:.6g}" for k, v in metrics.items())
-            line = f"eval after step {step + 1}: {shown}  ({rows} rows)"
+            line = f"eval after {step + 1} steps: {shown}  ({rows} rows)"
         if self._bar is not None:
             self._bar.write(line, self._stdout)
         else:

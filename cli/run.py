@@ -383,11 +383,11 @@ def _run_train(
             code = 3
         except DataError as e:  # the data failed under the run (a shard truncated)
             reporter.close()
-            print(f"\n[run] stopping after step {trainer.step_count}: {e}", file=sys.stderr)
+            print(f"\n[run] stopping after {trainer.step_count} steps: {e}", file=sys.stderr)
             code = 1  # the steps before it ran: the final checkpoint below holds them
         except StopRequested as stop:
             code = stopper.exit_code or 1
-            print(f"\n[run] stopping after step {trainer.step_count} ({stop})", file=sys.stderr)
+            print(f"\n[run] stopping after {trainer.step_count} steps ({stop})", file=sys.stderr)
         trainer.block_until_ready()
         if ckpt_dir is not None and code != 3 and trainer.step_count not in written:
             checkpoint()  # every run into a checkpoint folder ends with its final state

@@ -41,6 +41,8 @@ def test_the_rule(step_ms: float, cadences: tuple[int, ...], want: int) -> None:
     assert k == want
     assert all(c % k == 0 for c in cadences if c)
     assert ("not dispatch-bound" in reason) == (step_ms >= 3.0)
+    # A K the cadence lowered says so, with the K the time alone would give.
+    assert ("lowered to" in reason) == (k > 1 and k < choose(step_ms)[0]), reason
 
 
 def _run(

@@ -181,12 +181,14 @@ def _lock_holder(fd: int) -> str | None:
     return None
 
 
-def check_metrics_file(given: str) -> None:
+def check_metrics_file(given: str, *, fresh: bool = False) -> None:
     """Refuse, before anything is loaded, a ``--metrics-file`` that exists and is not a
-    metrics file (read only: nothing is locked, created or changed).
+    metrics file (read only: nothing is locked, created or changed); with ``fresh`` (a
+    training run that starts at step 0, not ``--resume``), also one that holds rows.
 
     Raises:
       NotAMetricsFileError: it is not a regular file, or not a metrics file.
+      MetricsFileRefusedError: ``fresh``, and the file holds an earlier run's rows.
     """
     try:
         fd = os.open(given, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
@@ -198,6 +200,18 @@ def check_metrics_file(given: str) -> None:
                 f"--metrics-file {given!r} is not a regular file; give a file name."
             )
         _check_shape(fd, given)
+        if fresh:
+            last = next(
+                (step for _, line in _lines_backward(fd, os.fstat(fd).st_size)
+                 if (step := _step(line)) is not None),
+                None,
+            )  # fmt: skip
+            if last is not None:
+                raise MetricsFileRefusedError(
+                    f"--metrics-file {given!r} already holds an earlier run's rows (its last "
+                    f"is step {last}); this run starts at step 0 and would mix its rows with "
+                    "them. Continue that run with --resume CHECKPOINT, or give a new file."
+                )
     finally:
         os.close(fd)
 

@@ -104,7 +104,9 @@ def check_outputs(args: argparse.Namespace) -> None:
         from .metrics_file import check_metrics_file
 
         try:
-            check_metrics_file(args.metrics_file)  # read only: rows of ours, or none
+            # Read only: rows of ours, or none; and none for a run that starts at step 0.
+            fresh = args.entry == "train" and not args.resume
+            check_metrics_file(args.metrics_file, fresh=fresh)
         except BundleError as e:
             raise ValueError(str(e)) from None
     if args.checkpoint_every and not args.checkpoint_dir:

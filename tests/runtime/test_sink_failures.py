@@ -119,15 +119,27 @@ def test_a_full_disk_under_the_metrics_file_stops_cleanly(tmp_path: Path) -> Non
         ]
 
 
-def test_a_resumed_run_cuts_a_torn_last_line_before_appending(tmp_path: Path) -> None:
-    """A run killed mid-line left ``{"step": 7, "ti``; the next run appended after it."""
+def test_a_run_cuts_a_torn_last_line_before_appending(tmp_path: Path) -> None:
+    """A run killed mid-line left ``{"step": 0, "ti``; the next run appended after it."""
     metrics = tmp_path / "m.jsonl"
-    metrics.write_text('{"step": 0, "time": 0.1}\n{"step": 1, "ti')
+    metrics.write_text('{"step": 0, "ti')
     r = run("--steps", "2", "--metrics-file", str(metrics))
     assert r.returncode == 0, r.stderr
     lines = metrics.read_text().splitlines()
-    assert [json.loads(line)["step"] for line in lines] == [0, 0, 1]
+    assert [json.loads(line)["step"] for line in lines] == [0, 1]
     assert "torn" in r.stderr, r.stderr
+
+
+def test_a_fresh_run_does_not_mix_its_rows_with_an_earlier_runs(tmp_path: Path) -> None:
+    """Without --resume a run starts at step 0: appended after an earlier run's rows, the
+    file would hold two runs' step 0. Refused, the file untouched (--resume continues it)."""
+    metrics = tmp_path / "m.jsonl"
+    before = '{"step": 0, "time": 0.1}\n{"step": 1, "time": 0.2}\n'
+    metrics.write_text(before)
+    r = run("--steps", "2", "--metrics-file", str(metrics))
+    assert r.returncode == 2, r.stderr
+    assert "already holds an earlier run's rows (its last is step 1)" in r.stderr
+    assert metrics.read_text() == before
 
 
 def test_a_full_disk_under_tensorboard_stops_cleanly(tmp_path: Path) -> None:

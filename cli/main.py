@@ -341,7 +341,10 @@ def _add_eval(sub: Any) -> None:
     ev.add_argument("--data", required=True, help="an .npz of stacked batches or a dataset folder")
     ev.add_argument("--entry", default="eval", help="the read-only entry to run (default eval)")
     ev.add_argument(
-        "--resume", metavar="CKPT", help="evaluate this checkpoint's state (a file or URL)"
+        "--resume",
+        metavar="CKPT",
+        help="evaluate this checkpoint's state (a file or URL; a local checkpoint folder: "
+        "its latest step-N checkpoint)",
     )
     add_init_options(ev)
     ev.add_argument(

@@ -165,7 +165,8 @@ def check_outputs(args: argparse.Namespace) -> None:
             raise ValueError(
                 f"--checkpoint-dir {args.checkpoint_dir!r} already holds checkpoints "
                 f"({earlier[-1].name} and {len(earlier) - 1} more); a new run would overwrite "
-                f"them. Continue with --resume {earlier[-1]}, or choose an empty folder."
+                f"them. Continue with --resume {args.checkpoint_dir} (its latest checkpoint), "
+                "or choose an empty folder."
             )
         # Temp files killed writers left are removed once the folder's lock is held
         # (folder_lock), not here: a run refused for a live holder must touch nothing.

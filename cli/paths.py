@@ -75,13 +75,21 @@ def resume_from_folder(args: argparse.Namespace) -> None:
       ValueError: the folder holds no checkpoint.
     """
     given = getattr(args, "resume", None)
-    if not isinstance(given, str) or ("://" in given and not given.startswith("file://")):
+    if not isinstance(given, str) or given.startswith("sha256:"):
         return
-    folder = Path(given.removeprefix("file://"))
+    if "://" in given:
+        from stepbundle.runtime.remote import local_path
+
+        local = local_path(given)  # file:// URLs only; a bucket's folder is not listed
+        if local is None:
+            return
+        folder = Path(local)
+    else:
+        folder = Path(given)
     if not folder.is_dir():
         return
     found = sorted(
-        (p for p in folder.iterdir() if _CHECKPOINT_NAME.fullmatch(p.name)),
+        (p for p in folder.iterdir() if _CHECKPOINT_NAME.fullmatch(p.name) and p.is_file()),
         key=lambda p: int(p.name[5:].split(".")[0]),
     )
     if not found:

@@ -18,6 +18,7 @@ import dataclasses
 import hashlib
 import json
 import os
+from typing import BinaryIO
 
 from .checkpoint_meta import CheckpointMeta
 from .errors import CheckpointError
@@ -43,6 +44,7 @@ NUMPY_DTYPE_STRINGS: dict[str, str] = {
 digest frames (tests/runtime/test_checkpoint_digest.py holds it to numpy's)."""
 
 _PIECE = 1 << 20
+_MAX_HEADER = 100 << 20  # safetensors' own limit on a header
 
 
 def file_digest(path: str | os.PathLike[str], meta: CheckpointMeta) -> str:
@@ -60,23 +62,13 @@ def file_digest(path: str | os.PathLike[str], meta: CheckpointMeta) -> str:
 
     framed(dataclasses.replace(meta, sha256=None).to_json().encode())
     with open(name, "rb") as f:
-        n = int.from_bytes(f.read(8), "little")
-        try:
-            header = json.loads(f.read(n))
-            entries = {k: v for k, v in header.items() if k != "__metadata__"}
-            for tensor in entries.values():
-                tensor["dtype_str"] = NUMPY_DTYPE_STRINGS[tensor["dtype"]]
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise CheckpointError(
-                f"{name} is not a checkpoint this version reads: its safetensors header "
-                f"is malformed or holds a dtype without a digest form ({e})."
-            ) from None
-        base = 8 + n
+        size = os.fstat(f.fileno()).st_size
+        entries = _entries(name, f, size)
+        base = 8 + int.from_bytes(_read(f, 0, 8), "little")
         for key in sorted(entries):
-            t = entries[key]
-            begin, end = t["data_offsets"]
+            dtype_str, shape, begin, end = entries[key]
             framed(key.encode())
-            framed(f"{t['dtype_str']}{list(t['shape'])}".encode())
+            framed(f"{dtype_str}{shape}".encode())
             h.update((end - begin).to_bytes(8, "little"))
             f.seek(base + begin)
             left = end - begin
@@ -87,6 +79,54 @@ def file_digest(path: str | os.PathLike[str], meta: CheckpointMeta) -> str:
                 h.update(piece)
                 left -= len(piece)
     return h.hexdigest()
+
+
+def _read(f: BinaryIO, at: int, n: int) -> bytes:
+    f.seek(at)
+    return f.read(n)
+
+
+def _entries(name: str, f: BinaryIO, size: int) -> dict[str, tuple[str, list[int], int, int]]:
+    """Each tensor's (numpy dtype string, shape, begin, end) from the header, every field
+    checked: offsets ordered and inside the file, a shape of non-negative ints.
+
+    Raises:
+      CheckpointError: the header is malformed, or names bytes the file does not have.
+    """
+
+    def bad(why: str) -> CheckpointError:
+        return CheckpointError(f"{name} is not a checkpoint this version reads: {why}.")
+
+    n = int.from_bytes(_read(f, 0, 8), "little")
+    if size < 8 or n > min(size - 8, _MAX_HEADER):
+        raise bad(f"its safetensors header claims {n} bytes of a {size}-byte file")
+    try:
+        header = json.loads(f.read(n))
+    except (ValueError, RecursionError) as e:
+        raise bad(f"its safetensors header is not JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise bad("its safetensors header is not a JSON object")
+    data = size - 8 - n
+    out = {}
+    for key, t in header.items():
+        if key == "__metadata__":
+            continue
+        if not isinstance(t, dict):
+            raise bad(f"tensor {key!r} has no description")
+        dtype, shape, offsets = t.get("dtype"), t.get("shape"), t.get("data_offsets")
+        if dtype not in NUMPY_DTYPE_STRINGS:
+            raise bad(f"tensor {key!r} has dtype {dtype!r}, which has no digest form")
+        if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
+            raise bad(f"tensor {key!r} has shape {shape!r}")
+        if not (
+            isinstance(offsets, list)
+            and len(offsets) == 2
+            and all(type(o) is int for o in offsets)
+            and 0 <= offsets[0] <= offsets[1] <= data
+        ):
+            raise bad(f"tensor {key!r} has data_offsets {offsets!r} outside its {data} bytes")
+        out[key] = (NUMPY_DTYPE_STRINGS[dtype], shape, offsets[0], offsets[1])
+    return out
 
 
 def verify_file(path: str | os.PathLike[str], meta: CheckpointMeta) -> None:

@@ -96,19 +96,40 @@ class CheckpointMeta:
     schedules: Mapping[str, str | None] = dataclasses.field(default_factory=dict)
     data: Mapping[str, Any] | None = None
 
-    def __getitem__(self, key: str) -> Any:
-        """``meta["step"]``: ``load_into`` returned the metadata as a dict before 0.2;
-        kept, with a DeprecationWarning, until 0.3. Use the attributes."""
+    # ``load_into`` returned the metadata as a dict before 0.2: reading it as a mapping
+    # (``meta["step"]``, ``"lr" in meta``, ``meta.get``, ``dict(meta)``) still works, with
+    # a DeprecationWarning, until 0.3. Use the attributes.
+    def _deprecated(self, how: str) -> None:
         import warnings
 
         warnings.warn(
-            f"CheckpointMeta[{key!r}] is deprecated and goes in 0.3: use meta.{key}",
+            f"reading CheckpointMeta as a mapping ({how}) is deprecated and goes in 0.3: "
+            "use its attributes, e.g. meta.step",
             DeprecationWarning,
-            stacklevel=2,
+            stacklevel=3,
         )
+
+    def keys(self) -> list[str]:
+        self._deprecated("keys()")
+        return [f.name for f in dataclasses.fields(self)]
+
+    def __iter__(self) -> Any:
+        self._deprecated("iteration")
+        return iter([f.name for f in dataclasses.fields(self)])
+
+    def __contains__(self, key: object) -> bool:
+        self._deprecated("in")
+        return key in {f.name for f in dataclasses.fields(self)}
+
+    def __getitem__(self, key: str) -> Any:
+        self._deprecated(f"meta[{key!r}]")
         if key not in {f.name for f in dataclasses.fields(self)}:
             raise KeyError(key)
         return getattr(self, key)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        self._deprecated("get()")
+        return getattr(self, key) if key in {f.name for f in dataclasses.fields(self)} else default
 
     def to_json(self) -> str:
         bad = {k: v for k, v in self.hyperparameters.items() if not math.isfinite(v)}

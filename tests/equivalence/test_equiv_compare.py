@@ -91,3 +91,27 @@ def test_float64_does_not_excuse_a_wrong_bundle() -> None:
     problems = " ".join(arbitrate(bundle, xla, truth, FP32_XLA, FP32_CPU, {}, w0, "even"))
     assert "against PyTorch float64" not in problems
     assert "state w: bundle and torch_xla disagree" in problems
+
+
+@pytest.mark.parametrize(
+    ("bundle_rv", "excused"),
+    [("written", True), ("not written back", False), ("twice", False)],
+)
+def test_the_arbiter_holds_running_variances_to_torch_xla(bundle_rv: str, excused: bool) -> None:
+    """Float64 (PyTorch: the unbiased update) cannot arbitrate the running variances of a
+    numerics="torch_xla" bundle (the biased update, as torch_xla's): the arbiter holds them
+    to torch_xla's on their movement, so one not written back is never excused."""
+    rng = np.random.default_rng(2)
+    w0 = rng.standard_normal(200)
+    w = w0 + 1e-2 * rng.standard_normal(200)
+    off = rng.standard_normal(200)
+    rv = np.abs(rng.standard_normal(8)) + 1
+    truth = Run([{"loss": 1.0}], {"w": w, "bn.running_var": rv * 8 / 7})
+    xla = Run([{"loss": 1.0}], {"w": w + 5e-4 * off, "bn.running_var": rv})  # off on w
+    got_rv = {"written": rv * (1 + 1e-5), "not written back": np.ones(8), "twice": rv * 2}
+    bundle = Run([{"loss": 1.0}], {"w": w + 1e-8 * off, "bn.running_var": got_rv[bundle_rv]})
+    initial = {"w": w0, "bn.running_var": np.ones(8)}
+    assert compare(bundle, xla, FP32_XLA, "x", initial=initial).failures  # beyond the bounds
+    problems = arbitrate(bundle, xla, truth, FP32_XLA, FP32_CPU, {}, initial, "x")
+    assert (problems == []) == excused, problems
+    assert all("running_var" in p for p in problems)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -62,3 +63,43 @@ def test_the_metadata_still_reads_as_a_mapping_with_a_warning() -> None:
         assert meta["step"] == 5
     with pytest.warns(DeprecationWarning), pytest.raises(KeyError):
         meta["stepz"]
+    with pytest.warns(DeprecationWarning):
+        assert "step" in meta and "stepz" not in meta
+        assert meta.get("seed") == 1 and meta.get("stepz", 7) == 7
+        assert dict(meta)["hyperparameters"] == {"lr": 0.1}
+        assert list(meta)[:2] == ["format", "step"]
+
+
+def _with_header(
+    path: Path, header: object, data: bytes = b"\0" * 16, claim: int | None = None
+) -> None:
+    raw = json.dumps(header).encode()
+    path.write_bytes((len(raw) if claim is None else claim).to_bytes(8, "little") + raw + data)
+
+
+@pytest.mark.parametrize(
+    ("header", "claim"),
+    [
+        ({"t": {"dtype": "F32", "shape": [2], "data_offsets": [-100, 8]}}, None),
+        ({"t": {"dtype": "F32", "shape": [2], "data_offsets": [8, 0]}}, None),
+        ({"t": {"dtype": "F32", "shape": [2], "data_offsets": [0, 2**63]}}, None),
+        ({"t": {"dtype": "F32", "shape": [2], "data_offsets": [0.0, 8.0]}}, None),
+        ({"t": {"dtype": "F32", "shape": [2]}}, None),
+        ({"t": {"dtype": "F32", "shape": [-2], "data_offsets": [0, 8]}}, None),
+        ({"t": {"dtype": "C64", "shape": [2], "data_offsets": [0, 8]}}, None),
+        ({"t": [1, 2]}, None),
+        ([1, 2], None),
+        ({"t": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, 2**64 - 1),
+        ({"t": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, 3 << 30),
+    ],
+)
+def test_a_hostile_header_is_a_checkpoint_error(
+    tmp_path: Path, header: object, claim: int | None
+) -> None:
+    """Whatever the header says, the digest reads only bytes the file has, and a header it
+    cannot follow is a CheckpointError, never another exception."""
+    meta = CheckpointMeta(format=2, step=1, seed=None, hyperparameters={}, bundle_digest="x")
+    path = tmp_path / "c.safetensors"
+    _with_header(path, header, claim=claim)
+    with pytest.raises(CheckpointError, match="is not a checkpoint this version reads"):
+        file_digest(path, meta)

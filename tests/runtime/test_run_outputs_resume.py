@@ -168,7 +168,9 @@ def test_resume_from_a_folder_takes_its_latest_checkpoint(tmp_path: Path) -> Non
     assert first.returncode == 0, first.stderr
     # 8, 16 and the final 20; a checkpoint kept before a non-finite step is taken by name only.
     (ck / "step-00000099-before-nonfinite.safetensors").write_bytes(b"not taken")
-    by_folder = cli("run", str(bundle), *common, "--until-step", "24", "--resume", str(ck),
+    (ck / "step-00000098.safetensors").mkdir()  # not a file: not taken
+    (ck / "step-00000097.safetensors").symlink_to(tmp_path / "nowhere")  # dangling: not taken
+    by_folder = cli("run", str(bundle), *common, "--until-step", "24", "--resume", ck.as_uri(),
                     "--save-state", str(tmp_path / "a.safetensors"))  # fmt: skip
     assert by_folder.returncode == 0, by_folder.stderr
     assert f"resumed from {ck / 'step-00000020.safetensors'} (step 20)" in by_folder.stderr

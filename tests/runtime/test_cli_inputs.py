@@ -168,8 +168,9 @@ def test_a_checkpoint_folder_with_checkpoints_needs_resume(tmp_path: Path) -> No
     assert again.returncode == 2
     line = one_line_error(again)
     assert "already holds checkpoints (step-00000002.safetensors and 0 more)" in line
-    assert f"--resume {ck / 'step-00000002.safetensors'}" in line
+    assert f"Continue with --resume {ck} (its latest checkpoint)" in line
     assert (ck / "step-00000002.safetensors").read_bytes() == written
+    # What the message says to do works.
     resumed = cli(
         *run_args(
             "--steps",
@@ -179,8 +180,8 @@ def test_a_checkpoint_folder_with_checkpoints_needs_resume(tmp_path: Path) -> No
             "--checkpoint-every",
             "2",
             "--resume",
-            str(ck / "step-00000002.safetensors"),
-        )
+            str(ck),
+        )  # fmt: skip
     )
     assert resumed.returncode == 0, resumed.stderr
     assert (ck / "step-00000004.safetensors").exists()

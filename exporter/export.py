@@ -140,7 +140,8 @@ def _trace_recipe(
             eval_bound[name] = progs
         xla.sync()
         say(
-            f"traced: {2 * len(batches)} training steps"
+            f"traced: the step {2 * len(batches)} times (twice per batch shape: a value "
+            "that differs between the two traces is a graph input, not a constant)"
             + (f", {len(eval_fns)} read-only entries" if eval_fns else "")
         )
         return initial, initial_values, initial_hyper, train_bound, eval_bound

@@ -203,8 +203,9 @@ def open_safetensors(path: str | os.PathLike[str]) -> SafetensorsFile:
                 raise CheckpointError(
                     f"{p} is not a safetensors file: it looks like a torch.save() file "
                     "(a zip archive, or torch's older format), which the runtime does not "
-                    "read. Convert it where torch is installed: "
-                    "safetensors.torch.save_file(torch.load(path), 'model.safetensors')."
+                    "read (it loads no Python objects). Convert it once, in a process with torch "
+                    "that trusts the file, with safetensors.torch.save_file(state_dict, "
+                    "'model.safetensors')."
                 )
             raise CheckpointError(f"{p} has a corrupt safetensors header length ({n}).")
         try:

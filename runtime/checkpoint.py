@@ -33,7 +33,6 @@ are the schema's, named here as before.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 import struct
@@ -43,6 +42,7 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from stepbundle.schema.atomic import atomic_write
+from stepbundle.schema.checkpoint_digest import CheckpointDigest
 from stepbundle.schema.checkpoint_meta import (
     CHECKPOINT_FORMAT,
     META_KEY,
@@ -77,24 +77,14 @@ class OtherBundleError(CheckpointError):
 
 
 def checkpoint_digest(meta: CheckpointMeta, values: Mapping[str, np.ndarray[Any, Any]]) -> str:
-    """Hex SHA-256 of a checkpoint: its metadata's canonical JSON (without the digest),
-    then for each tensor, sorted by name, its name, dtype, shape and byte count (each
-    length-prefixed) and its bytes in C order."""
-    h = hashlib.sha256()
-
-    def framed(data: bytes) -> None:
-        h.update(len(data).to_bytes(8, "little"))
-        h.update(data)
-
-    framed(dataclasses.replace(meta, sha256=None).to_json().encode())
+    """Hex SHA-256 of a checkpoint of ``values`` (``CheckpointDigest``'s framing)."""
+    digest = CheckpointDigest(meta)
     for name in sorted(values):
         a = np.asarray(values[name], order="C")
-        framed(name.encode())
-        framed(f"{a.dtype.str}{list(a.shape)}".encode())
-        h.update(a.nbytes.to_bytes(8, "little"))
+        digest.tensor(name, a.dtype.str, a.shape, a.nbytes)
         if a.size:
-            h.update(a.reshape(-1).view(np.uint8).data)
-    return h.hexdigest()
+            digest.update(a.reshape(-1).view(np.uint8).data)
+    return digest.hexdigest()
 
 
 def check_bundle(

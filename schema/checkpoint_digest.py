@@ -1,13 +1,13 @@
 """A checkpoint file's digest, recomputed from the file with the standard library.
 
-The runtime writes ``CheckpointMeta.sha256`` from the arrays it saves
-(``runtime/checkpoint.py``'s ``checkpoint_digest``: the metadata's canonical JSON without
+``CheckpointDigest`` is the digest's one framing: the metadata's canonical JSON without
 the digest, then per tensor, by name, its name, numpy's dtype string, its shape and its
-bytes) and checks it from the arrays it reads. ``load_into`` has torch, not numpy, and
-reads tensors through ``safetensors``; it checks the same digest here, from the file's
-header and bytes, so both readers refuse the same damaged file. Written by hand because
-the digest is this project's own framing; safetensors' header is 8 bytes of length and
-JSON, and the bytes are read in 1 MiB pieces.
+bytes. The runtime feeds it the arrays it saves and reads (``runtime/checkpoint.py``'s
+``checkpoint_digest``); ``load_into`` has torch, not numpy, and reads tensors through
+``safetensors``, so ``file_digest`` feeds it the file's header and bytes, and both
+readers refuse the same damaged file. Written by hand because the digest is this
+project's own framing; safetensors' header is 8 bytes of length and JSON, and the bytes
+are read in 1 MiB pieces.
 
 Imports: standard library only.
 """
@@ -18,12 +18,13 @@ import dataclasses
 import hashlib
 import json
 import os
+from collections.abc import Sequence
 from typing import BinaryIO
 
 from .checkpoint_meta import CheckpointMeta
 from .errors import CheckpointError
 
-__all__ = ["NUMPY_DTYPE_STRINGS", "file_digest", "verify_file"]
+__all__ = ["NUMPY_DTYPE_STRINGS", "CheckpointDigest", "file_digest", "verify_file"]
 
 NUMPY_DTYPE_STRINGS: dict[str, str] = {
     "F64": "<f8",
@@ -47,6 +48,31 @@ _PIECE = 1 << 20
 _MAX_HEADER = 100 << 20  # safetensors' own limit on a header
 
 
+class CheckpointDigest:
+    """SHA-256 of a checkpoint as its ``sha256`` records it: ``tensor`` then ``update``
+    with its bytes in C order, for each tensor in the order of the names."""
+
+    def __init__(self, meta: CheckpointMeta) -> None:
+        self._h = hashlib.sha256()
+        self._framed(dataclasses.replace(meta, sha256=None).to_json().encode())
+
+    def _framed(self, data: bytes) -> None:
+        self._h.update(len(data).to_bytes(8, "little"))
+        self._h.update(data)
+
+    def tensor(self, name: str, dtype_str: str, shape: Sequence[int], nbytes: int) -> None:
+        """Start a tensor: ``dtype_str`` as numpy's ``dtype.str`` spells it."""
+        self._framed(name.encode())
+        self._framed(f"{dtype_str}{list(shape)}".encode())
+        self._h.update(nbytes.to_bytes(8, "little"))
+
+    def update(self, data: bytes | memoryview) -> None:
+        self._h.update(data)
+
+    def hexdigest(self) -> str:
+        return self._h.hexdigest()
+
+
 def file_digest(path: str | os.PathLike[str], meta: CheckpointMeta) -> str:
     """Hex SHA-256 of the checkpoint at ``path`` as the runtime frames it.
 
@@ -54,41 +80,29 @@ def file_digest(path: str | os.PathLike[str], meta: CheckpointMeta) -> str:
       CheckpointError: the file is not a safetensors file this reader can follow.
     """
     name = os.fspath(path)
-    h = hashlib.sha256()
-
-    def framed(data: bytes) -> None:
-        h.update(len(data).to_bytes(8, "little"))
-        h.update(data)
-
-    framed(dataclasses.replace(meta, sha256=None).to_json().encode())
+    digest = CheckpointDigest(meta)
     with open(name, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        entries = _entries(name, f, size)
-        base = 8 + int.from_bytes(_read(f, 0, 8), "little")
+        base, entries = _entries(name, f, os.fstat(f.fileno()).st_size)
         for key in sorted(entries):
             dtype_str, shape, begin, end = entries[key]
-            framed(key.encode())
-            framed(f"{dtype_str}{shape}".encode())
-            h.update((end - begin).to_bytes(8, "little"))
+            digest.tensor(key, dtype_str, shape, end - begin)
             f.seek(base + begin)
             left = end - begin
             while left > 0:
                 piece = f.read(min(left, _PIECE))
                 if not piece:
                     raise CheckpointError(f"{name} is damaged: it ends inside tensor {key!r}.")
-                h.update(piece)
+                digest.update(piece)
                 left -= len(piece)
-    return h.hexdigest()
+    return digest.hexdigest()
 
 
-def _read(f: BinaryIO, at: int, n: int) -> bytes:
-    f.seek(at)
-    return f.read(n)
-
-
-def _entries(name: str, f: BinaryIO, size: int) -> dict[str, tuple[str, list[int], int, int]]:
-    """Each tensor's (numpy dtype string, shape, begin, end) from the header, every field
-    checked: offsets ordered and inside the file, a shape of non-negative ints.
+def _entries(
+    name: str, f: BinaryIO, size: int
+) -> tuple[int, dict[str, tuple[str, list[int], int, int]]]:
+    """Where the tensors' bytes start, and each tensor's (numpy dtype string, shape, begin,
+    end) from the header, every field checked: offsets ordered and inside the file, a
+    shape of non-negative ints.
 
     Raises:
       CheckpointError: the header is malformed, or names bytes the file does not have.
@@ -97,7 +111,7 @@ def _entries(name: str, f: BinaryIO, size: int) -> dict[str, tuple[str, list[int
     def bad(why: str) -> CheckpointError:
         return CheckpointError(f"{name} is not a checkpoint this version reads: {why}.")
 
-    n = int.from_bytes(_read(f, 0, 8), "little")
+    n = int.from_bytes(f.read(8), "little")
     if size < 8 or n > min(size - 8, _MAX_HEADER):
         raise bad(f"its safetensors header claims {n} bytes of a {size}-byte file")
     try:
@@ -126,7 +140,7 @@ def _entries(name: str, f: BinaryIO, size: int) -> dict[str, tuple[str, list[int
         ):
             raise bad(f"tensor {key!r} has data_offsets {offsets!r} outside its {data} bytes")
         out[key] = (NUMPY_DTYPE_STRINGS[dtype], shape, offsets[0], offsets[1])
-    return out
+    return 8 + n, out
 
 
 def verify_file(path: str | os.PathLike[str], meta: CheckpointMeta) -> None:

@@ -119,17 +119,17 @@ class CheckpointMeta:
 
     def __contains__(self, key: object) -> bool:
         self._deprecated("in")
-        return key in {f.name for f in dataclasses.fields(self)}
+        return key in _FIELDS
 
     def __getitem__(self, key: str) -> Any:
         self._deprecated(f"meta[{key!r}]")
-        if key not in {f.name for f in dataclasses.fields(self)}:
+        if key not in _FIELDS:
             raise KeyError(key)
         return getattr(self, key)
 
     def get(self, key: str, default: Any = None) -> Any:
         self._deprecated("get()")
-        return getattr(self, key) if key in {f.name for f in dataclasses.fields(self)} else default
+        return getattr(self, key) if key in _FIELDS else default
 
     def to_json(self) -> str:
         bad = {k: v for k, v in self.hyperparameters.items() if not math.isfinite(v)}
@@ -220,6 +220,9 @@ class CheckpointMeta:
             schedules={str(k): v for k, v in schedules.items()},
             data=data,
         )
+
+
+_FIELDS = frozenset(f.name for f in dataclasses.fields(CheckpointMeta))
 
 
 def parse_checkpoint_metadata(

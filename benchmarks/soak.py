@@ -110,12 +110,12 @@ def soak(
 
     t0 = time.perf_counter()
     losses_finite = True
+    rss_mid = None  # half way through (Trainer.step only)
     if via_run:
         kept = trainer.run(data, steps)
         losses_finite = math.isfinite(float(kept[-1]["loss"]))
     else:
         kept = None
-        rss_mid = None
         for i in range(steps):
             metrics = trainer.step(data[i % n])
             if (i + 1) % sync_every == 0:
@@ -128,8 +128,6 @@ def soak(
     trainer.block_until_ready()
     seconds = time.perf_counter() - t0
     rss_end = rss_bytes()
-    if via_run:
-        rss_mid = None
     del kept
     return {
         "bundle": name,

@@ -205,6 +205,7 @@ def jax_step(
 # ------------------------------------------------------------ bench (device)
 def bench(args: argparse.Namespace) -> int:
     import jax
+    import jax.profiler
 
     from stepbundle.runtime import load
     from stepbundle.runtime.checkpoint import write_safetensors
@@ -243,6 +244,8 @@ def bench(args: argparse.Namespace) -> int:
         ("jax_flash", True, None),
         ("jax_flash512", True, 512),
     ):
+        if name not in args.peers.split(","):
+            continue
         if flash and platform != "tpu":
             continue
         try:
@@ -306,6 +309,14 @@ def bench(args: argparse.Namespace) -> int:
             flush=True,
         )
     out["samples_ms"] = samples
+    if args.profile:
+        # A device trace of 5 steps each (read with xprof: per-op times on the chip).
+        for name in ("bundle", *(k for k in peers if k == "jax")):
+            where = Path(args.profile) / name
+            jax.profiler.start_trace(str(where))
+            time_bundle(5) if name == "bundle" else time_peer(name, 5)
+            jax.profiler.stop_trace()
+            print(f"profile of {name}: {where}", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(out, indent=1))
     return 0
@@ -326,12 +337,16 @@ def main() -> int:
     b.add_argument("--rounds", type=int, default=5)
     b.add_argument("--peak-tflops", type=float, default=197.0)
     b.add_argument("--out", default=None)
+    b.add_argument("--profile", default=None, help="write device traces of both here")
+    b.add_argument(
+        "--peers", default="jax,jax_flash,jax_flash512", help="the hand-written peers to run"
+    )
     a = p.parse_args()
     if a.cmd == "export":
         from stepbundle.exporter import export
 
         report = export(recipe(), a.output)
-        print(f"wrote {report.path} ({report.size} bytes, {report.manifest.digest})")
+        print(f"wrote {report.path} ({report.size} bytes, {report.digest})")
         return 0
     return bench(a)
 

@@ -1,0 +1,137 @@
+"""A bundle's compile time per entry as the runtime loads it, and with its rewrites varied.
+
+    python benchmarks/device/compile_variants.py BUNDLE --platform tpu --out variants.json
+
+Every variant is a ``load(..., cache_dir=False)`` of one entry, with a load option or the
+runtime's rewrite pipeline (``runtime/rewrites.py``) changed in one way: a rewrite
+dropped, or a family of operations zeroed before the rewrites that follow (its
+operands then feed nothing and XLA drops them, so the time it leaves is what that family
+costs the compiler). Variants compile one after another in this process, in ``--rounds``
+rounds, and the median of each is reported next to the eval entry's, as the ratio the
+issue asks about (issue #28: the CNN's train program at most 3x its eval program).
+
+Where ``compile_bisect.py`` found the cause (variants of the bundle's own program compiled
+in parallel threads), this measures the fix as a user meets it, one compile at a time.
+Imports: jax, numpy, stepbundle.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from stepbundle.runtime import load, rewrites
+from stepbundle.stablehlo import artifact as mlir
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from compile_bisect import _zero_ops  # noqa: E402
+
+
+def _zeroing(op: str, pick: Any = lambda line: True) -> rewrites.Rewrite:
+    def rewrite(stage: rewrites.Stage, ctx: rewrites.RewriteContext) -> rewrites.Stage:
+        text, _ = _zero_ops(stage.module.text(), op, pick)
+        return rewrites.Stage(mlir.Module.parse_text(stage.module, text), stage.program)
+
+    return rewrite
+
+
+def _pipeline(
+    drop: tuple[str, ...] = (), replace: dict[str, rewrites.Rewrite] | None = None
+) -> tuple[tuple[str, rewrites.Rewrite], ...]:
+    replace = replace or {}
+    base = rewrites.REWRITES
+    return tuple((n, replace.get(n, r)) for n, r in base if n not in drop)
+
+
+def _before(name: str, extra: rewrites.Rewrite) -> tuple[tuple[str, rewrites.Rewrite], ...]:
+    out: list[tuple[str, rewrites.Rewrite]] = []
+    for n, r in rewrites.REWRITES:
+        if n == name:
+            out.append((f"before-{name}", extra))
+        out.append((n, r))
+    return tuple(out)
+
+
+def variants() -> dict[str, tuple[str, tuple[tuple[str, rewrites.Rewrite], ...], dict[str, Any]]]:
+    """name -> (entry, rewrite pipeline, load options)."""
+    wgrad = lambda s: "[f, b, 0, 1]x" in s  # noqa: E731  (torch_xla's weight gradients)
+    base = rewrites.REWRITES
+    return {
+        "eval": ("eval", base, {}),
+        "train": ("train", base, {}),
+        # "highest" also computes Adam's powers exactly (stablehlo/pow_precision.py)
+        "train_highest": ("train", base, {"matmul_precision": "highest"}),
+        "train_highest_no_power_precision": (
+            "train",
+            _pipeline(drop=("power-precision",)),
+            {"matmul_precision": "highest"},
+        ),
+        "train_no_wgrad": (
+            "train",
+            _before("weight-gradients", _zeroing("convolution", wgrad)),
+            {},
+        ),
+    }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("bundle")
+    p.add_argument("--platform", default=None)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--only", nargs="*", default=None)
+    p.add_argument("--out", default=None)
+    a = p.parse_args()
+    platform = a.platform or jax.default_backend()
+    table = variants()
+    if a.only:
+        table = {k: v for k, v in table.items() if k in a.only or k == "eval"}
+    original = rewrites.REWRITES
+    times: dict[str, list[float]] = {k: [] for k in table}
+    errors: dict[str, str] = {}
+    load(a.bundle, device=platform, entry="eval", cache_dir=False)  # the compiler's warm-up
+    for r in range(a.rounds):
+        for name, (entry, pipeline, options) in table.items():
+            rewrites.REWRITES = pipeline
+            try:
+                t = load(a.bundle, device=platform, entry=entry, cache_dir=False, **options)
+                times[name].append(float(t.load_info.seconds["compile"]))
+            except Exception as e:  # a variant that does not compile is a finding too
+                errors[name] = f"{type(e).__name__}: {str(e)[:300]}"
+            finally:
+                rewrites.REWRITES = original
+            if times[name]:
+                print(f"round {r} {name:30s} compile {times[name][-1]:6.2f} s", flush=True)
+    eval_s = float(np.median(times["eval"]))
+    report = {
+        "bundle": a.bundle,
+        "jax": jax.__version__,
+        "device_kind": jax.devices(platform)[0].device_kind,
+        "rounds": a.rounds,
+        "results": [
+            {
+                "variant": k,
+                "compile_s": v,
+                "median_s": float(np.median(v)) if v else None,
+                "ratio_to_eval": float(np.median(v)) / eval_s if v else None,
+                "error": errors.get(k),
+            }
+            for k, v in times.items()
+        ],
+    }
+    for row in report["results"]:
+        if row["median_s"] is not None:
+            print(f"{row['variant']:30s} {row['median_s']:6.2f} s  {row['ratio_to_eval']:.2f}x")
+    if a.out:
+        Path(a.out).write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

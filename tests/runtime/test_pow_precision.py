@@ -1,0 +1,186 @@
+"""Adam's bias corrections computed exactly (stablehlo/pow_precision.py), pinned on the CPU.
+
+A TPU v5e's float32 power was up to 52 ulp off, which moved the Adam golden bundles 4e-5
+from the CPU in 6 steps; the runtime rewrites small float32 powers to whole exponents into
+binary exponentiation in float64 on accelerators. The CPU cannot show the TPU's error, so
+these tests pin what the rewritten program computes, run on the CPU: the correctly rounded
+power (against numpy in float64, which shares no code with either), the backend's own
+power for every exponent it does not take, and the golden Adam bundle's numbers.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from runtime_helpers import GOLDEN_STEPS, golden_batches, golden_bundle, golden_expected
+
+from stepbundle.runtime import _compat, load, rewrites
+from stepbundle.runtime.sharding import Placement
+from stepbundle.schema.reader import open_bundle
+from stepbundle.stablehlo import artifact as mlir
+from stepbundle.stablehlo.pow_precision import BITS, MAX_ELEMENTS, rewrite_powers
+
+N = 64
+
+
+def _like() -> mlir.Module:
+    with open_bundle(golden_bundle("linear_adamw")) as b:
+        program = b.manifest.entries["train"].programs[0]
+        return mlir.parse_artifact(bytes(b.section(program.section)))
+
+
+def _power_module(n: int) -> mlir.Module:
+    text = f"""
+func.func @main(%x: tensor<{n}xf32>, %y: tensor<{n}xf32>) -> tensor<{n}xf32> {{
+  %p = stablehlo.power %x, %y : tensor<{n}xf32>
+  return %p : tensor<{n}xf32>
+}}
+"""
+    return mlir.Module.parse_text(_like(), text)
+
+
+def _run_all(module: mlir.Module, *args: np.ndarray) -> list[np.ndarray]:
+    client = _compat.get_client("cpu")
+    device = client.local_devices()[0]
+    exe = _compat.compile_program(
+        client, module.bytecode(), [device], _compat.compile_options(1, [device.id])
+    )
+    return [np.asarray(o) for o in exe.execute([jax.device_put(a, device) for a in args])]
+
+
+def _run(module: mlir.Module, *args: np.ndarray) -> np.ndarray:
+    return _run_all(module, *args)[0]
+
+
+def _powers(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The power as XLA:CPU computes it; after the rewrite; and after the rewrite with its
+    fallback (the backend's own power) made an addition, which shows which one answered
+    (a CPU's power is correctly rounded too, so its values cannot)."""
+    before = _run(_power_module(len(x)), x, y)
+    module = _power_module(len(x))
+    assert rewrite_powers(module) == 1
+    text = module.text()
+    assert text.count("stablehlo.power") == 1  # the fallback
+    marked = mlir.Module.parse_text(_like(), text.replace("stablehlo.power", "stablehlo.add"))
+    return before, _run(module, x, y), _run(marked, x, y)
+
+
+def test_whole_exponents_give_the_correctly_rounded_power() -> None:
+    rng = np.random.default_rng(0)
+    x = np.concatenate(
+        [[0.9, 0.999, 0.99, 0.95, 0.9999, 0.99999, 0.999999], rng.uniform(0.5, 1.2, N - 7)]
+    ).astype(np.float32)
+    y = np.concatenate(
+        [[1, 2, 7, 1000, 10000, 65535, 2**BITS - 1], rng.integers(0, 400, N - 7)]
+    ).astype(np.float32)
+    _, after, marked = _powers(x, y)
+    assert np.array_equal(after, marked)  # every one binary exponentiation
+    exact = x.astype(np.float64) ** y.astype(np.float64)
+    normal = np.abs(exact) >= np.finfo(np.float32).tiny  # XLA flushes subnormals to zero
+    ulp = np.abs(after.astype(np.float64) - exact) / np.spacing(exact.astype(np.float32))
+    # Half an ulp is correct rounding; binary exponentiation's float64 roundings add at
+    # most 2 * BITS * 2**-53 relative, 1e-6 of a float32 ulp.
+    assert np.all(ulp[normal] <= 0.5 + 1e-6), ulp.max()
+    assert np.all(after[~normal] == 0)
+
+
+def test_special_bases_match_float64() -> None:
+    x = np.array([0.0, -0.0, -2.0, -0.5, np.inf, -np.inf, np.nan, np.nan, 1.0, 3.0], np.float32)
+    y = np.array([0.0, 1.0, 3.0, 4.0, 2.0, 3.0, 0.0, 2.0, 12345.0, 5.0], np.float32)
+    _, after, marked = _powers(x, y)
+    assert np.array_equal(after, marked, equal_nan=True)
+    with np.errstate(all="ignore"):
+        ref = (x.astype(np.float64) ** y.astype(np.float64)).astype(np.float32)
+    assert np.array_equal(after, ref, equal_nan=True)
+    assert np.signbit(after[1])  # (-0) ** 1 is -0
+
+
+def test_other_exponents_keep_the_backends_power() -> None:
+    x = np.array([0.9, 0.999, 2.0, 0.5, 0.9, 4.0, 0.9, 1.5], np.float32)
+    y = np.array([0.5, 1.25, -1.0, -3.0, 2.0**BITS, 1e30, np.nan, -np.inf], np.float32)
+    before, after, marked = _powers(x, y)
+    assert np.array_equal(before, after, equal_nan=True)
+    assert np.array_equal(marked, x + y, equal_nan=True)  # every one the fallback
+
+
+def test_only_small_float32_powers_are_rewritten() -> None:
+    assert rewrite_powers(_power_module(MAX_ELEMENTS + 1)) == 0
+    f64 = """
+func.func @main(%x: tensor<f64>, %y: tensor<f64>) -> tensor<f64> {
+  %p = stablehlo.power %x, %y : tensor<f64>
+  return %p : tensor<f64>
+}
+"""
+    assert rewrite_powers(mlir.Module.parse_text(_like(), f64)) == 0
+    module = _like()  # Adam: two bias corrections per parameter tensor, computed together
+    assert rewrite_powers(module) == 4
+    assert module.text().count("stablehlo.power") == 1  # their shared fallback
+
+
+def test_a_power_of_a_power_keeps_its_own() -> None:
+    # Batched powers are computed together before the first of them; one whose operand
+    # needs another power cannot join, and keeps the backend's power.
+    text = """
+func.func @main(%x: tensor<f32>, %y: tensor<f32>, %z: tensor<f32>) -> (tensor<f32>, tensor<f32>) {
+  %p = stablehlo.power %x, %y : tensor<f32>
+  %q = stablehlo.power %p, %z : tensor<f32>
+  %s = stablehlo.add %y, %z : tensor<f32>
+  %r = stablehlo.power %x, %s : tensor<f32>
+  return %q, %r : tensor<f32>, tensor<f32>
+}
+"""
+    module = mlir.Module.parse_text(_like(), text)
+    assert rewrite_powers(module) == 2
+    args = [np.float32(0.999), np.float32(7.0), np.float32(3.0)]
+    q, r = _run_all(module, *args)
+    exact = np.float64(args[0]) ** 10
+    assert abs(float(r) - exact) <= 0.5 * np.spacing(np.float32(exact)) * (1 + 1e-6)
+    assert np.isclose(float(q), np.float64(args[0]) ** 21, rtol=1e-6)  # (x**7)**3, the CPU's
+
+
+def test_the_adam_golden_bundle_keeps_its_numbers_with_the_rewrite() -> None:
+    # The runtime rewrites on accelerators only; forced here on the CPU, the rewritten
+    # program must still be torch_xla eager's step (expected numbers within 1e-6).
+    forced = tuple(
+        (n, (lambda s, c: (rewrite_powers(s.module), s)[1]) if n == "power-precision" else r)
+        for n, r in rewrites.REWRITES
+    )
+    assert any(n == "power-precision" for n, _ in forced)
+    kept, rewrites.REWRITES = rewrites.REWRITES, forced
+    try:
+        t = load(golden_bundle("linear_adamw"), cache_dir=False)
+    finally:
+        rewrites.REWRITES = kept
+    ms = t.run(golden_batches("linear_adamw"), GOLDEN_STEPS["linear_adamw"])
+    losses = np.array([float(m["loss"]) for m in ms])
+    expected = golden_expected("linear_adamw")["metric/loss"]
+    assert np.max(np.abs(losses - expected) / np.abs(expected)) < 1e-6
+
+
+@pytest.mark.parametrize(
+    ("platform", "precision", "applied"),
+    [
+        ("tpu", "highest", True),
+        ("tpu", "high", True),
+        ("cuda", "highest", True),
+        ("tpu", "default", False),  # bf16 passes: the larger error, and compile time saved
+        ("tpu", None, False),
+        ("cpu", "highest", False),  # powf is within an ulp already
+    ],
+)
+def test_the_runtime_computes_powers_exactly_where_a_cpu_comparison_needs_it(
+    platform: str, precision: str | None, applied: bool
+) -> None:
+    with open_bundle(golden_bundle("linear_adamw")) as b:
+        program = b.manifest.entries["train"].programs[0]
+        module = mlir.parse_artifact(bytes(b.section(program.section)))
+    ctx = rewrites.RewriteContext(
+        platform=platform,
+        placement=Placement(jax.devices("cpu")[:1]),
+        matmul_precision=precision,
+    )
+    before = module.text().count("stablehlo.power")
+    rewrites.power_precision(rewrites.Stage(module, program), ctx)
+    assert before == 4
+    assert (module.text().count("stablehlo.power") == 1) is applied

@@ -40,7 +40,7 @@ from runtime_helpers import (  # noqa: E402
     rel,
 )
 
-from stepbundle.runtime import load, rewrites  # noqa: E402
+from stepbundle.runtime import _compat, load, rewrites  # noqa: E402
 
 
 def trainer(platform_: str, name: str, version: Any = None, **kw: Any) -> Any:
@@ -142,7 +142,7 @@ def adam_powers(platform_: str, out: dict[str, Any]) -> None:
         exact = np.where(exact < np.finfo(np.float32).tiny, 0.0, exact)  # flushed
         spacing = np.spacing(exact.astype(np.float32)).astype(np.float64)
         got32 = np.asarray(jax.jit(lambda s, b=b32: b**s)(jax.device_put(steps, dev)))
-        with jax.enable_x64(True):
+        with _compat.x64_scope():
             wide = jax.jit(lambda s, b=b32: jnp.float64(b) ** s.astype(jnp.float64))
             got64 = np.asarray(wide(jax.device_put(steps, dev)).astype(jnp.float32))
         for label, got in (("f32", got32), ("f64", got64)):

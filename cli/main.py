@@ -271,7 +271,9 @@ def _add_run(sub: Any) -> None:
         choices=("default", "high", "highest"),
         default=None,
         help="precision of every matmul and convolution (default: the one the bundle "
-        "records, the one it was traced at). The CPU computes the same with all three",
+        "records, the one it was traced at). The CPU computes the same with all three; "
+        "on an accelerator 'high' and 'highest' also compute Adam's bias corrections "
+        "exactly (docs/tpu.md). Say 'highest' to compare a TPU with a CPU",
     )
     _add_device_options(r)
     r.set_defaults(fn=cmd_run)

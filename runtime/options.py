@@ -60,8 +60,10 @@ class CompileOptions:
         for a run's last steps when they do not fill a call).
       matmul_precision: "default", "high" or "highest": set on every matmul and
         convolution of every program before it is compiled (``stablehlo/precision.py``;
-        part of the compile-cache key). On the CPU all three compute the same. None: the
-        precision the manifest records (``"default"`` for bundles before format 1.2).
+        part of the compile-cache key). On the CPU all three compute the same. On an
+        accelerator "high" and "highest" also compute small float32 powers to whole
+        exponents exactly (Adam's bias corrections; ``stablehlo/pow_precision.py``).
+        None: the precision the manifest records (``"default"`` before format 1.2).
       compile_only: compile every program (filling the compile cache) and place nothing:
         no state is read or copied to the device, so a bundle without weights needs no
         ``init_from``. The trainer returned has ``load_info`` and refuses to step

@@ -310,13 +310,19 @@ def bench(args: argparse.Namespace) -> int:
         )
     out["samples_ms"] = samples
     if args.profile:
-        # A device trace of 5 steps each (read with xprof: per-op times on the chip).
+        # A device trace of 5 steps each, summed by operation (trace_ops.py) into
+        # DIR/<name>-ops.json: a flat file, which the device tool brings back.
+        from trace_ops import summarize
+
         for name in ("bundle", *(k for k in peers if k == "jax")):
-            where = Path(args.profile) / name
+            where = Path(args.profile) / f"{name}-trace"
             jax.profiler.start_trace(str(where))
             time_bundle(5) if name == "bundle" else time_peer(name, 5)
             jax.profiler.stop_trace()
-            print(f"profile of {name}: {where}", flush=True)
+            rows = summarize(where, top=60)
+            (Path(args.profile) / f"{name}-ops.json").write_text(json.dumps(rows, indent=1))
+            out[f"{name}_top_ops"] = rows[:10]
+            print(f"profile of {name}: {where}; largest: {rows[0]['op']}", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(out, indent=1))
     return 0
@@ -337,7 +343,7 @@ def main() -> int:
     b.add_argument("--rounds", type=int, default=5)
     b.add_argument("--peak-tflops", type=float, default=197.0)
     b.add_argument("--out", default=None)
-    b.add_argument("--profile", default=None, help="write device traces of both here")
+    b.add_argument("--profile", default=None, help="trace 5 steps of each, write per-op sums here")
     b.add_argument(
         "--peers", default="jax,jax_flash,jax_flash512", help="the hand-written peers to run"
     )

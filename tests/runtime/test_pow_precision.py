@@ -79,9 +79,12 @@ def test_whole_exponents_give_the_correctly_rounded_power() -> None:
     exact = x.astype(np.float64) ** y.astype(np.float64)
     normal = np.abs(exact) >= np.finfo(np.float32).tiny  # XLA flushes subnormals to zero
     ulp = np.abs(after.astype(np.float64) - exact) / np.spacing(exact.astype(np.float32))
-    # Half an ulp is correct rounding; binary exponentiation's float64 roundings add at
-    # most 2 * BITS * 2**-53 relative, 1e-6 of a float32 ulp.
-    assert np.all(ulp[normal] <= 0.5 + 1e-6), ulp.max()
+    # Half an ulp is correct rounding. Binary exponentiation's float64 roundings add a
+    # relative error of about (y + 2 * BITS) * 2**-53 (each squaring doubles what the
+    # base carries), and a float32 ulp is at least 2**-24 relative: near y = 2**24 that
+    # is 1/32 ulp, which can round a value within it of a tie the other way.
+    bound = 0.5 + (y.astype(np.float64) + 2 * BITS) * 2.0**-53 / 2.0**-24
+    assert np.all(ulp[normal] <= bound[normal]), ulp.max()
     assert np.all(after[~normal] == 0)
 
 
@@ -147,15 +150,75 @@ def test_the_adam_golden_bundle_keeps_its_numbers_with_the_rewrite() -> None:
         for n, r in rewrites.REWRITES
     )
     assert any(n == "power-precision" for n, _ in forced)
+    counts: list[int] = []
+    forced = tuple(
+        (n, (lambda s, c: (counts.append(rewrite_powers(s.module)), s)[1]))
+        if n == "power-precision"
+        else (n, r)
+        for n, r in forced
+    )
     kept, rewrites.REWRITES = rewrites.REWRITES, forced
     try:
         t = load(golden_bundle("linear_adamw"), cache_dir=False)
     finally:
         rewrites.REWRITES = kept
+    assert sorted(counts) == [0, 0, 4, 4]  # two eval programs, two train programs
     ms = t.run(golden_batches("linear_adamw"), GOLDEN_STEPS["linear_adamw"])
     losses = np.array([float(m["loss"]) for m in ms])
     expected = golden_expected("linear_adamw")["metric/loss"]
     assert np.max(np.abs(losses - expected) / np.abs(expected)) < 1e-6
+
+
+# A branch of `case` reads %late (and %p) from the enclosing block, not as operands.
+CAPTURED = """
+func.func @main(%x: tensor<f32>, %y: tensor<f32>, %i: tensor<i32>) -> (tensor<f32>, tensor<f32>, tensor<f32>) {
+  %p = stablehlo.power %x, %y : tensor<f32>
+  %late = stablehlo.add %y, %y : tensor<f32>
+  %c = "stablehlo.case"(%i) ({
+    stablehlo.return %late : tensor<f32>
+  }, {
+    stablehlo.return %y : tensor<f32>
+  }) : (tensor<i32>) -> tensor<f32>
+  %q = stablehlo.power %x, %c : tensor<f32>
+  %d = "stablehlo.case"(%i) ({
+    stablehlo.return %p : tensor<f32>
+  }, {
+    stablehlo.return %y : tensor<f32>
+  }) : (tensor<i32>) -> tensor<f32>
+  %r = stablehlo.power %x, %d : tensor<f32>
+  return %p, %q, %r : tensor<f32>, tensor<f32>, tensor<f32>
+}
+"""
+
+
+def test_values_a_region_reads_move_with_it() -> None:
+    module = mlir.Module.parse_text(_like(), CAPTURED)
+    # %q joins the batch (the case and %late move up with it); %r needs %p, so it keeps
+    # the backend's power.
+    assert rewrite_powers(module) == 2
+    x, y = np.float32(0.999), np.float32(3.0)
+    for i, e in ((0, 6.0), (1, 3.0)):  # branch 0 gives 2y, branch 1 gives y
+        p, q, r = _run_all(module, x, y, np.int32(i))
+        assert float(p) == np.float32(np.float64(x) ** 3)
+        assert float(q) == np.float32(np.float64(x) ** e)
+        assert np.isclose(float(r), np.float64(x) ** (np.float64(x) ** 3 if i == 0 else 3))
+
+
+def test_ops_with_side_effects_are_not_moved() -> None:
+    text = """
+func.func @main(%x: tensor<f32>, %y: tensor<f32>) -> (tensor<f32>, tensor<f32>) {
+  %p = stablehlo.power %x, %y : tensor<f32>
+  %e = stablehlo.custom_call @stepbundle_test_effect(%y) {has_side_effect = true} : (tensor<f32>) -> tensor<f32>
+  %q = stablehlo.power %x, %e : tensor<f32>
+  return %p, %q : tensor<f32>, tensor<f32>
+}
+"""
+    module = mlir.Module.parse_text(_like(), text)
+    assert rewrite_powers(module) == 1  # %p; %q would move the custom call above it
+    with module._ctx:
+        names = [op.name for op in module.main.regions[0].blocks[0].operations]
+    # The custom call still comes after the rewritten %p's float64 work, where it was.
+    assert names.index("stablehlo.custom_call") > names.index("stablehlo.shift_right_logical")
 
 
 @pytest.mark.parametrize(
@@ -181,6 +244,7 @@ def test_the_runtime_computes_powers_exactly_where_a_cpu_comparison_needs_it(
         matmul_precision=precision,
     )
     before = module.text().count("stablehlo.power")
-    rewrites.power_precision(rewrites.Stage(module, program), ctx)
+    out = rewrites.power_precision(rewrites.Stage(module, program), ctx)
     assert before == 4
-    assert (module.text().count("stablehlo.power") == 1) is applied
+    assert (out.module.text().count("stablehlo.power") == 1) is applied
+    assert module.text().count("stablehlo.power") == 4  # a copy is rewritten, not the input

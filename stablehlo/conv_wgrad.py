@@ -49,6 +49,8 @@ from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import stablehlo as _stablehlo
 
 from .artifact import Module
+from .build import i64s, splat
+from .build import op as build_op
 
 hlo: Any = _stablehlo  # jaxlib's stubs do not cover the dialect's attribute classes
 
@@ -86,25 +88,6 @@ def _bools(op: Any, name: str, n: int) -> list[bool]:
     if name not in op.attributes:
         return [False] * n
     return [bool(v) for v in _flat(op.attributes[name])]
-
-
-def _create(name: str, result: Any, operands: list[Any], attributes: dict[str, Any]) -> Any:
-    return ir.Operation.create(name, results=[result], operands=operands, attributes=attributes)
-
-
-def _i64s(values: Sequence[int]) -> Any:
-    return ir.DenseI64ArrayAttr.get([int(v) for v in values])
-
-
-def _zero(element_type: Any) -> Any:
-    scalar = ir.RankedTensorType.get([], element_type)
-    value: Any = (
-        ir.FloatAttr.get(element_type, 0.0)
-        if str(element_type).startswith(("f", "bf"))
-        else ir.IntegerAttr.get(element_type, 0)
-    )
-    attr = ir.DenseElementsAttr.get_splat(scalar, value)
-    return _create("stablehlo.constant", scalar, [], {"value": attr}).result
 
 
 def _eligible(op: Any, dn: Any) -> list[tuple[int, int]] | None:
@@ -188,16 +171,14 @@ def _rewrite(op: Any, dn: Any, padding: list[tuple[int, int]]) -> None:
         padded_shape = [x_t.shape[d] + low[d] + high[d] for d in range(rank)]
         xp = x
         if any(low) or any(high):
-            xp = _create(
+            xp = build_op(
                 "stablehlo.pad",
                 ir.RankedTensorType.get(padded_shape, x_t.element_type),
-                [x, _zero(x_t.element_type)],
-                {
-                    "edge_padding_low": _i64s(low),
-                    "edge_padding_high": _i64s(high),
-                    "interior_padding": _i64s([0] * rank),
-                },
-            ).result
+                [x, splat([], x_t.element_type, 0)],
+                edge_padding_low=i64s(low),
+                edge_padding_high=i64s(high),
+                interior_padding=i64s([0] * rank),
+            )
         pieces = []
         row_t = ir.RankedTensorType.get([1, batch, features], et)
         for at in itertools.product(*(range(n) for n in positions)):
@@ -205,44 +186,41 @@ def _rewrite(op: Any, dn: Any, padding: list[tuple[int, int]]) -> None:
             for j, d in enumerate(in_sp):
                 start[d], limit[d] = at[j], at[j] + window[j]
             shape = [b - a for a, b in zip(start, limit)]
-            window_slice = _create(
+            window_slice = build_op(
                 "stablehlo.slice",
                 ir.RankedTensorType.get(shape, x_t.element_type),
                 [xp],
-                {
-                    "start_indices": _i64s(start),
-                    "limit_indices": _i64s(limit),
-                    "strides": _i64s([1] * rank),
-                },
-            ).result
-            product = _create(
+                start_indices=i64s(start),
+                limit_indices=i64s(limit),
+                strides=i64s([1] * rank),
+            )
+            product = build_op(
                 "stablehlo.dot_general",
                 ir.RankedTensorType.get([batch, features], et),
                 [window_slice, k],
-                dot_attrs,
-            ).result
-            pieces.append(_create("stablehlo.reshape", row_t, [product], {}).result)
+                **dot_attrs,
+            )
+            pieces.append(build_op("stablehlo.reshape", row_t, [product]))
         n = len(pieces)
         stacked = pieces[0]
         if n > 1:
-            stacked = _create(
+            stacked = build_op(
                 "stablehlo.concatenate",
                 ir.RankedTensorType.get([n, batch, features], et),
                 pieces,
-                {"dimension": ir.IntegerAttr.get(ir.IntegerType.get_signless(64), 0)},
-            ).result
-        grid = _create(
+                dimension=ir.IntegerAttr.get(ir.IntegerType.get_signless(64), 0),
+            )
+        grid = build_op(
             "stablehlo.reshape",
             ir.RankedTensorType.get([*positions, batch, features], et),
             [stacked],
-            {},
-        ).result
+        )
         # grid is (spatial..., batch, feature); put each in the convolution's output place.
         perm = [0] * rank
         for j, d in enumerate(out_sp):
             perm[d] = j
         perm[dn.output_batch_dimension] = len(out_sp)
         perm[dn.output_feature_dimension] = len(out_sp) + 1
-        result = _create("stablehlo.transpose", out_t, [grid], {"permutation": _i64s(perm)}).result
+        result = build_op("stablehlo.transpose", out_t, [grid], permutation=i64s(perm))
     op.results[0].replace_all_uses_with(result)
     op.erase()

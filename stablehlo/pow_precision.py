@@ -47,6 +47,8 @@ from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import stablehlo as _stablehlo
 
 from .artifact import Module
+from .build import i64s, splat
+from .build import op as _op
 
 hlo: Any = _stablehlo  # jaxlib's stubs do not cover the dialect's attribute builders
 
@@ -58,22 +60,6 @@ MAX_ELEMENTS = 64
 BITS = 24
 """Exponents below ``2**BITS`` are computed exactly: every whole float32 up to 2**24 (a
 float32 step counter stops counting there)."""
-
-
-def _op(name: str, result_type: Any, operands: list[Any], **attributes: Any) -> Any:
-    return ir.Operation.create(
-        name, results=[result_type], operands=operands, attributes=attributes
-    ).result
-
-
-def _splat(shape: list[int], element_type: Any, value: float | int) -> Any:
-    t = ir.RankedTensorType.get(shape, element_type)
-    scalar: Any = (
-        ir.FloatAttr.get(element_type, float(value))
-        if isinstance(value, float)
-        else ir.IntegerAttr.get(element_type, int(value))
-    )
-    return _op("stablehlo.constant", t, [], value=ir.DenseElementsAttr.get_splat(t, scalar))
 
 
 def _compare(a: Any, b: Any, direction: str, kind: str, shape: list[int]) -> Any:
@@ -96,16 +82,16 @@ def _exact_power(x: Any, y: Any, original: Any, shape: list[int]) -> Any:
         "stablehlo.and",
         whole.type,
         [
-            _compare(y, _splat(shape, f32, 0.0), "GE", "FLOAT", shape),
-            _compare(y, _splat(shape, f32, float(2**BITS)), "LT", "FLOAT", shape),
+            _compare(y, splat(shape, f32, 0.0), "GE", "FLOAT", shape),
+            _compare(y, splat(shape, f32, float(2**BITS)), "LT", "FLOAT", shape),
         ],
     )
     use = _op("stablehlo.and", whole.type, [whole, in_range])
     base = _op("stablehlo.convert", t64, [x])
-    acc = _splat(shape, f64, 1.0)
-    one, zero = _splat(shape, i32, 1), _splat(shape, i32, 0)
+    acc = splat(shape, f64, 1.0)
+    one, zero = splat(shape, i32, 1), splat(shape, i32, 0)
     for k in range(BITS):
-        shifted = _op("stablehlo.shift_right_logical", ti, [n, _splat(shape, i32, k)])
+        shifted = _op("stablehlo.shift_right_logical", ti, [n, splat(shape, i32, k)])
         bit = _op("stablehlo.and", ti, [shifted, one])
         taken = _compare(bit, zero, "NE", "SIGNED", shape)
         acc = _op(
@@ -165,11 +151,12 @@ def _movable(op: Any) -> bool:
     )
 
 
-def _batch(block: Any, powers: list[Any]) -> list[Any]:
+def _batch(block: Any, powers: list[Any]) -> tuple[list[Any], Any]:
     """Make room for one batched computation of ``powers`` (ops of ``block``) before the
     first of them: the operations their operands need are moved up, in order. Returns the
-    powers that can share it: not those whose operands need another power, nor those
-    that would move an operation with side effects (neither happens in Adam's step)."""
+    powers that can share it (not those whose operands need another power, nor those
+    that would move an operation with side effects: neither happens in Adam's step), and
+    the first of them, where the batch goes."""
     order = {op.operation: i for i, op in enumerate(block.operations)}
     power_ops = {p.operation for p in powers}
 
@@ -203,10 +190,10 @@ def _batch(block: Any, powers: list[Any]) -> list[Any]:
             break
         batch = keep  # the first power may have changed: recompute what moves
     if not batch:
-        return []
+        return [], None
     for op in sorted(set().union(*after.values()), key=order.__getitem__):
         op.move_before(first)
-    return batch
+    return batch, first
 
 
 def rewrite_powers(module: Module, max_elements: int = MAX_ELEMENTS) -> int:
@@ -229,13 +216,11 @@ def rewrite_powers(module: Module, max_elements: int = MAX_ELEMENTS) -> int:
         for op in _candidates(module, max_elements):
             by_block.setdefault(op.operation.block, []).append(op)
         for block, powers in by_block.items():
-            batch = _batch(block, powers)
+            batch, first = _batch(block, powers)
             if not batch:
                 continue
             sizes = [math.prod(ir.RankedTensorType(p.results[0].type).shape) for p in batch]
             total = sum(sizes)
-            order = {op.operation: i for i, op in enumerate(block.operations)}
-            first = min(batch, key=lambda p: order[p.operation])
             with ir.InsertionPoint(first), first.location:
                 flat_t = ir.RankedTensorType.get([total], f32)
                 flat = []
@@ -262,9 +247,9 @@ def rewrite_powers(module: Module, max_elements: int = MAX_ELEMENTS) -> int:
                         "stablehlo.slice",
                         ir.RankedTensorType.get([n], f32),
                         [exact],
-                        start_indices=ir.DenseI64ArrayAttr.get([at]),
-                        limit_indices=ir.DenseI64ArrayAttr.get([at + n]),
-                        strides=ir.DenseI64ArrayAttr.get([1]),
+                        start_indices=i64s([at]),
+                        limit_indices=i64s([at + n]),
+                        strides=i64s([1]),
                     )
                     at += n
                     shaped = _op("stablehlo.reshape", p.results[0].type, [piece])

@@ -53,6 +53,13 @@ def trainer(platform_: str, name: str, version: Any = None, **kw: Any) -> Any:
     return t
 
 
+def metric_errors(ms: list[dict[str, Any]], exp: dict[str, np.ndarray]) -> dict[str, float]:
+    """Each metric's largest relative error over the steps run, against the expected."""
+    return {
+        f"metric/{k}": rel(np.array([float(m[k]) for m in ms]), exp[f"metric/{k}"]) for k in ms[0]
+    }
+
+
 def golden(platform_: str, out: dict[str, Any]) -> bool:
     ok = True
     for version in golden_versions():
@@ -62,10 +69,7 @@ def golden(platform_: str, out: dict[str, Any]) -> bool:
             load_s = time.perf_counter() - t0
             exp = golden_expected(name, version)
             ms = t.run(golden_batches(name, version), GOLDEN_STEPS[name])
-            errs = {
-                f"metric/{k}": rel(np.array([float(m[k]) for m in ms]), exp[f"metric/{k}"])
-                for k in ms[0]
-            }
+            errs = metric_errors(ms, exp)
             state = t.state_dict()
             errs.update(
                 {
@@ -117,7 +121,7 @@ def without_power_precision(platform_: str, out: dict[str, Any]) -> None:
             t = trainer(platform_, name, version, matmul_precision="highest")
             exp = golden_expected(name, version)
             ms = t.run(golden_batches(name, version), GOLDEN_STEPS[name])
-            err = max(rel(np.array([float(m[k]) for m in ms]), exp[f"metric/{k}"]) for k in ms[0])
+            err = max(metric_errors(ms, exp).values())
             out["without_power_precision"].append(
                 {"version": list(version), "bundle": name, "metrics_max_rel": err}
             )

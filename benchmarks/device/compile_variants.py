@@ -41,12 +41,8 @@ def _zeroing(op: str, pick: Any = lambda line: True) -> rewrites.Rewrite:
     return rewrite
 
 
-def _pipeline(
-    drop: tuple[str, ...] = (), replace: dict[str, rewrites.Rewrite] | None = None
-) -> tuple[tuple[str, rewrites.Rewrite], ...]:
-    replace = replace or {}
-    base = rewrites.REWRITES
-    return tuple((n, replace.get(n, r)) for n, r in base if n not in drop)
+def _without(name: str) -> tuple[tuple[str, rewrites.Rewrite], ...]:
+    return tuple((n, r) for n, r in rewrites.REWRITES if n != name)
 
 
 def _before(name: str, extra: rewrites.Rewrite) -> tuple[tuple[str, rewrites.Rewrite], ...]:
@@ -69,7 +65,7 @@ def variants() -> dict[str, tuple[str, tuple[tuple[str, rewrites.Rewrite], ...],
         "train_highest": ("train", base, {"matmul_precision": "highest"}),
         "train_highest_no_power_precision": (
             "train",
-            _pipeline(drop=("power-precision",)),
+            _without("power-precision"),
             {"matmul_precision": "highest"},
         ),
         "train_no_wgrad": (

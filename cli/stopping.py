@@ -10,6 +10,7 @@ import contextlib
 import os
 import signal
 import sys
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -24,20 +25,38 @@ def exit_on_sigterm(enabled: bool) -> Iterator[None]:
     which left a job's processes running after SIGTERM; only SIGKILL stopped them. The
     processes cannot agree on one step boundary without a collective per step, so there
     is no clean stop: the last checkpoint is where a resume starts.
+
+    A Python handler runs only when the main thread is back in Python, and a process
+    waiting in a collective whose peer has gone may never be (seen once in the full
+    suite under load: the job's SIGTERM test waited 60 s). So the signal also reaches a
+    thread through ``signal.set_wakeup_fd``, written by the interpreter's C handler the
+    moment the signal arrives, and whichever of the two comes first ends the process.
     """
     if not enabled:
         yield
         return
 
-    def handler(signum: int, frame: Any) -> None:
+    def stop(signum: int) -> None:
         print("\n[run] SIGTERM: stopping this process of the job now", file=sys.stderr, flush=True)
         os._exit(128 + signum)
 
-    previous = signal.signal(signal.SIGTERM, handler)
+    def watch(fd: int) -> None:
+        with open(fd, "rb", buffering=0) as pipe:  # closed when the run is over
+            while got := pipe.read(64):  # b"": the write end closed
+                if signal.SIGTERM in got:
+                    stop(signal.SIGTERM)
+
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: stop(signum))
+    previous_fd = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+    threading.Thread(target=watch, args=(read_fd,), name="sigterm-watch", daemon=True).start()
     try:
         yield
     finally:
+        signal.set_wakeup_fd(previous_fd)
         signal.signal(signal.SIGTERM, previous)
+        os.close(write_fd)  # the watcher reads end-of-file, closes its end and returns
 
 
 class StopRequested(Exception):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -78,3 +79,28 @@ def rel(a: np.ndarray, b: np.ndarray, floor: float = 1e-6) -> float:
     if a.size == 0:
         return 0.0
     return float(np.max(np.abs(a - b))) / max(float(np.max(np.abs(b))), floor)
+
+
+def golden_train_module(name: str) -> Any:
+    """The golden bundle ``name``'s first train program, parsed (a module to rewrite, or
+    whose MLIR context parses a test's own StableHLO text)."""
+    from stepbundle.schema.reader import open_bundle
+    from stepbundle.stablehlo import artifact as mlir
+
+    with open_bundle(golden_bundle(name)) as b:
+        program = b.manifest.entries["train"].programs[0]
+        return mlir.parse_artifact(bytes(b.section(program.section)))
+
+
+def run_on_cpu(module: Any, *args: np.ndarray) -> list[np.ndarray]:
+    """Compile ``module`` for the CPU as it is (no runtime rewrites) and run it once."""
+    import jax
+
+    from stepbundle.runtime import _compat
+
+    client = _compat.get_client("cpu")
+    device = client.local_devices()[0]
+    exe = _compat.compile_program(
+        client, module.bytecode(), [device], _compat.compile_options(1, [device.id])
+    )
+    return [np.asarray(o) for o in exe.execute([jax.device_put(a, device) for a in args])]

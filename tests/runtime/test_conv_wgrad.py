@@ -5,12 +5,9 @@ in float64, which shares no code with either)."""
 
 from __future__ import annotations
 
-import jax
 import numpy as np
-from runtime_helpers import golden_bundle
+from runtime_helpers import golden_train_module, run_on_cpu
 
-from stepbundle.runtime import _compat
-from stepbundle.schema.reader import open_bundle
 from stepbundle.stablehlo import artifact as mlir
 from stepbundle.stablehlo.conv_wgrad import rewrite_weight_gradients
 
@@ -28,9 +25,7 @@ func.func @main(%x: tensor<4x3x8x8xf32>, %w: tensor<5x3x3x3xf32>, %dy: tensor<4x
 
 
 def _like() -> mlir.Module:
-    with open_bundle(golden_bundle("linear_adamw")) as b:
-        program = b.manifest.entries["train"].programs[0]
-        return mlir.parse_artifact(bytes(b.section(program.section)))
+    return golden_train_module("linear_adamw")
 
 
 def _ops(module: mlir.Module, name: str) -> int:
@@ -38,12 +33,7 @@ def _ops(module: mlir.Module, name: str) -> int:
 
 
 def _run(module: mlir.Module, args: list[np.ndarray]) -> list[np.ndarray]:
-    client = _compat.get_client("cpu")
-    device = client.local_devices()[0]
-    exe = _compat.compile_program(
-        client, module.bytecode(), [device], _compat.compile_options(1, [device.id])
-    )
-    return [np.asarray(o) for o in exe.execute([jax.device_put(a, device) for a in args])]
+    return run_on_cpu(module, *args)
 
 
 def test_only_the_weight_gradient_is_rewritten() -> None:

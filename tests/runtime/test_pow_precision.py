@@ -13,9 +13,16 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
-from runtime_helpers import GOLDEN_STEPS, golden_batches, golden_bundle, golden_expected
+from runtime_helpers import (
+    GOLDEN_STEPS,
+    golden_batches,
+    golden_bundle,
+    golden_expected,
+    golden_train_module,
+    run_on_cpu,
+)
 
-from stepbundle.runtime import _compat, load, rewrites
+from stepbundle.runtime import load, rewrites
 from stepbundle.runtime.sharding import Placement
 from stepbundle.schema.reader import open_bundle
 from stepbundle.stablehlo import artifact as mlir
@@ -25,9 +32,7 @@ N = 64
 
 
 def _like() -> mlir.Module:
-    with open_bundle(golden_bundle("linear_adamw")) as b:
-        program = b.manifest.entries["train"].programs[0]
-        return mlir.parse_artifact(bytes(b.section(program.section)))
+    return golden_train_module("linear_adamw")
 
 
 def _power_module(n: int) -> mlir.Module:
@@ -40,13 +45,7 @@ func.func @main(%x: tensor<{n}xf32>, %y: tensor<{n}xf32>) -> tensor<{n}xf32> {{
     return mlir.Module.parse_text(_like(), text)
 
 
-def _run_all(module: mlir.Module, *args: np.ndarray) -> list[np.ndarray]:
-    client = _compat.get_client("cpu")
-    device = client.local_devices()[0]
-    exe = _compat.compile_program(
-        client, module.bytecode(), [device], _compat.compile_options(1, [device.id])
-    )
-    return [np.asarray(o) for o in exe.execute([jax.device_put(a, device) for a in args])]
+_run_all = run_on_cpu
 
 
 def _run(module: mlir.Module, *args: np.ndarray) -> np.ndarray:

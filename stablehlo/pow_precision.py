@@ -196,14 +196,15 @@ def _batch(block: Any, powers: list[Any]) -> tuple[list[Any], Any]:
     return batch, first
 
 
-def rewrite_powers(module: Module, max_elements: int = MAX_ELEMENTS) -> int:
+def rewrite_powers(module: Module, max_elements: int = MAX_ELEMENTS, exact: bool = True) -> int:
     """Compute the small float32 ``stablehlo.power`` ops of ``module`` to whole exponents
     exactly (see the module docstring), in place. The powers of one block share one
     computation, on their operands concatenated: the TPU compiler's time grows with the
     number of float64 operations, and an unrolled exponentiation per power (22 in
     examples/cifar_cnn.py's step) cost it 8 s. A power that cannot join its block's
     batch (its operands need another power, or an op with side effects would have to
-    move) keeps the backend's power. Returns the number of ops rewritten.
+    move) keeps the backend's power. ``exact=False`` only batches them: one backend
+    power on the concatenated operands. Returns the number of ops rewritten.
 
     Raises:
       ValueError: the module does not verify after the rewrite (it may then be partly
@@ -240,13 +241,13 @@ def rewrite_powers(module: Module, max_elements: int = MAX_ELEMENTS) -> int:
                         )
                     )
                 own = _op("stablehlo.power", flat_t, flat)  # the fallback: the backend's power
-                exact = _exact_power(flat[0], flat[1], own, [total])
+                result = _exact_power(flat[0], flat[1], own, [total]) if exact else own
                 at = 0
                 for p, n in zip(batch, sizes):
                     piece = _op(
                         "stablehlo.slice",
                         ir.RankedTensorType.get([n], f32),
-                        [exact],
+                        [result],
                         start_indices=i64s([at]),
                         limit_indices=i64s([at + n]),
                         strides=i64s([1]),

@@ -50,11 +50,12 @@ def _zero_ops(text: str, op: str, pick: Any = lambda line: True) -> tuple[str, i
             while True:  # the op ends where its braces and parentheses close
                 depth += lines[j].count("{") + lines[j].count("(")
                 depth -= lines[j].count("}") + lines[j].count(")")
-                if depth <= 0 and "->" in lines[j]:
-                    break
+                if depth <= 0 and ("->" in lines[j] or j == i):
+                    break  # a one-line op whose type has no "->": `%r = op %a, %b : T`
                 j += 1
-            result_type = lines[j].rsplit("->", 1)[1].strip()
-            elem = result_type.rstrip(">").rsplit("x", 1)[-1]
+            sep = "->" if "->" in lines[j] else " : "
+            result_type = lines[j].rsplit(sep, 1)[1].strip()
+            elem = result_type.rstrip(">").split("<", 1)[-1].rsplit("x", 1)[-1]
             zero = "0.000000e+00" if elem.startswith(("f", "bf")) else "0"
             out.append(
                 f"{m.group(1)}{m.group(2)} = stablehlo.constant dense<{zero}> : {result_type}"

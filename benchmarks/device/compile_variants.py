@@ -41,6 +41,14 @@ def _zeroing(op: str, pick: Any = lambda line: True) -> rewrites.Rewrite:
     return rewrite
 
 
+def _batched_powers(stage: rewrites.Stage, ctx: rewrites.RewriteContext) -> rewrites.Stage:
+    """The program's powers batched into one backend power (no float64)."""
+    from stepbundle.stablehlo.pow_precision import rewrite_powers
+
+    rewrite_powers(stage.module, exact=False)
+    return stage
+
+
 def _without(name: str) -> tuple[tuple[str, rewrites.Rewrite], ...]:
     return tuple((n, r) for n, r in rewrites.REWRITES if n != name)
 
@@ -54,9 +62,19 @@ def _before(name: str, extra: rewrites.Rewrite) -> tuple[tuple[str, rewrites.Rew
     return tuple(out)
 
 
+def _after(name: str, extra: rewrites.Rewrite) -> tuple[tuple[str, rewrites.Rewrite], ...]:
+    out: list[tuple[str, rewrites.Rewrite]] = []
+    for n, r in rewrites.REWRITES:
+        out.append((n, r))
+        if n == name:
+            out.append((f"after-{name}", extra))
+    return tuple(out)
+
+
 def variants() -> dict[str, tuple[str, tuple[tuple[str, rewrites.Rewrite], ...], dict[str, Any]]]:
     """name -> (entry, rewrite pipeline, load options)."""
     wgrad = lambda s: "[f, b, 0, 1]x" in s  # noqa: E731  (torch_xla's weight gradients)
+    dgrad = lambda s: "x[0, 1, o, i]" in s  # noqa: E731  (its input gradients)
     base = rewrites.REWRITES
     return {
         "eval": ("eval", base, {}),
@@ -73,6 +91,26 @@ def variants() -> dict[str, tuple[str, tuple[tuple[str, rewrites.Rewrite], ...],
             _before("weight-gradients", _zeroing("convolution", wgrad)),
             {},
         ),
+        # what else in the train program costs the compiler time: one family zeroed each
+        "train_no_dgrad": (
+            "train",
+            _before("weight-gradients", _zeroing("convolution", dgrad)),
+            {},
+        ),
+        "train_no_dot": ("train", _after("weight-gradients", _zeroing("dot_general")), {}),
+        "train_no_select_and_scatter": (
+            "train",
+            _before("weight-gradients", _zeroing("select_and_scatter")),
+            {},
+        ),
+        "train_power_batched": (
+            "train",
+            tuple(
+                (n, _batched_powers if n == "power-precision" else r) for n, r in rewrites.REWRITES
+            ),
+            {},
+        ),
+        "train_no_power": ("train", _before("weight-gradients", _zeroing("power")), {}),
     }
 
 

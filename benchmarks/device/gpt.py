@@ -124,7 +124,7 @@ def step_flops() -> float:
 
 # ------------------------------------------------------------ the JAX peer
 def jax_step(
-    state: dict[str, np.ndarray], flash: bool, block: int | None = None
+    state: dict[str, np.ndarray], attn: str = "plain", block: int | None = None
 ) -> tuple[Any, Any]:
     import jax
     import jax.numpy as jnp
@@ -145,7 +145,29 @@ def jax_step(
 
     def attention(q: Any, k: Any, v: Any) -> Any:  # (b, h, t, d) in bf16
         scale = 1.0 / math.sqrt(q.shape[-1])
-        if flash:
+        if attn == "splash":  # jax's block-sparse kernel: causal blocks above the diagonal skipped
+            from jax.experimental.pallas.ops.tpu.splash_attention import (
+                splash_attention_kernel as sk,
+            )
+            from jax.experimental.pallas.ops.tpu.splash_attention import (
+                splash_attention_mask as sm,
+            )
+
+            t, b_ = q.shape[2], block or 512
+            kernel = sk.make_splash_mha(
+                mask=sm.MultiHeadMask([sm.CausalMask((t, t)) for _ in range(q.shape[1])]),
+                block_sizes=sk.BlockSizes(
+                    block_q=b_,
+                    block_kv=b_,
+                    block_q_dkv=b_,
+                    block_kv_dkv=b_,
+                    use_fused_bwd_kernel=True,
+                ),
+                head_shards=1,
+                q_seq_shards=1,
+            )
+            return jax.vmap(kernel)(q * jnp.asarray(scale, q.dtype), k, v)
+        if attn == "flash":
             from jax.experimental.pallas.ops.tpu import flash_attention as fa
 
             sizes = None
@@ -239,18 +261,21 @@ def bench(args: argparse.Namespace) -> int:
     dev_batches = data
 
     peers: dict[str, Any] = {}
-    for name, flash, block in (
-        ("jax", False, None),
-        ("jax_flash", True, None),
-        ("jax_flash512", True, 512),
+    for name, attn, block in (
+        ("jax", "plain", None),
+        ("jax_flash", "flash", None),
+        ("jax_flash512", "flash", 512),
+        ("jax_splash512", "splash", 512),
+        ("jax_splash256", "splash", 256),
+        ("jax_splash128", "splash", 128),
     ):
         if name not in args.peers.split(","):
             continue
-        if flash and platform != "tpu":
+        if attn != "plain" and platform != "tpu":
             continue
         try:
             t0 = time.perf_counter()
-            f, carry = jax_step(state, flash, block)
+            f, carry = jax_step(state, attn, block)
             dev32 = [
                 {k: jax.device_put(v.astype(np.int32), dev) for k, v in b.items()} for b in data
             ]
@@ -314,12 +339,12 @@ def bench(args: argparse.Namespace) -> int:
         # DIR/<name>-ops.json: a flat file, which the device tool brings back.
         from trace_ops import summarize
 
-        for name in ("bundle", *(k for k in peers if k == "jax")):
+        for name in ("bundle", *peers):
             where = Path(args.profile) / f"{name}-trace"
             jax.profiler.start_trace(str(where))
             time_bundle(5) if name == "bundle" else time_peer(name, 5)
             jax.profiler.stop_trace()
-            rows = summarize(where, top=60)
+            rows = summarize(where, top=None)  # every op: the HLO dump says what each is
             (Path(args.profile) / f"{name}-ops.json").write_text(json.dumps(rows, indent=1))
             out[f"{name}_top_ops"] = rows[:10]
             print(f"profile of {name}: {where}; largest: {rows[0]['op']}", flush=True)

@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any
 
 
-def summarize(trace_dir: str | Path, top: int = 25) -> list[dict[str, Any]]:
-    """The ``top`` operations by total time in every trace under ``trace_dir``."""
+def summarize(trace_dir: str | Path, top: int | None = 25) -> list[dict[str, Any]]:
+    """The ``top`` operations (None: all) by total time in every trace under ``trace_dir``."""
     files = sorted(Path(trace_dir).rglob("*.trace.json.gz"))
     if not files:
         raise FileNotFoundError(f"no *.trace.json.gz under {trace_dir}")

@@ -120,6 +120,27 @@ func.func @main(%x: tensor<f64>, %y: tensor<f64>) -> tensor<f64> {
     assert module.text().count("stablehlo.power") == 1  # their shared fallback
 
 
+def test_batching_alone_keeps_the_backends_powers() -> None:
+    # exact=False (compile_variants.py measures it on a TPU): the batch, no float64.
+    x = np.array([0.9, 0.999, 2.0, 0.5, 1.5], np.float32)
+    y = np.array([7.0, 1000.0, -1.0, 0.5, 3.0], np.float32)
+    before = _run(_power_module(len(x)), x, y)
+    text = """
+func.func @main(%x: tensor<3xf32>, %y: tensor<3xf32>, %a: tensor<2xf32>, %b: tensor<2xf32>)
+    -> (tensor<3xf32>, tensor<2xf32>) {
+  %p = stablehlo.power %x, %y : tensor<3xf32>
+  %q = stablehlo.power %a, %b : tensor<2xf32>
+  return %p, %q : tensor<3xf32>, tensor<2xf32>
+}
+"""
+    module = mlir.Module.parse_text(_like(), text)
+    assert rewrite_powers(module, exact=False) == 2
+    assert module.text().count("stablehlo.power") == 1
+    assert "f64" not in module.text()
+    p, q = _run_all(module, x[:3], y[:3], x[3:], y[3:])
+    assert np.array_equal(np.concatenate([p, q]), before)
+
+
 def test_a_power_of_a_power_keeps_its_own() -> None:
     # Batched powers are computed together before the first of them; one whose operand
     # needs another power cannot join, and keeps the backend's power.

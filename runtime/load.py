@@ -103,6 +103,7 @@ def load(
             cache=cache,
             matmul_precision=info.matmul_precision,
             donate=not opts.safety.stop_on_nonfinite,
+            fused_attention=opts.compile.fused_attention,
         )
         compiled: dict[str, list[CompiledProgram | RefusedPlan]] = {}
         stacked: dict[int, CompiledProgram] = {}  # the train programs behind a loop of K steps
@@ -306,6 +307,7 @@ class _Compiler:
     cache: CompileCache
     matmul_precision: str | None
     donate: bool  # False under stop_on_nonfinite: a refused step keeps the old state
+    fused_attention: bool
 
     def entry(
         self, bundle: codec.Bundle, name: str, k: int, stacked: dict[int, CompiledProgram]
@@ -320,16 +322,24 @@ class _Compiler:
                 progs.append(_refusal(name, i, program, why, self.placement, ent.programs))
                 continue
             section = bundle.section(program.section)
-            progs.append(self._compile(section, program, name, i, ent.updates_state))
+            scalars = _scalar_constants(bundle, program)
+            progs.append(self._compile(section, program, name, i, ent.updates_state, scalars))
             if k > 1:
-                stacked[i] = self._compile(section, program, name, i, ent.updates_state, k)
+                stacked[i] = self._compile(section, program, name, i, ent.updates_state, scalars, k)
         refused = [p for p in progs if isinstance(p, RefusedPlan)]
         if refused and len(refused) == len(progs) and ent.updates_state:
             raise PlatformError(refused[0].refusal)
         return progs
 
     def _compile(
-        self, section: Any, program: Program, name: str, i: int, updates_state: bool, k: int = 1
+        self,
+        section: Any,
+        program: Program,
+        name: str,
+        i: int,
+        updates_state: bool,
+        scalars: dict[int, float],
+        k: int = 1,
     ) -> CompiledProgram:
         """Compile bucket ``i`` of entry ``name`` (behind a loop of ``k`` steps for k > 1)."""
         return compile_program(
@@ -344,7 +354,24 @@ class _Compiler:
             layout=self.layout,
             matmul_precision=self.matmul_precision,
             steps_per_call=k,
+            fused_attention=self.fused_attention,
+            scalar_constants=scalars,
         )
+
+
+def _scalar_constants(bundle: codec.Bundle, program: Program) -> dict[int, float]:
+    """The program's one-element floating constant arguments: argument number -> value
+    (a rewrite may depend on one, e.g. an attention mask's fill value)."""
+    out: dict[int, float] = {}
+    for i, inp in enumerate(program.inputs):
+        if (
+            isinstance(inp, ConstantInput)
+            and inp.spec.numel == 1
+            and inp.spec.dtype.value in ("f64", "f32", "f16", "bf16")
+        ):
+            value = array_from_section(bundle.section(inp.section), inp.spec)
+            out[i] = float(value.reshape(-1)[0])
+    return out
 
 
 def _place_constants(

@@ -68,6 +68,9 @@ class CompileOptions:
         no state is read or copied to the device, so a bundle without weights needs no
         ``init_from``. The trainer returned has ``load_info`` and refuses to step
         (``stepbundle compile`` uses it to pre-warm a shared cache).
+      fused_attention: on one TPU at the default precision, run traced attention
+        (bf16, causal or unmasked) as jax's splash-attention kernels, forward and
+        backward (``stablehlo/attention.py``). False keeps the program's own attention.
     """
 
     entries: tuple[str, ...] | None = None
@@ -75,6 +78,7 @@ class CompileOptions:
     steps_per_call: int = 1
     matmul_precision: str | None = None
     compile_only: bool = False
+    fused_attention: bool = True
 
     def __post_init__(self) -> None:
         entries: object = self.entries

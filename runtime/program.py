@@ -11,6 +11,7 @@ Imports: jaxlib (through _compat), stepbundle.schema, stepbundle.stablehlo.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,6 +53,8 @@ def compile_program(
     layout: packing.Layout | None = None,
     steps_per_call: int = 1,
     matmul_precision: str | None = None,
+    fused_attention: bool = True,
+    scalar_constants: Mapping[int, float] | None = None,
 ) -> CompiledProgram:
     """Check, rewrite and compile ``program`` for ``placement``'s devices.
 
@@ -75,6 +78,9 @@ def compile_program(
         every dot_general and convolution (``stablehlo/precision.py``) before compiling;
         the setting is in the bytecode, so it is in the cache key. None leaves the
         program's own.
+      fused_attention: let a TPU run traced attention as fused kernels
+        (``rewrites.fused_attention``).
+      scalar_constants: the program's scalar constant arguments (number -> value).
     """
     platform = str(client.platform)
     module = check_program(artifact, program, where, platform)
@@ -85,6 +91,8 @@ def compile_program(
         donate=donate,
         steps_per_call=steps_per_call,
         matmul_precision=matmul_precision,
+        fused_attention=fused_attention,
+        scalar_constants=dict(scalar_constants or {}),
     )
     stage = apply_rewrites(Stage(module, program), ctx)
     devices = list(placement.devices)

@@ -33,6 +33,7 @@ import json
 import math
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -231,6 +232,7 @@ def bench(args: argparse.Namespace) -> int:
 
     from stepbundle.runtime import load
     from stepbundle.runtime.checkpoint import write_safetensors
+    from stepbundle.runtime.options import LoadOptions
 
     platform = args.platform or jax.default_backend()
     dev = jax.devices(platform)[0]
@@ -247,16 +249,22 @@ def bench(args: argparse.Namespace) -> int:
         "params": int(sum(v.size for v in state.values())),
     }
 
+    def load_bundle(fused: bool) -> Any:
+        opts = LoadOptions.from_keywords(
+            init_from=init, cache_dir=False, matmul_precision=args.precision
+        )
+        opts = replace(opts, compile=replace(opts.compile, fused_attention=fused))
+        return load(args.bundle, device=platform, options=opts)
+
     t0 = time.perf_counter()
-    trainer = load(
-        args.bundle,
-        device=platform,
-        init_from=init,
-        cache_dir=False,
-        matmul_precision=args.precision,
-    )
+    trainer = load_bundle(True)  # the default: a TPU fuses the attention
     out["bundle_load_s"] = time.perf_counter() - t0
     out["bundle_compile_s"] = trainer.load_info.seconds.get("compile")
+    unfused = None
+    if "bundle_unfused" in args.peers.split(","):
+        t0 = time.perf_counter()
+        unfused = load_bundle(False)
+        out["bundle_unfused_compile_s"] = time.perf_counter() - t0
     # Host batches: the trainer copies them (i64, 128 KiB a step) with its own x64 transfer.
     dev_batches = data
 
@@ -291,17 +299,19 @@ def bench(args: argparse.Namespace) -> int:
 
     first = trainer.step(dev_batches[0])
     out["bundle_first_loss"] = float(first["loss"])
+    if unfused is not None:
+        out["bundle_unfused_first_loss"] = float(unfused.step(dev_batches[0])["loss"])
     print(
         f"first loss: bundle {out['bundle_first_loss']:.6f}, "
         + ", ".join(f"{k} {v[3]:.6f}" for k, v in peers.items()),
         flush=True,
     )
 
-    def time_bundle(n: int) -> float:
+    def time_bundle(n: int, which: Any = None) -> float:
         t0 = time.perf_counter()
         m = None
         for i in range(n):
-            m = trainer.step(dev_batches[i % len(dev_batches)])
+            m = (which or trainer).step(dev_batches[i % len(dev_batches)])
         float(m["loss"])  # type: ignore[index]
         return (time.perf_counter() - t0) / n * 1e3
 
@@ -316,11 +326,17 @@ def bench(args: argparse.Namespace) -> int:
         return (time.perf_counter() - t0) / n * 1e3
 
     time_bundle(3)
+    if unfused is not None:
+        time_bundle(3, unfused)
     for name in peers:
         time_peer(name, 3)
     samples: dict[str, list[float]] = {"bundle": [], **{k: [] for k in peers}}
+    if unfused is not None:
+        samples["bundle_unfused"] = []
     for _ in range(args.rounds):
         samples["bundle"].append(time_bundle(args.steps))
+        if unfused is not None:
+            samples["bundle_unfused"].append(time_bundle(args.steps, unfused))
         for name in peers:
             samples[name].append(time_peer(name, args.steps))
     out["ms_per_step"] = {}
@@ -339,7 +355,7 @@ def bench(args: argparse.Namespace) -> int:
         # DIR/<name>-ops.json: a flat file, which the device tool brings back.
         from trace_ops import summarize
 
-        for name in ("bundle", *peers):
+        for name in ("bundle", *(k for k in peers if k == "jax_splash512")):
             where = Path(args.profile) / f"{name}-trace"
             jax.profiler.start_trace(str(where))
             time_bundle(5) if name == "bundle" else time_peer(name, 5)
@@ -370,7 +386,7 @@ def main() -> int:
     b.add_argument("--out", default=None)
     b.add_argument("--profile", default=None, help="trace 5 steps of each, write per-op sums here")
     b.add_argument(
-        "--peers", default="jax,jax_flash,jax_flash512", help="the hand-written peers to run"
+        "--peers", default="bundle_unfused,jax,jax_splash512", help="the hand-written peers to run"
     )
     a = p.parse_args()
     if a.cmd == "export":

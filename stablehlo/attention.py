@@ -1,0 +1,390 @@
+"""Traced attention found in a training step, and swapped for fused kernels.
+
+Written in PyTorch as ``softmax(q @ k.T * scale, masked) @ v``, attention reaches a
+bundle as two batched matrix products around a softmax over a (T, T) matrix per head,
+and its backward as four more products and the softmax's gradient over matrices of that
+size. On a TPU v5e the 55M GPT of ``benchmarks/device/gpt.py`` (context 512) spent about
+12 of its 37.5 ms per step in operations on those matrices (device profile,
+benchmarks/results/device/tpu-v5e/gpt-profile-bundle-ops.json), where a fused kernel
+reads only q, k and v: the same model written in JAX with jax's splash-attention kernel
+took 33.5 ms against 38.8 ms without (gpt-splash.json).
+
+``find_attention`` matches the pattern torch_xla writes (matched op by op, with every
+intermediate's uses accounted for, so nothing else reads a value that would disappear):
+
+    s = dot_general(q, kt)          q: (B*H, T, D), kt: (B*H, D, T), batch dim 0
+    s = reshape(s) to (B, H, T, T); [convert]; multiply(s, broadcast(scale)); [convert]
+    s = select(broadcast(mask), s, broadcast(fill))   optional; mask causal (checked by
+                                                      evaluating it), fill <= -1e30
+    p = softmax over the last dim   reduce max, subtract, exp, reduce add, divide
+    o = dot_general(reshape([convert] p), v)
+
+and, when the step trains, its backward: ``dv = dot(transpose(p), do)``, ``dp =
+dot(do, vt)``, the softmax gradient ``p * (dp - sum(dp * p))``, the mask's zeros, the
+scale, then ``dq = dot(ds, k)`` and ``dkt = dot(qt, ds)``. ``rewrite_attention`` puts a
+call of a fused forward function where ``o`` was, and of a fused backward function
+(taking the forward's residuals) where the first of ``dq``, ``dkt``, ``dv`` was; the
+functions come from the caller (``runtime/fused_attention.py`` lowers jax's Pallas
+kernels) as MLIR text, and are moved into the module as private functions. The (T, T)
+operations are left for XLA to drop, unused.
+
+Imports: jaxlib's MLIR bindings.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from .artifact import Module
+from .graph import (
+    call,
+    element_type,
+    evaluate,
+    insert_functions,
+    ints,
+    only_user,
+    producer,
+    shape_of,
+    skip_converts,
+    source_of,
+    splat_value,
+    uses_of,
+)
+
+__all__ = ["Site", "find_attention", "rewrite_attention"]
+
+FILL_AT_MOST = -1e30
+"""A masked score at or below this gives exactly zero probability in float32 (with the
+causal mask every row keeps its diagonal, so its maximum is a real score)."""
+
+
+@dataclass
+class Site:
+    """One attention found in a module.
+
+    Attributes:
+      batch, heads, length, head_dim: B, H, T, D.
+      dtype: q's element type as MLIR prints it (``bf16``).
+      scale_dtype: the scale's element type.
+      causal: whether the scores were masked causally (else not masked at all).
+      q, kt, v, scale: the values the forward reads (``scale`` a scalar).
+      out: the forward's product ``o`` (replaced).
+      do: the output's gradient, None when the step has no backward.
+      dq, dkt, dv: the backward's products (replaced), or None.
+    """
+
+    batch: int
+    heads: int
+    length: int
+    head_dim: int
+    dtype: str
+    scale_dtype: str
+    causal: bool
+    q: Any
+    kt: Any
+    v: Any
+    scale: Any
+    out: Any
+    do: Any = None
+    dq: Any = None
+    dkt: Any = None
+    dv: Any = None
+
+    @property
+    def key(self) -> tuple[int, int, int, int, str, str, bool, bool]:
+        """What the fused functions depend on."""
+        return (
+            self.batch,
+            self.heads,
+            self.length,
+            self.head_dim,
+            self.dtype,
+            self.scale_dtype,
+            self.causal,
+            self.do is not None,
+        )
+
+
+def _batched_matmul(op: Any) -> bool:
+    """(n, a, b) x (n, b, c) -> (n, a, c), batch dim 0."""
+    if op is None or op.name != "stablehlo.dot_general":
+        return False
+    dims = str(op.attributes["dot_dimension_numbers"])
+    return (
+        "lhs_batching_dimensions = [0]" in dims
+        and "rhs_batching_dimensions = [0]" in dims
+        and "lhs_contracting_dimensions = [2]" in dims
+        and "rhs_contracting_dimensions = [1]" in dims
+    )
+
+
+def _reduce_kind(op: Any) -> str | None:
+    """``max`` or ``add`` for a one-operand reduce over the last dim, else None."""
+    if op is None or op.name != "stablehlo.reduce" or len(op.operands) != 2:
+        return None
+    rank = len(shape_of(op.operands[0]))
+    if ints(op, "dimensions") != [rank - 1]:
+        return None
+    body = [o.name for o in op.regions[0].blocks[0].operations]
+    kinds = {"stablehlo.maximum": "max", "stablehlo.add": "add"}
+    return kinds.get(body[0]) if len(body) == 2 else None
+
+
+def _rowwise(value: Any, reduce: Any) -> bool:
+    """``value`` is ``reduce``'s result broadcast back over the last dim."""
+    op = producer(value)
+    rank = len(shape_of(value))
+    return (
+        op is not None
+        and op.name == "stablehlo.broadcast_in_dim"
+        and op.operands[0] == reduce.result
+        and ints(op, "broadcast_dimensions") == list(range(rank - 1))
+    )
+
+
+def _transpose_of(value: Any, src: Any) -> bool:
+    """``value`` is ``src`` with its last two dims swapped."""
+    op = producer(value)
+    return (
+        op is not None
+        and op.name == "stablehlo.transpose"
+        and op.operands[0] == src
+        and ints(op, "permutation") == [0, 2, 1]
+    )
+
+
+def _scalar_source(value: Any) -> Any:
+    """The scalar that ``value`` (a broadcast, possibly through converts) repeats."""
+    src = source_of(value)
+    return src if shape_of(src) == [] else None
+
+
+# -------------------------------------------------------------------------- matching
+def _is_causal(mask: Any, t: int, scalars: dict[int, float], seen: dict[Any, bool]) -> bool:
+    """Whether ``mask`` (a (T, T) value, before its broadcast) is the lower triangle;
+    computed once per mask (the layers of a model share one)."""
+    key = producer(mask)
+    if key is not None and key in seen:
+        return seen[key]
+    values = evaluate(mask, scalars)
+    causal = values is not None and [bool(x) for x in values] == [
+        i >= j for i in range(t) for j in range(t)
+    ]
+    if key is not None:
+        seen[key] = causal
+    return causal
+
+
+def _forward(dot1: Any, scalars: dict[int, float], seen: dict[Any, bool]) -> Site | None:
+    """The forward pattern from the scores' product ``dot1``, or None."""
+    q, kt = dot1.operands
+    bh, t, d = shape_of(q)
+    if shape_of(kt) != [bh, d, t] or t < 2:
+        return None
+    rs = only_user(dot1.result, "stablehlo.reshape")
+    if rs is None or len(shape_of(rs.result)) != 4 or shape_of(rs.result)[2:] != [t, t]:
+        return None
+    b, h = shape_of(rs.result)[:2]
+    mul = only_user(skip_converts(rs.result), "stablehlo.multiply")
+    if mul is None or mul.operands[0] != skip_converts(rs.result):
+        return None
+    scale = _scalar_source(mul.operands[1])
+    if scale is None:
+        return None
+    x = skip_converts(mul.result)
+    causal = False
+    sel = only_user(x, "stablehlo.select")
+    if sel is not None:
+        if sel.operands[1] != x:
+            return None
+        fill = splat_value(sel.operands[2], scalars)
+        if fill is None or not fill <= FILL_AT_MOST:
+            return None
+        if not _is_causal(source_of(sel.operands[0]), t, scalars, seen):
+            return None
+        causal = True
+        x = skip_converts(sel.result)
+    users = uses_of(x)
+    if len(users) != 2 or element_type(x) != "f32":
+        return None
+    mx = next((u for u in users if _reduce_kind(u) == "max"), None)
+    sub = next((u for u in users if u.name == "stablehlo.subtract"), None)
+    if mx is None or sub is None or sub.operands[0] != x or not _rowwise(sub.operands[1], mx):
+        return None
+    ex = only_user(sub.result, "stablehlo.exponential")
+    if ex is None or len(uses_of(ex.result)) != 2:
+        return None
+    sm = next((u for u in uses_of(ex.result) if _reduce_kind(u) == "add"), None)
+    div = next((u for u in uses_of(ex.result) if u.name == "stablehlo.divide"), None)
+    if sm is None or div is None or div.operands[0] != ex.result:
+        return None
+    if not _rowwise(div.operands[1], sm):
+        return None
+    p32 = div.result
+    to_bf = [u for u in uses_of(p32) if u.name in ("stablehlo.convert", "stablehlo.reshape")]
+    if len(to_bf) != 1:
+        return None
+    rs2 = to_bf[0]
+    if rs2.name == "stablehlo.convert":
+        rs2 = only_user(rs2.result, "stablehlo.reshape")
+    if rs2 is None or shape_of(rs2.result) != [bh, t, t]:
+        return None
+    dot2 = next((u for u in uses_of(rs2.result) if _batched_matmul(u)), None)
+    if dot2 is None or dot2.operands[0] != rs2.result or shape_of(dot2.operands[1]) != [bh, t, d]:
+        return None
+    if (
+        b * h != bh
+        or element_type(q) != element_type(kt)
+        or element_type(q) != element_type(dot2.operands[1])
+    ):
+        return None
+    v = dot2.operands[1]
+    site = Site(b, h, t, d, element_type(q), element_type(scale), causal, q, kt, v, scale, dot2)
+    site._p32, site._pb, site._sel = p32, rs2.result, sel  # type: ignore[attr-defined]
+    site._scale_bcast = mul.operands[1]  # type: ignore[attr-defined]
+    return site
+
+
+def _backward(site: Site) -> bool:
+    """Fill in ``site``'s backward; False when the probabilities have other readers."""
+    p32, pb = site._p32, site._pb  # type: ignore[attr-defined]
+    fwd_users = [u for u in uses_of(p32) if u.name in ("stablehlo.convert", "stablehlo.reshape")]
+    others = [u for u in uses_of(p32) if u not in fwd_users]
+    pb_others = [u for u in uses_of(pb) if u != site.out]
+    if not others and not pb_others:
+        return True  # no backward: an eval program
+    # dv = dot(transpose(pb), do)
+    if len(pb_others) != 1 or pb_others[0].name != "stablehlo.transpose":
+        return False
+    tr = pb_others[0]
+    dv = only_user(tr.result, "stablehlo.dot_general")
+    if dv is None or not _batched_matmul(dv) or dv.operands[0] != tr.result:
+        return False
+    do = dv.operands[1]
+    # the softmax gradient: m1 = dp * p; r = sum(m1); ds = p * (dp - r)
+    if len(others) != 2 or any(u.name != "stablehlo.multiply" for u in others):
+        return False
+    m1 = next((u for u in others if _reduce_kind(only_user(u.result, "stablehlo.reduce"))), None)
+    m2 = next((u for u in others if u is not m1), None)
+    if m1 is None or m2 is None:
+        return False
+    dp32 = m1.operands[0] if m1.operands[1] == p32 else m1.operands[1]
+    red = only_user(m1.result, "stablehlo.reduce")
+    if p32 not in (m2.operands[0], m2.operands[1]):
+        return False
+    sub = m2.operands[1] if m2.operands[0] == p32 else m2.operands[0]
+    sub_op = producer(sub)
+    if sub_op is None or sub_op.name != "stablehlo.subtract" or sub_op.operands[0] != dp32:
+        return False
+    if not _rowwise(sub_op.operands[1], red):
+        return False
+    dp = source_of(dp32)
+    rs = producer(dp)
+    if rs is None or rs.name != "stablehlo.reshape":
+        return False
+    dpdot = producer(rs.operands[0])
+    if not _batched_matmul(dpdot) or dpdot.operands[0] != do:
+        return False
+    if not _transpose_of(dpdot.operands[1], site.v):
+        return False
+    # the mask's zeros and the scale, then ds's two products
+    x = skip_converts(m2.result)
+    if site.causal:
+        sel = only_user(x, "stablehlo.select")
+        fwd_sel = site._sel  # type: ignore[attr-defined]
+        if sel is None or sel.operands[0] != fwd_sel.operands[0] or sel.operands[1] != x:
+            return False
+        if splat_value(sel.operands[2], {}) != 0.0:
+            return False
+        x = skip_converts(sel.result)
+    mul = only_user(x, "stablehlo.multiply")
+    if mul is None or mul.operands[0] != x or _scalar_source(mul.operands[1]) != site.scale:
+        return False
+    rs2 = only_user(skip_converts(mul.result), "stablehlo.reshape")
+    if rs2 is None:
+        return False
+    ds_users = uses_of(rs2.result)
+    dq = next((u for u in ds_users if _batched_matmul(u) and u.operands[0] == rs2.result), None)
+    dkt = next((u for u in ds_users if _batched_matmul(u) and u.operands[1] == rs2.result), None)
+    if len(ds_users) != 2 or dq is None or dkt is None:
+        return False
+    if not (_transpose_of(dq.operands[1], site.kt) and _transpose_of(dkt.operands[0], site.q)):
+        return False
+    site.do, site.dq, site.dkt, site.dv = do, dq, dkt, dv
+    return True
+
+
+def find_attention(module: Module, scalars: dict[int, float] | None = None) -> list[Site]:
+    """Every attention of ``module``'s functions that matches the pattern (module
+    docstring) with its backward complete or absent. ``scalars`` gives @main's scalar
+    constant arguments (argument number -> value), where the mask's fill may come from."""
+    found = []
+    seen: dict[Any, bool] = {}
+    with module._ctx:
+        for op in module._operations():
+            if not _batched_matmul(op):
+                continue
+            site = _forward(op, scalars or {}, seen)
+            if site is not None and _backward(site):
+                found.append(site)
+    return found
+
+
+# ------------------------------------------------------------------------- splicing
+Kernels = Callable[[Site], tuple[str, str | None]]
+"""Site -> (forward module text, backward module text or None): each a module whose
+``@main`` takes (q, kt, v, scale) and returns (o, *residuals), and takes (*residuals, do)
+and returns (dq, dkt, dv)."""
+
+
+def rewrite_attention(
+    module: Module,
+    kernels: Kernels,
+    scalars: dict[int, float] | None = None,
+    accept: Callable[[Site], bool] = lambda site: True,
+) -> int:
+    """Replace every attention ``find_attention`` finds by calls of the fused functions
+    ``kernels`` gives, in place (those ``accept`` takes). Returns the number replaced.
+
+    Raises:
+      ValueError: the module does not verify afterwards (it may be partly rewritten:
+        the runtime rewrites a copy).
+    """
+    sites = [s for s in find_attention(module, scalars) if accept(s)]
+    if not sites:
+        return 0
+    with module._ctx:
+        made: dict[Any, tuple[str, str | None]] = {}
+        for site in sites:
+            if site.key not in made:
+                fwd_text, bwd_text = kernels(site)
+                n = len(made)
+                fwd = insert_functions(module, fwd_text, f"stepbundle_attention{n}_fwd")
+                bwd = (
+                    insert_functions(module, bwd_text, f"stepbundle_attention{n}_bwd")
+                    if bwd_text is not None
+                    else None
+                )
+                made[site.key] = (fwd, bwd)
+            fwd, bwd = made[site.key]
+            out = call(module, fwd, [site.q, site.kt, site.v, site.scale], site.out)
+            site.out.result.replace_all_uses_with(out[0])
+            if site.do is None:
+                continue
+            if bwd is None:
+                raise ValueError("a training attention needs a backward function")
+            block_order = {o.operation: i for i, o in enumerate(site.out.block.operations)}
+            grads = [site.dq, site.dkt, site.dv]
+            first = min(grads, key=lambda op: block_order.get(op, 1 << 60))
+            dq, dkt, dv = call(module, bwd, [*out[1:], site.do], first)
+            for op, new in zip(grads, (dq, dkt, dv)):
+                op.result.replace_all_uses_with(new)
+        try:
+            ok = module._module.operation.verify()
+        except Exception as e:  # jaxlib raises MLIRError where older ones returned False
+            raise ValueError(f"the module does not verify after fusing attention: {e}") from e
+        if not ok:
+            raise ValueError("the module does not verify after fusing attention")
+    return len(sites)

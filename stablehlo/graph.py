@@ -1,0 +1,258 @@
+"""Reading and extending a parsed StableHLO module: the helpers pattern rewrites share.
+
+Values and their uses, shapes, following converts; computing a small value on the host
+(a mask built from iotas and constants, a splat's number); and moving the functions of
+another module in (named apart, private) and calling them. ``attention.py`` uses them.
+
+Imports: jaxlib's MLIR bindings.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable
+from typing import Any
+
+from jaxlib.mlir import ir
+
+from .artifact import Module
+
+__all__ = [
+    "call",
+    "element_type",
+    "evaluate",
+    "insert_functions",
+    "ints",
+    "main_argument",
+    "only_user",
+    "producer",
+    "shape_of",
+    "skip_converts",
+    "source_of",
+    "splat_value",
+    "MAX_EVALUATED",
+    "uses_of",
+]
+
+
+# ----------------------------------------------------------------- reading the graph
+def producer(value: Any) -> Any:
+    """The operation that defines ``value``, or None for a block argument."""
+    owner = value.owner
+    return None if isinstance(owner, ir.Block) else owner.operation
+
+
+def uses_of(value: Any) -> list[Any]:
+    return [u.owner.operation if hasattr(u.owner, "operation") else u.owner for u in value.uses]
+
+
+def only_user(value: Any, name: str) -> Any:
+    users = uses_of(value)
+    if len(users) != 1 or users[0].name != name:
+        return None
+    return users[0]
+
+
+def main_argument(value: Any) -> int | None:
+    """The number of ``@main``'s argument that ``value`` is, or None (an operation's
+    result, or the argument of another function's or a region's block)."""
+    if producer(value) is not None:
+        return None
+    arg = ir.BlockArgument(value)
+    parent = arg.owner.owner
+    parent = getattr(parent, "operation", parent)  # an OpView's .name may be its symbol
+    if parent is None or parent.name != "func.func":
+        return None
+    if ir.StringAttr(parent.attributes["sym_name"]).value != "main":
+        return None
+    return int(arg.arg_number)
+
+
+def shape_of(value: Any) -> list[int]:
+    return [int(d) for d in ir.RankedTensorType(value.type).shape]
+
+
+def element_type(value: Any) -> str:
+    return str(ir.RankedTensorType(value.type).element_type)
+
+
+def ints(op: Any, attr: str) -> list[int]:
+    return [int(x) for x in ir.DenseI64ArrayAttr(op.attributes[attr])]
+
+
+def skip_converts(value: Any) -> Any:
+    """Follow single-use converts forward."""
+    while True:
+        nxt = only_user(value, "stablehlo.convert")
+        if nxt is None:
+            return value
+        value = nxt.result
+
+
+def source_of(value: Any) -> Any:
+    """Follow converts and broadcasts backward to their source."""
+    op = producer(value)
+    while op is not None and op.name in ("stablehlo.convert", "stablehlo.broadcast_in_dim"):
+        value = op.operands[0]
+        op = producer(value)
+    return value
+
+
+# ---------------------------------------------------------------- evaluating values
+_EVAL_OPS = {"stablehlo.iota", "stablehlo.broadcast_in_dim", "stablehlo.compare"}
+_EVAL_OPS |= {"stablehlo.select", "stablehlo.convert", "stablehlo.constant", "stablehlo.not"}
+_EVAL_OPS |= {"stablehlo.and", "stablehlo.or"}
+
+
+def splat_value(value: Any, scalars: dict[int, float]) -> float | None:
+    """The one number ``value`` repeats (a splat constant or a known scalar argument,
+    through converts and broadcasts), or None."""
+    src = source_of(value)
+    op = producer(src)
+    if op is None:
+        num = main_argument(src)
+        return scalars.get(num) if num is not None and shape_of(src) == [] else None
+    if op.name != "stablehlo.constant" or not ir.DenseElementsAttr(op.attributes["value"]).is_splat:
+        return None
+    v = _splat(op)
+    return None if v is None else float(v)
+
+
+def _splat(op: Any) -> float | bool | int | None:
+    """A splat constant's one value, or None (not a splat)."""
+    attr = ir.DenseElementsAttr(op.attributes["value"])
+    if not attr.is_splat:
+        return None
+    elem = element_type(op.result)
+    if elem == "i1":
+        return bool(ir.BoolAttr(attr.get_splat_value()).value)
+    if elem.startswith(("f", "bf")):
+        return float(ir.FloatAttr(attr.get_splat_value()).value)
+    return int(ir.IntegerAttr(attr.get_splat_value()).value)
+
+
+MAX_EVALUATED = 1 << 20
+"""``evaluate`` computes values of at most this many elements (a (T, T) mask)."""
+
+_COMPARE: dict[str, Callable[[Any, Any], bool]] = {
+    "EQ": lambda a, b: a == b,
+    "NE": lambda a, b: a != b,
+    "GE": lambda a, b: a >= b,
+    "GT": lambda a, b: a > b,
+    "LE": lambda a, b: a <= b,
+    "LT": lambda a, b: a < b,
+}
+
+
+def _index(shape: list[int]) -> list[tuple[int, ...]]:
+    return list(itertools.product(*(range(n) for n in shape)))
+
+
+def evaluate(value: Any, scalars: dict[int, float], depth: int = 0) -> list[Any] | None:
+    """``value``'s elements in row-major order, computed on the host from splat
+    constants, iotas and known scalar arguments (``scalars``: @main argument number ->
+    value) through broadcasts, compares, selects, converts and logic; None for anything
+    else or anything larger than ``MAX_EVALUATED``. Plain Python: the StableHLO layer
+    stays free of numpy, and a mask is computed once per load."""
+    shape = shape_of(value)
+    if math.prod(shape) > MAX_EVALUATED or depth > 12:
+        return None
+    op = producer(value)
+    if op is None:
+        num = main_argument(value)
+        return [scalars[num]] if num in scalars and shape == [] else None
+    if op.name == "stablehlo.constant":
+        v = _splat(op)
+        return None if v is None else [v] * math.prod(shape)
+    if op.name == "stablehlo.iota":
+        dim = int(ir.IntegerAttr(op.attributes["iota_dimension"]).value)
+        return [ix[dim] for ix in _index(shape)]
+    if op.name not in _EVALUATED:
+        return None
+    args = [evaluate(v, scalars, depth + 1) for v in op.operands]
+    if any(a is None for a in args):
+        return None
+    a = args[0]
+    assert a is not None
+    if op.name == "stablehlo.broadcast_in_dim":
+        dims = ints(op, "broadcast_dimensions")
+        src = shape_of(op.operands[0])
+        strides = [math.prod(src[k + 1 :]) for k in range(len(src))]
+        return [
+            a[sum(ix[d] * strides[k] if src[k] > 1 else 0 for k, d in enumerate(dims))]
+            for ix in _index(shape)
+        ]
+    if op.name == "stablehlo.convert":
+        elem = element_type(op.result)
+        kind = bool if elem == "i1" else float if elem.startswith(("f", "bf")) else int
+        return [kind(x) for x in a]
+    if op.name == "stablehlo.not":
+        return [not x for x in a]
+    b = args[1]
+    assert b is not None
+    if op.name == "stablehlo.compare":
+        direction = str(op.attributes["comparison_direction"]).split()[-1].rstrip(">")
+        fn = _COMPARE.get(direction)
+        return None if fn is None else [fn(x, y) for x, y in zip(a, b)]
+    if op.name == "stablehlo.and":
+        return [x and y for x, y in zip(a, b)]
+    if op.name == "stablehlo.or":
+        return [x or y for x, y in zip(a, b)]
+    c = args[2]
+    assert c is not None
+    return [y if x else z for x, y, z in zip(a, b, c)]  # select
+
+
+_EVALUATED = frozenset(
+    {
+        "stablehlo.broadcast_in_dim",
+        "stablehlo.convert",
+        "stablehlo.not",
+        "stablehlo.compare",
+        "stablehlo.and",
+        "stablehlo.or",
+        "stablehlo.select",
+    }
+)
+
+
+def insert_functions(module: Module, text: str, prefix: str) -> str:
+    """Move ``text``'s functions into ``module`` as private ones named ``prefix``_NAME;
+    returns the name its @main got."""
+    parsed = Module.parse_text(module, text)._module
+    names = [
+        ir.StringAttr(op.attributes["sym_name"]).value
+        for op in parsed.body.operations
+        if "sym_name" in op.attributes
+    ]
+    for name in names:
+        ir.SymbolTable.replace_all_symbol_uses(name, f"{prefix}_{name}", parsed.operation)
+    for op in list(parsed.body.operations):
+        if "sym_name" not in op.attributes:
+            continue
+        own = ir.StringAttr(op.attributes["sym_name"]).value
+        op.attributes["sym_name"] = ir.StringAttr.get(f"{prefix}_{own}")
+        op.attributes["sym_visibility"] = ir.StringAttr.get("private")
+        op.detach_from_parent()
+        module._module.body.append(op)
+    return f"{prefix}_main"
+
+
+def function_type(module: Module, name: str) -> Any:
+    for op in module._module.body.operations:
+        if "sym_name" in op.attributes and ir.StringAttr(op.attributes["sym_name"]).value == name:
+            return ir.FunctionType(ir.TypeAttr(op.attributes["function_type"]).value)
+    raise KeyError(name)
+
+
+def call(module: Module, name: str, operands: list[Any], before: Any) -> list[Any]:
+    ft = function_type(module, name)
+    with ir.InsertionPoint(before), before.location:
+        call = ir.Operation.create(
+            "func.call",
+            results=list(ft.results),
+            operands=operands,
+            attributes={"callee": ir.FlatSymbolRefAttr.get(name)},
+        )
+    return [call.results[i] for i in range(len(call.results))]

@@ -1,0 +1,209 @@
+"""Traced attention swapped for fused kernels (stablehlo/attention.py), pinned on the CPU.
+
+A TPU runs the swap for real; here the same rewrite runs with the splash-attention
+kernels interpreted (Pallas's interpreter lowers them to ordinary XLA ops), so the whole
+path — finding the attention in a bundle exported by torch_xla, lowering the kernels,
+moving them into the program, rewiring the forward's output and the backward's three
+gradients — is checked against PyTorch in float64 on the CPU, which shares no code with
+either program.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from stepbundle.exporter import Recipe, export
+from stepbundle.runtime import load, rewrites
+from stepbundle.runtime.dtypes import array_from_section
+from stepbundle.schema.reader import open_bundle
+from stepbundle.stablehlo import artifact as mlir
+from stepbundle.stablehlo.attention import find_attention
+
+VOCAB, T, WIDTH, HEADS, LAYERS, BATCH, LR = 64, 128, 128, 2, 2, 2, 0.5
+
+
+class _Block(nn.Module):
+    def __init__(self, causal: bool) -> None:
+        super().__init__()
+        self.causal = causal
+        self.qkv = nn.Linear(WIDTH, 3 * WIDTH)
+        self.proj = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = (
+            a.view(b, t, HEADS, c // HEADS).transpose(1, 2) for a in self.qkv(x).split(c, dim=2)
+        )
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(c // HEADS))
+        if self.causal:
+            mask = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+            att = att.masked_fill(~mask, float("-inf"))
+        y = (att.softmax(dim=-1) @ v).transpose(1, 2).reshape(b, t, c)
+        return x + self.proj(y)
+
+
+class _Net(nn.Module):
+    def __init__(self, causal: bool = True) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, WIDTH)
+        self.blocks = nn.ModuleList([_Block(causal) for _ in range(LAYERS)])
+        self.head = nn.Linear(WIDTH, VOCAB)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx)
+        for blk in self.blocks:
+            x = blk(x)
+        return self.head(x)
+
+
+def _step(model: nn.Module, optimizer: Any, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
+    optimizer.zero_grad()
+    with torch.autocast(batch["idx"].device.type, dtype=torch.bfloat16):
+        logits = model(batch["idx"])
+    loss = nn.functional.cross_entropy(logits.float().reshape(-1, VOCAB), batch["y"].reshape(-1))
+    loss.backward()
+    optimizer.step()
+    return {"loss": loss}
+
+
+def _batch() -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(3)
+    return {
+        "idx": rng.integers(0, VOCAB, (BATCH, T)).astype(np.int64),
+        "y": rng.integers(0, VOCAB, (BATCH, T)).astype(np.int64),
+    }
+
+
+def _export(tmp_path: Path, causal: bool = True) -> tuple[Path, dict[str, np.ndarray]]:
+    torch.manual_seed(0)
+    model = _Net(causal)
+    initial = {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
+    example = {k: torch.from_numpy(v) for k, v in _batch().items()}
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    path = tmp_path / "attn.stepbundle"
+    export(Recipe(model=model, optimizer=opt, step=_step, example_batch=example, seed=0), path)
+    return path, initial
+
+
+def _float64_step(initial: dict[str, np.ndarray], causal: bool = True) -> tuple[float, dict]:
+    """The step in float64 without autocast: the loss and the parameters after it."""
+    model = _Net(causal).double()
+    model.load_state_dict({k: torch.from_numpy(v).double() for k, v in initial.items()})
+    batch = {k: torch.from_numpy(v) for k, v in _batch().items()}
+    logits = model(batch["idx"])
+    loss = nn.functional.cross_entropy(logits.reshape(-1, VOCAB), batch["y"].reshape(-1))
+    loss.backward()
+    with torch.no_grad():
+        after = {n: (p - LR * p.grad).numpy() for n, p in model.named_parameters()}
+    return float(loss.detach()), after
+
+
+def _run(path: Path, fused: bool) -> tuple[float, dict[str, np.ndarray], int]:
+    """One step on the CPU through the runtime, with the fused-attention rewrite forced
+    (kernels interpreted) or not; also how many attentions the rewrite replaced."""
+    replaced = []
+
+    def forced(stage: rewrites.Stage, ctx: rewrites.RewriteContext) -> rewrites.Stage:
+        out = rewrites.fuse_attention(stage, ctx, "cpu", interpret=True)
+        replaced.append(
+            len(re.findall(r"call @stepbundle_attention\d+_\w+_main\(", out.module.text()))
+        )
+        return out
+
+    original = rewrites.REWRITES
+    if fused:
+        rewrites.REWRITES = tuple((n, forced if n == "fused-attention" else r) for n, r in original)
+    try:
+        trainer = load(path, device="cpu", entry="train", cache_dir=False)
+    finally:
+        rewrites.REWRITES = original
+    metrics = trainer.step(_batch())
+    state = {k: np.asarray(v) for k, v in trainer.state_dict().items()}
+    return float(metrics["loss"]), state, sum(replaced)
+
+
+def _rel(a: dict[str, np.ndarray], b: dict[str, np.ndarray], initial: dict) -> float:
+    """The largest relative error of a parameter's update (after - before)."""
+    worst = 0.0
+    for k, ref in b.items():
+        du, dr = a[k].astype(np.float64) - initial[k], ref - initial[k]
+        worst = max(worst, float(np.linalg.norm(du - dr) / (np.linalg.norm(dr) + 1e-30)))
+    return worst
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "unmasked"])
+def test_fused_attention_matches_float64_as_well_as_the_traced_one(
+    tmp_path: Path, causal: bool
+) -> None:
+    path, initial = _export(tmp_path, causal)
+    loss64, after64 = _float64_step(initial, causal)
+    loss_plain, state_plain, n_plain = _run(path, fused=False)
+    loss_fused, state_fused, n_fused = _run(path, fused=True)
+    assert n_plain == 0 and n_fused == 2 * LAYERS  # a forward and a backward call each
+    err_plain, err_fused = abs(loss_plain - loss64), abs(loss_fused - loss64)
+    upd_plain, upd_fused = _rel(state_plain, after64, initial), _rel(state_fused, after64, initial)
+    print(
+        f"loss err plain {err_plain:.2e} fused {err_fused:.2e}; "
+        f"update err plain {upd_plain:.2e} fused {upd_fused:.2e}"
+    )
+    # Both run their products in bf16 (unit roundoff 2**-8); the kernels keep the scores
+    # in float32 where the traced program rounds them to bf16. The loss is one number
+    # whose error is a sum of roundings (1.1e-4 and 1.7e-4 of 4.2 here): held to bf16's
+    # precision; the update's error (1e-2 for both), summed over every parameter, to
+    # the traced program's. A kernel with the scale doubled, or without the mask,
+    # fails it (update errors 0.64 and 0.74).
+    assert err_fused <= 2.0**-8 * abs(loss64)
+    assert upd_fused <= 1.5 * upd_plain
+    assert upd_plain < 0.05  # the bf16 step is the float64 step, to bf16's precision
+    # and the fused step is not the traced one by accident of a missed rewrite
+    assert any(not np.array_equal(state_plain[k], state_fused[k]) for k in state_plain)
+
+
+def test_every_layers_attention_and_its_backward_are_found(tmp_path: Path) -> None:
+    path, _ = _export(tmp_path)
+    with open_bundle(path) as b:
+        program = b.manifest.entries["train"].programs[0]
+        module = mlir.parse_artifact(bytes(b.section(program.section)))
+        fills = {
+            i: float(array_from_section(b.section(inp.section), inp.spec).item())
+            for i, inp in enumerate(program.inputs)
+            if inp.kind.value == "constant"
+            and inp.spec.numel == 1
+            and inp.spec.dtype.value == "f64"
+        }
+    sites = find_attention(module, fills)
+    assert len(sites) == LAYERS
+    assert all(s.do is not None and s.causal for s in sites)
+    assert {s.key[:4] for s in sites} == {(BATCH, HEADS, T, WIDTH // HEADS)}
+    # Without the fill's value (a graph input here) the mask cannot be trusted: no match.
+    assert find_attention(module, {}) == []
+
+
+def test_the_tpu_program_is_built_on_a_cpu_machine(tmp_path: Path) -> None:
+    # Lowered for the TPU (jax serializes the Mosaic kernels without a chip): one
+    # forward and one backward kernel, shared by the layers, called twice per layer.
+    path, _ = _export(tmp_path)
+    texts = []
+
+    def tap(stage: rewrites.Stage, ctx: rewrites.RewriteContext) -> rewrites.Stage:
+        texts.append(rewrites.fuse_attention(stage, ctx, "tpu").module.text())
+        return stage  # the CPU compiles the program as it was
+
+    original = rewrites.REWRITES
+    rewrites.REWRITES = tuple((n, tap if n == "fused-attention" else r) for n, r in original)
+    try:
+        load(path, device="cpu", entry="train", cache_dir=False)
+    finally:
+        rewrites.REWRITES = original
+    (text,) = texts
+    assert text.count("tpu_custom_call") == 2
+    assert len(re.findall(r"call @stepbundle_attention0_(fwd|bwd)_main\(", text)) == 2 * LAYERS
+    assert "stablehlo.dot_general" in text  # the rest of the step is untouched

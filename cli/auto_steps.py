@@ -112,6 +112,7 @@ def decide(args: argparse.Namespace) -> AutoSteps | None:
             cache_dir=False if args.no_cache else (args.cache_dir or True),
             steps_per_call=1,
             matmul_precision=args.matmul_precision,
+            fused_attention=not args.no_fused_attention,
         ),
         state=state_options(args),
         # The probe compiles and runs the bundle: it is held to the digest as the run is.

@@ -275,6 +275,12 @@ def _add_run(sub: Any) -> None:
         "on an accelerator 'high' and 'highest' also compute Adam's bias corrections "
         "exactly (docs/tpu.md). Say 'highest' to compare a TPU with a CPU",
     )
+    r.add_argument(
+        "--no-fused-attention",
+        action="store_true",
+        help="keep the bundle's own attention on a TPU, where it is otherwise run as "
+        "jax's splash-attention kernels (docs/tpu.md)",
+    )
     _add_device_options(r)
     r.set_defaults(fn=cmd_run)
 

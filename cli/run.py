@@ -210,6 +210,7 @@ def _open_trainer(args: argparse.Namespace) -> Any:
             cache_dir=False if args.no_cache else (args.cache_dir or True),
             steps_per_call=args.steps_per_call if train else 1,
             matmul_precision=args.matmul_precision,
+            fused_attention=not args.no_fused_attention,
         ),
         state=state_options(args),
         safety=SafetyOptions(

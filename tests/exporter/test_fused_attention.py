@@ -10,6 +10,7 @@ either program.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from pathlib import Path
@@ -207,3 +208,32 @@ def test_the_tpu_program_is_built_on_a_cpu_machine(tmp_path: Path) -> None:
     assert text.count("tpu_custom_call") == 2
     assert len(re.findall(r"call @stepbundle_attention0_(fwd|bwd)_main\(", text)) == 2 * LAYERS
     assert "stablehlo.dot_general" in text  # the rest of the step is untouched
+
+
+def test_the_runtime_fuses_only_on_one_tpu_at_the_default_precision(tmp_path: Path) -> None:
+    path, _ = _export(tmp_path)
+    stages = []
+
+    def tap(stage: rewrites.Stage, ctx: rewrites.RewriteContext) -> rewrites.Stage:
+        # a copy: the rewrites after this one change the module in place
+        copy = mlir.Module.parse_text(stage.module, stage.module.text())
+        stages.append((rewrites.Stage(copy, stage.program), ctx))
+        return stage
+
+    original = rewrites.REWRITES
+    rewrites.REWRITES = tuple((n, tap if n == "fused-attention" else r) for n, r in original)
+    try:
+        load(path, device="cpu", entry="train", cache_dir=False)
+    finally:
+        rewrites.REWRITES = original
+    ((stage, cpu),) = stages
+
+    def fused(**change: Any) -> bool:
+        ctx = dataclasses.replace(cpu, **change)
+        return rewrites.fused_attention(stage, ctx) is not stage
+
+    assert not fused()  # the CPU keeps its program
+    assert fused(platform="tpu")
+    assert not fused(platform="tpu", fused_attention=False)  # --no-fused-attention
+    assert not fused(platform="tpu", matmul_precision="highest")  # a CPU comparison
+    assert not fused(platform="tpu", scalar_constants={})  # the mask's fill unknown

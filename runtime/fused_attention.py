@@ -31,11 +31,17 @@ __all__ = ["BLOCK", "kernels_for", "supported"]
 BLOCK = 512
 """The largest block along each sequence; smaller contexts use their length."""
 
+K_LAYOUT = "HEAD_DIM_MINOR"
+"""How the kernels hold k: ``HEAD_DIM_MINOR`` (t, d) or ``SEQ_MINOR`` (d, t), the way
+the traced program holds it (``kt``); ``benchmarks/device/gpt.py`` measures both."""
+
 
 def supported(site: Site) -> str | None:
     """Why ``site`` keeps its traced attention, or None when the kernels take it."""
     if site.dtype != "bf16":  # the case measured; float32 products in a kernel, not yet
         return f"q is {site.dtype}, not bf16"
+    if site.scale_dtype not in ("f32", "bf16", "f16"):
+        return f"the scale is {site.scale_dtype}"
     if site.length % 128:
         return f"the context ({site.length}) is not a multiple of 128"
     if site.head_dim % 64:
@@ -65,8 +71,17 @@ def kernels_for(platform: str, interpret: bool = False) -> Any:
     dtypes = {"bf16": jnp.bfloat16, "f32": jnp.float32, "f16": jnp.float16, "f64": jnp.float64}
 
     def lower(fn: Any, *avals: Any) -> str:
-        traced = jax.jit(fn).trace(*avals)
-        return str(traced.lower(lowering_platforms=(platform,)).as_text())
+        # keep_unused: the program calls with every argument. No traceback in the
+        # locations: the kernels' bytes (part of the compile cache's key) would
+        # otherwise name the calling script's file and line.
+        config: Any = jax.config
+        limit = config.jax_traceback_in_locations_limit
+        config.update("jax_traceback_in_locations_limit", 0)
+        try:
+            traced = jax.jit(fn, keep_unused=True).trace(*avals)
+            return str(traced.lower(lowering_platforms=(platform,)).as_text())
+        finally:
+            config.update("jax_traceback_in_locations_limit", limit)
 
     def make(site: Site) -> tuple[str, str | None]:
         b, h, t, d = site.batch, site.heads, site.length, site.head_dim
@@ -81,6 +96,7 @@ def kernels_for(platform: str, interpret: bool = False) -> Any:
                 block_q_dkv=blk,
                 block_kv_dkv=blk,
                 use_fused_bwd_kernel=True,
+                k_layout=getattr(sk.QKVLayout, K_LAYOUT),
             ),
             head_shards=1,
             q_seq_shards=1,
@@ -90,7 +106,8 @@ def kernels_for(platform: str, interpret: bool = False) -> Any:
         def attention(q: Any, kt: Any, v: Any, scale: Any) -> Any:
             # (B*H, T, D) and kt (B*H, D, T), as the program holds them; the scale is
             # applied in q's type, as the program applied it to the scores' type.
-            q4 = (q * scale.astype(dt)).reshape(b, h, t, d)
+            q4 = (q.astype(jnp.float32) * scale.astype(jnp.float32)).astype(dt)
+            q4 = q4.reshape(b, h, t, d)
             k4 = jnp.swapaxes(kt, 1, 2).reshape(b, h, t, d)
             return jax.vmap(kernel)(q4, k4, v.reshape(b, h, t, d)).reshape(b * h, t, d)
 

@@ -42,6 +42,7 @@ from .graph import (
     call,
     element_type,
     evaluate,
+    function_type,
     insert_functions,
     ints,
     only_user,
@@ -107,29 +108,48 @@ class Site:
         )
 
 
+_BATCHED = (
+    "#stablehlo.dot<lhs_batching_dimensions = [0], rhs_batching_dimensions = [0], "
+    "lhs_contracting_dimensions = [2], rhs_contracting_dimensions = [1]>"
+)
+
+
 def _batched_matmul(op: Any) -> bool:
-    """(n, a, b) x (n, b, c) -> (n, a, c), batch dim 0."""
+    """(n, a, b) x (n, b, c) -> (n, a, c), batch dim 0, nothing else."""
     if op is None or op.name != "stablehlo.dot_general":
         return False
-    dims = str(op.attributes["dot_dimension_numbers"])
-    return (
-        "lhs_batching_dimensions = [0]" in dims
-        and "rhs_batching_dimensions = [0]" in dims
-        and "lhs_contracting_dimensions = [2]" in dims
-        and "rhs_contracting_dimensions = [1]" in dims
-    )
+    if any(len(shape_of(v)) != 3 for v in (*op.operands, op.result)):
+        return False
+    return str(op.attributes["dot_dimension_numbers"]) == _BATCHED
+
+
+_INIT = {"max": float("-inf"), "add": 0.0}
+"""The identity each reduce must start from (a max from -inf, a sum from zero)."""
 
 
 def _reduce_kind(op: Any) -> str | None:
-    """``max`` or ``add`` for a one-operand reduce over the last dim, else None."""
+    """``max`` or ``add`` for a one-operand reduce over the last dim from its identity,
+    its body combining its two arguments and returning that, else None."""
     if op is None or op.name != "stablehlo.reduce" or len(op.operands) != 2:
         return None
     rank = len(shape_of(op.operands[0]))
     if ints(op, "dimensions") != [rank - 1]:
         return None
-    body = [o.name for o in op.regions[0].blocks[0].operations]
+    block = op.regions[0].blocks[0]
+    body = list(block.operations)
     kinds = {"stablehlo.maximum": "max", "stablehlo.add": "add"}
-    return kinds.get(body[0]) if len(body) == 2 else None
+    if len(body) != 2 or body[0].operation.name not in kinds:
+        return None
+    combine, ret = body[0].operation, body[1].operation
+    args = [block.arguments[i] for i in range(len(block.arguments))]
+    if len(args) != 2 or {str(v.get_name()) for v in combine.operands} != {
+        str(a.get_name()) for a in args
+    }:
+        return None
+    if ret.name != "stablehlo.return" or ret.operands[0] != combine.result:
+        return None
+    kind = kinds[combine.name]
+    return kind if splat_value(op.operands[1], {}) == _INIT[kind] else None
 
 
 def _rowwise(value: Any, reduce: Any) -> bool:
@@ -162,16 +182,54 @@ def _scalar_source(value: Any) -> Any:
 
 
 # -------------------------------------------------------------------------- matching
-def _is_causal(mask: Any, t: int, scalars: dict[int, float], seen: dict[Any, bool]) -> bool:
-    """Whether ``mask`` (a (T, T) value, before its broadcast) is the lower triangle;
-    computed once per mask (the layers of a model share one)."""
+def _iota_rows_ge_columns(value: Any, t: int) -> bool:
+    """``value`` is ``compare GE(broadcast(iota, [0]), broadcast(iota, [1]))`` over (T, T)
+    (what ``torch.ones(t, t).tril()`` traces to), possibly as ``select(it, true, false)``:
+    recognized without computing its T*T elements."""
+    op = producer(value)
+    if op is not None and op.name == "stablehlo.select":
+        if splat_value(op.operands[1], {}) != 1.0 or splat_value(op.operands[2], {}) != 0.0:
+            return False
+        op = producer(op.operands[0])
+    if (
+        op is None
+        or op.name != "stablehlo.compare"
+        or "GE" not in str(op.attributes["comparison_direction"])
+    ):
+        return False
+    sides = [producer(v) for v in op.operands]
+    if any(s is None or s.name != "stablehlo.broadcast_in_dim" for s in sides):
+        return False
+    if [ints(s, "broadcast_dimensions") for s in sides] != [[0], [1]]:
+        return False
+    iotas = [producer(s.operands[0]) for s in sides]
+    return all(
+        i is not None and i.name == "stablehlo.iota" and shape_of(i.result) == [t] for i in iotas
+    )
+
+
+def _is_causal(select: Any, t: int, scalars: dict[int, float], seen: dict[Any, bool]) -> bool:
+    """Whether ``select``'s predicate is the lower triangle of a (T, T) mask broadcast
+    over the batch and heads (the last two dims exactly); checked once per mask (the
+    layers of a model share one), by its form or else by computing it."""
+    bcast = producer(select.operands[0])
+    if bcast is None or bcast.name != "stablehlo.broadcast_in_dim":
+        return False
+    rank = len(shape_of(bcast.result))
+    mask = bcast.operands[0]
+    if ints(bcast, "broadcast_dimensions") != [rank - 2, rank - 1]:
+        return False
+    if shape_of(mask) != [t, t] or element_type(mask) != "i1":
+        return False
     key = producer(mask)
     if key is not None and key in seen:
         return seen[key]
-    values = evaluate(mask, scalars)
-    causal = values is not None and [bool(x) for x in values] == [
-        i >= j for i in range(t) for j in range(t)
-    ]
+    causal = _iota_rows_ge_columns(mask, t)
+    if not causal:
+        values = evaluate(mask, scalars)
+        causal = values is not None and [bool(x) for x in values] == [
+            i >= j for i in range(t) for j in range(t)
+        ]
     if key is not None:
         seen[key] = causal
     return causal
@@ -202,7 +260,7 @@ def _forward(dot1: Any, scalars: dict[int, float], seen: dict[Any, bool]) -> Sit
         fill = splat_value(sel.operands[2], scalars)
         if fill is None or not fill <= FILL_AT_MOST:
             return None
-        if not _is_causal(source_of(sel.operands[0]), t, scalars, seen):
+        if not _is_causal(sel, t, scalars, seen):
             return None
         causal = True
         x = skip_converts(sel.result)
@@ -256,7 +314,7 @@ def _backward(site: Site) -> bool:
     if not others and not pb_others:
         return True  # no backward: an eval program
     # dv = dot(transpose(pb), do)
-    if len(pb_others) != 1 or pb_others[0].name != "stablehlo.transpose":
+    if len(pb_others) != 1 or not _transpose_of(pb_others[0].result, pb):
         return False
     tr = pb_others[0]
     dv = only_user(tr.result, "stablehlo.dot_general")
@@ -266,7 +324,10 @@ def _backward(site: Site) -> bool:
     # the softmax gradient: m1 = dp * p; r = sum(m1); ds = p * (dp - r)
     if len(others) != 2 or any(u.name != "stablehlo.multiply" for u in others):
         return False
-    m1 = next((u for u in others if _reduce_kind(only_user(u.result, "stablehlo.reduce"))), None)
+    m1 = next(
+        (u for u in others if _reduce_kind(only_user(u.result, "stablehlo.reduce")) == "add"),
+        None,
+    )
     m2 = next((u for u in others if u is not m1), None)
     if m1 is None or m2 is None:
         return False
@@ -312,7 +373,17 @@ def _backward(site: Site) -> bool:
         return False
     if not (_transpose_of(dq.operands[1], site.kt) and _transpose_of(dkt.operands[0], site.q)):
         return False
+    # The backward call goes before the first of the three products: it must come after
+    # the forward (whose residuals it reads) and after ``do``, in the same block.
+    order = {o.operation: i for i, o in enumerate(site.out.block.operations)}
+    if any(g not in order for g in (dq, dkt, dv)):
+        return False
+    first = min((dq, dkt, dv), key=order.__getitem__)
+    do_op = producer(do)
+    if order[site.out] > order[first] or (do_op in order and order[do_op] > order[first]):
+        return False
     site.do, site.dq, site.dkt, site.dv = do, dq, dkt, dv
+    site._first = first  # type: ignore[attr-defined]
     return True
 
 
@@ -337,6 +408,30 @@ Kernels = Callable[[Site], tuple[str, str | None]]
 """Site -> (forward module text, backward module text or None): each a module whose
 ``@main`` takes (q, kt, v, scale) and returns (o, *residuals), and takes (*residuals, do)
 and returns (dq, dkt, dv)."""
+
+
+def _types(values: Any) -> list[str]:
+    return [str(v.type) for v in values]
+
+
+def _check_signatures(module: Module, site: Site, fwd: str, bwd: str | None) -> None:
+    """The functions take and give what the site's values are (a lowering that dropped an
+    unused argument, say, would not)."""
+    f = function_type(module, fwd)
+    want = _types([site.q, site.kt, site.v, site.scale])
+    got_in, got_out = [str(t) for t in f.inputs], [str(t) for t in f.results]
+    if got_in != want or not got_out or got_out[0] != str(site.out.result.type):
+        raise ValueError(f"the fused forward takes {got_in} -> {got_out}, the site {want}")
+    if bwd is None or site.do is None:
+        return
+    b = function_type(module, bwd)
+    want = got_out[1:] + [str(site.do.type)]
+    grads = _types([site.dq.result, site.dkt.result, site.dv.result])
+    if [str(t) for t in b.inputs] != want or [str(t) for t in b.results] != grads:
+        raise ValueError(
+            f"the fused backward takes {[str(t) for t in b.inputs]} -> "
+            f"{[str(t) for t in b.results]}, the site {want} -> {grads}"
+        )
 
 
 def rewrite_attention(
@@ -368,6 +463,7 @@ def rewrite_attention(
                     else None
                 )
                 made[site.key] = (fwd, bwd)
+                _check_signatures(module, site, fwd, bwd)
             fwd, bwd = made[site.key]
             out = call(module, fwd, [site.q, site.kt, site.v, site.scale], site.out)
             site.out.result.replace_all_uses_with(out[0])
@@ -375,9 +471,8 @@ def rewrite_attention(
                 continue
             if bwd is None:
                 raise ValueError("a training attention needs a backward function")
-            block_order = {o.operation: i for i, o in enumerate(site.out.block.operations)}
             grads = [site.dq, site.dkt, site.dv]
-            first = min(grads, key=lambda op: block_order.get(op, 1 << 60))
+            first = site._first  # type: ignore[attr-defined]
             dq, dkt, dv = call(module, bwd, [*out[1:], site.do], first)
             for op, new in zip(grads, (dq, dkt, dv)):
                 op.result.replace_all_uses_with(new)

@@ -81,19 +81,37 @@ def ints(op: Any, attr: str) -> list[int]:
     return [int(x) for x in ir.DenseI64ArrayAttr(op.attributes[attr])]
 
 
+FLOATS = frozenset({"f64", "f32", "bf16", "f16"})
+"""The element types between which a convert only rounds: the ones skipped."""
+
+
+def _float_convert(op: Any) -> bool:
+    return (
+        op is not None
+        and op.name == "stablehlo.convert"
+        and element_type(op.operands[0]) in FLOATS
+        and element_type(op.result) in FLOATS
+    )
+
+
 def skip_converts(value: Any) -> Any:
-    """Follow single-use converts forward."""
+    """Follow single-use float-to-float converts forward (a convert to an integer or
+    another kind of number changes the value: it stops there)."""
     while True:
         nxt = only_user(value, "stablehlo.convert")
-        if nxt is None:
+        if not _float_convert(nxt):
             return value
         value = nxt.result
 
 
 def source_of(value: Any) -> Any:
-    """Follow converts and broadcasts backward to their source."""
+    """Follow float-to-float converts and broadcasts of a scalar backward to their
+    source (the scalar a splat repeats)."""
     op = producer(value)
-    while op is not None and op.name in ("stablehlo.convert", "stablehlo.broadcast_in_dim"):
+    while op is not None and (
+        _float_convert(op)
+        or (op.name == "stablehlo.broadcast_in_dim" and shape_of(op.operands[0]) == [])
+    ):
         value = op.operands[0]
         op = producer(value)
     return value
@@ -187,6 +205,9 @@ def evaluate(value: Any, scalars: dict[int, float], depth: int = 0) -> list[Any]
         elem = element_type(op.result)
         kind = bool if elem == "i1" else float if elem.startswith(("f", "bf")) else int
         return [kind(x) for x in a]
+    logic = op.name in ("stablehlo.not", "stablehlo.and", "stablehlo.or")
+    if logic and element_type(op.result) != "i1":
+        return None  # bitwise on integers: not computed here
     if op.name == "stablehlo.not":
         return [not x for x in a]
     b = args[1]

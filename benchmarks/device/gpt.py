@@ -265,6 +265,15 @@ def bench(args: argparse.Namespace) -> int:
         t0 = time.perf_counter()
         unfused = load_bundle(False)
         out["bundle_unfused_compile_s"] = time.perf_counter() - t0
+    kseq = None
+    if "bundle_kseq" in args.peers.split(","):  # the kernels holding k as (d, t)
+        from stepbundle.runtime import fused_attention
+
+        fused_attention.K_LAYOUT = "SEQ_MINOR"
+        try:
+            kseq = load_bundle(True)
+        finally:
+            fused_attention.K_LAYOUT = "HEAD_DIM_MINOR"
     # Host batches: the trainer copies them (i64, 128 KiB a step) with its own x64 transfer.
     dev_batches = data
 
@@ -301,6 +310,8 @@ def bench(args: argparse.Namespace) -> int:
     out["bundle_first_loss"] = float(first["loss"])
     if unfused is not None:
         out["bundle_unfused_first_loss"] = float(unfused.step(dev_batches[0])["loss"])
+    if kseq is not None:
+        out["bundle_kseq_first_loss"] = float(kseq.step(dev_batches[0])["loss"])
     print(
         f"first loss: bundle {out['bundle_first_loss']:.6f}, "
         + ", ".join(f"{k} {v[3]:.6f}" for k, v in peers.items()),
@@ -328,15 +339,21 @@ def bench(args: argparse.Namespace) -> int:
     time_bundle(3)
     if unfused is not None:
         time_bundle(3, unfused)
+    if kseq is not None:
+        time_bundle(3, kseq)
     for name in peers:
         time_peer(name, 3)
     samples: dict[str, list[float]] = {"bundle": [], **{k: [] for k in peers}}
     if unfused is not None:
         samples["bundle_unfused"] = []
+    if kseq is not None:
+        samples["bundle_kseq"] = []
     for _ in range(args.rounds):
         samples["bundle"].append(time_bundle(args.steps))
         if unfused is not None:
             samples["bundle_unfused"].append(time_bundle(args.steps, unfused))
+        if kseq is not None:
+            samples["bundle_kseq"].append(time_bundle(args.steps, kseq))
         for name in peers:
             samples[name].append(time_peer(name, args.steps))
     out["ms_per_step"] = {}

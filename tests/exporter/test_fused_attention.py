@@ -195,7 +195,8 @@ def test_the_tpu_program_is_built_on_a_cpu_machine(tmp_path: Path) -> None:
     texts = []
 
     def tap(stage: rewrites.Stage, ctx: rewrites.RewriteContext) -> rewrites.Stage:
-        texts.append(rewrites.fuse_attention(stage, ctx, "tpu").module.text())
+        for _ in range(2):
+            texts.append(rewrites.fuse_attention(stage, ctx, "tpu").module.text())
         return stage  # the CPU compiles the program as it was
 
     original = rewrites.REWRITES
@@ -204,7 +205,9 @@ def test_the_tpu_program_is_built_on_a_cpu_machine(tmp_path: Path) -> None:
         load(path, device="cpu", entry="train", cache_dir=False)
     finally:
         rewrites.REWRITES = original
-    (text,) = texts
+    text, again = texts
+    # The rewritten program is the compile cache's key: lowered twice, it is the same.
+    assert text == again
     assert text.count("tpu_custom_call") == 2
     assert len(re.findall(r"call @stepbundle_attention0_(fwd|bwd)_main\(", text)) == 2 * LAYERS
     assert "stablehlo.dot_general" in text  # the rest of the step is untouched
@@ -237,3 +240,101 @@ def test_the_runtime_fuses_only_on_one_tpu_at_the_default_precision(tmp_path: Pa
     assert not fused(platform="tpu", fused_attention=False)  # --no-fused-attention
     assert not fused(platform="tpu", matmul_precision="highest")  # a CPU comparison
     assert not fused(platform="tpu", scalar_constants={})  # the mask's fill unknown
+
+
+def _module_and_fills(path: Path) -> tuple[Any, dict[int, float]]:
+    with open_bundle(path) as b:
+        program = b.manifest.entries["train"].programs[0]
+        module = mlir.parse_artifact(bytes(b.section(program.section)))
+        fills = {
+            i: float(array_from_section(b.section(inp.section), inp.spec).item())
+            for i, inp in enumerate(program.inputs)
+            if inp.kind.value == "constant" and inp.spec.numel == 1
+        }
+    return module, fills
+
+
+def _mutated(module: Any, text: str) -> Any:
+    return mlir.Module.parse_text(module, text)
+
+
+def _defined_by(text: str, op: str) -> set[str]:
+    return set(re.findall(rf"^\s*(%[\w#]+) = {re.escape(op)} ", text, re.M))
+
+
+def test_a_graph_whose_math_differs_is_not_matched(tmp_path: Path) -> None:
+    # Each change makes the program compute something a causal softmax attention does
+    # not: the matcher must find no site in it (it finds both in the unchanged text).
+    path, _ = _export(tmp_path)
+    module, fills = _module_and_fills(path)
+    text = module.text()
+    assert len(find_attention(_mutated(module, text), fills)) == LAYERS
+    sq = f"tensor<{BATCH}x{HEADS}x{T}x{T}xf32>"
+    products = {
+        m.group(1)
+        for m in re.finditer(rf"^\s*(%[\w#]+) = stablehlo.multiply .* : {sq}$", text, re.M)
+    }
+    exps = _defined_by(text, "stablehlo.exponential")
+
+    def reduce_lines(inputs: set[str]) -> list[str]:
+        return [
+            line
+            for line in text.splitlines()
+            if "stablehlo.reduce(" in line and line.split("(")[1].split(" ")[0] in inputs
+        ]
+
+    changes = {
+        # the mask broadcast over (..., k, q): the upper triangle
+        "mask transposed": [
+            (line, line.replace("dims = [2, 3]", "dims = [3, 2]"))
+            for line in text.splitlines()
+            if f"dims = [2, 3] : (tensor<{T}x{T}xi1>)" in line
+        ],
+        # the softmax gradient's row sum as a row max
+        "gradient reduce is a max": [
+            (line, line.replace("applies stablehlo.add", "applies stablehlo.maximum"))
+            for line in reduce_lines(products)
+        ],
+        # the softmax denominator summed from one: softmax-plus-one
+        "denominator from one": [
+            (line, re.sub(r"init: %[\w#]+\)", "init: %stepbundle_one)", line))
+            for line in reduce_lines(exps)
+        ],
+        # dv from p, not from p transposed
+        "dv without the transpose": [
+            (line, line.replace("dims = [0, 2, 1]", "dims = [0, 1, 2]"))
+            for line in text.splitlines()
+            if "stablehlo.transpose" in line and f"-> tensor<{BATCH * HEADS}x{T}x{T}xbf16>" in line
+        ],
+    }
+    for what, edits in changes.items():
+        assert edits, what  # the change applies (the layers share one mask)
+        changed = text
+        for old, new in edits:
+            changed = changed.replace(old, new)
+        if "stepbundle_one" in changed:
+            changed = re.sub(
+                r"(func.func @main\(.*\{\n)",
+                r"\1    %stepbundle_one = stablehlo.constant dense<1.0> : tensor<f32>\n",
+                changed,
+                count=1,
+            )
+        assert find_attention(_mutated(module, changed), fills) == [], what
+
+
+def test_the_kernels_do_not_depend_on_who_lowers_them(tmp_path: Path) -> None:
+    # The rewritten program is the compile cache's key: the kernels' bytes must not name
+    # the calling script's file and line (jax puts tracebacks in locations).
+    from stepbundle.runtime.fused_attention import kernels_for
+
+    path, _ = _export(tmp_path)
+    module, fills = _module_and_fills(path)
+    site = find_attention(module, fills)[0]
+    make = kernels_for("tpu")
+    texts = []
+    for pad, name in ((0, "first.py"), (7, "second.py")):
+        scope = {"make": make, "site": site}
+        exec(compile("\n" * pad + "out = make(site)", name, "exec"), scope)
+        texts.append(scope["out"])
+    assert texts[0] == texts[1]
+    assert "first.py" not in texts[0][0] and "second.py" not in texts[1][0]

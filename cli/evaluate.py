@@ -41,6 +41,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         compiling = CompileOptions(
             entries=(args.entry,),
             cache_dir=False if args.no_cache else (args.cache_dir or True),
+            fused_attention=not args.no_fused_attention,
         )
         options = LoadOptions(compile=compiling, state=state_options(args))
         trainer = load(args.bundle, args.device, options=options)

@@ -74,6 +74,12 @@ def _add_device_options(p: Any) -> None:
         "(default ~/.cache/stepbundle)",
     )
     p.add_argument("--no-cache", action="store_true", help="do not use the compilation cache")
+    p.add_argument(
+        "--no-fused-attention",
+        action="store_true",
+        help="keep the bundle's own attention on a TPU, where it is otherwise run as "
+        "jax's splash-attention kernels (docs/tpu.md)",
+    )
 
 
 def _add_export(sub: Any) -> None:
@@ -274,12 +280,6 @@ def _add_run(sub: Any) -> None:
         "records, the one it was traced at). The CPU computes the same with all three; "
         "on an accelerator 'high' and 'highest' also compute Adam's bias corrections "
         "exactly (docs/tpu.md). Say 'highest' to compare a TPU with a CPU",
-    )
-    r.add_argument(
-        "--no-fused-attention",
-        action="store_true",
-        help="keep the bundle's own attention on a TPU, where it is otherwise run as "
-        "jax's splash-attention kernels (docs/tpu.md)",
     )
     _add_device_options(r)
     r.set_defaults(fn=cmd_run)

@@ -95,6 +95,9 @@ def add_compile(sub: Any, add_device_options: Callable[[Any], None]) -> None:
     c.add_argument(
         "--steps-per-call", type=types.at_least(1), default=1, metavar="K", help="as for run"
     )
+    c.add_argument(
+        "--matmul-precision", choices=("default", "high", "highest"), default=None, help=same
+    )
     job = "as for run, to compile for a multi-process job's devices"
     c.add_argument("--coordinator", metavar="HOST:PORT", help=job)
     c.add_argument("--num-processes", type=types.at_least(1), metavar="P", help=job)
@@ -134,6 +137,8 @@ def cmd_compile(args: argparse.Namespace) -> int:
                 cache_dir=args.cache_dir or True,
                 steps_per_call=args.steps_per_call,
                 compile_only=True,
+                matmul_precision=args.matmul_precision,
+                fused_attention=not args.no_fused_attention,
             ),
             state=StateOptions(pack_state=args.pack_state),
             safety=SafetyOptions(

@@ -252,6 +252,13 @@ def _open_trainer(args: argparse.Namespace) -> Any:
     return trainer
 
 
+def _fused_note(fused: dict[str, int]) -> str:
+    """``, fused attention: 6 in train[0]`` (``load_info.fused_attention``), or nothing."""
+    if not fused:
+        return ""
+    return ", fused attention: " + ", ".join(f"{n} in {label}" for label, n in fused.items())
+
+
 def _report_load(args: argparse.Namespace, trainer: Any, load_s: float) -> None:
     from .init_from import report_origins
 
@@ -260,7 +267,8 @@ def _report_load(args: argparse.Namespace, trainer: Any, load_s: float) -> None:
         f"[run] loaded {args.bundle} in {load_s:.2f}s ({trainer.load_info.compiled} compiled, "
         f"{trainer.load_info.cache_hits} from cache) on {args.device}"
         + (f" x{n_dev} (data parallel)" if n_dev > 1 else "")
-        + (f", {trainer.steps_per_call} steps per call" if trainer.steps_per_call > 1 else ""),
+        + (f", {trainer.steps_per_call} steps per call" if trainer.steps_per_call > 1 else "")
+        + _fused_note(trainer.load_info.fused_attention),
         file=sys.stderr,
     )
     auto = getattr(args, "auto_steps", None)

@@ -106,7 +106,9 @@ def kernels_for(platform: str, interpret: bool = False) -> Any:
         def attention(q: Any, kt: Any, v: Any, scale: Any) -> Any:
             # (B*H, T, D) and kt (B*H, D, T), as the program holds them; the scale is
             # applied in q's type, as the program applied it to the scores' type.
-            q4 = (q.astype(jnp.float32) * scale.astype(jnp.float32)).astype(dt)
+            s32 = scale.astype(jnp.float32)
+            q32 = q.astype(jnp.float32)
+            q4 = (q32 / s32 if site.divides else q32 * s32).astype(dt)
             q4 = q4.reshape(b, h, t, d)
             k4 = jnp.swapaxes(kt, 1, 2).reshape(b, h, t, d)
             return jax.vmap(kernel)(q4, k4, v.reshape(b, h, t, d)).reshape(b * h, t, d)

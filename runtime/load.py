@@ -63,7 +63,8 @@ def load(
         arguments (``entry``, ``cache_dir``, ``expect_digest``, ``stop_on_nonfinite``,
         ``check_state``, ``devices``, ``pack_state``, ``shard_optimizer_state``,
         ``init_from``, ``init_strict``, ``compile_only``, ``steps_per_call``,
-        ``matmul_precision``), turned into ``LoadOptions.from_keywords(**keywords)``.
+        ``matmul_precision``, ``fused_attention``), turned into
+        ``LoadOptions.from_keywords(**keywords)``.
         Not together with ``options``.
     """
     opts = _resolve_options(options, keywords)
@@ -113,6 +114,12 @@ def load(
             )
         cache.warn(stacklevel=2)  # load()'s caller
         info.cache, info.cache_hits, info.compiled = cache.events, cache.hits, cache.compiled
+        info.fused_attention = {
+            f"{name}[{i}]": p.fused_attention
+            for name, progs in compiled.items()
+            for i, p in enumerate(progs)
+            if isinstance(p, CompiledProgram) and p.fused_attention
+        }
         info.seconds["compile"] = time.perf_counter() - t1
 
         t2 = time.perf_counter()

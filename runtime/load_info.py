@@ -36,6 +36,8 @@ class LoadInfo:
       matmul_precision: the precision set on every matmul and convolution before
         compiling (``load(matmul_precision=...)``, or the manifest's); None for a
         bundle older than format 1.2 loaded without one: its programs keep their own.
+      fused_attention: per compiled program (``"entry[i]"``), how many attentions run as
+        fused kernels (on a TPU; ``CompileOptions.fused_attention``); empty for none.
     """
 
     seconds: dict[str, float] = field(default_factory=dict)
@@ -47,3 +49,4 @@ class LoadInfo:
     state_origins: dict[str, str] = field(default_factory=dict)
     ignored_tensors: tuple[str, ...] = ()
     matmul_precision: str | None = "default"
+    fused_attention: dict[str, int] = field(default_factory=dict)

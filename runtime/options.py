@@ -238,6 +238,7 @@ class LoadOptions:
         compile_only: bool = False,
         steps_per_call: int = 1,
         matmul_precision: str | None = None,
+        fused_attention: bool = True,
     ) -> LoadOptions:
         """The options ``load``'s former keyword arguments stand for (same names, same
         defaults; ``entry`` is ``CompileOptions.entries``).
@@ -254,6 +255,7 @@ class LoadOptions:
                 steps_per_call=steps_per_call,
                 matmul_precision=matmul_precision,
                 compile_only=compile_only,
+                fused_attention=fused_attention,
             ),
             state=StateOptions(init_from=init_from, init_strict=init_strict, pack_state=pack_state),
             safety=SafetyOptions(
@@ -282,3 +284,4 @@ class LegacyLoadKeywords(TypedDict, total=False):
     compile_only: bool
     steps_per_call: int
     matmul_precision: str | None
+    fused_attention: bool

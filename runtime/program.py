@@ -34,6 +34,7 @@ class CompiledProgram:
     executable: Any
     donating: bool
     cache: CacheEvent
+    fused_attention: int = 0
 
     @property
     def cache_hit(self) -> bool:
@@ -98,4 +99,4 @@ def compile_program(
     devices = list(placement.devices)
     options = _compat.compile_options(len(devices), [d.id for d in devices])
     exe, event = cache.compile(label, client, stage.module.bytecode(), devices, options)
-    return CompiledProgram(stage.program, exe, donate, event)
+    return CompiledProgram(stage.program, exe, donate, event, ctx.notes.get("fused_attention", 0))

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 from stepbundle.schema.manifest import Program, StateUpdateOutput
 from stepbundle.stablehlo import artifact as mlir
-from stepbundle.stablehlo.attention import Site, rewrite_attention
+from stepbundle.stablehlo.attention import Site, count_score_products, rewrite_attention
 from stepbundle.stablehlo.conv_layout import canonicalize_convolutions
 from stepbundle.stablehlo.conv_wgrad import rewrite_weight_gradients
 from stepbundle.stablehlo.pow_precision import rewrite_powers
@@ -66,6 +66,8 @@ class RewriteContext:
       fused_attention: whether a TPU runs traced attention as fused kernels.
       scalar_constants: @main's scalar constant arguments (argument number -> value,
         from the bundle's constant sections): an attention mask's fill value is one.
+      notes: what rewrites report back to the load (``"fused_attention"``: how many
+        attentions were fused); filled in by the rewrites, not part of the key.
     """
 
     platform: str
@@ -76,6 +78,7 @@ class RewriteContext:
     matmul_precision: str | None = None
     fused_attention: bool = True
     scalar_constants: Mapping[int, float] = field(default_factory=dict)
+    notes: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -177,6 +180,14 @@ def fuse_attention(
         return stage
     if skipped:
         warn_once("fused-attention-skipped", "stepbundle kept traced attention: " + skipped[0])
+    elif count_score_products(stage.module) > 2 * n:
+        warn_once(
+            "fused-attention-unmatched",
+            "stepbundle kept traced attention it did not recognize (batched products of a "
+            "(T, T) score shape that are not the pattern it fuses; docs/tpu.md, 'Fused "
+            "attention', says which forms are)",
+        )
+    ctx.notes["fused_attention"] = n
     return Stage(copy, stage.program) if n else stage
 
 

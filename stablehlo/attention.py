@@ -54,7 +54,7 @@ from .graph import (
     uses_of,
 )
 
-__all__ = ["Site", "find_attention", "rewrite_attention"]
+__all__ = ["Site", "count_score_products", "find_attention", "rewrite_attention"]
 
 FILL_AT_MOST = -1e30
 """A masked score at or below this gives exactly zero probability in float32 (with the
@@ -74,6 +74,8 @@ class Site:
       out: the forward's product ``o`` (replaced).
       do: the output's gradient, None when the step has no backward.
       dq, dkt, dv: the backward's products (replaced), or None.
+      divides: the scores were divided by ``scale`` (``/ math.sqrt(d)``), not
+        multiplied by it.
     """
 
     batch: int
@@ -92,9 +94,10 @@ class Site:
     dq: Any = None
     dkt: Any = None
     dv: Any = None
+    divides: bool = False
 
     @property
-    def key(self) -> tuple[int, int, int, int, str, str, bool, bool]:
+    def key(self) -> tuple[int, int, int, int, str, str, bool, bool, bool]:
         """What the fused functions depend on."""
         return (
             self.batch,
@@ -105,6 +108,7 @@ class Site:
             self.scale_dtype,
             self.causal,
             self.do is not None,
+            self.divides,
         )
 
 
@@ -173,6 +177,15 @@ def _transpose_of(value: Any, src: Any) -> bool:
         and op.operands[0] == src
         and ints(op, "permutation") == [0, 2, 1]
     )
+
+
+def _scaling(x: Any) -> Any:
+    """``x``'s one user if it is ``x * s`` or ``x / s`` (``s`` any value; checked by the
+    caller), else None."""
+    users = uses_of(x)
+    if len(users) != 1 or users[0].name not in ("stablehlo.multiply", "stablehlo.divide"):
+        return None
+    return users[0] if users[0].operands[0] == x else None
 
 
 def _scalar_source(value: Any) -> Any:
@@ -245,8 +258,8 @@ def _forward(dot1: Any, scalars: dict[int, float], seen: dict[Any, bool]) -> Sit
     if rs is None or len(shape_of(rs.result)) != 4 or shape_of(rs.result)[2:] != [t, t]:
         return None
     b, h = shape_of(rs.result)[:2]
-    mul = only_user(skip_converts(rs.result), "stablehlo.multiply")
-    if mul is None or mul.operands[0] != skip_converts(rs.result):
+    mul = _scaling(skip_converts(rs.result))
+    if mul is None:
         return None
     scale = _scalar_source(mul.operands[1])
     if scale is None:
@@ -300,6 +313,7 @@ def _forward(dot1: Any, scalars: dict[int, float], seen: dict[Any, bool]) -> Sit
         return None
     v = dot2.operands[1]
     site = Site(b, h, t, d, element_type(q), element_type(scale), causal, q, kt, v, scale, dot2)
+    site.divides = mul.name == "stablehlo.divide"
     site._p32, site._pb, site._sel = p32, rs2.result, sel  # type: ignore[attr-defined]
     site._scale_bcast = mul.operands[1]  # type: ignore[attr-defined]
     return site
@@ -360,8 +374,10 @@ def _backward(site: Site) -> bool:
         if splat_value(sel.operands[2], {}) != 0.0:
             return False
         x = skip_converts(sel.result)
-    mul = only_user(x, "stablehlo.multiply")
-    if mul is None or mul.operands[0] != x or _scalar_source(mul.operands[1]) != site.scale:
+    mul = _scaling(x)
+    if mul is None or (mul.name == "stablehlo.divide") != site.divides:
+        return False
+    if _scalar_source(mul.operands[1]) != site.scale:
         return False
     rs2 = only_user(skip_converts(mul.result), "stablehlo.reshape")
     if rs2 is None:
@@ -385,6 +401,20 @@ def _backward(site: Site) -> bool:
     site.do, site.dq, site.dkt, site.dv = do, dq, dkt, dv
     site._first = first  # type: ignore[attr-defined]
     return True
+
+
+def count_score_products(module: Module) -> int:
+    """How many batched products make a (n, T, T) result with T >= 128 (attention's
+    scores, and in a backward the probabilities' gradient): two per training attention,
+    what ``find_attention`` should account for."""
+    with module._ctx:
+        return sum(
+            1
+            for op in module._operations()
+            if _batched_matmul(op)
+            and shape_of(op.result)[1] == shape_of(op.result)[2] >= 128
+            and shape_of(op.operands[0])[2] < shape_of(op.result)[2]
+        )
 
 
 def find_attention(module: Module, scalars: dict[int, float] | None = None) -> list[Site]:

@@ -32,9 +32,11 @@ VOCAB, T, WIDTH, HEADS, LAYERS, BATCH, LR = 64, 128, 128, 2, 2, 2, 0.5
 
 
 class _Block(nn.Module):
-    def __init__(self, causal: bool) -> None:
+    def __init__(self, causal: bool, divide: bool = False, buffer_mask: bool = False) -> None:
         super().__init__()
-        self.causal = causal
+        self.causal, self.divide, self.buffer_mask = causal, divide, buffer_mask
+        if buffer_mask:  # nanoGPT's way: a state buffer, which a checkpoint may change
+            self.register_buffer("bias", torch.tril(torch.ones(T, T)).view(1, 1, T, T))
         self.qkv = nn.Linear(WIDTH, 3 * WIDTH)
         self.proj = nn.Linear(WIDTH, WIDTH)
 
@@ -43,8 +45,13 @@ class _Block(nn.Module):
         q, k, v = (
             a.view(b, t, HEADS, c // HEADS).transpose(1, 2) for a in self.qkv(x).split(c, dim=2)
         )
-        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(c // HEADS))
-        if self.causal:
+        if self.divide:  # nanoGPT's way
+            att = (q @ k.transpose(-2, -1)) / math.sqrt(c // HEADS)
+        else:
+            att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(c // HEADS))
+        if self.buffer_mask:
+            att = att.masked_fill(self.bias[:, :, :t, :t] == 0, float("-inf"))
+        elif self.causal:
             mask = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
             att = att.masked_fill(~mask, float("-inf"))
         y = (att.softmax(dim=-1) @ v).transpose(1, 2).reshape(b, t, c)
@@ -52,10 +59,12 @@ class _Block(nn.Module):
 
 
 class _Net(nn.Module):
-    def __init__(self, causal: bool = True) -> None:
+    def __init__(
+        self, causal: bool = True, divide: bool = False, buffer_mask: bool = False
+    ) -> None:
         super().__init__()
         self.emb = nn.Embedding(VOCAB, WIDTH)
-        self.blocks = nn.ModuleList([_Block(causal) for _ in range(LAYERS)])
+        self.blocks = nn.ModuleList([_Block(causal, divide, buffer_mask) for _ in range(LAYERS)])
         self.head = nn.Linear(WIDTH, VOCAB)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
@@ -83,9 +92,11 @@ def _batch() -> dict[str, np.ndarray]:
     }
 
 
-def _export(tmp_path: Path, causal: bool = True) -> tuple[Path, dict[str, np.ndarray]]:
+def _export(
+    tmp_path: Path, causal: bool = True, divide: bool = False, buffer_mask: bool = False
+) -> tuple[Path, dict[str, np.ndarray]]:
     torch.manual_seed(0)
-    model = _Net(causal)
+    model = _Net(causal, divide, buffer_mask)
     initial = {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
     example = {k: torch.from_numpy(v) for k, v in _batch().items()}
     opt = torch.optim.SGD(model.parameters(), lr=LR)
@@ -94,9 +105,11 @@ def _export(tmp_path: Path, causal: bool = True) -> tuple[Path, dict[str, np.nda
     return path, initial
 
 
-def _float64_step(initial: dict[str, np.ndarray], causal: bool = True) -> tuple[float, dict]:
+def _float64_step(
+    initial: dict[str, np.ndarray], causal: bool = True, divide: bool = False
+) -> tuple[float, dict]:
     """The step in float64 without autocast: the loss and the parameters after it."""
-    model = _Net(causal).double()
+    model = _Net(causal, divide).double()
     model.load_state_dict({k: torch.from_numpy(v).double() for k, v in initial.items()})
     batch = {k: torch.from_numpy(v) for k, v in _batch().items()}
     logits = model(batch["idx"])
@@ -126,6 +139,7 @@ def _run(path: Path, fused: bool) -> tuple[float, dict[str, np.ndarray], int]:
         trainer = load(path, device="cpu", entry="train", cache_dir=False)
     finally:
         rewrites.REWRITES = original
+    assert trainer.load_info.fused_attention == ({"train[0]": LAYERS} if fused else {})
     metrics = trainer.step(_batch())
     state = {k: np.asarray(v) for k, v in trainer.state_dict().items()}
     return float(metrics["loss"]), state, sum(replaced)
@@ -140,12 +154,16 @@ def _rel(a: dict[str, np.ndarray], b: dict[str, np.ndarray], initial: dict) -> f
     return worst
 
 
-@pytest.mark.parametrize("causal", [True, False], ids=["causal", "unmasked"])
+@pytest.mark.parametrize(
+    "causal,divide",
+    [(True, False), (False, False), (True, True)],
+    ids=["causal", "unmasked", "divided"],
+)
 def test_fused_attention_matches_float64_as_well_as_the_traced_one(
-    tmp_path: Path, causal: bool
+    tmp_path: Path, causal: bool, divide: bool
 ) -> None:
-    path, initial = _export(tmp_path, causal)
-    loss64, after64 = _float64_step(initial, causal)
+    path, initial = _export(tmp_path, causal, divide)
+    loss64, after64 = _float64_step(initial, causal, divide)
     loss_plain, state_plain, n_plain = _run(path, fused=False)
     loss_fused, state_fused, n_fused = _run(path, fused=True)
     assert n_plain == 0 and n_fused == 2 * LAYERS  # a forward and a backward call each
@@ -213,7 +231,12 @@ def test_the_tpu_program_is_built_on_a_cpu_machine(tmp_path: Path) -> None:
     assert "stablehlo.dot_general" in text  # the rest of the step is untouched
 
 
-def test_the_runtime_fuses_only_on_one_tpu_at_the_default_precision(tmp_path: Path) -> None:
+def test_the_runtime_fuses_only_on_one_tpu_at_the_default_precision(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from stepbundle.runtime import fallback
+
+    monkeypatch.setattr(fallback, "_WARNED", set())
     path, _ = _export(tmp_path)
     stages = []
 
@@ -239,7 +262,8 @@ def test_the_runtime_fuses_only_on_one_tpu_at_the_default_precision(tmp_path: Pa
     assert fused(platform="tpu")
     assert not fused(platform="tpu", fused_attention=False)  # --no-fused-attention
     assert not fused(platform="tpu", matmul_precision="highest")  # a CPU comparison
-    assert not fused(platform="tpu", scalar_constants={})  # the mask's fill unknown
+    with pytest.warns(UserWarning, match="did not recognize"):  # the fill unknown
+        assert not fused(platform="tpu", scalar_constants={})
 
 
 def _module_and_fills(path: Path) -> tuple[Any, dict[int, float]]:
@@ -338,3 +362,30 @@ def test_the_kernels_do_not_depend_on_who_lowers_them(tmp_path: Path) -> None:
         texts.append(scope["out"])
     assert texts[0] == texts[1]
     assert "first.py" not in texts[0][0] and "second.py" not in texts[1][0]
+
+
+def test_an_attention_it_does_not_recognize_is_kept_with_a_warning(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A mask held in a state buffer may change with a checkpoint: the rewrite cannot
+    # prove it causal when it compiles, so the program keeps its attention, and says so.
+    from stepbundle.runtime import fallback
+
+    monkeypatch.setattr(fallback, "_WARNED", set())
+    path, _ = _export(tmp_path, buffer_mask=True)
+    module, fills = _module_and_fills(path)
+    assert find_attention(module, fills) == []
+    kept = []
+
+    def tap(stage: rewrites.Stage, ctx: rewrites.RewriteContext) -> rewrites.Stage:
+        kept.append(rewrites.fuse_attention(stage, ctx, "tpu") is stage)
+        return stage
+
+    monkeypatch.setattr(
+        rewrites,
+        "REWRITES",
+        tuple((n, tap if n == "fused-attention" else r) for n, r in rewrites.REWRITES),
+    )
+    with pytest.warns(fallback.StepbundleFallbackWarning, match="did not recognize"):
+        trainer = load(path, device="cpu", entry="train", cache_dir=False)
+    assert kept == [True] and trainer.load_info.fused_attention == {}

@@ -33,7 +33,9 @@ BLOCK = 512
 
 K_LAYOUT = "HEAD_DIM_MINOR"
 """How the kernels hold k: ``HEAD_DIM_MINOR`` (t, d) or ``SEQ_MINOR`` (d, t), the way
-the traced program holds it (``kt``); ``benchmarks/device/gpt.py`` measures both."""
+the traced program holds it (``kt``), which might save a layout copy per layer;
+``benchmarks/device/gpt.py bench --peers bundle_kseq`` compares them (not measured yet:
+the session's device time ran out)."""
 
 
 def supported(site: Site) -> str | None:

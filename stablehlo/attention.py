@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .artifact import Module
+from .build import verify
 from .graph import (
     call,
     element_type,
@@ -506,10 +507,5 @@ def rewrite_attention(
             dq, dkt, dv = call(module, bwd, [*out[1:], site.do], first)
             for op, new in zip(grads, (dq, dkt, dv)):
                 op.result.replace_all_uses_with(new)
-        try:
-            ok = module._module.operation.verify()
-        except Exception as e:  # jaxlib raises MLIRError where older ones returned False
-            raise ValueError(f"the module does not verify after fusing attention: {e}") from e
-        if not ok:
-            raise ValueError("the module does not verify after fusing attention")
+        verify(module._module, "fusing attention")
     return len(sites)

@@ -15,7 +15,7 @@ from typing import Any
 
 from jaxlib.mlir import ir
 
-__all__ = ["i64s", "op", "splat"]
+__all__ = ["i64s", "op", "splat", "verify"]
 
 
 def op(name: str, result_type: Any, operands: Sequence[Any], **attributes: Any) -> Any:
@@ -40,3 +40,18 @@ def splat(shape: Sequence[int], element_type: Any, value: float) -> Any:
         else ir.IntegerAttr.get(element_type, int(value))
     )
     return op("stablehlo.constant", t, [], value=ir.DenseElementsAttr.get_splat(t, scalar))
+
+
+def verify(module: Any, after: str) -> None:
+    """Check a module after a rewrite (``after``: what it did, for the message).
+
+    Raises:
+      ValueError: it does not verify (jaxlib raises MLIRError where older ones return
+        False; both become this).
+    """
+    try:
+        ok = module.operation.verify()
+    except Exception as e:
+        raise ValueError(f"the module does not verify after {after}: {e}") from e
+    if not ok:
+        raise ValueError(f"the module does not verify after {after}")

@@ -47,7 +47,7 @@ from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import stablehlo as _stablehlo
 
 from .artifact import Module
-from .build import i64s, splat
+from .build import i64s, splat, verify
 from .build import op as _op
 
 hlo: Any = _stablehlo  # jaxlib's stubs do not cover the dialect's attribute builders
@@ -259,10 +259,5 @@ def rewrite_powers(module: Module, max_elements: int = MAX_ELEMENTS, exact: bool
                 p.operation.erase()
             done += len(batch)
         if done:
-            try:
-                ok = module._module.operation.verify()
-            except Exception as e:  # jaxlib raises MLIRError where older ones returned False
-                raise ValueError(f"the module does not verify after rewriting powers: {e}") from e
-            if not ok:
-                raise ValueError("the module does not verify after rewriting powers")
+            verify(module._module, "rewriting powers")
     return done

@@ -120,6 +120,19 @@ def _float64_step(
     return float(loss.detach()), after
 
 
+def _load_with(path: Path, rewrite: Any = None) -> Any:
+    """Load the train entry on the CPU with ``rewrite`` in the fused-attention slot."""
+    original = rewrites.REWRITES
+    if rewrite is not None:
+        rewrites.REWRITES = tuple(
+            (n, rewrite if n == "fused-attention" else r) for n, r in original
+        )
+    try:
+        return load(path, device="cpu", entry="train", cache_dir=False)
+    finally:
+        rewrites.REWRITES = original
+
+
 def _run(path: Path, fused: bool) -> tuple[float, dict[str, np.ndarray], int]:
     """One step on the CPU through the runtime, with the fused-attention rewrite forced
     (kernels interpreted) or not; also how many attentions the rewrite replaced."""
@@ -132,13 +145,7 @@ def _run(path: Path, fused: bool) -> tuple[float, dict[str, np.ndarray], int]:
         )
         return out
 
-    original = rewrites.REWRITES
-    if fused:
-        rewrites.REWRITES = tuple((n, forced if n == "fused-attention" else r) for n, r in original)
-    try:
-        trainer = load(path, device="cpu", entry="train", cache_dir=False)
-    finally:
-        rewrites.REWRITES = original
+    trainer = _load_with(path, forced if fused else None)
     assert trainer.load_info.fused_attention == ({"train[0]": LAYERS} if fused else {})
     metrics = trainer.step(_batch())
     state = {k: np.asarray(v) for k, v in trainer.state_dict().items()}
@@ -188,16 +195,7 @@ def test_fused_attention_matches_float64_as_well_as_the_traced_one(
 
 def test_every_layers_attention_and_its_backward_are_found(tmp_path: Path) -> None:
     path, _ = _export(tmp_path)
-    with open_bundle(path) as b:
-        program = b.manifest.entries["train"].programs[0]
-        module = mlir.parse_artifact(bytes(b.section(program.section)))
-        fills = {
-            i: float(array_from_section(b.section(inp.section), inp.spec).item())
-            for i, inp in enumerate(program.inputs)
-            if inp.kind.value == "constant"
-            and inp.spec.numel == 1
-            and inp.spec.dtype.value == "f64"
-        }
+    module, fills = _module_and_fills(path)
     sites = find_attention(module, fills)
     assert len(sites) == LAYERS
     assert all(s.do is not None and s.causal for s in sites)
@@ -217,12 +215,7 @@ def test_the_tpu_program_is_built_on_a_cpu_machine(tmp_path: Path) -> None:
             texts.append(rewrites.fuse_attention(stage, ctx, "tpu").module.text())
         return stage  # the CPU compiles the program as it was
 
-    original = rewrites.REWRITES
-    rewrites.REWRITES = tuple((n, tap if n == "fused-attention" else r) for n, r in original)
-    try:
-        load(path, device="cpu", entry="train", cache_dir=False)
-    finally:
-        rewrites.REWRITES = original
+    _load_with(path, tap)
     text, again = texts
     # The rewritten program is the compile cache's key: lowered twice, it is the same.
     assert text == again
@@ -246,12 +239,7 @@ def test_the_runtime_fuses_only_on_one_tpu_at_the_default_precision(
         stages.append((rewrites.Stage(copy, stage.program), ctx))
         return stage
 
-    original = rewrites.REWRITES
-    rewrites.REWRITES = tuple((n, tap if n == "fused-attention" else r) for n, r in original)
-    try:
-        load(path, device="cpu", entry="train", cache_dir=False)
-    finally:
-        rewrites.REWRITES = original
+    _load_with(path, tap)
     ((stage, cpu),) = stages
 
     def fused(**change: Any) -> bool:
@@ -381,11 +369,6 @@ def test_an_attention_it_does_not_recognize_is_kept_with_a_warning(
         kept.append(rewrites.fuse_attention(stage, ctx, "tpu") is stage)
         return stage
 
-    monkeypatch.setattr(
-        rewrites,
-        "REWRITES",
-        tuple((n, tap if n == "fused-attention" else r) for n, r in rewrites.REWRITES),
-    )
     with pytest.warns(fallback.StepbundleFallbackWarning, match="did not recognize"):
-        trainer = load(path, device="cpu", entry="train", cache_dir=False)
+        trainer = _load_with(path, tap)
     assert kept == [True] and trainer.load_info.fused_attention == {}

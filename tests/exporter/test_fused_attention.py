@@ -162,13 +162,19 @@ def _rel(a: dict[str, np.ndarray], b: dict[str, np.ndarray], initial: dict) -> f
 
 
 @pytest.mark.parametrize(
-    "causal,divide",
-    [(True, False), (False, False), (True, True)],
-    ids=["causal", "unmasked", "divided"],
+    "causal,divide,blocks",
+    [(True, False, 1), (False, False, 1), (True, True, 1), (True, False, 2)],
+    ids=["causal", "unmasked", "divided", "causal-2x2-blocks"],
 )
 def test_fused_attention_matches_float64_as_well_as_the_traced_one(
-    tmp_path: Path, causal: bool, divide: bool
+    tmp_path: Path, causal: bool, divide: bool, blocks: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    if blocks > 1:  # a longer context than the kernels' block: the online softmax across
+        # blocks, and the block above the diagonal skipped
+        from stepbundle.runtime import fused_attention
+
+        monkeypatch.setattr(fused_attention, "BLOCK", T)
+        monkeypatch.setitem(globals(), "T", T * blocks)
     path, initial = _export(tmp_path, causal, divide)
     loss64, after64 = _float64_step(initial, causal, divide)
     loss_plain, state_plain, n_plain = _run(path, fused=False)

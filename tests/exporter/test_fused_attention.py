@@ -84,6 +84,16 @@ def _step(model: nn.Module, optimizer: Any, batch: dict[str, torch.Tensor]) -> d
     return {"loss": loss}
 
 
+def _eval(model: nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
+    with torch.autocast(batch["idx"].device.type, dtype=torch.bfloat16):
+        logits = model(batch["idx"])
+    return {
+        "loss": nn.functional.cross_entropy(
+            logits.float().reshape(-1, VOCAB), batch["y"].reshape(-1)
+        )
+    }
+
+
 def _batch() -> dict[str, np.ndarray]:
     rng = np.random.default_rng(3)
     return {
@@ -101,7 +111,10 @@ def _export(
     example = {k: torch.from_numpy(v) for k, v in _batch().items()}
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     path = tmp_path / "attn.stepbundle"
-    export(Recipe(model=model, optimizer=opt, step=_step, example_batch=example, seed=0), path)
+    recipe = Recipe(
+        model=model, optimizer=opt, step=_step, eval_step=_eval, example_batch=example, seed=0
+    )
+    export(recipe, path)
     return path, initial
 
 
@@ -120,15 +133,15 @@ def _float64_step(
     return float(loss.detach()), after
 
 
-def _load_with(path: Path, rewrite: Any = None) -> Any:
-    """Load the train entry on the CPU with ``rewrite`` in the fused-attention slot."""
+def _load_with(path: Path, rewrite: Any = None, entry: str = "train") -> Any:
+    """Load ``entry`` on the CPU with ``rewrite`` in the fused-attention slot."""
     original = rewrites.REWRITES
     if rewrite is not None:
         rewrites.REWRITES = tuple(
             (n, rewrite if n == "fused-attention" else r) for n, r in original
         )
     try:
-        return load(path, device="cpu", entry="train", cache_dir=False)
+        return load(path, device="cpu", entry=entry, cache_dir=False)
     finally:
         rewrites.REWRITES = original
 
@@ -378,3 +391,21 @@ def test_an_attention_it_does_not_recognize_is_kept_with_a_warning(
     with pytest.warns(fallback.StepbundleFallbackWarning, match="did not recognize"):
         trainer = _load_with(path, tap)
     assert kept == [True] and trainer.load_info.fused_attention == {}
+
+
+def test_an_eval_program_fuses_its_forward(tmp_path: Path) -> None:
+    # No backward: only the forward function is lowered and called.
+    path, initial = _export(tmp_path)
+    loss64, _ = _float64_step(initial)
+
+    def forced(stage: rewrites.Stage, ctx: rewrites.RewriteContext) -> rewrites.Stage:
+        return rewrites.fuse_attention(stage, ctx, "cpu", interpret=True)
+
+    plain = _load_with(path, entry="eval")
+    fused = _load_with(path, forced, entry="eval")
+    assert plain.load_info.fused_attention == {}
+    assert fused.load_info.fused_attention == {"eval[0]": LAYERS}
+    loss_plain = float(plain.evaluate(_batch())["loss"])
+    loss_fused = float(fused.evaluate(_batch())["loss"])
+    assert abs(loss_fused - loss64) <= 2.0**-8 * abs(loss64)
+    assert loss_fused != loss_plain  # the fused program ran, not the traced one

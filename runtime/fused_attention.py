@@ -1,4 +1,4 @@
-"""The fused attention functions that ``stablehlo/attention.py`` splices into a program.
+"""The fused attention functions that ``stablehlo/attention_rewrite.py`` splices into a program.
 
 On a TPU the runtime swaps a training step's traced attention for jax's splash-attention
 Pallas kernels (``jax.experimental.pallas.ops.tpu.splash_attention``): block-sparse
@@ -59,7 +59,7 @@ def _block(length: int) -> int:
 
 
 def kernels_for(platform: str, interpret: bool = False) -> Any:
-    """A ``stablehlo.attention.Kernels`` callable for ``platform`` (``tpu``; ``cpu``
+    """A ``stablehlo.attention_rewrite.Kernels`` callable for ``platform`` (``tpu``; ``cpu``
     with ``interpret=True`` in tests)."""
     import jax
     import jax.numpy as jnp

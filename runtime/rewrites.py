@@ -37,7 +37,8 @@ from dataclasses import dataclass, field
 
 from stepbundle.schema.manifest import Program, StateUpdateOutput
 from stepbundle.stablehlo import artifact as mlir
-from stepbundle.stablehlo.attention import Site, count_score_products, rewrite_attention
+from stepbundle.stablehlo.attention import Site, count_score_products
+from stepbundle.stablehlo.attention_rewrite import rewrite_attention
 from stepbundle.stablehlo.conv_layout import canonicalize_convolutions
 from stepbundle.stablehlo.conv_wgrad import rewrite_weight_gradients
 from stepbundle.stablehlo.pow_precision import rewrite_powers

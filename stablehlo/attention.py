@@ -1,4 +1,4 @@
-"""Traced attention found in a training step, and swapped for fused kernels.
+"""Traced attention found in a training step (``attention_rewrite.py`` swaps it).
 
 Written in PyTorch as ``softmax(q @ k.T * scale, masked) @ v``, attention reaches a
 bundle as two batched matrix products around a softmax over a (T, T) matrix per head,
@@ -21,30 +21,20 @@ intermediate's uses accounted for, so nothing else reads a value that would disa
 
 and, when the step trains, its backward: ``dv = dot(transpose(p), do)``, ``dp =
 dot(do, vt)``, the softmax gradient ``p * (dp - sum(dp * p))``, the mask's zeros, the
-scale, then ``dq = dot(ds, k)`` and ``dkt = dot(qt, ds)``. ``rewrite_attention`` puts a
-call of a fused forward function where ``o`` was, and of a fused backward function
-(taking the forward's residuals) where the first of ``dq``, ``dkt``, ``dv`` was; the
-functions come from the caller (``runtime/fused_attention.py`` lowers jax's Pallas
-kernels) as MLIR text, and are moved into the module as private functions. The (T, T)
-operations are left for XLA to drop, unused.
+scale, then ``dq = dot(ds, k)`` and ``dkt = dot(qt, ds)``.
 
 Imports: jaxlib's MLIR bindings.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from .artifact import Module
-from .build import verify
 from .graph import (
-    call,
     element_type,
     evaluate,
-    function_type,
-    insert_functions,
     ints,
     only_user,
     producer,
@@ -55,7 +45,7 @@ from .graph import (
     uses_of,
 )
 
-__all__ = ["Site", "count_score_products", "find_attention", "rewrite_attention"]
+__all__ = ["Site", "count_score_products", "find_attention"]
 
 FILL_AT_MOST = -1e30
 """A masked score at or below this gives exactly zero probability in float32 (with the
@@ -77,6 +67,10 @@ class Site:
       dq, dkt, dv: the backward's products (replaced), or None.
       divides: the scores were divided by ``scale`` (``/ math.sqrt(d)``), not
         multiplied by it.
+      probs, probs_product, mask_select, first_grad: what matching the backward reads
+        (the float32 probabilities, their reshape the output product reads, the
+        forward's mask ``select``) and where the backward call goes (the first of the
+        three gradient products).
     """
 
     batch: int
@@ -96,6 +90,10 @@ class Site:
     dkt: Any = None
     dv: Any = None
     divides: bool = False
+    probs: Any = field(default=None, repr=False)
+    probs_product: Any = field(default=None, repr=False)
+    mask_select: Any = field(default=None, repr=False)
+    first_grad: Any = field(default=None, repr=False)
 
     @property
     def key(self) -> tuple[int, int, int, int, str, str, bool, bool, bool]:
@@ -315,14 +313,13 @@ def _forward(dot1: Any, scalars: dict[int, float], seen: dict[Any, bool]) -> Sit
     v = dot2.operands[1]
     site = Site(b, h, t, d, element_type(q), element_type(scale), causal, q, kt, v, scale, dot2)
     site.divides = mul.name == "stablehlo.divide"
-    site._p32, site._pb, site._sel = p32, rs2.result, sel  # type: ignore[attr-defined]
-    site._scale_bcast = mul.operands[1]  # type: ignore[attr-defined]
+    site.probs, site.probs_product, site.mask_select = p32, rs2.result, sel
     return site
 
 
 def _backward(site: Site) -> bool:
     """Fill in ``site``'s backward; False when the probabilities have other readers."""
-    p32, pb = site._p32, site._pb  # type: ignore[attr-defined]
+    p32, pb = site.probs, site.probs_product
     fwd_users = [u for u in uses_of(p32) if u.name in ("stablehlo.convert", "stablehlo.reshape")]
     others = [u for u in uses_of(p32) if u not in fwd_users]
     pb_others = [u for u in uses_of(pb) if u != site.out]
@@ -369,7 +366,7 @@ def _backward(site: Site) -> bool:
     x = skip_converts(m2.result)
     if site.causal:
         sel = only_user(x, "stablehlo.select")
-        fwd_sel = site._sel  # type: ignore[attr-defined]
+        fwd_sel = site.mask_select
         if sel is None or sel.operands[0] != fwd_sel.operands[0] or sel.operands[1] != x:
             return False
         if splat_value(sel.operands[2], {}) != 0.0:
@@ -400,7 +397,7 @@ def _backward(site: Site) -> bool:
     if order[site.out] > order[first] or (do_op in order and order[do_op] > order[first]):
         return False
     site.do, site.dq, site.dkt, site.dv = do, dq, dkt, dv
-    site._first = first  # type: ignore[attr-defined]
+    site.first_grad = first
     return True
 
 
@@ -432,80 +429,3 @@ def find_attention(module: Module, scalars: dict[int, float] | None = None) -> l
             if site is not None and _backward(site):
                 found.append(site)
     return found
-
-
-# ------------------------------------------------------------------------- splicing
-Kernels = Callable[[Site], tuple[str, str | None]]
-"""Site -> (forward module text, backward module text or None): each a module whose
-``@main`` takes (q, kt, v, scale) and returns (o, *residuals), and takes (*residuals, do)
-and returns (dq, dkt, dv)."""
-
-
-def _types(values: Any) -> list[str]:
-    return [str(v.type) for v in values]
-
-
-def _check_signatures(module: Module, site: Site, fwd: str, bwd: str | None) -> None:
-    """The functions take and give what the site's values are (a lowering that dropped an
-    unused argument, say, would not)."""
-    f = function_type(module, fwd)
-    want = _types([site.q, site.kt, site.v, site.scale])
-    got_in, got_out = [str(t) for t in f.inputs], [str(t) for t in f.results]
-    if got_in != want or not got_out or got_out[0] != str(site.out.result.type):
-        raise ValueError(f"the fused forward takes {got_in} -> {got_out}, the site {want}")
-    if bwd is None or site.do is None:
-        return
-    b = function_type(module, bwd)
-    want = got_out[1:] + [str(site.do.type)]
-    grads = _types([site.dq.result, site.dkt.result, site.dv.result])
-    if [str(t) for t in b.inputs] != want or [str(t) for t in b.results] != grads:
-        raise ValueError(
-            f"the fused backward takes {[str(t) for t in b.inputs]} -> "
-            f"{[str(t) for t in b.results]}, the site {want} -> {grads}"
-        )
-
-
-def rewrite_attention(
-    module: Module,
-    kernels: Kernels,
-    scalars: dict[int, float] | None = None,
-    accept: Callable[[Site], bool] = lambda site: True,
-) -> int:
-    """Replace every attention ``find_attention`` finds by calls of the fused functions
-    ``kernels`` gives, in place (those ``accept`` takes). Returns the number replaced.
-
-    Raises:
-      ValueError: the module does not verify afterwards (it may be partly rewritten:
-        the runtime rewrites a copy).
-    """
-    sites = [s for s in find_attention(module, scalars) if accept(s)]
-    if not sites:
-        return 0
-    with module._ctx:
-        made: dict[Any, tuple[str, str | None]] = {}
-        for site in sites:
-            if site.key not in made:
-                fwd_text, bwd_text = kernels(site)
-                n = len(made)
-                fwd = insert_functions(module, fwd_text, f"stepbundle_attention{n}_fwd")
-                bwd = (
-                    insert_functions(module, bwd_text, f"stepbundle_attention{n}_bwd")
-                    if bwd_text is not None
-                    else None
-                )
-                made[site.key] = (fwd, bwd)
-                _check_signatures(module, site, fwd, bwd)
-            fwd, bwd = made[site.key]
-            out = call(module, fwd, [site.q, site.kt, site.v, site.scale], site.out)
-            site.out.result.replace_all_uses_with(out[0])
-            if site.do is None:
-                continue
-            if bwd is None:
-                raise ValueError("a training attention needs a backward function")
-            grads = [site.dq, site.dkt, site.dv]
-            first = site._first  # type: ignore[attr-defined]
-            dq, dkt, dv = call(module, bwd, [*out[1:], site.do], first)
-            for op, new in zip(grads, (dq, dkt, dv)):
-                op.result.replace_all_uses_with(new)
-        verify(module._module, "fusing attention")
-    return len(sites)

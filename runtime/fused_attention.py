@@ -11,8 +11,10 @@ the program's platform and handed over as MLIR text.
 
 Block sizes: one block of up to 512 along each sequence, measured on a TPU v5e on the
 55M GPT of ``benchmarks/device/gpt.py`` (context 512) written in JAX: 33.5 ms per step
-with blocks of 512, 37.0 with 256, 48.3 with 128 (gpt-splash.json). The fused backward
-kernel (one kernel for dq, dk and dv) is used.
+with blocks of 512, 37.0 with 256, 48.3 with 128 (gpt-splash.json); the kernels alone under
+other block sizes and layouts: ``benchmarks/device/splash_sweep.py`` (splash_sweep.json,
+where nothing beat blocks of 512). The fused backward kernel (one kernel for dq, dk and
+dv) is used, and k and v are held sequence-minor (``block_sizes``).
 
 ``interpret=True`` runs the same kernels through Pallas's interpreter: the CPU tests
 check the whole rewrite with it; it is never used to train.
@@ -26,16 +28,39 @@ from typing import Any
 
 from stepbundle.stablehlo.attention import Site
 
-__all__ = ["BLOCK", "kernels_for", "supported"]
+__all__ = ["BLOCK", "TUNING", "block_sizes", "kernels_for", "supported"]
 
 BLOCK = 512
 """The largest block along each sequence; smaller contexts use their length."""
 
-K_LAYOUT = "HEAD_DIM_MINOR"
-"""How the kernels hold k: ``HEAD_DIM_MINOR`` (t, d) or ``SEQ_MINOR`` (d, t), the way
-the traced program holds it (``kt``), which might save a layout copy per layer;
-``benchmarks/device/gpt.py bench --peers bundle_kseq`` compares them (not measured yet:
-the session's device time ran out)."""
+TUNING: dict[str, Any] = {}
+"""Fields of splash's ``BlockSizes`` to set instead of the defaults above, for
+benchmarks: ``benchmarks/device/gpt.py bench --variant NAME=JSON`` loads the bundle with
+them (layouts by name, e.g. ``{"k_layout": "SEQ_MINOR"}``), and
+``benchmarks/device/splash_sweep.py`` times the kernels alone under each."""
+
+
+def block_sizes(length: int, tuning: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The keyword arguments of splash's ``BlockSizes`` for a context of ``length``."""
+    blk = _block(length)
+    sizes: dict[str, Any] = {
+        "block_q": blk,
+        "block_kv": blk,
+        "block_q_dkv": blk,
+        "block_kv_dkv": blk,
+        "use_fused_bwd_kernel": True,
+        # k and v held sequence-minor, (d, t), inside the kernels: the program holds k
+        # so already (kt); on the GPT, 30.24 ms/step against 30.86 with both (t, d)
+        # (gpt-kv-layout.json), and each alone 30.73 (k) and 30.68 (v) (gpt-tuning.json).
+        "k_layout": "SEQ_MINOR",
+        "v_layout": "SEQ_MINOR",
+    }
+    sizes.update(TUNING if tuning is None else tuning)
+    return sizes
+
+
+_NAMES = {"bf16": "bfloat16", "f32": "float32", "f16": "float16", "f64": "float64"}
+"""MLIR's element type names, as jax (``jnp.dtype``) spells them."""
 
 
 def supported(site: Site) -> str | None:
@@ -58,9 +83,9 @@ def _block(length: int) -> int:
     return b
 
 
-def kernels_for(platform: str, interpret: bool = False) -> Any:
-    """A ``stablehlo.attention_rewrite.Kernels`` callable for ``platform`` (``tpu``; ``cpu``
-    with ``interpret=True`` in tests)."""
+def attention_function(site: Site, interpret: bool = False) -> Any:
+    """The jax function the program calls in place of ``site``'s attention:
+    ``(q, kt, v, scale) -> o`` on the program's (B*H, T, D) and (B*H, D, T) arrays."""
     import jax
     import jax.numpy as jnp
     from jax.experimental.pallas.ops.tpu.splash_attention import (
@@ -70,7 +95,38 @@ def kernels_for(platform: str, interpret: bool = False) -> Any:
         splash_attention_mask as sm,
     )
 
-    dtypes = {"bf16": jnp.bfloat16, "f32": jnp.float32, "f16": jnp.float16, "f64": jnp.float64}
+    b, h, t, d = site.batch, site.heads, site.length, site.head_dim
+    dt = jnp.dtype(_NAMES[site.dtype])
+    one = sm.CausalMask((t, t)) if site.causal else sm.FullMask((t, t))
+    sizes = block_sizes(t)
+    for key in ("q_layout", "k_layout", "v_layout"):
+        if isinstance(sizes.get(key), str):
+            sizes[key] = getattr(sk.QKVLayout, sizes[key])
+    kernel = sk.make_splash_mha(
+        mask=sm.MultiHeadMask([one for _ in range(h)]),
+        block_sizes=sk.BlockSizes(**sizes),
+        head_shards=1,
+        q_seq_shards=1,
+        interpret=interpret,
+    )
+
+    def attention(q: Any, kt: Any, v: Any, scale: Any) -> Any:
+        # The scale is applied to q in float32, rounded once to q's type.
+        s32 = scale.astype(jnp.float32)
+        q32 = q.astype(jnp.float32)
+        q4 = (q32 / s32 if site.divides else q32 * s32).astype(dt)
+        q4 = q4.reshape(b, h, t, d)
+        k4 = jnp.swapaxes(kt, 1, 2).reshape(b, h, t, d)
+        return jax.vmap(kernel)(q4, k4, v.reshape(b, h, t, d)).reshape(b * h, t, d)
+
+    return attention
+
+
+def kernels_for(platform: str, interpret: bool = False) -> Any:
+    """A ``stablehlo.attention_rewrite.Kernels`` callable for ``platform`` (``tpu``; ``cpu``
+    with ``interpret=True`` in tests)."""
+    import jax
+    import jax.numpy as jnp
 
     def lower(fn: Any, *avals: Any) -> str:
         # keep_unused: the program calls with every argument. No traceback in the
@@ -87,34 +143,8 @@ def kernels_for(platform: str, interpret: bool = False) -> Any:
 
     def make(site: Site) -> tuple[str, str | None]:
         b, h, t, d = site.batch, site.heads, site.length, site.head_dim
-        dt, st = dtypes[site.dtype], dtypes[site.scale_dtype]
-        one = sm.CausalMask((t, t)) if site.causal else sm.FullMask((t, t))
-        blk = _block(t)
-        kernel = sk.make_splash_mha(
-            mask=sm.MultiHeadMask([one for _ in range(h)]),
-            block_sizes=sk.BlockSizes(
-                block_q=blk,
-                block_kv=blk,
-                block_q_dkv=blk,
-                block_kv_dkv=blk,
-                use_fused_bwd_kernel=True,
-                k_layout=getattr(sk.QKVLayout, K_LAYOUT),
-            ),
-            head_shards=1,
-            q_seq_shards=1,
-            interpret=interpret,
-        )
-
-        def attention(q: Any, kt: Any, v: Any, scale: Any) -> Any:
-            # (B*H, T, D) and kt (B*H, D, T), as the program holds them; the scale is
-            # applied in q's type, as the program applied it to the scores' type.
-            s32 = scale.astype(jnp.float32)
-            q32 = q.astype(jnp.float32)
-            q4 = (q32 / s32 if site.divides else q32 * s32).astype(dt)
-            q4 = q4.reshape(b, h, t, d)
-            k4 = jnp.swapaxes(kt, 1, 2).reshape(b, h, t, d)
-            return jax.vmap(kernel)(q4, k4, v.reshape(b, h, t, d)).reshape(b * h, t, d)
-
+        dt, st = (jnp.dtype(_NAMES[x]) for x in (site.dtype, site.scale_dtype))
+        attention = attention_function(site, interpret)
         aval: Any = jax.ShapeDtypeStruct
         qs, kts, ss = aval((b * h, t, d), dt), aval((b * h, d, t), dt), aval((), st)
         if site.do is None:

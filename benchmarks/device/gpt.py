@@ -265,15 +265,23 @@ def bench(args: argparse.Namespace) -> int:
         t0 = time.perf_counter()
         unfused = load_bundle(False)
         out["bundle_unfused_compile_s"] = time.perf_counter() - t0
-    kseq = None
-    if "bundle_kseq" in args.peers.split(","):  # the kernels holding k as (d, t)
+    variants: dict[str, Any] = {}  # the fused kernels under other block sizes or layouts
+    for spec in args.variant:
+        name, _, text = spec.partition("=")
+        tuning = json.loads(Path(text[1:]).read_text() if text.startswith("@") else text)
         from stepbundle.runtime import fused_attention
 
-        fused_attention.K_LAYOUT = "SEQ_MINOR"
+        fused_attention.TUNING = tuning
         try:
-            kseq = load_bundle(True)
+            t0 = time.perf_counter()
+            variants[name] = load_bundle(True)
+            out[f"{name}_compile_s"] = time.perf_counter() - t0
+            out[f"{name}_tuning"] = tuning
+        except Exception as e:  # a variant that fails is recorded, not fatal
+            out[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:400]}"
+            print(f"{name}: {out[f'{name}_error']}", flush=True)
         finally:
-            fused_attention.K_LAYOUT = "HEAD_DIM_MINOR"
+            fused_attention.TUNING = {}
     # Host batches: the trainer copies them (i64, 128 KiB a step) with its own x64 transfer.
     dev_batches = data
 
@@ -310,8 +318,8 @@ def bench(args: argparse.Namespace) -> int:
     out["bundle_first_loss"] = float(first["loss"])
     if unfused is not None:
         out["bundle_unfused_first_loss"] = float(unfused.step(dev_batches[0])["loss"])
-    if kseq is not None:
-        out["bundle_kseq_first_loss"] = float(kseq.step(dev_batches[0])["loss"])
+    for name, v in variants.items():
+        out[f"{name}_first_loss"] = float(v.step(dev_batches[0])["loss"])
     print(
         f"first loss: bundle {out['bundle_first_loss']:.6f}, "
         + ", ".join(f"{k} {v[3]:.6f}" for k, v in peers.items()),
@@ -339,21 +347,20 @@ def bench(args: argparse.Namespace) -> int:
     time_bundle(3)
     if unfused is not None:
         time_bundle(3, unfused)
-    if kseq is not None:
-        time_bundle(3, kseq)
+    for v in variants.values():
+        time_bundle(3, v)
     for name in peers:
         time_peer(name, 3)
     samples: dict[str, list[float]] = {"bundle": [], **{k: [] for k in peers}}
     if unfused is not None:
         samples["bundle_unfused"] = []
-    if kseq is not None:
-        samples["bundle_kseq"] = []
+    samples.update({name: [] for name in variants})
     for _ in range(args.rounds):
         samples["bundle"].append(time_bundle(args.steps))
         if unfused is not None:
             samples["bundle_unfused"].append(time_bundle(args.steps, unfused))
-        if kseq is not None:
-            samples["bundle_kseq"].append(time_bundle(args.steps, kseq))
+        for name, v in variants.items():
+            samples[name].append(time_bundle(args.steps, v))
         for name in peers:
             samples[name].append(time_peer(name, args.steps))
     out["ms_per_step"] = {}
@@ -372,10 +379,10 @@ def bench(args: argparse.Namespace) -> int:
         # DIR/<name>-ops.json: a flat file, which the device tool brings back.
         from trace_ops import summarize
 
-        for name in ("bundle", *(k for k in peers if k == "jax_splash512")):
+        for name in ("bundle", *variants, *(k for k in peers if k == "jax_splash512")):
             where = Path(args.profile) / f"{name}-trace"
             jax.profiler.start_trace(str(where))
-            time_bundle(5) if name == "bundle" else time_peer(name, 5)
+            time_peer(name, 5) if name in peers else time_bundle(5, variants.get(name))
             jax.profiler.stop_trace()
             rows = summarize(where, top=None)  # every op: the HLO dump says what each is
             (Path(args.profile) / f"{name}-ops.json").write_text(json.dumps(rows, indent=1))
@@ -402,6 +409,13 @@ def main() -> int:
     b.add_argument("--peak-tflops", type=float, default=197.0)
     b.add_argument("--out", default=None)
     b.add_argument("--profile", default=None, help="trace 5 steps of each, write per-op sums here")
+    b.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME=JSON",
+        help="also the bundle with fused_attention.TUNING set to JSON (or @FILE)",
+    )
     b.add_argument(
         "--peers", default="bundle_unfused,jax,jax_splash512", help="the hand-written peers to run"
     )

@@ -19,7 +19,7 @@ dv) is used, and k and v are held sequence-minor (``block_sizes``).
 ``interpret=True`` runs the same kernels through Pallas's interpreter: the CPU tests
 check the whole rewrite with it; it is never used to train.
 
-Imports: jax (its Pallas kernels), numpy.
+Imports: jax (its Pallas kernels).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from typing import Any
 
 from stepbundle.stablehlo.attention import Site
 
-__all__ = ["BLOCK", "TUNING", "block_sizes", "kernels_for", "supported"]
+__all__ = ["BLOCK", "TUNING", "attention_function", "block_sizes", "kernels_for", "supported"]
 
 BLOCK = 512
 """The largest block along each sequence; smaller contexts use their length."""
@@ -83,9 +83,12 @@ def _block(length: int) -> int:
     return b
 
 
-def attention_function(site: Site, interpret: bool = False) -> Any:
+def attention_function(
+    site: Site, interpret: bool = False, tuning: dict[str, Any] | None = None
+) -> Any:
     """The jax function the program calls in place of ``site``'s attention:
-    ``(q, kt, v, scale) -> o`` on the program's (B*H, T, D) and (B*H, D, T) arrays."""
+    ``(q, kt, v, scale) -> o`` on the program's (B*H, T, D) and (B*H, D, T) arrays.
+    ``tuning`` overrides the block sizes and layouts (default: ``TUNING``)."""
     import jax
     import jax.numpy as jnp
     from jax.experimental.pallas.ops.tpu.splash_attention import (
@@ -98,7 +101,7 @@ def attention_function(site: Site, interpret: bool = False) -> Any:
     b, h, t, d = site.batch, site.heads, site.length, site.head_dim
     dt = jnp.dtype(_NAMES[site.dtype])
     one = sm.CausalMask((t, t)) if site.causal else sm.FullMask((t, t))
-    sizes = block_sizes(t)
+    sizes = block_sizes(t, tuning)
     for key in ("q_layout", "k_layout", "v_layout"):
         if isinstance(sizes.get(key), str):
             sizes[key] = getattr(sk.QKVLayout, sizes[key])

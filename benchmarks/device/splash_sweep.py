@@ -9,9 +9,12 @@ Times exactly the function the runtime splices into a program
 causal), forward alone and forward with backward, under each entry of ``CONFIGS``
 (``fused_attention.TUNING``'s fields). Each is compiled, warmed and timed in ``--rounds``
 rounds of ``--calls`` calls; the median per call is reported. ``--best`` then combines
-the fastest forward-only change with the fastest backward change, times the
-combination, and writes whichever tuning of all was fastest forward with backward, for
-``gpt.py bench --variant best=@best.json`` to try in the whole step.
+the fastest forward-only change, the fastest backward change and the fastest layout,
+times the combination, and writes whichever tuning of all was fastest forward with
+backward (however small its lead: try it in the whole step with ``gpt.py bench
+--variant best=@best.json``). The runtime's defaults are the ``default`` row; the
+committed splash_sweep.json was written when they held k and v head-dim-minor, so its
+``default`` is that and its layout rows are ``k_seq_minor`` and ``v_seq_minor``.
 
 Imports: jax, numpy, stepbundle.runtime.
 """
@@ -60,11 +63,7 @@ def time_config(tuning: dict[str, Any], shape: tuple[int, int, int, int], a: Any
     import jax.numpy as jnp
 
     b, h, t, d = shape
-    fused_attention.TUNING = tuning
-    try:
-        attention = fused_attention.attention_function(site(*shape), interpret=a.interpret)
-    finally:
-        fused_attention.TUNING = {}
+    attention = fused_attention.attention_function(site(*shape), a.interpret, tuning)
     key = jax.random.split(jax.random.key(0), 4)
     q, v, do = (jax.random.normal(k, (b * h, t, d), jnp.bfloat16) for k in key[:3])
     kt = jax.random.normal(key[3], (b * h, d, t), jnp.bfloat16)
@@ -124,6 +123,10 @@ def main() -> int:
     for name, tuning in CONFIGS.items():
         run(name, tuning)
     ok = {k: r for k, r in rows.items() if "error" not in r}
+    if "default" not in ok:  # nothing to compare against: keep the errors, fail
+        if a.out:
+            Path(a.out).write_text(json.dumps({"results": rows}, indent=1))
+        return 1
     fwd = min((k for k in ok if k in FORWARD or k == "default"), key=lambda k: ok[k]["fwd_ms"])
     bwd = min(
         (k for k in ok if k in BACKWARD or k == "default"),

@@ -53,21 +53,20 @@ def _without(name: str) -> tuple[tuple[str, rewrites.Rewrite], ...]:
     return tuple((n, r) for n, r in rewrites.REWRITES if n != name)
 
 
-def _before(name: str, extra: rewrites.Rewrite) -> tuple[tuple[str, rewrites.Rewrite], ...]:
+def _with(
+    where: str, name: str, extra: rewrites.Rewrite
+) -> tuple[tuple[str, rewrites.Rewrite], ...]:
+    """The runtime's pipeline with ``extra`` "before", "after" or "instead of" rewrite ``name``."""
     out: list[tuple[str, rewrites.Rewrite]] = []
     for n, r in rewrites.REWRITES:
-        if n == name:
-            out.append((f"before-{name}", extra))
-        out.append((n, r))
-    return tuple(out)
-
-
-def _after(name: str, extra: rewrites.Rewrite) -> tuple[tuple[str, rewrites.Rewrite], ...]:
-    out: list[tuple[str, rewrites.Rewrite]] = []
-    for n, r in rewrites.REWRITES:
-        out.append((n, r))
-        if n == name:
-            out.append((f"after-{name}", extra))
+        if n != name:
+            out.append((n, r))
+        elif where == "instead of":
+            out.append((n, extra))
+        elif where == "before":
+            out += [(f"before-{n}", extra), (n, r)]
+        else:
+            out += [(n, r), (f"after-{n}", extra)]
     return tuple(out)
 
 
@@ -88,29 +87,27 @@ def variants() -> dict[str, tuple[str, tuple[tuple[str, rewrites.Rewrite], ...],
         ),
         "train_no_wgrad": (
             "train",
-            _before("weight-gradients", _zeroing("convolution", wgrad)),
+            _with("before", "weight-gradients", _zeroing("convolution", wgrad)),
             {},
         ),
         # what else in the train program costs the compiler time: one family zeroed each
         "train_no_dgrad": (
             "train",
-            _before("weight-gradients", _zeroing("convolution", dgrad)),
+            _with("before", "weight-gradients", _zeroing("convolution", dgrad)),
             {},
         ),
-        "train_no_dot": ("train", _after("weight-gradients", _zeroing("dot_general")), {}),
+        "train_no_dot": ("train", _with("after", "weight-gradients", _zeroing("dot_general")), {}),
         "train_no_select_and_scatter": (
             "train",
-            _before("weight-gradients", _zeroing("select_and_scatter")),
+            _with("before", "weight-gradients", _zeroing("select_and_scatter")),
             {},
         ),
         "train_power_batched": (
             "train",
-            tuple(
-                (n, _batched_powers if n == "power-precision" else r) for n, r in rewrites.REWRITES
-            ),
+            _with("instead of", "power-precision", _batched_powers),
             {},
         ),
-        "train_no_power": ("train", _before("weight-gradients", _zeroing("power")), {}),
+        "train_no_power": ("train", _with("before", "weight-gradients", _zeroing("power")), {}),
     }
 
 

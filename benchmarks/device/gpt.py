@@ -249,12 +249,22 @@ def bench(args: argparse.Namespace) -> int:
         "params": int(sum(v.size for v in state.values())),
     }
 
-    def load_bundle(fused: bool) -> Any:
+    def load_bundle(fused: bool, without: str | None = None) -> Any:
         opts = LoadOptions.from_keywords(
             init_from=init, cache_dir=False, matmul_precision=args.precision
         )
         opts = replace(opts, compile=replace(opts.compile, fused_attention=fused))
-        return load(args.bundle, device=platform, options=opts)
+        if without is None:
+            return load(args.bundle, device=platform, options=opts)
+        # The runtime's pipeline less one rewrite (rewrites.py reads REWRITES at each load).
+        from stepbundle.runtime import rewrites
+
+        before = rewrites.REWRITES
+        rewrites.REWRITES = tuple(r for r in before if r[0] != without)
+        try:
+            return load(args.bundle, device=platform, options=opts)
+        finally:
+            rewrites.REWRITES = before
 
     # Compile seconds from load_info (the programs' compiles, not the state's set-up);
     # the first load of a process also pays the compiler's start-up.
@@ -268,11 +278,15 @@ def bench(args: argparse.Namespace) -> int:
         unfused = load_bundle(False)
         out["bundle_unfused_compile_s"] = unfused.load_info.seconds.get("compile")
     variants: dict[str, Any] = {}  # the fused kernels under other block sizes or layouts
+    if "bundle_onehot" in args.peers.split(","):
+        # The bundle with its one-hot loss sums kept (stablehlo/onehot.py not applied).
+        variants["bundle_onehot"] = load_bundle(True, without="onehot-sums")
+        out["bundle_onehot_compile_s"] = variants["bundle_onehot"].load_info.seconds.get("compile")
     from stepbundle.runtime import fused_attention
 
     for spec in args.variant:
         name, _, text = spec.partition("=")
-        if name in ("bundle", "bundle_unfused") or name.startswith("jax"):
+        if name in ("bundle", "bundle_unfused", "bundle_onehot") or name.startswith("jax"):
             raise SystemExit(f"--variant {spec}: {name!r} names a peer; choose another name")
         tuning = json.loads(Path(text[1:]).read_text() if text.startswith("@") else text)
         before, fused_attention.TUNING = fused_attention.TUNING, tuning

@@ -200,8 +200,8 @@ class _Pattern:
 
 
 def _iota_axis(v: Any) -> int | None:
-    """The axis ``v`` counts along (an iota, or one broadcast whole into a larger shape),
-    or None."""
+    """The axis ``v`` counts along (an iota, broadcast whole into a larger shape or given
+    unit dimensions), or None."""
     op = producer(v)
     if op is None:
         return None
@@ -213,6 +213,18 @@ def _iota_axis(v: Any) -> int | None:
             return None
         axis = ints(op, "broadcast_dimensions")[inner]
         return axis if shape_of(op.operands[0])[inner] == shape_of(v)[axis] else None
+    if op.name == "stablehlo.reshape":  # one that only adds or drops unit dimensions
+        inner = _iota_axis(op.operands[0])
+        src, out = shape_of(op.operands[0]), shape_of(v)
+        big_in = [d for d, n in enumerate(src) if n != 1]
+        big_out = [d for d, n in enumerate(out) if n != 1]
+        if (
+            inner is None
+            or inner not in big_in
+            or [src[d] for d in big_in] != [out[d] for d in big_out]
+        ):
+            return None
+        return big_out[big_in.index(inner)]
     return None
 
 

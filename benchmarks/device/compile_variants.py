@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +47,15 @@ def _batched_powers(stage: rewrites.Stage, ctx: rewrites.RewriteContext) -> rewr
     from stepbundle.stablehlo.pow_precision import rewrite_powers
 
     rewrite_powers(stage.module, exact=False)
+    return stage
+
+
+def _wgrad_per_window(stage: rewrites.Stage, ctx: rewrites.RewriteContext) -> rewrites.Stage:
+    """Weight gradients as one product per window (conv_wgrad.py's first form), on TPUs."""
+    from stepbundle.stablehlo.conv_wgrad import rewrite_weight_gradients
+
+    if ctx.platform == "tpu":
+        rewrite_weight_gradients(stage.module, stacked=False)
     return stage
 
 
@@ -108,6 +118,14 @@ def variants() -> dict[str, tuple[str, tuple[tuple[str, rewrites.Rewrite], ...],
             {},
         ),
         "train_no_power": ("train", _with("before", "weight-gradients", _zeroing("power")), {}),
+        "train_no_onehot_rewrite": ("train", _without("onehot-sums"), {}),
+        "train_wgrad_per_window": (
+            "train",
+            _with("instead of", "weight-gradients", _wgrad_per_window),
+            {},
+        ),
+        "train_no_reduce": ("train", _with("before", "weight-gradients", _zeroing("reduce")), {}),
+        "train_no_gather": ("train", _with("after", "weight-gradients", _zeroing("gather")), {}),
     }
 
 
@@ -118,7 +136,15 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--only", nargs="*", default=None)
     p.add_argument("--out", default=None)
+    p.add_argument("--data", default=None, help="an .npz of batches: also time train steps")
+    p.add_argument("--steps", type=int, default=50)
     a = p.parse_args()
+    batches: list[dict[str, Any]] = []
+    if a.data:
+        with np.load(a.data) as z:
+            arrays = {k: z[k] for k in z.files}
+        batches = [{k: v[i] for k, v in arrays.items()} for i in range(len(arrays["x"]))]
+    step_ms: dict[str, list[float]] = {}
     platform = a.platform or jax.default_backend()
     table = variants()
     if a.only:
@@ -130,9 +156,17 @@ def main() -> int:
     for r in range(a.rounds):
         for name, (entry, pipeline, options) in table.items():
             rewrites.REWRITES = pipeline
+            # A marker in stderr: with libtpu's pass log on (TPU_VMODULE=hlo_pass_pipeline=1)
+            # its lines follow, and compile_passes.py sums them per variant.
+            print(f"[compile_variants] {name} round {r}", file=sys.stderr, flush=True)
             try:
                 t = load(a.bundle, device=platform, entry=entry, cache_dir=False, **options)
                 times[name].append(float(t.load_info.seconds["compile"]))
+                if batches and entry == "train":
+                    float(t.run(batches, 2)[-1]["loss"])  # warm
+                    t0 = time.perf_counter()
+                    float(t.run(batches, a.steps)[-1]["loss"])
+                    step_ms.setdefault(name, []).append((time.perf_counter() - t0) / a.steps * 1e3)
             except Exception as e:  # a variant that does not compile is a finding too
                 errors[name] = f"{type(e).__name__}: {str(e)[:300]}"
             finally:
@@ -152,6 +186,7 @@ def main() -> int:
                 "median_s": float(np.median(v)) if v else None,
                 "ratio_to_eval": float(np.median(v)) / eval_s if v else None,
                 "error": errors.get(k),
+                "step_ms": float(np.median(step_ms[k])) if k in step_ms else None,
             }
             for k, v in times.items()
         ],

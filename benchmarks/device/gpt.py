@@ -283,13 +283,17 @@ def bench(args: argparse.Namespace) -> int:
         variants["bundle_onehot"] = load_bundle(True, without="onehot-sums")
         out["bundle_onehot_compile_s"] = variants["bundle_onehot"].load_info.seconds.get("compile")
     from stepbundle.runtime import fused_attention
+    from stepbundle.stablehlo import onehot
 
     for spec in args.variant:
         name, _, text = spec.partition("=")
         if name in ("bundle", "bundle_unfused", "bundle_onehot") or name.startswith("jax"):
             raise SystemExit(f"--variant {spec}: {name!r} names a peer; choose another name")
         tuning = json.loads(Path(text[1:]).read_text() if text.startswith("@") else text)
+        # {"onehot": {...}} sets stablehlo/onehot.py's TUNING; the rest the kernels'.
+        onehot_tuning = tuning.pop("onehot", {})
         before, fused_attention.TUNING = fused_attention.TUNING, tuning
+        onehot.TUNING = onehot_tuning
         try:
             v = load_bundle(True)
             # A tuning the kernels reject falls back to the traced attention with a
@@ -304,6 +308,9 @@ def bench(args: argparse.Namespace) -> int:
             print(f"{name}: {out[f'{name}_error']}", flush=True)
         finally:
             fused_attention.TUNING = before
+            onehot.TUNING = {}
+            if onehot_tuning:
+                out[f"{name}_tuning"] = {**tuning, "onehot": onehot_tuning}
     # Host batches: the trainer copies them (i64, 128 KiB a step) with its own x64 transfer.
     dev_batches = data
 
@@ -436,7 +443,8 @@ def main() -> int:
         action="append",
         default=[],
         metavar="NAME=JSON",
-        help="also the bundle with fused_attention.TUNING set to JSON (or @FILE)",
+        help="also the bundle with fused_attention.TUNING set to JSON (or @FILE); a key "
+        '"onehot" sets stablehlo/onehot.py\'s TUNING instead',
     )
     b.add_argument(
         "--peers", default="bundle_unfused,jax,jax_splash512", help="the hand-written peers to run"

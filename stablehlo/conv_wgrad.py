@@ -21,19 +21,17 @@ s for its eval program (``benchmarks/device/compile_bisect.py``; results in
   DEFAULT random-bit expansion and these products together still defeat its compiler;
   the runtime applies both, and the program loaded through it compiles in 5.0-7.1 s.
 
-``rewrite_weight_gradients`` computes such a convolution as one ``dot_general``: for a
-stride-1, undilated, ungrouped convolution
+``rewrite_weight_gradients`` computes such a convolution as one ``dot_general`` per
+output position: for a stride-1, undilated, ungrouped convolution
 
     out[b, o, s] = sum over i, k of pad(lhs)[b, i, s + k] * rhs[i, o, k]
 
 so output position ``s`` is the product of the padded input's window at ``s`` (a
 slice) with the whole kernel operand, contracting the input feature and every spatial
-dimension. The windows are stacked along a new leading dimension (the input's size
-times the number of positions, 9 for a 3x3 filter) and multiplied in one product, whose
-``[position, batch, out feature]`` result is put in the convolution's output order.
-One product per position instead (the first form of this rewrite) cost the TPU's
-compiler more: on the same CNN, its fusion pass took 1.39 s of the train program's 5.6 s
-compile, 0.40 s with those products zeroed (``compile_passes.py``, cv_passes.json).
+dimension. The results, ``[batch, out feature]`` each, are stacked and put in the
+convolution's output order. ``stacked=True`` stacks the windows instead and takes one
+product: it compiled no faster (train 3.9-5.5 s against 2.4-5.1 s per position, 3 rounds
+each in one process; compile_variants-wgrad-stacked.json), so it is not the default.
 It is the same sum in another order (float rounding
 differs), so it runs only where it was measured to matter: the runtime applies it on
 TPUs. A convolution is rewritten when its output has at most ``MAX_POSITIONS`` spatial
@@ -124,10 +122,10 @@ def _eligible(op: Any, dn: Any) -> list[tuple[int, int]] | None:
     return padding
 
 
-def rewrite_weight_gradients(module: Module, stacked: bool = True) -> int:
+def rewrite_weight_gradients(module: Module, stacked: bool = False) -> int:
     """Rewrite every weight-gradient convolution of ``module`` (see the module docstring)
-    into matrix products, in place. Returns the number rewritten. ``stacked=False`` writes
-    the first form, one product per output position (for the benchmark that compares them).
+    into matrix products, in place. Returns the number rewritten. ``stacked=True`` writes
+    the windows stacked into one product instead (tried; see the module docstring).
 
     Raises:
       ValueError: the module does not verify after the rewrite.
@@ -206,8 +204,7 @@ def _rewrite(op: Any, dn: Any, padding: list[tuple[int, int]], stacked: bool) ->
                 edge_padding_high=i64s(high),
                 interior_padding=i64s([0] * rank),
             )
-        # The windows stacked along a new leading dimension, then one product for all of
-        # them (see the module docstring for what one product per window cost).
+        # One product per window (default), or the windows stacked into one product.
         slices = []
         for at in itertools.product(*(range(n) for n in positions)):
             start, limit = [0] * rank, list(padded_shape)

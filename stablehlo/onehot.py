@@ -17,13 +17,20 @@ elementwise operation is redone on the per-token values, a broadcast along ``j``
 becomes its source, ``iota(j)`` becomes ``t``, and any other tensor is gathered at
 ``t``. A target outside ``[0, size)`` (torch's ``ignore_index``) selects 0, as the
 one-hot of it is all zeros. The sum over ``j`` of values that are zero but one is that
-one, so the per-token results are exact; a sum over other dimensions too (the loss)
+one, so the per-token results are exact (but for the sign of a zero: -0.0 at the target
+now stays -0.0, where 0.0 + -0.0 gave 0.0); a sum over other dimensions too (the loss)
 now adds the per-token values in another order (its last bit may differ).
 
-What the rewrite assumes: that ``0 * x`` is 0. A NaN or infinity in another factor at
-a position off the target no longer reaches the sum. In a cross-entropy it cannot be
-lost: a non-finite logit makes its row's max or log-sum NaN, which every class's
-log-probability (the target's too) carries.
+What the rewrite assumes: that ``0 * x`` is 0, and ``0 / x`` too for a float ``x`` the
+same across the classes (the loss's count). A NaN or infinity in another factor at a
+position off the target, or a count of 0, no longer reaches the sum. In a cross-entropy
+it cannot be lost: a non-finite logit makes its row's max or log-sum NaN, which every
+class's log-probability (the target's too) carries. Where the arithmetic of a form could
+differ from Python's, the form is left alone: targets narrower than 32 bits (an iota of
+``i8`` wraps), unsigned or complex sums, a one-hot's two values other than -1, 0 and 1
+(which negate and convert exactly in every type), constants read through converts,
+integer division, and TOTALORDER comparisons. A chain too deep to follow (``MAX_DEPTH``)
+is left alone too, or gathered as it is.
 
 Imports: jaxlib's MLIR bindings.
 """
@@ -38,7 +45,7 @@ from jaxlib.mlir import ir
 from .artifact import Module
 from .build import i64s, splat, verify
 from .build import op as build_op
-from .graph import element_type, ints, producer, shape_of, splat_value
+from .graph import element_type, ints, producer, shape_of
 
 __all__ = ["TUNING", "count_onehot_reductions", "rewrite_onehot_reductions"]
 
@@ -80,9 +87,55 @@ def _direction(op: Any) -> str:
     return str(op.attributes["comparison_direction"]).split()[-1].rstrip(">")
 
 
+MAX_DEPTH = 64
+"""How far back from a sum the one-hot is looked for, and how deep the values at the
+target are rebuilt (deeper: gathered as they are)."""
+
+FLOATS = ("f16", "bf16", "f32", "f64")
+SIGNED = ("i8", "i16", "i32", "i64")
+TARGETS = ("i32", "i64", "ui32", "ui64")
+"""Target types taken: wide enough for any class count below 2**31 (a narrower type's
+iota wraps)."""
+SMALL = (-1.0, 0.0, 1.0)
+"""The constants a one-hot's two values may be: exact in every type, through negation
+and conversion (others could round or wrap where Python's numbers do not)."""
+
+
+def _const(v: Any) -> float | int | bool | None:
+    """The number a splat constant of ``v``'s own type repeats (directly, or a scalar
+    one broadcast), or None. No look-through converts: the value compared is the one
+    the program holds."""
+    op = producer(v)
+    if op is not None and op.name == "stablehlo.broadcast_in_dim" and not shape_of(op.operands[0]):
+        if element_type(op.operands[0]) != element_type(v):
+            return None
+        op = producer(op.operands[0])
+    if op is None or op.name != "stablehlo.constant":
+        return None
+    attr = ir.DenseElementsAttr(op.attributes["value"])
+    elem = element_type(op.result)
+    if not attr.is_splat or not (elem in FLOATS or elem in SIGNED or elem == "i1"):
+        return None
+    value = attr.get_splat_value()
+    if elem == "i1":
+        return bool(ir.BoolAttr(value).value)
+    if elem in FLOATS:
+        return float(ir.FloatAttr(value).value)
+    return int(ir.IntegerAttr(value).value)
+
+
+def _attr_text(op: Any, name: str) -> str:
+    return str(op.attributes[name]) if name in op.attributes else ""
+
+
 def _is_zero_add(reduce: Any) -> bool:
-    """``reduce`` sums one operand from a zero."""
-    if len(reduce.operands) != 2 or splat_value(reduce.operands[1], {}) != 0.0:
+    """``reduce`` sums one float or signed integer operand from a zero."""
+    if len(reduce.operands) != 2:
+        return False
+    elem = element_type(reduce.operands[0])
+    if not (elem in FLOATS or elem in SIGNED):  # not complex, not unsigned
+        return False
+    if _const(reduce.operands[1]) != 0:
         return False
     ops = list(reduce.regions[0].blocks[0].operations)
     if len(ops) != 2 or ops[0].name != "stablehlo.add":
@@ -102,6 +155,7 @@ class _Pattern:
     def __init__(self, shape: list[int], j: int) -> None:
         self.shape, self.j = shape, j
         self.memo: dict[Any, Any] = {}
+        self.depth = 0
 
     def target(self, v: Any) -> Key | None:
         """``v`` as a broadcast, along ``j``, of an integer value: its key."""
@@ -109,12 +163,22 @@ class _Pattern:
         if op is None or op.name != "stablehlo.broadcast_in_dim" or shape_of(v) != self.shape:
             return None
         src = op.operands[0]
-        if not element_type(src).startswith(("i", "ui")) or element_type(src) == "i1":
+        if element_type(src) not in TARGETS or self.shape[self.j] >= 2**31:
             return None
         dims = tuple(ints(op, "broadcast_dimensions"))
         if self.j in dims and shape_of(src)[dims.index(self.j)] != 1:
             return None
         return (src, dims)
+
+    def flat(self, v: Any) -> bool:
+        """``v`` is the same along ``j``: a constant, or a broadcast that does not vary there."""
+        if _const(v) is not None:
+            return True
+        op = producer(v)
+        if op is None or op.name != "stablehlo.broadcast_in_dim":
+            return False
+        dims = ints(op, "broadcast_dimensions")
+        return self.j not in dims or shape_of(op.operands[0])[dims.index(self.j)] == 1
 
     def is_iota(self, v: Any) -> bool:
         return shape_of(v) == self.shape and _iota_axis(v) == self.j
@@ -129,11 +193,17 @@ class _Pattern:
         return None
 
     def kind(self, v: Any) -> Any:
-        key = v  # ir.Value hashes by identity of the SSA value
-        if key not in self.memo:
-            self.memo[key] = None  # cycles cannot occur in SSA; this guards re-entry
-            self.memo[key] = self._kind(v)
-        return self.memo[key]
+        if v in self.memo:  # ir.Value hashes by identity of the SSA value
+            return self.memo[v]
+        if self.depth >= MAX_DEPTH:
+            return None  # not remembered: nearer the sum it may be reached again
+        self.depth += 1
+        try:
+            found = self._kind(v)
+        finally:
+            self.depth -= 1
+        self.memo[v] = found
+        return found
 
     def _kind(self, v: Any) -> Any:
         op = producer(v)
@@ -141,6 +211,8 @@ class _Pattern:
             return None
         name, xs = op.name, list(op.operands)
         if name == "stablehlo.compare" and _direction(op) in _CMP:
+            if "TOTALORDER" in _attr_text(op, "compare_type"):
+                return None  # -0.0 and 0.0 differ there; Python's == does not say so
             return self._compare(_direction(op), xs[0], xs[1])
         if name == "stablehlo.not":
             k = self.kind(xs[0])
@@ -150,19 +222,24 @@ class _Pattern:
             return self._select(*xs)
         if name in ("stablehlo.convert", "stablehlo.negate"):
             k = self.kind(xs[0])
+            elem = element_type(v)
             if k is None:
                 return None
             if name == "stablehlo.convert" and k[0] in ("hot", "cold"):
                 return ("ind", k[1], 1.0, 0.0) if k[0] == "hot" else ("ind", k[1], 0.0, 1.0)
             if k[0] == "ind":
-                f = _converter(element_type(v)) if name == "stablehlo.convert" else _neg
-                return ("ind", k[1], f(k[2]), f(k[3]))
+                if name == "stablehlo.negate":
+                    ok = elem in FLOATS or elem in SIGNED
+                    return ("ind", k[1], -k[2], -k[3]) if ok else None
+                if elem in FLOATS or elem in SIGNED or elem == "i1":
+                    return ("ind", k[1], k[2], k[3])  # -1, 0 and 1 are exact in each
+                return None  # unsigned: -1 would wrap
             return k if k[0] == "zero" else None
         if name == "stablehlo.multiply":
             key = self.zero(xs[0]) or self.zero(xs[1])
             return ("zero", key) if key is not None else None
-        if name == "stablehlo.divide":
-            key = self.zero(xs[0])
+        if name == "stablehlo.divide" and element_type(v) in FLOATS and self.flat(xs[1]):
+            key = self.zero(xs[0])  # 0 / x = 0, x the same for every class (a count)
             return ("zero", key) if key is not None else None
         if name in ("stablehlo.add", "stablehlo.subtract"):
             a, b = self.zero(xs[0]), self.zero(xs[1])
@@ -176,7 +253,7 @@ class _Pattern:
                 if key is not None and direction in ("EQ", "NE"):
                     return ("hot" if direction == "EQ" else "cold", key)
         for x, y, swap in ((a, b, False), (b, a, True)):
-            k, c = self.kind(x), splat_value(y, {})
+            k, c = self.kind(x), _const(y)
             if k is None or k[0] != "ind" or c is None:
                 continue
             fn = _CMP[direction]
@@ -190,39 +267,39 @@ class _Pattern:
     def _select(self, pred: Any, a: Any, b: Any) -> Any:
         kp = self.kind(pred)
         if kp is not None and kp[0] in ("hot", "cold"):
-            sa, sb = splat_value(a, {}), splat_value(b, {})
-            if sa is not None and sb is not None:
+            sa, sb = _const(a), _const(b)
+            if sa in SMALL and sb in SMALL:
                 on, off = (sa, sb) if kp[0] == "hot" else (sb, sa)
                 return ("ind", kp[1], on, off)
             off_hot = b if kp[0] == "hot" else a  # the value taken wherever j != t
-            if splat_value(off_hot, {}) == 0.0 or _same(self.zero(off_hot), kp[1]):
+            if _const(off_hot) == 0 or _same(self.zero(off_hot), kp[1]):
                 return ("zero", kp[1])
         ka, kb = self.zero(a), self.zero(b)
         if ka is not None and _same(ka, kb):
             return ("zero", ka)
-        if ka is not None and splat_value(b, {}) == 0.0:
+        if ka is not None and _const(b) == 0:
             return ("zero", ka)
-        if kb is not None and splat_value(a, {}) == 0.0:
+        if kb is not None and _const(a) == 0:
             return ("zero", kb)
         return None
 
 
-def _iota_axis(v: Any) -> int | None:
+def _iota_axis(v: Any, depth: int = 0) -> int | None:
     """The axis ``v`` counts along (an iota, broadcast whole into a larger shape or given
     unit dimensions), or None."""
     op = producer(v)
-    if op is None:
+    if op is None or depth > 8:
         return None
     if op.name == "stablehlo.iota":
         return int(ir.IntegerAttr(op.attributes["iota_dimension"]).value)
     if op.name == "stablehlo.broadcast_in_dim":
-        inner = _iota_axis(op.operands[0])
+        inner = _iota_axis(op.operands[0], depth + 1)
         if inner is None:
             return None
         axis = ints(op, "broadcast_dimensions")[inner]
         return axis if shape_of(op.operands[0])[inner] == shape_of(v)[axis] else None
     if op.name == "stablehlo.reshape":  # one that only adds or drops unit dimensions
-        inner = _iota_axis(op.operands[0])
+        inner = _iota_axis(op.operands[0], depth + 1)
         src, out = shape_of(op.operands[0]), shape_of(v)
         big_in = [d for d, n in enumerate(src) if n != 1]
         big_out = [d for d, n in enumerate(out) if n != 1]
@@ -240,16 +317,6 @@ def _same(a: Key | None, b: Key | None) -> bool:
     return a is not None and b is not None and a[0] == b[0] and a[1] == b[1]
 
 
-def _neg(x: Any) -> Any:
-    return -x
-
-
-def _converter(elem: str) -> Callable[[Any], Any]:
-    if elem == "i1":
-        return bool
-    return float if elem.startswith(("f", "bf")) else int
-
-
 def _drop(dims: tuple[int, ...], j: int) -> tuple[int, ...]:
     return tuple(d - (d > j) for d in dims)
 
@@ -262,13 +329,19 @@ class _Gather:
         self.shape, self.j, self.index, self.at = shape, j, index, at
         self.out = shape[:j] + shape[j + 1 :]
         self.memo: dict[Any, Any] = {}
+        self.depth = 0
 
     def _type(self, elem: Any) -> Any:
         return ir.RankedTensorType.get(self.out, elem)
 
     def of(self, v: Any) -> Any:
         if v not in self.memo:
-            self.memo[v] = self._of(v)
+            self.depth += 1
+            try:
+                # deep enough: gathered as it is (always right, only less direct)
+                self.memo[v] = self._of(v) if self.depth < MAX_DEPTH else self.leaf(v)
+            finally:
+                self.depth -= 1
         return self.memo[v]
 
     def _of(self, v: Any) -> Any:
@@ -381,9 +454,8 @@ def _rewrite(reduce: Any, j: int, key: Key, shape: list[int]) -> None:
         zero = splat(shape[:j] + shape[j + 1 :], element_type_of(value), 0)
         picked = build_op("stablehlo.select", value.type, [inside, value, zero])
     dims = [d for d in ints(reduce, "dimensions") if d != j]
-    if not dims:
+    if not dims:  # the sum is left, unused, for XLA to drop: no other site loses an op
         reduce.results[0].replace_all_uses_with(picked)
-        reduce.erase()
         return
     reduce.operands[0] = picked
     reduce.attributes["dimensions"] = i64s(_drop(tuple(dims), j))
@@ -399,8 +471,8 @@ def _sites(module: Module) -> list[tuple[Any, int, Key, list[int]]]:
     """The sums to rewrite: (reduce, j, target, the operand's shape)."""
     found = []
     for op in [o for o in module._operations() if o.name == "stablehlo.reduce"]:
-        if not _is_zero_add(op):
-            continue
+        if not _is_zero_add(op) or not any(True for _ in op.results[0].uses):
+            continue  # not a sum from zero, or one already rewritten (left unused)
         shape = shape_of(op.operands[0])
         if len(ints(op, "dimensions")) == 1 and not TUNING.get("per_token", True):
             continue

@@ -87,7 +87,10 @@ def _module(text: str) -> mlir.Module:
 
 
 def _ops(module: mlir.Module, name: str) -> int:
-    return sum(op.name == name for op in module._operations())
+    """Operations ``name`` whose result is used (a rewritten sum is left unused)."""
+    return sum(
+        op.name == name and any(True for _ in op.results[0].uses) for op in module._operations()
+    )
 
 
 def _targets() -> np.ndarray:
@@ -202,3 +205,91 @@ def test_the_runtime_rewrites_a_golden_cross_entropy() -> None:
     assert out.module is not module  # rewritten on a copy
     assert count_onehot_reductions(out.module) == 0
     assert count_onehot_reductions(module) == 3
+
+
+# Forms whose arithmetic differs from Python's numbers, or that break the 0 * x = 0 reading:
+# each must be left alone (or rewritten to the same values). A shared head: x (4, 5),
+# t (4,), the one-hot predicate; each case ends in ``%s``, summed over the classes.
+HEAD = """
+func.func @main(%x: tensor<4x5xf32>, %t: tensor<4xi32>) -> tensor<4xf32> {
+  %z = stablehlo.constant dense<0.0> : tensor<f32>
+  %zf = stablehlo.constant dense<0.0> : tensor<4x5xf32>
+  %onef = stablehlo.constant dense<1.0> : tensor<4x5xf32>
+  %one = stablehlo.constant dense<1> : tensor<4x5xi32>
+  %zi = stablehlo.constant dense<0> : tensor<4x5xi32>
+  %zu = stablehlo.constant dense<0> : tensor<4x5xui32>
+  %tb = stablehlo.broadcast_in_dim %t, dims = [0] : (tensor<4xi32>) -> tensor<4x5xi32>
+  %io = stablehlo.iota dim = 1 : tensor<4x5xi32>
+  %hot = stablehlo.compare EQ, %io, %tb : (tensor<4x5xi32>, tensor<4x5xi32>) -> tensor<4x5xi1>
+"""
+TAIL = """
+  %r = stablehlo.reduce(%s init: %z) applies stablehlo.add across dimensions = [1] : (tensor<4x5xf32>, tensor<f32>) -> tensor<4xf32>
+  return %r : tensor<4xf32>
+}
+"""
+ODD_FORMS = {
+    # -1 converted to unsigned is 4294967295, not -1: "< 0" is never true
+    "a negative one-hot converted to unsigned": """
+  %ind = stablehlo.select %hot, %zi, %one : tensor<4x5xi1>, tensor<4x5xi32>
+  %neg = stablehlo.negate %ind : tensor<4x5xi32>
+  %u = stablehlo.convert %neg : (tensor<4x5xi32>) -> tensor<4x5xui32>
+  %p = stablehlo.compare LT, %u, %zu : (tensor<4x5xui32>, tensor<4x5xui32>) -> tensor<4x5xi1>
+  %s = stablehlo.select %p, %zf, %x : tensor<4x5xi1>, tensor<4x5xf32>""",
+    # under TOTALORDER -0.0 and 0.0 differ
+    "a total-order comparison": """
+  %nz = stablehlo.constant dense<-0.0> : tensor<4x5xf32>
+  %ind = stablehlo.select %hot, %onef, %nz : tensor<4x5xi1>, tensor<4x5xf32>
+  %p = stablehlo.compare EQ, %ind, %zf, TOTALORDER : (tensor<4x5xf32>, tensor<4x5xf32>) -> tensor<4x5xi1>
+  %s = stablehlo.select %p, %x, %zf : tensor<4x5xi1>, tensor<4x5xf32>""",
+    # (one-hot * x) / one-hot is NaN off the target (0 / 0)
+    "a quotient by the one-hot": """
+  %oh = stablehlo.select %hot, %onef, %zf : tensor<4x5xi1>, tensor<4x5xf32>
+  %m = stablehlo.multiply %oh, %x : tensor<4x5xf32>
+  %s = stablehlo.divide %m, %oh : tensor<4x5xf32>""",
+    # a select that takes x off the target is not zero there
+    "x off the target": """
+  %s = stablehlo.select %hot, %zf, %x : tensor<4x5xi1>, tensor<4x5xf32>""",
+}
+
+
+@pytest.mark.parametrize("case", sorted(ODD_FORMS))
+def test_odd_forms_keep_their_values(case: str) -> None:
+    text = HEAD + ODD_FORMS[case] + TAIL
+    x = np.arange(20, dtype=np.float32).reshape(4, 5) + 1
+    t = np.array([0, 1, 2, 4], dtype=np.int32)
+    module = _module(text)
+    assert rewrite_onehot_reductions(module) == 0
+    np.testing.assert_array_equal(run_on_cpu(module, x, t)[0], run_on_cpu(_module(text), x, t)[0])
+
+
+def test_a_narrow_target_is_left_alone() -> None:
+    # An int8 iota over 200 classes wraps: 128 of its values repeat, several hot per row.
+    text = JAX_ONE_HOT.replace("10x", "200x").replace("xi32>", "xi8>").replace("2x3xi32", "2x3xi8")
+    text = text.replace("x: tensor<2x3x10xf32>", "x: tensor<2x3x200xf32>")
+    text = text.replace("tensor<2x3x10xf32>", "tensor<2x3x200xf32>").replace(
+        "tensor<10xi8>", "tensor<200xi8>"
+    )
+    module = _module(text)
+    assert count_onehot_reductions(module) == 0
+
+
+def test_programs_it_cannot_read_load_as_they_are() -> None:
+    # A complex sum and a chain deeper than the rewrite follows: no error, nothing taken.
+    complex_sum = """
+func.func @main(%x: tensor<4x5xcomplex<f32>>) -> tensor<4xcomplex<f32>> {
+  %z = stablehlo.constant dense<(0.0, 0.0)> : tensor<complex<f32>>
+  %r = stablehlo.reduce(%x init: %z) applies stablehlo.add across dimensions = [1] : (tensor<4x5xcomplex<f32>>, tensor<complex<f32>>) -> tensor<4xcomplex<f32>>
+  return %r : tensor<4xcomplex<f32>>
+}
+"""
+    assert count_onehot_reductions(_module(complex_sum)) == 0
+    lines = [
+        HEAD.strip("\n"),
+        "  %oh = stablehlo.select %hot, %onef, %zf : tensor<4x5xi1>, tensor<4x5xf32>",
+        "  %v0 = stablehlo.multiply %oh, %x : tensor<4x5xf32>",
+    ]
+    lines += [
+        f"  %v{i} = stablehlo.multiply %v{i - 1}, %x : tensor<4x5xf32>" for i in range(1, 400)
+    ]
+    deep = "\n".join(lines) + "\n  %s = stablehlo.multiply %v399, %onef : tensor<4x5xf32>" + TAIL
+    assert count_onehot_reductions(_module(deep)) == 0  # 400 deep: not followed

@@ -76,7 +76,7 @@ TUNING: dict[str, bool] = {}
 'NAME={"onehot": {...}}'``): ``through_reshapes`` gathers from a reshape's source when
 the class axis stays last (default False: on the GPT, 29.78 ms/step with it, 29.72
 without); ``per_token`` (default True) also rewrites sums over the class axis alone
-(the backward's), not only those over the tokens too (30.03 ms/step without them;
+(the backward's), not only those over the tokens too (29.97 ms/step without them;
 gpt-onehot-variants.json)."""
 
 Key = tuple[Any, tuple[int, ...]]

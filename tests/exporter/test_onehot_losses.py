@@ -19,7 +19,7 @@ from support import run_bundle_inprocess
 from stepbundle.exporter import Recipe
 from stepbundle.schema import open_bundle
 from stepbundle.stablehlo import artifact as mlir
-from stepbundle.stablehlo.onehot import count_onehot_reductions
+from stepbundle.stablehlo.onehot import count_onehot_reductions, rewrite_onehot_reductions
 
 V, B, T = 37, 3, 5
 F = torch.nn.functional
@@ -94,7 +94,11 @@ def test_classification_loss_replays_with_onehot_rewrite(name: str, tmp_path: Pa
     with open_bundle(path) as b:
         section = manifest.entries["train"].programs[0].section
         module = mlir.parse_artifact(bytes(b.section(section)))
-    assert count_onehot_reductions(module) >= 1, "torch_xla wrote no one-hot sum here"
+    n = count_onehot_reductions(module)
+    assert n >= 1, "torch_xla wrote no one-hot sum here"
+    # The runtime's rewrite takes every one of them (a failure would only warn at load).
+    assert rewrite_onehot_reductions(module) == n
+    assert count_onehot_reductions(module) == 0
     # The first loss against PyTorch in float64 on the CPU (no XLA, no stepbundle).
     torch.manual_seed(0)
     ref = Tiny().double()

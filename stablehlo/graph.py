@@ -19,7 +19,9 @@ from jaxlib.mlir import ir
 from .artifact import Module
 
 __all__ = [
+    "COMPARISONS",
     "call",
+    "comparison_direction",
     "element_type",
     "evaluate",
     "insert_functions",
@@ -150,10 +152,15 @@ def _splat(op: Any) -> float | bool | int | None:
     return int(ir.IntegerAttr(attr.get_splat_value()).value)
 
 
+def comparison_direction(op: Any) -> str:
+    """A ``stablehlo.compare``'s direction: "EQ", "LT", ..."""
+    return str(op.attributes["comparison_direction"]).split()[-1].rstrip(">")
+
+
 MAX_EVALUATED = 1 << 20
 """``evaluate`` computes values of at most this many elements (a (T, T) mask)."""
 
-_COMPARE: dict[str, Callable[[Any, Any], bool]] = {
+COMPARISONS: dict[str, Callable[[Any, Any], bool]] = {
     "EQ": lambda a, b: a == b,
     "NE": lambda a, b: a != b,
     "GE": lambda a, b: a >= b,
@@ -213,8 +220,8 @@ def evaluate(value: Any, scalars: dict[int, float], depth: int = 0) -> list[Any]
     b = args[1]
     assert b is not None
     if op.name == "stablehlo.compare":
-        direction = str(op.attributes["comparison_direction"]).split()[-1].rstrip(">")
-        fn = _COMPARE.get(direction)
+        direction = comparison_direction(op)
+        fn = COMPARISONS.get(direction)
         return None if fn is None else [fn(x, y) for x, y in zip(a, b)]
     if op.name == "stablehlo.and":
         return [x and y for x, y in zip(a, b)]

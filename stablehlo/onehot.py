@@ -37,7 +37,6 @@ Imports: jaxlib's MLIR bindings.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from jaxlib.mlir import ir
@@ -45,7 +44,7 @@ from jaxlib.mlir import ir
 from .artifact import Module
 from .build import i64s, splat, verify
 from .build import op as build_op
-from .graph import element_type, ints, producer, shape_of
+from .graph import COMPARISONS, comparison_direction, element_type, ints, producer, shape_of
 
 __all__ = ["TUNING", "count_onehot_reductions", "rewrite_onehot_reductions"]
 
@@ -62,14 +61,6 @@ ELEMENTWISE = frozenset(
 """Operations computed element by element (all operands of the result's shape): they
 commute with evaluating at ``j = t``."""
 
-_CMP: dict[str, Callable[[Any, Any], bool]] = {
-    "EQ": lambda a, b: a == b,
-    "NE": lambda a, b: a != b,
-    "GE": lambda a, b: a >= b,
-    "GT": lambda a, b: a > b,
-    "LE": lambda a, b: a <= b,
-    "LT": lambda a, b: a < b,
-}
 
 TUNING: dict[str, bool] = {}
 """Choices for benchmarks (``benchmarks/device/gpt.py bench --variant
@@ -81,10 +72,6 @@ gpt-onehot-variants.json)."""
 
 Key = tuple[Any, tuple[int, ...]]
 """A target: the value broadcast along ``j`` and its ``broadcast_dimensions``."""
-
-
-def _direction(op: Any) -> str:
-    return str(op.attributes["comparison_direction"]).split()[-1].rstrip(">")
 
 
 MAX_DEPTH = 64
@@ -210,10 +197,10 @@ class _Pattern:
         if op is None or shape_of(v) != self.shape:
             return None
         name, xs = op.name, list(op.operands)
-        if name == "stablehlo.compare" and _direction(op) in _CMP:
+        if name == "stablehlo.compare" and comparison_direction(op) in COMPARISONS:
             if "TOTALORDER" in _attr_text(op, "compare_type"):
                 return None  # -0.0 and 0.0 differ there; Python's == does not say so
-            return self._compare(_direction(op), xs[0], xs[1])
+            return self._compare(comparison_direction(op), xs[0], xs[1])
         if name == "stablehlo.not":
             k = self.kind(xs[0])
             flip = {"hot": "cold", "cold": "hot"}
@@ -256,7 +243,7 @@ class _Pattern:
             k, c = self.kind(x), _const(y)
             if k is None or k[0] != "ind" or c is None:
                 continue
-            fn = _CMP[direction]
+            fn = COMPARISONS[direction]
             on, off = (fn(c, k[2]), fn(c, k[3])) if swap else (fn(k[2], c), fn(k[3], c))
             if on and not off:
                 return ("hot", k[1])

@@ -293,7 +293,8 @@ def bench(args: argparse.Namespace) -> int:
         # {"onehot": {...}} sets stablehlo/onehot.py's TUNING; the rest the kernels'.
         onehot_tuning = tuning.pop("onehot", {})
         before, fused_attention.TUNING = fused_attention.TUNING, tuning
-        onehot.TUNING = onehot_tuning
+        onehot.TUNING.clear()  # the dict stablehlo/onehot_gather.py reads, in place
+        onehot.TUNING.update(onehot_tuning)
         try:
             v = load_bundle(True)
             # A tuning the kernels reject falls back to the traced attention with a
@@ -308,7 +309,7 @@ def bench(args: argparse.Namespace) -> int:
             print(f"{name}: {out[f'{name}_error']}", flush=True)
         finally:
             fused_attention.TUNING = before
-            onehot.TUNING = {}
+            onehot.TUNING.clear()
             if onehot_tuning:
                 out[f"{name}_tuning"] = {**tuning, "onehot": onehot_tuning}
     # Host batches: the trainer copies them (i64, 128 KiB a step) with its own x64 transfer.

@@ -10,6 +10,10 @@ costs the compiler). Variants compile one after another in this process, in ``--
 rounds, and the median of each is reported next to the eval entry's, as the ratio the
 issue asks about (issue #28: the CNN's train program at most 3x its eval program).
 
+``--data NPZ`` also times ``--steps`` train steps of each train variant (``step_ms``).
+Before each load a marker goes to stderr: with libtpu's pass log on, ``compile_passes.py``
+sums each variant's HLO pass times.
+
 Where ``compile_bisect.py`` found the cause (variants of the bundle's own program compiled
 in parallel threads), this measures the fix as a user meets it, one compile at a time.
 Imports: jax, numpy, stepbundle.

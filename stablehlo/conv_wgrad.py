@@ -168,26 +168,22 @@ def _rewrite(op: Any, dn: Any, padding: list[tuple[int, int]], stacked: bool) ->
     features = k_t.shape[dn.kernel_output_feature_dimension]
     window = [k_t.shape[d] for d in k_sp]
     positions = [out_t.shape[d] for d in out_sp]
-    dot_attrs: dict[str, Any] = {
-        "dot_dimension_numbers": hlo.DotDimensionNumbers.get(
-            lhs_batching_dimensions=[],
-            rhs_batching_dimensions=[],
-            # the stacked windows' dimensions are the input's, one further on
-            lhs_contracting_dimensions=[1 + dn.input_feature_dimension, *(1 + d for d in in_sp)],
-            rhs_contracting_dimensions=[dn.kernel_input_feature_dimension, *k_sp],
-        )
-    }
-    per: dict[str, Any] = {
-        "dot_dimension_numbers": hlo.DotDimensionNumbers.get(
-            lhs_batching_dimensions=[],
-            rhs_batching_dimensions=[],
-            lhs_contracting_dimensions=[dn.input_feature_dimension, *in_sp],
-            rhs_contracting_dimensions=[dn.kernel_input_feature_dimension, *k_sp],
-        )
-    }
-    if "precision_config" in op.attributes:
-        dot_attrs["precision_config"] = op.attributes["precision_config"]
-        per["precision_config"] = op.attributes["precision_config"]
+
+    def dot_attrs(lead: int) -> dict[str, Any]:
+        """The product's attributes, its lhs having ``lead`` dimensions before the
+        input's (1 for the stacked windows)."""
+        attrs: dict[str, Any] = {
+            "dot_dimension_numbers": hlo.DotDimensionNumbers.get(
+                lhs_batching_dimensions=[],
+                rhs_batching_dimensions=[],
+                lhs_contracting_dimensions=[lead + d for d in (dn.input_feature_dimension, *in_sp)],
+                rhs_contracting_dimensions=[dn.kernel_input_feature_dimension, *k_sp],
+            )
+        }
+        if "precision_config" in op.attributes:
+            attrs["precision_config"] = op.attributes["precision_config"]
+        return attrs
+
     et = out_t.element_type
     with ir.InsertionPoint(op), op.location:
         low, high = [0] * rank, [0] * rank
@@ -229,14 +225,21 @@ def _rewrite(op: Any, dn: Any, padding: list[tuple[int, int]], stacked: bool) ->
             ]
             windows = _concat(one, [n, *shape], x_t.element_type)
             product = build_op(
-                "stablehlo.dot_general", _t([n, batch, features], et), [windows, k], **dot_attrs
+                "stablehlo.dot_general", _t([n, batch, features], et), [windows, k], **dot_attrs(1)
             )
         else:  # one product per window, their [batch, feature] results stacked
             rows = [
                 build_op(
                     "stablehlo.reshape",
                     _t([1, batch, features], et),
-                    [build_op("stablehlo.dot_general", _t([batch, features], et), [w, k], **per)],
+                    [
+                        build_op(
+                            "stablehlo.dot_general",
+                            _t([batch, features], et),
+                            [w, k],
+                            **dot_attrs(0),
+                        )
+                    ],
                 )
                 for w in slices
             ]

@@ -32,6 +32,7 @@ __all__ = [
     "shape_of",
     "skip_converts",
     "source_of",
+    "splat_constant",
     "splat_value",
     "MAX_EVALUATED",
     "uses_of",
@@ -135,11 +136,11 @@ def splat_value(value: Any, scalars: dict[int, float]) -> float | None:
         return scalars.get(num) if num is not None and shape_of(src) == [] else None
     if op.name != "stablehlo.constant" or not ir.DenseElementsAttr(op.attributes["value"]).is_splat:
         return None
-    v = _splat(op)
+    v = splat_constant(op)
     return None if v is None else float(v)
 
 
-def _splat(op: Any) -> float | bool | int | None:
+def splat_constant(op: Any) -> float | bool | int | None:
     """A splat constant's one value, or None (not a splat)."""
     attr = ir.DenseElementsAttr(op.attributes["value"])
     if not attr.is_splat:
@@ -188,7 +189,7 @@ def evaluate(value: Any, scalars: dict[int, float], depth: int = 0) -> list[Any]
         num = main_argument(value)
         return [scalars[num]] if num in scalars and shape == [] else None
     if op.name == "stablehlo.constant":
-        v = _splat(op)
+        v = splat_constant(op)
         return None if v is None else [v] * math.prod(shape)
     if op.name == "stablehlo.iota":
         dim = int(ir.IntegerAttr(op.attributes["iota_dimension"]).value)

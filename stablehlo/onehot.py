@@ -40,11 +40,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from jaxlib.mlir import ir
-
 from .artifact import Module
 from .build import verify
-from .graph import COMPARISONS, comparison_direction, element_type, ints, producer, shape_of
+from .graph import (
+    COMPARISONS,
+    comparison_direction,
+    element_type,
+    ints,
+    producer,
+    shape_of,
+    splat_constant,
+)
 from .onehot_gather import MAX_DEPTH, TUNING, Key, iota_axis, rewrite_site
 
 __all__ = ["TUNING", "count_onehot_reductions", "rewrite_onehot_reductions"]
@@ -71,16 +77,8 @@ def _const(v: Any) -> float | int | bool | None:
         op = producer(op.operands[0])
     if op is None or op.name != "stablehlo.constant":
         return None
-    attr = ir.DenseElementsAttr(op.attributes["value"])
     elem = element_type(op.result)
-    if not attr.is_splat or not (elem in FLOATS or elem in SIGNED or elem == "i1"):
-        return None
-    value = attr.get_splat_value()
-    if elem == "i1":
-        return bool(ir.BoolAttr(value).value)
-    if elem in FLOATS:
-        return float(ir.FloatAttr(value).value)
-    return int(ir.IntegerAttr(value).value)
+    return splat_constant(op) if elem in FLOATS or elem in SIGNED or elem == "i1" else None
 
 
 def _attr_text(op: Any, name: str) -> str:

@@ -85,11 +85,11 @@ def _drop(dims: tuple[int, ...], j: int) -> tuple[int, ...]:
 
 
 class _Gather:
-    """Build, before ``at``, the values of a frame's tensors at ``j = index`` (``index``:
+    """Build, at the insertion point, the values of a frame's tensors at ``j = index`` (``index``:
     an integer tensor of the frame's shape without ``j``)."""
 
-    def __init__(self, shape: list[int], j: int, index: Any, at: Any) -> None:
-        self.shape, self.j, self.index, self.at = shape, j, index, at
+    def __init__(self, shape: list[int], j: int, index: Any) -> None:
+        self.shape, self.j, self.index = shape, j, index
         self.out = shape[:j] + shape[j + 1 :]
         self.memo: dict[Any, Any] = {}
         self.depth = 0
@@ -113,6 +113,8 @@ class _Gather:
         if op is None:
             return self.leaf(v)
         name = op.name
+        if iota_axis(v) == self.j:  # an iota along j (or one broadcast): the index
+            return build_op("stablehlo.convert", self._type(elem), [self.index])
         if name == "stablehlo.constant" and ir.DenseElementsAttr(op.attributes["value"]).is_splat:
             value = ir.DenseElementsAttr(op.attributes["value"]).get_splat_value()
             t = self._type(elem)
@@ -121,14 +123,10 @@ class _Gather:
             )
         if name == "stablehlo.iota":
             d = int(ir.IntegerAttr(op.attributes["iota_dimension"]).value)
-            if d == self.j:
-                return build_op("stablehlo.convert", self._type(elem), [self.index])
             dim = ir.IntegerAttr.get(ir.IntegerType.get_signless(64), d - (d > self.j))
             return build_op("stablehlo.iota", self._type(elem), [], iota_dimension=dim)
         if name == "stablehlo.broadcast_in_dim":
-            if iota_axis(v) == self.j:
-                return build_op("stablehlo.convert", self._type(elem), [self.index])
-            src = self.source(op.operands[0], tuple(ints(op, "broadcast_dimensions")))
+            src = _source(op.operands[0], tuple(ints(op, "broadcast_dimensions")), self.j, self.out)
             if src is not None:
                 return src
         sink = TUNING.get("through_reshapes", False)
@@ -138,7 +136,7 @@ class _Gather:
             if inner and inner[-1] == self.shape[-1]:
                 lead = ir.RankedTensorType.get(inner[:-1], element_type_of(self.index))
                 index = build_op("stablehlo.reshape", lead, [self.index])
-                sub = _Gather(inner, len(inner) - 1, index, self.at)
+                sub = _Gather(inner, len(inner) - 1, index)
                 return build_op("stablehlo.reshape", self._type(elem), [sub.of(x)])
         if name in ELEMENTWISE and all(shape_of(x) == self.shape for x in op.operands):
             attrs = {
@@ -147,24 +145,6 @@ class _Gather:
             xs = [self.of(x) for x in op.operands]
             return build_op(name, self._type(elem), xs, **attrs)
         return self.leaf(v)
-
-    def source(self, x: Any, dims: tuple[int, ...]) -> Any:
-        """A broadcast's source ``x`` (into the frame along ``dims``) in the output's
-        frame, or None when ``x`` varies along ``j``."""
-        xs = shape_of(x)
-        if self.j in dims:
-            p = dims.index(self.j)
-            if xs[p] != 1:
-                return None
-            kept = xs[:p] + xs[p + 1 :]
-            x = build_op(
-                "stablehlo.reshape", ir.RankedTensorType.get(kept, element_type_of(x)), [x]
-            )
-            dims = dims[:p] + dims[p + 1 :]
-        out = self._type(element_type_of(x))
-        return build_op(
-            "stablehlo.broadcast_in_dim", out, [x], broadcast_dimensions=i64s(_drop(dims, self.j))
-        )
 
     def leaf(self, v: Any) -> Any:
         """``v`` gathered at ``j = index``: one element per output position."""
@@ -193,30 +173,38 @@ def element_type_of(v: Any) -> Any:
     return ir.RankedTensorType(v.type).element_type
 
 
-def _index(key: Key, shape: list[int], j: int) -> Any:
-    """The target ``key`` names, as a tensor of the frame's shape without ``j``."""
-    src, dims = key
-    g = _Gather(shape, j, None, None)
-    return g.source(src, dims)
+def _source(x: Any, dims: tuple[int, ...], j: int, out: list[int]) -> Any:
+    """``x``, broadcast into a frame along ``dims``, broadcast into the frame without
+    ``j`` (shape ``out``) instead; None when ``x`` varies along ``j``."""
+    xs = shape_of(x)
+    if j in dims:
+        p = dims.index(j)
+        if xs[p] != 1:
+            return None
+        kept = xs[:p] + xs[p + 1 :]
+        x = build_op("stablehlo.reshape", ir.RankedTensorType.get(kept, element_type_of(x)), [x])
+        dims = dims[:p] + dims[p + 1 :]
+    out_t = ir.RankedTensorType.get(out, element_type_of(x))
+    return build_op(
+        "stablehlo.broadcast_in_dim", out_t, [x], broadcast_dimensions=i64s(_drop(dims, j))
+    )
 
 
 def rewrite_site(reduce: Any, j: int, key: Key, shape: list[int]) -> None:
     """Replace the sum ``reduce`` over ``j`` (one-hot of target ``key``) by its operand's
     values at the target, summed over the other dimensions it summed."""
     x = reduce.operands[0]
+    out = shape[:j] + shape[j + 1 :]
     with ir.InsertionPoint(reduce), reduce.location:
-        index = _index(key, shape, j)
-        value = _Gather(shape, j, index, reduce).of(x)
+        index = _source(*key, j, out)
+        value = _Gather(shape, j, index).of(x)
         it = element_type_of(index)
         inside = build_op(
             "stablehlo.and",
-            ir.RankedTensorType.get(shape[:j] + shape[j + 1 :], ir.IntegerType.get_signless(1)),
-            [
-                _cmp(index, splat(shape[:j] + shape[j + 1 :], it, 0), "GE"),
-                _cmp(index, splat(shape[:j] + shape[j + 1 :], it, shape[j]), "LT"),
-            ],
+            ir.RankedTensorType.get(out, ir.IntegerType.get_signless(1)),
+            [_cmp(index, splat(out, it, 0), "GE"), _cmp(index, splat(out, it, shape[j]), "LT")],
         )
-        zero = splat(shape[:j] + shape[j + 1 :], element_type_of(value), 0)
+        zero = splat(out, element_type_of(value), 0)
         picked = build_op("stablehlo.select", value.type, [inside, value, zero])
     dims = [d for d in ints(reduce, "dimensions") if d != j]
     if not dims:  # the sum is left, unused, for XLA to drop: no other site loses an op

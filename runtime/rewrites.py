@@ -152,8 +152,8 @@ def onehot_sums(stage: Stage, ctx: RewriteContext) -> Stage:
 
 
 def weight_gradients(stage: Stage, ctx: RewriteContext) -> Stage:
-    """On TPUs, weight-gradient convolutions (a map-sized window) as matrix products: they
-    took the TPU compiler most of a minute, seconds after this and the rng pin
+    """On TPUs, weight-gradient convolutions (a map-sized window) as a loop over rows: they
+    took the TPU compiler most of a minute, about 3x the eval program's time after this
     (``stablehlo/conv_wgrad.py`` has the figures)."""
     if ctx.platform == "tpu":
         rewrite_weight_gradients(stage.module)

@@ -1,4 +1,4 @@
-"""Weight-gradient convolutions as matrix products, for the TPU compiler.
+"""Weight-gradient convolutions in a form the TPU compiler handles: a loop over rows.
 
 A convolution layer's weight gradient is itself a convolution whose *window* is the
 whole activation map and whose *output* is the small filter: torch_xla writes it as
@@ -7,36 +7,39 @@ whole activation map and whose *output* is the small filter: torch_xla writes it
         window = {pad = [[1, 1], [1, 1]]}
         : (tensor<64x3x32x32xf32>, tensor<64x8x32x32xf32>) -> tensor<3x3x3x8xf32>
 
-(jax writes the same computation with the output ``[f, b, 0, 1]``). On a TPU v5e with
-jax 0.10.2, examples/cifar_cnn.py's train program took 45-61 s to compile against 2.5-5.9
-s for its eval program (``benchmarks/device/compile_bisect.py``; results in
-``benchmarks/results/device/tpu-v5e/bisect*.json``, variants compiled side by side):
+(jax writes the same computation with the output ``[f, b, 0, 1]``). **This is what the
+TPU compiler is slow on**: it emits such a convolution with its map-sized window (32x32
+here) unrolled, and its search over that code is far worse than linear in the window.
+On a TPU v5e with jax 0.10.2, examples/cifar_cnn.py's train program took 45-61 s to
+compile against 2.5-5.9 s for its eval program (``benchmarks/device/compile_bisect.py``,
+``benchmarks/results/device/tpu-v5e/bisect*.json``); compiled for a v5e without one
+(libtpu's compile-only client, ``benchmarks/device/compile_offline.py``), the same program
+takes 41-44 s, and 2.5 s with the three weight gradients zeroed.
 
-- the three weight-gradient convolutions replaced by zeros: 6.3-6.6 s; the input-gradient
-  convolutions, the max-pool gradients or the pooling removed instead: no change; the
-  weight gradients' output written ``[f, b, 0, 1]``, or every convolution put in
-  NHWC/HWIO order: no change. The weight gradients are the cause.
-- them rewritten as below: 57.0 s alone, **7.6 s** together with the Philox pin of the
-  program's random bits (``rng_algorithm.py``), which alone gives 56.7 s. The TPU's own
-  DEFAULT random-bit expansion and these products together still defeat its compiler;
-  the runtime applies both, and the program loaded through it compiles in 5.0-7.1 s.
+``rewrite_weight_gradients`` writes each as a ``stablehlo.while`` loop over the first
+spatial dimension of its kernel operand (``dy``): for a stride-1, undilated, ungrouped
+convolution
 
-``rewrite_weight_gradients`` computes such a convolution as one ``dot_general`` per
-output position: for a stride-1, undilated, ungrouped convolution
+    out[s, t] = sum over k of  sum over u of  pad(x)[s + k, t + u] * dy[k, u]
 
-    out[b, o, s] = sum over i, k of pad(lhs)[b, i, s + k] * rhs[i, o, k]
+so iteration ``k`` convolves a slab of the padded input (rows ``k .. k + out rows``) with
+row ``k`` of ``dy`` (with the original padding along the other dimensions) and adds it
+to the result: the same convolution, with a window of one row (a few rows where a row
+is short: at most ``ROW_WINDOW`` elements). Compiled offline, the CNN's train program
+then has 41,025 machine-code bundles (eval: 9,147) and compiles in about 3x its eval
+program's time; the whole window in one iteration (``ROW_WINDOW = 1024``) is the
+original's 44 s again.
 
-so output position ``s`` is the product of the padded input's window at ``s`` (a
-slice) with the whole kernel operand, contracting the input feature and every spatial
-dimension. The results, ``[batch, out feature]`` each, are stacked and put in the
-convolution's output order. ``stacked=True`` stacks the windows instead and takes one
-product: it compiled no faster (train 3.9-5.5 s against 2.4-5.1 s per position, 3 rounds
-each in one process; compile_variants-wgrad-stacked.json), so it is not the default.
-It is the same sum in another order (float rounding
-differs), so it runs only where it was measured to matter: the runtime applies it on
-TPUs. A convolution is rewritten when its output has at most ``MAX_POSITIONS`` spatial
-positions and fewer than its window has (a filter-sized result of a map-sized window);
-a forward or input-gradient convolution, whose window is the small filter, never is.
+Before this, the runtime wrote one ``dot_general`` per output position (``form=
+"positions"``, kept for ``compile_variants.py``): 5-7 s. XLA turns each product back into
+a convolution with the map-sized window (9 of them per layer, 74,000 LLO instructions
+each for the first layer: 56% of the program's code).
+
+The sum is the same in another order (float rounding differs), so the rewrite runs
+only where it was measured to matter: the runtime applies it on TPUs. A convolution is
+rewritten when its output has at most ``MAX_POSITIONS`` spatial positions and fewer than
+its window has (a filter-sized result of a map-sized window); a forward or
+input-gradient convolution, whose window is the small filter, never is.
 
 Imports: jaxlib's MLIR bindings, stepbundle.stablehlo.artifact.
 """
@@ -60,8 +63,11 @@ hlo: Any = _stablehlo  # jaxlib's stubs do not cover the dialect's attribute cla
 __all__ = ["MAX_POSITIONS", "rewrite_weight_gradients"]
 
 MAX_POSITIONS = 49
-"""The most output positions (7x7 filters) a rewritten convolution may have: one matrix
-product each."""
+"""The most output positions (7x7 filters) a rewritten convolution may have."""
+
+ROW_WINDOW = 32
+"""The most kernel-operand elements one iteration of the row loop convolves over (a
+convolution whose whole window is this small is left alone)."""
 
 
 def _flat(attr: Any) -> list[Any]:
@@ -117,19 +123,24 @@ def _eligible(op: Any, dn: Any) -> list[tuple[int, int]] | None:
     kernel = ir.RankedTensorType(op.operands[1].type).shape
     positions = math.prod(out[d] for d in dn.output_spatial_dimensions)
     window = math.prod(kernel[d] for d in dn.kernel_spatial_dimensions)
-    if positions > MAX_POSITIONS or positions >= window:
+    # A window of at most ROW_WINDOW elements is what the loop below leaves (so a
+    # rewritten convolution is never taken again), and no trouble to the compiler.
+    if positions > MAX_POSITIONS or positions >= window or window <= ROW_WINDOW:
         return None
     return padding
 
 
-def rewrite_weight_gradients(module: Module, stacked: bool = False) -> int:
-    """Rewrite every weight-gradient convolution of ``module`` (see the module docstring)
-    into matrix products, in place. Returns the number rewritten. ``stacked=True`` writes
-    the windows stacked into one product instead (tried; see the module docstring).
+def rewrite_weight_gradients(module: Module, form: str = "rows") -> int:
+    """Rewrite every weight-gradient convolution of ``module`` in place: as a loop over
+    rows (``form="rows"``) or as one matrix product per output position
+    (``"positions"``, the form before; see the module docstring). Returns the number
+    rewritten.
 
     Raises:
-      ValueError: the module does not verify after the rewrite.
+      ValueError: the module does not verify after the rewrite, or an unknown ``form``.
     """
+    if form not in ("rows", "positions"):
+        raise ValueError(f"form must be 'rows' or 'positions', not {form!r}")
     targets = [op for op in module._operations() if op.name == "stablehlo.convolution"]
     done = 0
     with module._ctx:
@@ -138,7 +149,7 @@ def rewrite_weight_gradients(module: Module, stacked: bool = False) -> int:
             padding = _eligible(op, dn)
             if padding is None:
                 continue
-            _rewrite(op, dn, padding, stacked)
+            (_rewrite_rows if form == "rows" else _rewrite_positions)(op, dn, padding)
             done += 1
         if done and not module._module.operation.verify():
             raise ValueError("the module does not verify after rewriting weight gradients")
@@ -149,14 +160,9 @@ def _t(shape: list[int], elem: Any) -> Any:
     return ir.RankedTensorType.get(shape, elem)
 
 
-def _concat(pieces: list[Any], shape: list[int], elem: Any) -> Any:
-    if len(pieces) == 1:
-        return pieces[0]
-    dim = ir.IntegerAttr.get(ir.IntegerType.get_signless(64), 0)
-    return build_op("stablehlo.concatenate", _t(shape, elem), pieces, dimension=dim)
-
-
-def _rewrite(op: Any, dn: Any, padding: list[tuple[int, int]], stacked: bool) -> None:
+def _rewrite_positions(op: Any, dn: Any, padding: list[tuple[int, int]]) -> None:
+    """One ``dot_general`` per output position: the window at that position (a slice of
+    the padded input) times the whole kernel operand; the results stacked."""
     x, k = op.operands[0], op.operands[1]
     x_t, k_t = ir.RankedTensorType(x.type), ir.RankedTensorType(k.type)
     out_t = ir.RankedTensorType(op.results[0].type)
@@ -169,14 +175,12 @@ def _rewrite(op: Any, dn: Any, padding: list[tuple[int, int]], stacked: bool) ->
     window = [k_t.shape[d] for d in k_sp]
     positions = [out_t.shape[d] for d in out_sp]
 
-    def dot_attrs(lead: int) -> dict[str, Any]:
-        """The product's attributes, its lhs having ``lead`` dimensions before the
-        input's (1 for the stacked windows)."""
+    def dot_attrs() -> dict[str, Any]:
         attrs: dict[str, Any] = {
             "dot_dimension_numbers": hlo.DotDimensionNumbers.get(
                 lhs_batching_dimensions=[],
                 rhs_batching_dimensions=[],
-                lhs_contracting_dimensions=[lead + d for d in (dn.input_feature_dimension, *in_sp)],
+                lhs_contracting_dimensions=[dn.input_feature_dimension, *in_sp],
                 rhs_contracting_dimensions=[dn.kernel_input_feature_dimension, *k_sp],
             )
         }
@@ -200,50 +204,33 @@ def _rewrite(op: Any, dn: Any, padding: list[tuple[int, int]], stacked: bool) ->
                 edge_padding_high=i64s(high),
                 interior_padding=i64s([0] * rank),
             )
-        # One product per window (default), or the windows stacked into one product.
-        slices = []
+        rows = []
         for at in itertools.product(*(range(n) for n in positions)):
             start, limit = [0] * rank, list(padded_shape)
             for j, d in enumerate(in_sp):
                 start[d], limit[d] = at[j], at[j] + window[j]
             shape = [b - a for a, b in zip(start, limit)]
-            slices.append(
-                build_op(
-                    "stablehlo.slice",
-                    _t(shape, x_t.element_type),
-                    [xp],
-                    start_indices=i64s(start),
-                    limit_indices=i64s(limit),
-                    strides=i64s([1] * rank),
-                )
+            window_at = build_op(
+                "stablehlo.slice",
+                _t(shape, x_t.element_type),
+                [xp],
+                start_indices=i64s(start),
+                limit_indices=i64s(limit),
+                strides=i64s([1] * rank),
             )
-        n = len(slices)
-        if stacked:
-            one = [
-                build_op("stablehlo.reshape", _t([1, *shape], x_t.element_type), [w])
-                for w in slices
-            ]
-            windows = _concat(one, [n, *shape], x_t.element_type)
-            product = build_op(
-                "stablehlo.dot_general", _t([n, batch, features], et), [windows, k], **dot_attrs(1)
+            dot = build_op(
+                "stablehlo.dot_general", _t([batch, features], et), [window_at, k], **dot_attrs()
             )
-        else:  # one product per window, their [batch, feature] results stacked
-            rows = [
-                build_op(
-                    "stablehlo.reshape",
-                    _t([1, batch, features], et),
-                    [
-                        build_op(
-                            "stablehlo.dot_general",
-                            _t([batch, features], et),
-                            [w, k],
-                            **dot_attrs(0),
-                        )
-                    ],
-                )
-                for w in slices
-            ]
-            product = _concat(rows, [n, batch, features], et)
+            rows.append(build_op("stablehlo.reshape", _t([1, batch, features], et), [dot]))
+        dim = ir.IntegerAttr.get(ir.IntegerType.get_signless(64), 0)
+        n = len(rows)
+        product = (
+            rows[0]
+            if n == 1
+            else build_op(
+                "stablehlo.concatenate", _t([n, batch, features], et), rows, dimension=dim
+            )
+        )
         grid = build_op(
             "stablehlo.reshape",
             ir.RankedTensorType.get([*positions, batch, features], et),
@@ -257,4 +244,98 @@ def _rewrite(op: Any, dn: Any, padding: list[tuple[int, int]], stacked: bool) ->
         perm[dn.output_feature_dimension] = len(out_sp) + 1
         result = build_op("stablehlo.transpose", out_t, [grid], permutation=i64s(perm))
     op.results[0].replace_all_uses_with(result)
+    op.erase()
+
+
+def _rows_per_iteration(rows: int, per_row: int) -> int:
+    """The most rows of the kernel operand one iteration takes: a divisor of ``rows``
+    whose window (rows x ``per_row`` elements) stays within ``ROW_WINDOW``."""
+    best = 1
+    for r in range(1, rows + 1):
+        if rows % r == 0 and r * per_row <= ROW_WINDOW:
+            best = r
+    return best
+
+
+def _rewrite_rows(op: Any, dn: Any, padding: list[tuple[int, int]]) -> None:
+    """The convolution as a loop over its kernel operand's first spatial dimension: each
+    iteration convolves a slab of the padded input with a few rows of the kernel operand
+    (a window of at most ``ROW_WINDOW`` elements) and adds it to the result."""
+    x, k = op.operands[0], op.operands[1]
+    x_t, k_t = ir.RankedTensorType(x.type), ir.RankedTensorType(k.type)
+    out_t = ir.RankedTensorType(op.results[0].type)
+    rank = x_t.rank
+    d_in = list(dn.input_spatial_dimensions)[0]
+    d_k = list(dn.kernel_spatial_dimensions)[0]
+    d_out = list(dn.output_spatial_dimensions)[0]
+    rows = k_t.shape[d_k]
+    per_row = math.prod(k_t.shape[d] for d in list(dn.kernel_spatial_dimensions)[1:])
+    r = _rows_per_iteration(rows, per_row)
+    n = rows // r
+    et = out_t.element_type
+    with ir.InsertionPoint(op), op.location:
+        i32 = ir.IntegerType.get_signless(32)
+        scalar = ir.RankedTensorType.get([], i32)
+        low, high = [0] * rank, [0] * rank
+        low[d_in], high[d_in] = padding[0]
+        padded = list(x_t.shape)
+        padded[d_in] += padding[0][0] + padding[0][1]
+        xp = x
+        if padding[0] != (0, 0):
+            xp = build_op(
+                "stablehlo.pad",
+                _t(padded, x_t.element_type),
+                [x, splat([], x_t.element_type, 0)],
+                edge_padding_low=i64s(low),
+                edge_padding_high=i64s(high),
+                interior_padding=i64s([0] * rank),
+            )
+        xp_t = ir.RankedTensorType(xp.type)
+        init = [splat([], i32, 0), splat(list(out_t.shape), et, 0), xp, k]
+        types = [scalar, out_t, xp_t, k_t]
+        loop = ir.Operation.create("stablehlo.while", results=types, operands=init, regions=2)
+        cond = loop.regions[0].blocks.append(*types)
+        with ir.InsertionPoint(cond):
+            lt = ir.Attribute.parse("#stablehlo<comparison_direction LT>")
+            i1 = ir.RankedTensorType.get([], ir.IntegerType.get_signless(1))
+            less = build_op(
+                "stablehlo.compare",
+                i1,
+                [cond.arguments[0], splat([], i32, n)],
+                comparison_direction=lt,
+            )
+            ir.Operation.create("stablehlo.return", results=[], operands=[less])
+        body = loop.regions[1].blocks.append(*types)
+        with ir.InsertionPoint(body):
+            i, acc, xb, kb = (body.arguments[j] for j in range(4))
+            start = build_op("stablehlo.multiply", scalar, [i, splat([], i32, r)])
+            zero = splat([], i32, 0)
+            slab_shape = list(padded)
+            slab_shape[d_in] = out_t.shape[d_out] + r - 1
+            slab = build_op(
+                "stablehlo.dynamic_slice",
+                _t(slab_shape, x_t.element_type),
+                [xb, *[start if d == d_in else zero for d in range(rank)]],
+                slice_sizes=i64s(slab_shape),
+            )
+            part_shape = list(k_t.shape)
+            part_shape[d_k] = r
+            part = build_op(
+                "stablehlo.dynamic_slice",
+                _t(part_shape, k_t.element_type),
+                [kb, *[start if d == d_k else zero for d in range(rank)]],
+                slice_sizes=i64s(part_shape),
+            )
+            # Iterating the attributes yields names or NamedAttributes, by jaxlib release.
+            names = [a if isinstance(a, str) else a.name for a in op.attributes]
+            attrs = {name: op.attributes[name] for name in names}
+            pads = ", ".join(f"[{lo}, {hi}]" for lo, hi in [(0, 0), *padding[1:]])
+            attrs["padding"] = ir.Attribute.parse(f"dense<[{pads}]> : tensor<{len(padding)}x2xi64>")
+            conv = ir.Operation.create(
+                "stablehlo.convolution", results=[out_t], operands=[slab, part], attributes=attrs
+            ).result
+            total = build_op("stablehlo.add", out_t, [acc, conv])
+            nxt = build_op("stablehlo.add", scalar, [i, splat([], i32, 1)])
+            ir.Operation.create("stablehlo.return", results=[], operands=[nxt, total, xb, kb])
+    op.results[0].replace_all_uses_with(loop.results[1])
     op.erase()

@@ -1,11 +1,13 @@
-"""Weight-gradient convolutions as matrix products (stablehlo/conv_wgrad.py), pinned on
+"""Weight-gradient convolutions as a loop over rows (stablehlo/conv_wgrad.py), pinned on
 the CPU: which convolutions the rewrite takes (the StableHLO form that took a TPU's
-compiler 60 s), and that the rewritten program computes the convolution (against numpy
-in float64, which shares no code with either)."""
+compiler 45-61 s: a map-sized window), that no convolution with a map-sized window is
+left, and that the rewritten program computes the convolution (against numpy in float64,
+which shares no code with either)."""
 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from runtime_helpers import golden_train_module, run_on_cpu
 
 from stepbundle.stablehlo import artifact as mlir
@@ -36,36 +38,93 @@ def _run(module: mlir.Module, args: list[np.ndarray]) -> list[np.ndarray]:
     return run_on_cpu(module, *args)
 
 
+def _windows(module: mlir.Module) -> list[int]:
+    """The window size (kernel operand's spatial elements) of every convolution, loop
+    bodies included."""
+    from jaxlib.mlir import ir
+    from jaxlib.mlir.dialects import stablehlo as hlo
+
+    out = []
+    with module._ctx:
+        for op in module._operations():
+            if op.name == "stablehlo.convolution":
+                dn = hlo.ConvDimensionNumbers(op.attributes["dimension_numbers"])
+                shape = ir.RankedTensorType(op.operands[1].type).shape
+                out.append(int(np.prod([shape[d] for d in dn.kernel_spatial_dimensions])))
+    return sorted(out)
+
+
 def test_only_the_weight_gradient_is_rewritten() -> None:
     module = mlir.Module.parse_text(_like(), CONVS)
+    assert _windows(module) == [9, 9, 64]  # forward, input gradient, weight gradient (8x8)
     assert rewrite_weight_gradients(module) == 1
-    assert _ops(module, "stablehlo.convolution") == 2  # forward and input gradient stay
-    assert _ops(module, "stablehlo.dot_general") == 9  # one per 3x3 output position
+    # The forward and input gradient stay; the weight gradient's window is 4 rows of 8.
+    assert _windows(module) == [9, 9, 32]
+    assert _ops(module, "stablehlo.while") == 1
     assert rewrite_weight_gradients(module) == 0
 
 
-def test_the_rewritten_weight_gradient_is_the_convolution() -> None:
+def test_positions_form_writes_one_product_per_position() -> None:
+    module = mlir.Module.parse_text(_like(), CONVS)
+    assert rewrite_weight_gradients(module, form="positions") == 1
+    assert _windows(module) == [9, 9]
+    assert _ops(module, "stablehlo.dot_general") == 9  # one per 3x3 output position
+
+
+def _reference(x: np.ndarray, dy: np.ndarray) -> np.ndarray:
+    """numpy, float64: dw[kh, kw, c, o] = sum_{n, h, w} xpad[n, c, h + kh, w + kw] dy[n, o, h, w]."""
+    h, w = x.shape[2:]
+    xp = np.pad(x.astype(np.float64), ((0, 0), (0, 0), (1, 1), (1, 1)))
+    ref = np.zeros((3, 3, x.shape[1], dy.shape[1]))
+    for kh in range(3):
+        for kw in range(3):
+            ref[kh, kw] = np.einsum("nchw,nohw->co", xp[:, :, kh : kh + h, kw : kw + w], dy)
+    return ref
+
+
+@pytest.mark.parametrize("form", ["rows", "positions"])
+def test_the_rewritten_weight_gradient_is_the_convolution(form: str) -> None:
     rng = np.random.default_rng(0)
     x = rng.standard_normal((4, 3, 8, 8)).astype(np.float32)
     w = rng.standard_normal((5, 3, 3, 3)).astype(np.float32)
     dy = rng.standard_normal((4, 5, 8, 8)).astype(np.float32)
     w2 = rng.standard_normal((3, 3, 3, 5)).astype(np.float32)
-    # numpy, float64: dw[kh, kw, c, o] = sum_{n, h, w} xpad[n, c, h + kh, w + kw] dy[n, o, h, w]
-    xp = np.pad(x.astype(np.float64), ((0, 0), (0, 0), (1, 1), (1, 1)))
-    ref = np.zeros((3, 3, 3, 5))
-    for kh in range(3):
-        for kw in range(3):
-            ref[kh, kw] = np.einsum("nchw,nohw->co", xp[:, :, kh : kh + 8, kw : kw + 8], dy)
+    ref = _reference(x, dy)
     args = [x, w, dy, w2]
     before = _run(mlir.Module.parse_text(_like(), CONVS), args)
     rewritten = mlir.Module.parse_text(_like(), CONVS)
-    rewrite_weight_gradients(rewritten)
+    rewrite_weight_gradients(rewritten, form=form)
     after = _run(rewritten, args)
     scale = np.max(np.abs(ref))
     assert np.max(np.abs(before[2] - ref)) / scale < 1e-6  # XLA's convolution
-    assert np.max(np.abs(after[2] - ref)) / scale < 1e-6  # the matrix products
+    assert np.max(np.abs(after[2] - ref)) / scale < 1e-6  # the rewrite
     for a, b in zip(before[:2], after[:2]):  # the other convolutions are untouched
         assert np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("width", [32, 4])
+def test_rows_per_iteration_keep_the_window_small(width: int) -> None:
+    """A row of 32 elements is one iteration's window; rows of 4 go 8 at a time (a window
+    of 32), in jax's output order ``[f, b, 0, 1]``, without padding along the rows."""
+    text = (
+        "func.func @main(%x: tensor<2x3x16xWxf32>, %dy: tensor<2x5x16xWxf32>) -> tensor<5x3x1x3xf32> {\n"
+        "  %dw = stablehlo.convolution(%x, %dy) dim_numbers = [f, b, 0, 1]x[i, o, 0, 1]->[f, b, 0, 1], "
+        "window = {pad = [[0, 0], [1, 1]]} {batch_group_count = 1 : i64, feature_group_count = 1 : i64} "
+        ": (tensor<2x3x16xWxf32>, tensor<2x5x16xWxf32>) -> tensor<5x3x1x3xf32>\n"
+        "  return %dw : tensor<5x3x1x3xf32>\n}\n"
+    ).replace("W", str(width))
+    module = mlir.Module.parse_text(_like(), text)
+    assert rewrite_weight_gradients(module) == 1
+    assert _windows(module) == [width * (1 if width == 32 else 8)]
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((2, 3, 16, width)).astype(np.float32)
+    dy = rng.standard_normal((2, 5, 16, width)).astype(np.float32)
+    xp = np.pad(x.astype(np.float64), ((0, 0), (0, 0), (0, 0), (1, 1)))
+    ref = np.stack(
+        [np.einsum("nchw,nohw->co", xp[..., kw : kw + width], dy) for kw in range(3)], -1
+    )
+    got = _run(module, [x, dy])[0][:, :, 0, :].transpose(1, 0, 2)
+    assert np.max(np.abs(got - ref)) / np.max(np.abs(ref)) < 1e-6
 
 
 def test_a_strided_weight_gradient_is_left_alone() -> None:
@@ -106,17 +165,3 @@ def test_attributes_are_read_in_both_spellings() -> None:
             )
         ]
     assert read == [[1, 1, 1, 1], [0, 1, 2, 3], [2, 3], [True, False]]
-
-
-def test_the_stacked_form_computes_the_same() -> None:
-    # The windows stacked into one product (kept for compile_variants.py's comparison).
-    rng = np.random.default_rng(1)
-    shapes = ((4, 3, 8, 8), (5, 3, 3, 3), (4, 5, 8, 8), (3, 3, 3, 5))
-    args = [rng.standard_normal(s).astype(np.float32) for s in shapes]
-    apart = mlir.Module.parse_text(_like(), CONVS)
-    rewrite_weight_gradients(apart)
-    stacked = mlir.Module.parse_text(_like(), CONVS)
-    assert rewrite_weight_gradients(stacked, stacked=True) == 1
-    assert _ops(stacked, "stablehlo.dot_general") == 1
-    a, b = _run(apart, args)[2], _run(stacked, args)[2]
-    assert np.max(np.abs(a - b)) <= 1e-5 * np.max(np.abs(a))

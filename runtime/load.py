@@ -21,7 +21,7 @@ import stepbundle.schema as codec
 from stepbundle.schema.manifest import ConstantInput, Manifest, MetricOutput, Program
 from stepbundle.schema.version import MATMUL_PRECISION_SINCE
 
-from . import _compat, packing, remote
+from . import _compat, allocator, packing, remote
 from .compile_cache import CompileCache, default_cache_dir
 from .devices import client_for, parse_device, select_devices
 from .dtypes import array_from_section
@@ -96,6 +96,8 @@ def load(
         layout, placement = _layout_and_placement(manifest, opts, run_devices)
 
         t1 = time.perf_counter()
+        if platform == "tpu" and opts.compile.keep_freed_memory:
+            info.kept_freed_memory = allocator.keep_freed_memory()
         cache = CompileCache(_cache_folder(opts.compile.cache_dir), writer=placement.writes_files)
         compiler = _Compiler(
             client=client,

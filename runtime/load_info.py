@@ -38,6 +38,9 @@ class LoadInfo:
         bundle older than format 1.2 loaded without one: its programs keep their own.
       fused_attention: per compiled program (``"entry[i]"``), how many attentions run as
         fused kernels (on a TPU; ``CompileOptions.fused_attention``); empty for none.
+      kept_freed_memory: whether glibc's allocator was told to keep freed memory
+        before compiling (on a TPU; ``CompileOptions.keep_freed_memory``,
+        ``runtime/allocator.py``).
     """
 
     seconds: dict[str, float] = field(default_factory=dict)
@@ -50,3 +53,4 @@ class LoadInfo:
     ignored_tensors: tuple[str, ...] = ()
     matmul_precision: str | None = "default"
     fused_attention: dict[str, int] = field(default_factory=dict)
+    kept_freed_memory: bool = False

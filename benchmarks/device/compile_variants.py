@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import resource
 import sys
 import time
 from pathlib import Path
@@ -135,6 +137,14 @@ def variants() -> dict[str, tuple[str, tuple[tuple[str, rewrites.Rewrite], ...],
     }
 
 
+def _resident_mb() -> float | None:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except OSError:
+        return None
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("bundle")
@@ -156,6 +166,7 @@ def main() -> int:
     if a.only:
         table = {k: v for k, v in table.items() if k in a.only or k == "eval"}
     original = rewrites.REWRITES
+    kept = False
     times: dict[str, list[float]] = {k: [] for k in table}
     errors: dict[str, str] = {}
     load(a.bundle, device=platform, entry="eval", cache_dir=False)  # the compiler's warm-up
@@ -167,6 +178,7 @@ def main() -> int:
             print(f"[compile_variants] {name} round {r}", file=sys.stderr, flush=True)
             try:
                 t = load(a.bundle, device=platform, entry=entry, cache_dir=False, **options)
+                kept = kept or t.load_info.kept_freed_memory
                 times[name].append(float(t.load_info.seconds["compile"]))
                 if batches and entry == "train":
                     float(t.run(batches, 2)[-1]["loss"])  # warm
@@ -185,6 +197,11 @@ def main() -> int:
         "jax": jax.__version__,
         "device_kind": jax.devices(platform)[0].device_kind,
         "rounds": a.rounds,
+        # runtime/allocator.py: whether the loads told glibc to keep freed memory, and the
+        # process's peak and final resident memory with it
+        "kept_freed_memory": bool(kept),
+        "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "final_rss_mb": _resident_mb(),
         "results": [
             {
                 "variant": k,

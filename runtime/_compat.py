@@ -75,6 +75,16 @@ def _make_x64_scope() -> Callable[[], contextlib.AbstractContextManager[Any]]:
 x64_scope: Callable[[], contextlib.AbstractContextManager[Any]] = _make_x64_scope()
 
 
+def backends_started() -> bool:
+    """Whether jax has started its backends (the TPU runtime among them) in this process."""
+    try:
+        from jax._src import xla_bridge
+
+        return bool(xla_bridge.backends_are_initialized())
+    except (ImportError, AttributeError):  # a jax without it: assume not
+        return False
+
+
 def get_client(platform: str) -> Client:
     """The PJRT client for ``platform`` ("cpu", "cuda", "rocm", "tpu")."""
     return get_backend(platform)

@@ -85,6 +85,9 @@ def load(
         source = open_source(init_from) if init_from is not None else None
         init_plan = None if compile_only else _plan_state(manifest, source, opts, info)
         info.seconds["open"] = time.perf_counter() - t0
+        if platform == "tpu" and opts.compile.keep_freed_memory:
+            # before the TPU runtime starts: set after, it changed nothing (allocator.py)
+            info.kept_freed_memory = allocator.keep_freed_memory(_compat.backends_started())
         client = client_for(platform)
         run_devices = select_devices(client, device, opts.parallel.devices)
         if stacked_entry is not None and len({d.process_index for d in run_devices}) > 1:
@@ -96,8 +99,6 @@ def load(
         layout, placement = _layout_and_placement(manifest, opts, run_devices)
 
         t1 = time.perf_counter()
-        if platform == "tpu" and opts.compile.keep_freed_memory:
-            info.kept_freed_memory = allocator.keep_freed_memory()
         cache = CompileCache(_cache_folder(opts.compile.cache_dir), writer=placement.writes_files)
         compiler = _Compiler(
             client=client,

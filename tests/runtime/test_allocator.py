@@ -19,8 +19,9 @@ from stepbundle.runtime import CompileOptions, load
 CHILD = """
 import ctypes, json, os, sys
 from stepbundle.runtime import allocator
-kept = allocator.keep_freed_memory() if sys.argv[1] == "keep" else None
-again = allocator.keep_freed_memory() if sys.argv[1] == "keep" else None
+late = sys.argv[1] == "late"
+kept = allocator.keep_freed_memory(too_late=late) if sys.argv[1] != "default" else None
+again = allocator.keep_freed_memory() if sys.argv[1] != "default" else None
 libc = ctypes.CDLL(None)
 libc.malloc.restype = ctypes.c_void_p
 libc.malloc.argtypes = [ctypes.c_size_t]
@@ -65,9 +66,14 @@ def test_freed_memory_goes_back_by_default_and_stays_when_kept() -> None:
     assert int(kept["full"]) - int(kept["after"]) < 10 * mb  # type: ignore[call-overload]
 
 
-def test_the_users_own_malloc_settings_are_left_alone() -> None:
-    result = _child("keep", MALLOC_TRIM_THRESHOLD_="131072")
-    assert result["kept"] is False
+@pytest.mark.parametrize(
+    "mode, env",
+    [("keep", {"MALLOC_TRIM_THRESHOLD_": "131072"}), ("late", {})],
+    ids=["users-own-settings", "tpu-runtime-already-started"],
+)
+def test_glibc_is_left_alone(mode: str, env: dict[str, str]) -> None:
+    result = _child(mode, **env)
+    assert result["kept"] is False and result["again"] is False  # decided once
     mb = 1 << 20
     # Nothing was set: the 8 MB blocks were mapped apart and went back when freed.
     assert int(result["full"]) - int(result["after"]) > 150 * mb  # type: ignore[call-overload]

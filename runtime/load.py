@@ -87,7 +87,7 @@ def load(
         info.seconds["open"] = time.perf_counter() - t0
         if platform == "tpu" and opts.compile.keep_freed_memory:
             # before the TPU runtime starts: set after, it changed nothing (allocator.py)
-            info.kept_freed_memory = allocator.keep_freed_memory(_compat.backends_started())
+            info.kept_freed_memory = allocator.keep_freed_memory()
         client = client_for(platform)
         run_devices = select_devices(client, device, opts.parallel.devices)
         if stacked_entry is not None and len({d.process_index for d in run_devices}) > 1:

@@ -8,8 +8,8 @@ compile. The TPU v5e host this project measures on runs under gVisor (``uname``:
 "runsc"): ``getppid`` costs 6.1 us there against 0.3 us on the CPU machine, a 1 MB
 ``mmap``/``munmap`` 180 us against 24 us (``benchmarks/device/syscalls.py``). There,
 examples/cifar_cnn.py's train program spent 1.2-1.5 s in XLA's ``tpu_fusion`` pass and
-0.17 s in its dead-code pass (0.12 s and 0.005 s for the same program compiled on the
-CPU machine), and compiled in 4.1-5.0 s; told to keep freed memory, 0.16 s and 1.9-2.0 s,
+0.17 s in its dead-code pass (0.09-0.11 s in ``tpu_fusion`` for the same program
+compiled on the CPU machine), and compiled in 4.1-5.0 s; told to keep freed memory, 0.16 s and 1.9-2.0 s,
 the eval program 1.2-1.6 -> 0.9 s (``benchmarks/results/device/tpu-v5e/malloc-*.json``;
 docs/tpu.md).
 On the CPU machine the same settings change nothing measurable.

@@ -15,8 +15,8 @@ the machine code, the LLO instructions of its largest kernels, and the HLO passe
 seconds (``compile_passes.py``'s sums).
 
 It reproduced the device's compile times (the CNN's train program with XLA's own
-weight-gradient convolutions: 41-44 s here against 45-61 s on the chip; the eval program
-1.0 s against 1.3 s) on a 2-core machine, where the device tool's 30 minutes a session
+weight-gradient convolutions: 51 s here against 45-61 s on the chip; the eval program
+0.8 s against 0.8-1.6 s; ``benchmarks/results/compile_offline-v5e.json``) on a 2-core machine, where the device tool's 30 minutes a session
 allow a few calls: a change to a rewrite is measured here first, then on the chip.
 
 Imports: jax (with libtpu), stepbundle.

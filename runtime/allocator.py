@@ -63,18 +63,15 @@ def _user_settings() -> bool:
     )
 
 
-def keep_freed_memory(too_late: bool | None = None) -> bool:
+def keep_freed_memory() -> bool:
     """Tell glibc to keep freed memory (see the module docstring); decided once per
     process. Returns whether it is in effect: False where the user configured the
     allocator, ``malloc`` is not glibc's (an allocator preloaded with ``LD_PRELOAD``), the
-    C library has no ``mallopt``, or on the first call jax's backends had already started
-    (``too_late``; None: ask jax)."""
+    C library has no ``mallopt``, or on the first call jax's backends had already started."""
     if "applied" not in _state:
-        if too_late is None:
-            from . import _compat
+        from . import _compat
 
-            too_late = _compat.backends_started()
-        _state["applied"] = not too_late and _apply()
+        _state["applied"] = not _compat.backends_started() and _apply()
     return _state["applied"]
 
 

@@ -40,7 +40,7 @@ from stepbundle.stablehlo import artifact as mlir
 from stepbundle.stablehlo.attention import Site, count_score_products
 from stepbundle.stablehlo.attention_rewrite import rewrite_attention
 from stepbundle.stablehlo.conv_layout import canonicalize_convolutions
-from stepbundle.stablehlo.conv_wgrad import rewrite_weight_gradients
+from stepbundle.stablehlo.conv_wgrad import count_weight_gradients, rewrite_weight_gradients
 from stepbundle.stablehlo.onehot import count_onehot_reductions, rewrite_onehot_reductions
 from stepbundle.stablehlo.pow_precision import rewrite_powers
 from stepbundle.stablehlo.precision import set_matmul_precision
@@ -157,10 +157,12 @@ def weight_gradients(stage: Stage, ctx: RewriteContext) -> Stage:
     (``stablehlo/conv_wgrad.py`` has the figures)."""
     if ctx.platform != "tpu":
         return stage
-    copy = mlir.Module.parse_text(stage.module, stage.module.text())
     try:
-        if rewrite_weight_gradients(copy):
-            return Stage(copy, stage.program)
+        if not count_weight_gradients(stage.module):
+            return stage  # no copy of a program without one (a GPT's)
+        copy = mlir.Module.parse_text(stage.module, stage.module.text())
+        rewrite_weight_gradients(copy)
+        return Stage(copy, stage.program)
     except Exception as e:  # any failure keeps the program as it is: it only compiles slower
         warn_once(
             "weight-gradients",

@@ -70,7 +70,7 @@ from .build import op as build_op
 
 hlo: Any = _stablehlo  # jaxlib's stubs do not cover the dialect's attribute classes
 
-__all__ = ["MAX_POSITIONS", "rewrite_weight_gradients"]
+__all__ = ["MAX_POSITIONS", "count_weight_gradients", "rewrite_weight_gradients"]
 
 MAX_POSITIONS = 49
 """The most output positions (7x7 filters) a rewritten convolution may have."""
@@ -142,6 +142,24 @@ def _eligible(op: Any, dn: Any) -> list[tuple[int, int]] | None:
     return padding
 
 
+def _targets(module: Module) -> list[tuple[Any, Any, list[tuple[int, int]]]]:
+    """Every weight-gradient convolution to rewrite: (op, dimension numbers, padding)."""
+    out = []
+    with module._ctx:
+        for op in module._operations():
+            if op.name == "stablehlo.convolution":
+                dn = hlo.ConvDimensionNumbers(op.attributes["dimension_numbers"])
+                padding = _eligible(op, dn)
+                if padding is not None:
+                    out.append((op, dn, padding))
+    return out
+
+
+def count_weight_gradients(module: Module) -> int:
+    """How many convolutions of ``module`` ``rewrite_weight_gradients`` would rewrite."""
+    return len(_targets(module))
+
+
 def rewrite_weight_gradients(module: Module, form: str = "rows") -> int:
     """Rewrite every weight-gradient convolution of ``module`` in place: as a loop over
     rows (``form="rows"``) or as one matrix product per output position
@@ -153,19 +171,13 @@ def rewrite_weight_gradients(module: Module, form: str = "rows") -> int:
     """
     if form not in ("rows", "positions"):
         raise ValueError(f"form must be 'rows' or 'positions', not {form!r}")
-    targets = [op for op in module._operations() if op.name == "stablehlo.convolution"]
-    done = 0
+    targets = _targets(module)
     with module._ctx:
-        for op in targets:
-            dn = hlo.ConvDimensionNumbers(op.attributes["dimension_numbers"])
-            padding = _eligible(op, dn)
-            if padding is None:
-                continue
+        for op, dn, padding in targets:
             (_rewrite_rows if form == "rows" else _rewrite_positions)(op, dn, padding)
-            done += 1
-        if done and not module._module.operation.verify():
+        if targets and not module._module.operation.verify():
             raise ValueError("the module does not verify after rewriting weight gradients")
-    return done
+    return len(targets)
 
 
 def _t(shape: list[int], elem: Any) -> Any:

@@ -46,8 +46,8 @@ from jax.experimental import topologies  # noqa: E402
 
 from stepbundle.runtime import _compat, rewrites  # noqa: E402
 from stepbundle.runtime.load import _open_bundle, _scalar_constants  # noqa: E402
+from stepbundle.runtime.program import compile_program  # noqa: E402
 from stepbundle.runtime.sharding import Placement  # noqa: E402
-from stepbundle.runtime.validate import check_program  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from compile_passes import summarize  # noqa: E402
@@ -72,33 +72,48 @@ def _parse_log(text: str, top: int) -> dict[str, Any]:
     }
 
 
+class _CompileOnly:
+    """``compile_program``'s cache, for a compile-only device: compiles, loads nothing."""
+
+    def compile(
+        self, label: str, client: Any, bytecode: bytes, devices: Any, options: Any
+    ) -> tuple[Any, None]:
+        from jax._src.interpreters import mlir as jax_mlir
+        from jax._src.lib.mlir import ir
+
+        with jax_mlir.make_ir_context():
+            exe = client.compile(
+                ir.Module.parse(bytecode),
+                executable_devices=_compat.xla_client.DeviceList(tuple(devices)),
+                compile_options=options,
+            )
+        return exe, None
+
+
 def compile_one(
     client: Any, device: Any, bundle: Any, entry: str, pipeline: Any, options: dict[str, Any]
 ) -> Any:
-    """Rewrite ``entry``'s first program for platform "tpu" as the runtime does, and
-    compile it (not loaded: there is no device to load it on)."""
-    from jax._src.interpreters import mlir as jax_mlir
-    from jax._src.lib.mlir import ir
-
+    """Compile ``entry``'s first program for platform "tpu" through the runtime's own
+    ``compile_program`` (its checks, ``pipeline`` as the rewrite table, its compile
+    options), not loaded: there is no device to load it on."""
     ent = bundle.manifest.entries[entry]
     program = ent.programs[0]
-    module = check_program(bundle.section(program.section), program, entry, "tpu")
-    ctx = rewrites.RewriteContext(
-        platform="tpu",
-        placement=Placement([device]),
-        donate=ent.updates_state,
-        matmul_precision=options.get("matmul_precision"),
-        scalar_constants=_scalar_constants(bundle, program),
-    )
-    stage = rewrites.apply_rewrites(rewrites.Stage(module, program), ctx, pipeline)
-    compile_options = _compat.compile_options(1, [device.id])
-    with jax_mlir.make_ir_context():
-        parsed = ir.Module.parse(stage.module.bytecode())
-        return client.compile(
-            parsed,
-            executable_devices=_compat.xla_client.DeviceList((device,)),
-            compile_options=compile_options,
-        )
+    original, rewrites.REWRITES = rewrites.REWRITES, pipeline
+    try:
+        return compile_program(
+            client,
+            Placement([device]),
+            bundle.section(program.section),
+            program,
+            where=entry,
+            label=entry,
+            donate=ent.updates_state,
+            cache=_CompileOnly(),  # type: ignore[arg-type]
+            matmul_precision=options.get("matmul_precision"),
+            scalar_constants=_scalar_constants(bundle, program),
+        ).executable
+    finally:
+        rewrites.REWRITES = original
 
 
 class _Stderr:

@@ -2,7 +2,7 @@
 
 The batch is MLP depth 32's (``benchmarks/models.py``): ``x`` and ``y``, 32 x 16
 float32. A dataset of ``--rows`` rows is written to a temporary folder in the on-disk
-layout (``runtime/dataset.py``) and read back warm (in the page cache, as after the first
+layout (``runtime/data/dataset.py``) and read back warm (in the page cache, as after the first
 epoch). Methods, each producing one batch per call:
 
 - ``npz``: the current ``--data x.npz`` path: the file's stacked batches split once by
@@ -90,7 +90,7 @@ def _import_data_modules() -> tuple[Any, Any, Any]:
     are loaded from the checkout under stand-in packages instead.
     """
     try:
-        from stepbundle.runtime import dataset, dataset_writer, loader
+        from stepbundle.runtime.data import dataset, dataset_writer, loader
 
         return dataset, dataset_writer, loader
     except ImportError:
@@ -118,18 +118,18 @@ def _import_data_modules() -> tuple[Any, Any, Any]:
         sys.modules[full] = m
         spec.loader.exec_module(m)
     return (
-        sys.modules["stepbundle.runtime.dataset"],
-        sys.modules["stepbundle.runtime.dataset_writer"],
-        sys.modules["stepbundle.runtime.loader"],
+        sys.modules["stepbundle.runtime.data.dataset"],
+        sys.modules["stepbundle.runtime.data.dataset_writer"],
+        sys.modules["stepbundle.runtime.data.loader"],
     )
 
 
 def _iter_batches(data: dict[str, np.ndarray[Any, Any]]) -> list[dict[str, np.ndarray[Any, Any]]]:
     try:
-        from stepbundle.runtime.batches import iter_batches
+        from stepbundle.runtime.train.batches import iter_batches
 
         return iter_batches(data)
-    except ImportError:  # no jax: the same split, written out (runtime/batches.py)
+    except ImportError:  # no jax: the same split, written out (runtime/train/batches.py)
         s = next(iter(data.values())).shape[0]
         return [{k: np.asarray(v[i], order="C") for k, v in data.items()} for i in range(s)]
 
@@ -331,10 +331,10 @@ def _block(trainer: Any, source: Any, steps: int) -> tuple[float, float]:
 def trainer_mode(args: argparse.Namespace) -> dict[str, Any]:
     """Time the trainer stepping over the in-memory batches vs a ``Loader`` (see the module)."""
     from stepbundle.runtime import load
-    from stepbundle.runtime.batches import iter_batches
-    from stepbundle.runtime.dataset import open_dataset
-    from stepbundle.runtime.dataset_writer import write_dataset
-    from stepbundle.runtime.loader import Loader
+    from stepbundle.runtime.data.dataset import open_dataset
+    from stepbundle.runtime.data.dataset_writer import write_dataset
+    from stepbundle.runtime.data.loader import Loader
+    from stepbundle.runtime.train.batches import iter_batches
 
     with tempfile.TemporaryDirectory() as tmp:
         bundle, data_path = _ensure_bundle(args, Path(tmp))

@@ -63,7 +63,8 @@ def export(path: str) -> None:
 
 
 def bench(args: argparse.Namespace) -> int:
-    from stepbundle.runtime import load, rewrites
+    from stepbundle.runtime import load
+    from stepbundle.runtime.compile import rewrites
 
     rng = np.random.default_rng(0)
     batches = [

@@ -10,7 +10,7 @@ warm-up, and at the end, with the time taken. ``--via-run`` uses ``Trainer.run``
 which keeps every step's metrics in the list it returns: the difference is that list.
 
 **On-disk data** (``--on-disk``): the same, but the batches come from a dataset folder
-(``runtime/dataset.py``) through a shuffled ``Loader`` running over many epochs, stepped
+(``runtime/data/dataset.py``) through a shuffled ``Loader`` running over many epochs, stepped
 by ``Trainer.run(loader, steps, keep_metrics=False)``::
 
     .venv-lean/bin/python benchmarks/soak.py --on-disk                  # 100,000 steps of linear_adamw
@@ -80,7 +80,7 @@ def memory_kb() -> dict[str, int]:
 def batches(name: str) -> list[dict[str, Any]]:
     import numpy as np
 
-    from stepbundle.runtime.batches import iter_batches
+    from stepbundle.runtime.train.batches import iter_batches
 
     with np.load(GOLDEN / f"{name}.inputs.npz", allow_pickle=False) as z:
         return iter_batches({k: z[k] for k in z.files})
@@ -186,9 +186,9 @@ def soak_sampled(
     import numpy as np
 
     from stepbundle.runtime import load
-    from stepbundle.runtime.dataset import open_dataset
-    from stepbundle.runtime.dataset_writer import write_dataset
-    from stepbundle.runtime.loader import Loader
+    from stepbundle.runtime.data.dataset import open_dataset
+    from stepbundle.runtime.data.dataset_writer import write_dataset
+    from stepbundle.runtime.data.loader import Loader
 
     mem_start = memory_kb()
     with np.load(GOLDEN / f"{name}.inputs.npz", allow_pickle=False) as z:

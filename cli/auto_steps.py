@@ -4,7 +4,7 @@ Every PJRT call costs the host a fixed amount of work, whatever the step compute
 about 0.58 ms on a TPU v5e's host, where the golden linear_adamw bundle took 0.59 ms a
 step at one step per call and 0.032 ms at 32 (docs/tpu.md; benchmarks/results/device/
 tpu-v5e/device_check.json). A step that short is almost all dispatch, and K steps per
-call (``runtime/multistep.py``, the same numbers bit for bit) remove it.
+call (``runtime/compile/multistep.py``, the same numbers bit for bit) remove it.
 
 The rule, measured rather than guessed: load the bundle's training step once more at one
 step per call, time ``PROBE_STEPS`` steps of a zero batch of its traced shape (after
@@ -94,7 +94,7 @@ def decide(args: argparse.Namespace) -> AutoSteps | None:
     if args.devices not in (1, "1"):
         return AutoSteps(1, None, "not measured with data parallelism")
     from stepbundle.runtime import CompileOptions, LoadOptions, SafetyOptions, load
-    from stepbundle.runtime.store import resolve_bundle
+    from stepbundle.runtime.io.store import resolve_bundle
     from stepbundle.schema import open_bundle
 
     from .init_from import state_options

@@ -3,7 +3,7 @@
 ``--data`` (and ``--eval-data``) is either an ``.npz`` of stacked batches, one
 ``(S, *batch shape)`` array per batch input (small data, held in memory; step ``i`` uses
 batch ``i % S``), or a dataset folder (``dataset.json`` and sharded ``.npy`` files,
-``stepbundle.runtime.dataset``), read through a ``Loader``: memory-mapped, never loaded
+``stepbundle.runtime.data.dataset``), read through a ``Loader``: memory-mapped, never loaded
 whole, shuffled by seed per epoch, its position stored in checkpoints.
 
 Imports: numpy, the runtime's dataset and loader (lazily).
@@ -102,14 +102,14 @@ def training_batches(
     folder: a ``Loader`` over this process's rows of each global batch, continuing from
     the checkpoint's data position after ``--resume``.
     """
-    from stepbundle.runtime.batches import iter_batches
+    from stepbundle.runtime.train.batches import iter_batches
 
     if npz is not None:
         return iter_batches(npz), trainer.step_count
     import jax
 
-    from stepbundle.runtime.dataset import open_dataset
-    from stepbundle.runtime.loader import Loader
+    from stepbundle.runtime.data.dataset import open_dataset
+    from stepbundle.runtime.data.loader import Loader
 
     # Each process of a job reads only its own slice of every global batch.
     processes = sorted({d.process_index for d in trainer.placement.devices})
@@ -132,9 +132,9 @@ def eval_batches(
     path: str, trainer: Any, entry: str, batch_size: int | None
 ) -> tuple[Any, str | None]:
     """Batches of a whole evaluation set, in order, and the key of their row mask."""
-    from stepbundle.runtime.batches import iter_batches
-    from stepbundle.runtime.dataset import open_dataset
-    from stepbundle.runtime.loader import Loader
+    from stepbundle.runtime.data.dataset import open_dataset
+    from stepbundle.runtime.data.loader import Loader
+    from stepbundle.runtime.train.batches import iter_batches
 
     if not is_dataset(path):
         return iter_batches(read_npz(path)), None
@@ -172,7 +172,7 @@ def open_data(args: argparse.Namespace) -> Any:
             if not path:
                 continue
             if is_dataset(path):
-                from stepbundle.runtime.dataset import open_dataset
+                from stepbundle.runtime.data.dataset import open_dataset
 
                 open_dataset(path)
             elif flag == "--data":

@@ -16,8 +16,8 @@ __all__ = ["cmd_eval"]
 
 def cmd_eval(args: argparse.Namespace) -> int:
     from stepbundle.runtime import CompileOptions, LoadOptions, load
-    from stepbundle.runtime.file_kinds import NotARegularFileError
-    from stepbundle.runtime.metrics import json_safe
+    from stepbundle.runtime.io.file_kinds import NotARegularFileError
+    from stepbundle.runtime.train.metrics import json_safe
     from stepbundle.schema.errors import BundleError
 
     from .data import DATA_ERRORS, eval_batches, is_dataset, read_npz
@@ -28,7 +28,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         resume_from_folder(args)  # --resume DIR: its latest checkpoint
         check_path_kinds(args)  # a FIFO or device would block the first open for ever
         if is_dataset(args.data):
-            from stepbundle.runtime.dataset import open_dataset
+            from stepbundle.runtime.data.dataset import open_dataset
 
             open_dataset(args.data)
         else:

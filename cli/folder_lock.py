@@ -149,8 +149,8 @@ def _warn(path: Path, e: OSError) -> None:
 def lock_for_run(args: Any, joined: bool) -> contextlib.AbstractContextManager[None]:
     """The lock on a run's local ``--checkpoint-dir``, taken by the process that writes
     the checkpoints: this one, or process 0 of a job (``joined``)."""
-    from stepbundle.runtime import distributed
-    from stepbundle.runtime.remote import local_path
+    from stepbundle.runtime.io.remote import local_path
+    from stepbundle.runtime.placement import distributed
 
     folder = local_path(args.checkpoint_dir) if args.checkpoint_dir else None
     if folder is None or (joined and distributed.process_id() != 0):

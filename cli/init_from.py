@@ -41,7 +41,7 @@ def add_init_options(p: Any) -> None:
 
 
 def _has_no_weights(bundle: str, expect_digest: str | None) -> bool:
-    from stepbundle.runtime.store import resolve_bundle
+    from stepbundle.runtime.io.store import resolve_bundle
     from stepbundle.schema import SectionKind, read_manifest
 
     # A URL or sha256:<digest> is found (or fetched once) through the store, as load does.

@@ -4,7 +4,7 @@
 A bundle given as a URL or ``sha256:<digest>`` is found through the runtime's bundle
 store (which imports jax); a local path needs only the schema.
 
-Imports: stepbundle.schema (no jax, no torch); stepbundle.runtime.store for URLs.
+Imports: stepbundle.schema (no jax, no torch); stepbundle.runtime.io.store for URLs.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def _open(text: str) -> Any:
 
     if not is_remote(text):
         return open_bundle(text)
-    from stepbundle.runtime.store import resolve_bundle
+    from stepbundle.runtime.io.store import resolve_bundle
 
     return open_bundle(resolve_bundle(text))
 

@@ -24,7 +24,7 @@ Only rows this sink wrote are ever removed, and only by a run that writes rows:
   and any writer that does not lock (an older stepbundle) would go on appending to
   the old, deleted one.
 
-Imports: the standard library; ``stepbundle.runtime.metrics`` (numpy only);
+Imports: the standard library; ``stepbundle.runtime.train.metrics`` (numpy only);
 ``stepbundle.schema.errors``; this package's ``record_file`` and ``sinks``.
 """
 
@@ -37,7 +37,7 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
-from stepbundle.runtime.metrics import json_float, json_safe
+from stepbundle.runtime.train.metrics import json_float, json_safe
 from stepbundle.schema.errors import BundleError
 
 from .record_file import RecordFile, SinkError, close_sink, sync_sink
@@ -352,7 +352,7 @@ def metrics_file_for_run(args: Any, joined: bool) -> MetricsFile | None:
     """The ``--metrics-file`` of a training run, opened and locked by the process that
     writes it, for the whole run; None when this process writes none. Nothing in it
     changes until training starts (``MetricsFile.start``)."""
-    from stepbundle.runtime import distributed
+    from stepbundle.runtime.placement import distributed
 
     if not args.metrics_file or args.entry != "train":
         return None

@@ -52,7 +52,7 @@ class _Place:
 def _local(location: str) -> Path | None:
     """The resolved local path of a path or file:// URL; None for other URLs."""
     if "://" in location:
-        from stepbundle.runtime.remote import local_path
+        from stepbundle.runtime.io.remote import local_path
 
         found = local_path(location)
         return None if found is None else found.resolve()
@@ -64,7 +64,7 @@ def _inputs(args: argparse.Namespace) -> list[_Place]:
     # A digest's store entry, found and verified once by check_outputs (bundle_file).
     bundle: str = getattr(args, "bundle_file", None) or args.bundle
     if bundle.startswith("sha256:"):
-        from stepbundle.runtime.store import resolve_bundle
+        from stepbundle.runtime.io.store import resolve_bundle
 
         bundle = os.fspath(resolve_bundle(bundle))
     for flag, given in (
@@ -110,7 +110,7 @@ def _refuse_process_local(flag: str, given: str) -> None:
         return
     from fsspec.implementations.memory import MemoryFileSystem
 
-    from stepbundle.runtime.remote import filesystem
+    from stepbundle.runtime.io.remote import filesystem
 
     fs: Any = filesystem(given)[0]
     while fs is not None:  # chained URLs wrap their target in ``.fs``

@@ -33,7 +33,7 @@ def _local(location: str) -> Path | None:
     """The local path of a path or file:// URL; None for other URLs."""
     if "://" not in location:
         return Path(location)
-    from stepbundle.runtime.remote import local_path
+    from stepbundle.runtime.io.remote import local_path
 
     return local_path(location)
 
@@ -44,7 +44,7 @@ def _check_bundle(args: argparse.Namespace) -> None:
     reads the file found from then on: ``args.bundle_file`` and ``args.bundle_digest``."""
     bundle: str = args.bundle
     if bundle.startswith("sha256:"):
-        from stepbundle.runtime.store import resolve_bundle
+        from stepbundle.runtime.io.store import resolve_bundle
         from stepbundle.schema.errors import BundleError
 
         try:
@@ -65,7 +65,7 @@ def _check_bundle(args: argparse.Namespace) -> None:
 
 def _check_remote_folder(url: str, resume: str | None) -> None:
     """A checkpoint folder at a URL: no earlier checkpoints unless resuming, writable."""
-    from stepbundle.runtime.remote import check_writable, join, list_names
+    from stepbundle.runtime.io.remote import check_writable, join, list_names
 
     earlier = list_names(url, "step-*.safetensors")
     if earlier and not resume:
@@ -146,7 +146,7 @@ def check_outputs(args: argparse.Namespace) -> None:
             )
     save_state = _local(args.save_state) if args.save_state else None
     if args.save_state and save_state is None:
-        from stepbundle.runtime.remote import check_writable
+        from stepbundle.runtime.io.remote import check_writable
 
         check_writable(args.save_state.rpartition("/")[0])
     if save_state is not None:

@@ -2,7 +2,7 @@
 
 ``check_path_kinds(args)`` refuses every input or output path that is not a regular
 file (or, where a folder is taken, a folder): a named pipe or a device would block the
-command for ever on its first open (``runtime/file_kinds.py``). It also refuses an
+command for ever on its first open (``runtime/io/file_kinds.py``). It also refuses an
 ``http(s)://`` ``--checkpoint-dir`` or ``--save-state``: such URLs can only be read.
 URLs and ``sha256:`` digests are not local paths and are left to the runtime.
 
@@ -51,7 +51,7 @@ def sink_path(flag: str, given: str) -> str:
     """
     if "://" not in given:
         return given
-    from stepbundle.runtime.remote import local_path
+    from stepbundle.runtime.io.remote import local_path
 
     local = local_path(given)
     if local is None:
@@ -78,7 +78,7 @@ def resume_from_folder(args: argparse.Namespace) -> None:
     if not isinstance(given, str) or given.startswith("sha256:"):
         return
     if "://" in given:
-        from stepbundle.runtime.remote import local_path
+        from stepbundle.runtime.io.remote import local_path
 
         local = local_path(given)  # file:// URLs only; a bucket's folder is not listed
         if local is None:
@@ -107,7 +107,7 @@ def check_path_kinds(args: argparse.Namespace) -> None:
       ValueError: a path is a named pipe, a device or a socket (``NotARegularFileError``),
         an output is an http(s) URL, or a sink's is a URL other than file://.
     """
-    from stepbundle.runtime.file_kinds import check_kind
+    from stepbundle.runtime.io.file_kinds import check_kind
 
     for name, (flag, file_ok, folder_ok) in _PATHS.items():
         value = getattr(args, name, None)

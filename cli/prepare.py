@@ -1,6 +1,6 @@
 """``stepbundle pull`` and ``stepbundle compile``: get a job's artifacts ready before it runs.
 
-``pull URL`` puts a bundle into the local bundle store (``runtime/store.py``), so that
+``pull URL`` puts a bundle into the local bundle store (``runtime/io/store.py``), so that
 ``run sha256:<digest>`` (or ``run URL --expect-digest ...``) starts without a download.
 ``compile BUNDLE --cache-dir DIR-or-URL`` compiles every program a ``run`` with the same
 options would compile and writes them into that compile cache: the hosts of a job that
@@ -45,8 +45,8 @@ def add_pull(sub: Any) -> None:
 
 
 def cmd_pull(args: argparse.Namespace) -> int:
-    from stepbundle.runtime.file_kinds import NotARegularFileError
-    from stepbundle.runtime.store import pull
+    from stepbundle.runtime.io.file_kinds import NotARegularFileError
+    from stepbundle.runtime.io.store import pull
     from stepbundle.schema.errors import BundleError
 
     from .paths import check_path_kinds

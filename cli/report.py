@@ -17,7 +17,7 @@ Which steps are reported:
 
 Only the process that writes files (process 0 of a multi-process job) reports.
 
-Imports: the standard library, ``stepbundle.runtime.metrics`` (numpy), the CLI's
+Imports: the standard library, ``stepbundle.runtime.train.metrics`` (numpy), the CLI's
 ``progress`` (tqdm), ``sinks`` and ``metrics_file`` modules; tensorboardX through
 ``sinks``, lazily.
 """
@@ -31,7 +31,7 @@ from collections.abc import Callable, Mapping
 from types import TracebackType
 from typing import Any, TextIO
 
-from stepbundle.runtime.metrics import json_safe, to_floats
+from stepbundle.runtime.train.metrics import json_safe, to_floats
 
 from .metrics_file import MetricsFile
 from .progress import ProgressBar, format_value

@@ -30,7 +30,7 @@ __all__ = ["cmd_run"]
 def _scalar(v: Any) -> Any:
     """One metric for a JSON line: a float, or a list of floats for a metric with several
     elements; non-finite values as the strings "NaN", "Infinity", "-Infinity"."""
-    from stepbundle.runtime.metrics import to_json_floats
+    from stepbundle.runtime.train.metrics import to_json_floats
 
     return to_json_floats({"value": v})["value"]
 
@@ -45,7 +45,7 @@ def _join_job(args: argparse.Namespace) -> bool:
 
     Returns whether this process joined a multi-process job.
     """
-    from stepbundle.runtime import distributed
+    from stepbundle.runtime.placement import distributed
 
     multi = args.distributed or args.coordinator is not None
     if not multi and (args.num_processes is not None or args.process_id is not None):
@@ -81,7 +81,7 @@ _SETUP_TIMEOUT_S = 1800.0
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from stepbundle.runtime import distributed
+    from stepbundle.runtime.placement import distributed
     from stepbundle.schema.errors import BundleError
 
     from .data import NOT_READ, open_data
@@ -137,7 +137,7 @@ def _load_and_run(
     metrics: MetricsFile | None,
     npz: Any,
 ) -> int:
-    from stepbundle.runtime import distributed
+    from stepbundle.runtime.placement import distributed
     from stepbundle.schema.errors import BundleError
 
     from .data import NOT_READ, open_data, training_batches
@@ -197,7 +197,7 @@ def _open_trainer(args: argparse.Namespace) -> Any:
         SafetyOptions,
         load,
     )
-    from stepbundle.runtime.schedule import parse_schedule
+    from stepbundle.runtime.train.schedule import parse_schedule
 
     from .init_from import state_options
 
@@ -301,9 +301,9 @@ def _run_train(
     offset: int,
     metrics: MetricsFile | None,
 ) -> int:
-    from stepbundle.runtime.dataset import DataError
+    from stepbundle.runtime.data.dataset import DataError
     from stepbundle.runtime.errors import NonFiniteLossError
-    from stepbundle.runtime.remote import join
+    from stepbundle.runtime.io.remote import join
 
     from .report import Reporter
 

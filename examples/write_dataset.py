@@ -18,8 +18,8 @@ Any map-style or iterable dataset works the same way:
 
 Then train from it with the runtime (no torch in that process)::
 
-    from stepbundle.runtime.dataset import open_dataset
-    from stepbundle.runtime.loader import Loader
+    from stepbundle.runtime.data.dataset import open_dataset
+    from stepbundle.runtime.data.loader import Loader
     batches = Loader(open_dataset(OUT_DIR), batch_size=128, seed=0, epochs=10)
 
 Imports: torch, numpy, stepbundle.runtime's data modules (numpy only).
@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from stepbundle.runtime.dataset_writer import write_dataset
+from stepbundle.runtime.data.dataset_writer import write_dataset
 
 
 class SyntheticCifar(Dataset[tuple[torch.Tensor, torch.Tensor]]):

@@ -6,20 +6,20 @@ loads back. Also here: ``to_floats`` (a step's metrics as numbers), ``write_data
 (arrays to a dataset folder ``Loader`` reads), ``set_cpu_devices`` (virtual CPU devices,
 before jax starts) and ``ALLOWED_CUSTOM_CALLS`` (the native calls a program may make).
 
-Modules: ``load.py`` (opening, compiling, placing) with ``options.py`` (what it is asked
-to do) and ``devices.py`` (which devices); ``program.py`` (one program: ``validate.py``
-checks it, ``rewrites.py`` rewrites it, ``compile_cache.py`` compiles it or finds it);
-``trainer.py`` (the public trainer) composed of ``state_store.py`` (the state buffers),
-``progress.py`` (steps, seed, data position), ``hyper.py`` (hyperparameters and
-schedules), ``batches.py`` (shape buckets, batch refusals, data files), ``dispatch.py``
-(the hot path), ``calls.py`` (K steps per call), ``runs.py`` (``run``'s loop) and
-``checkpointing.py`` (checkpoint orchestration); ``load_info.py``, ``plan.py`` (compiled
-and refused shape buckets), ``init_state.py`` (where the initial state comes from, and
-placing it) with ``init_source.py`` (the checkpoint files it is read from) and
-``tensor_file.py`` (mapped safetensors), ``state.py`` (named state <-> device buffers),
-``checkpoint.py`` (the checkpoint file format), ``dtypes.py`` (the dtype table),
-``fallback.py`` (slower paths taken, and why), ``store.py`` (bundles fetched from URLs,
-kept by digest), ``remote.py`` (URLs, via fsspec).
+Rooms, lowest first; a room imports only the base modules and the rooms before it
+(``tests/test_layering.py`` holds the order):
+
+- base modules here: ``errors`` (the error types), ``dtypes`` (the dtype table),
+  ``fallback`` (slower paths taken, and why), ``_compat`` (every jaxlib spelling that
+  differs between the versions supported);
+- ``io/``: URLs, the bundle store, mapped safetensors files;
+- ``placement/``: devices, processes, shardings, packed state buffers;
+- ``data/``: dataset folders, their writer and loader, whole-dataset evaluation;
+- ``compile/``: program checks, rewrites, the compile cache, the allocator setting;
+- ``state/``: named state, the initial state's sources, the checkpoint format;
+- ``train/``: the ``Trainer`` and its parts;
+- the face, here: ``load.py`` (opening, compiling, placing) and ``options.py`` (what it
+  is asked to do).
 
 Imports: numpy, jax/jaxlib, msgpack (through stepbundle.schema), fsspec (for URLs).
 Never torch.
@@ -29,24 +29,24 @@ from __future__ import annotations
 
 from stepbundle.stablehlo.artifact import ALLOWED_CUSTOM_CALLS
 
-from .checkpoint import CheckpointFormatError, OtherBundleError
-from .compile_cache import CacheEvent, CacheOutcome, CacheWarning
-from .dataset_writer import write_dataset
-from .distributed import set_cpu_devices
+from .compile.compile_cache import CacheEvent, CacheOutcome, CacheWarning
+from .compile.load_info import LoadInfo
+from .data.dataset_writer import write_dataset
 from .errors import BindingError, CheckpointError, DeviceError, NonFiniteLossError, PlatformError
 from .fallback import PathChoice, PathKind, StepbundleFallbackWarning
-from .init_state import (
+from .load import load
+from .options import CompileOptions, LoadOptions, ParallelOptions, SafetyOptions, StateOptions
+from .placement.distributed import set_cpu_devices
+from .state.checkpoint import CheckpointFormatError, OtherBundleError
+from .state.init_state import (
     InitStateError,
     MissingStateError,
     StateDtypeError,
     StateShapeError,
     UnexpectedStateError,
 )
-from .load import load
-from .load_info import LoadInfo
-from .metrics import to_floats
-from .options import CompileOptions, LoadOptions, ParallelOptions, SafetyOptions, StateOptions
-from .trainer import Trainer
+from .train.metrics import to_floats
+from .train.trainer import Trainer
 
 __all__ = [
     "ALLOWED_CUSTOM_CALLS",

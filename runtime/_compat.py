@@ -324,7 +324,7 @@ def compile_options(num_partitions: int = 1, device_ids: Sequence[int] | None = 
     build.num_partitions = num_partitions
     if num_partitions > 1:
         build.use_spmd_partitioning = True
-        # The programs carry Shardy annotations (runtime/sharding.py); GSPMD's
+        # The programs carry Shardy annotations (runtime/placement/sharding.py); GSPMD's
         # propagation is deprecated in XLA.
         build.use_shardy_partitioner = True
     if device_ids is not None:

@@ -21,21 +21,24 @@ import stepbundle.schema as codec
 from stepbundle.schema.manifest import ConstantInput, Manifest, MetricOutput, Program
 from stepbundle.schema.version import MATMUL_PRECISION_SINCE
 
-from . import _compat, allocator, packing, remote
-from .compile_cache import CompileCache, default_cache_dir
-from .devices import client_for, parse_device, select_devices
+from . import _compat
+from .compile import allocator
+from .compile.compile_cache import CompileCache
+from .compile.load_info import LoadInfo
+from .compile.program import CompiledProgram, compile_program
 from .dtypes import array_from_section
 from .errors import BindingError, PlatformError
 from .fallback import PathChoice
-from .init_source import InitSource, open_source
-from .init_state import InitPlan, place_state, plan_initial_state
-from .load_info import LoadInfo
+from .io import remote
+from .io.store import default_cache_dir, is_digest, resolve_bundle
 from .options import LegacyLoadKeywords, LoadOptions
-from .plan import CompiledPlan, Plan, RefusedPlan, batch_text, build_plan, refused_plan
-from .program import CompiledProgram, compile_program
-from .sharding import Placement, zero1_split
-from .store import is_digest, resolve_bundle
-from .trainer import Trainer
+from .placement import packing
+from .placement.devices import client_for, parse_device, select_devices
+from .placement.sharding import Placement, zero1_split
+from .state.init_source import InitSource, open_source
+from .state.init_state import InitPlan, place_state, plan_initial_state
+from .train.plan import CompiledPlan, Plan, RefusedPlan, batch_text, build_plan, refused_plan
+from .train.trainer import Trainer
 
 if TYPE_CHECKING:
     from typing import Unpack

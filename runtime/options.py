@@ -73,7 +73,7 @@ class CompileOptions:
         backward (``stablehlo/attention.py``). False keeps the program's own attention.
       keep_freed_memory: before compiling for a TPU, tell glibc's allocator to keep the
         memory it frees rather than give it back to the system at once
-        (``runtime/allocator.py``: the TPU compiler's passes allocate and free a great
+        (``runtime/compile/allocator.py``: the TPU compiler's passes allocate and free a great
         deal, and on a sandboxed host each give-back is a slow system call; measured
         there, a CNN's train program compiled 2x faster). Process-wide, once; skipped
         where a ``MALLOC_*_`` variable is set. False leaves the allocator alone.

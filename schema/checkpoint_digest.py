@@ -2,7 +2,7 @@
 
 ``CheckpointDigest`` is the digest's one framing: the metadata's canonical JSON without
 the digest, then per tensor, by name, its name, numpy's dtype string, its shape and its
-bytes. The runtime feeds it the arrays it saves and reads (``runtime/checkpoint.py``'s
+bytes. The runtime feeds it the arrays it saves and reads (``runtime/state/checkpoint.py``'s
 ``checkpoint_digest``); ``load_into`` has torch, not numpy, and reads tensors through
 ``safetensors``, so ``file_digest`` feeds it the file's header and bytes, and both
 readers refuse the same damaged file. Written by hand because the digest is this

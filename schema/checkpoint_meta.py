@@ -4,7 +4,7 @@ A checkpoint is a safetensors file whose ``__metadata__`` maps ``stepbundle`` to
 object, ``CheckpointMeta``: the format number, the step count, the RNG seed, every
 hyperparameter's value by bundle name, the digest of the bundle the state belongs to, and
 (format 2 on) the file's own digest, the schedules and the input pipeline's position.
-Both readers parse it here, with the same checks: the runtime (``runtime/checkpoint.py``,
+Both readers parse it here, with the same checks: the runtime (``runtime/state/checkpoint.py``,
 which also writes it) and ``load_into``, which puts a checkpoint back into a PyTorch
 model and optimizer (``stepbundle.frontend.checkpoint``).
 
@@ -51,7 +51,7 @@ __all__ = [
 #   optional, "schedules" (hyperparameter name -> schedule spec, or null for a Python
 #   function) and "data" (the input pipeline's position, a JSON object), so a resume
 #   continues both. Format 1 files (none of these) still load.
-# 2026-12-07: 2, unchanged on disk; the codec moved from runtime/checkpoint.py to
+# 2026-12-07: 2, unchanged on disk; the codec moved from runtime/state/checkpoint.py to
 #   schema/checkpoint_meta.py so that load_into (PyTorch) reads with the same checks.
 CHECKPOINT_FORMAT = 2
 SUPPORTED_FORMATS = frozenset({1, 2})
@@ -80,7 +80,7 @@ class CheckpointMeta:
       hyperparameters: every hyperparameter's value by name (``HyperparameterPlace``).
       bundle_digest: the digest ("sha256:...") of the bundle the state belongs to.
       sha256: hex SHA-256 over this metadata and every tensor (``checkpoint_digest`` of
-        ``runtime/checkpoint.py``); format 2 on, None in format 1 files.
+        ``runtime/state/checkpoint.py``); format 2 on, None in format 1 files.
       schedules: each scheduled hyperparameter's schedule spec, or None where the
         schedule was a Python function (which a resume must set again).
       data: the input pipeline's position for the next step (a loader's ``state()``),

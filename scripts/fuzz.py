@@ -22,7 +22,7 @@ program compiled again) and every number must equal an uncached load's. A forged
 is its own family: the key and digest catch damage and mix-ups, not forgery, so it is a
 hit and runs the foreign executable; its outcome is printed, never counted as a
 failure (the cache folder must be as trusted as the bundles; see
-``stepbundle.runtime.compile_cache.read_cache_entry``).
+``stepbundle.runtime.compile.compile_cache.read_cache_entry``).
 
 ``--target checkpoint`` damages checkpoints written from the golden bundles (bit flips
 in the header length, the tensor records, the stepbundle metadata or the tensor bytes,
@@ -244,9 +244,9 @@ def _cache_worker(args: argparse.Namespace) -> dict[str, Any]:
     import numpy as np
     from runtime_helpers import GOLDEN_NAMES, golden_batches, golden_bundle
 
-    from stepbundle.runtime import compile_cache as prog
     from stepbundle.runtime import load
-    from stepbundle.runtime.compile_cache import CacheOutcome
+    from stepbundle.runtime.compile import compile_cache as prog
+    from stepbundle.runtime.compile.compile_cache import CacheOutcome
 
     work = Path(tempfile.mkdtemp(prefix="stepbundle-fuzz-cache-"))
     bundle = golden_bundle(CACHE_GOLDEN)

@@ -3,7 +3,7 @@
 ``rewrite_attention`` puts a call of a fused forward function where the attention's
 output product ``o`` was, and of a fused backward function (taking the forward's
 residuals) where the first of ``dq``, ``dkt``, ``dv`` was; the functions come from the
-caller (``runtime/fused_attention.py`` lowers jax's Pallas kernels) as MLIR text, are
+caller (``runtime/compile/fused_attention.py`` lowers jax's Pallas kernels) as MLIR text, are
 checked against the site's types and moved into the module as private functions (one
 pair per shape). The (T, T) operations are left for XLA to drop, unused.
 

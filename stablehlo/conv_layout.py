@@ -4,7 +4,7 @@ XLA's CPU compiler runs a convolution as an Eigen kernel when its operands are i
 HWIO order (batch, spatial..., feature; spatial..., input feature, output feature), and
 its ``ConvCanonicalization`` pass puts every other convolution in that order with
 transposes around it, but only in the entry computation. A convolution inside a
-``stablehlo.while`` body (``runtime/multistep.py``'s K-step loop) keeps its order and
+``stablehlo.while`` body (``runtime/compile/multistep.py``'s K-step loop) keeps its order and
 runs XLA's generic convolution loop instead, which sums in another order: measured, a
 small CNN's loss 1 ulp apart from a single step's at step 1.
 

@@ -30,7 +30,7 @@ without the rewrite in the same run (``benchmarks/device/compile_variants.py``):
 - batched, as here: 6.4 s against 4.6 s (rounds of 7.4/6.4/2.9 s: the host is noisy).
 
 So the runtime applies it only where exactness is asked for: on accelerators under the
-"high" and "highest" matmul precisions (``runtime/rewrites.py``). At the default a TPU's
+"high" and "highest" matmul precisions (``runtime/compile/rewrites.py``). At the default a TPU's
 bf16 matmul passes are the larger error; on a CPU ``powf`` is within an ulp already.
 Larger powers are left alone: a TPU emulates float64, and only the scalar corrections
 are amplified as above.
@@ -208,7 +208,7 @@ def rewrite_powers(module: Module, max_elements: int = MAX_ELEMENTS, exact: bool
 
     Raises:
       ValueError: the module does not verify after the rewrite (it may then be partly
-        rewritten: ``runtime/rewrites.py`` rewrites a copy).
+        rewritten: ``runtime/compile/rewrites.py`` rewrites a copy).
     """
     done = 0
     with module._ctx:

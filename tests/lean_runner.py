@@ -15,8 +15,8 @@ import importlib.util
 import numpy as np
 
 from stepbundle.runtime import load
-from stepbundle.runtime.batches import iter_batches
-from stepbundle.runtime.schedule import parse_schedule
+from stepbundle.runtime.train.batches import iter_batches
+from stepbundle.runtime.train.schedule import parse_schedule
 
 
 def main() -> None:

@@ -5,10 +5,10 @@ In each page:
 
 - a relative Markdown link (``[text](target)``) resolves, from the page's folder, to a
   file or folder inside the repository;
-- a file path (``runtime/loader.py``, ``tests/golden/v1.0/``) whose first part is a
+- a file path (``runtime/data/loader.py``, ``tests/golden/v1.0/``) whose first part is a
   top-level entry of the repository (or of the page's own folder), and any path ending
   in ``.py``, exists;
-- a dotted module name (``stepbundle.runtime.dataset_writer``, with an optional last
+- a dotted module name (``stepbundle.runtime.data.dataset_writer``, with an optional last
   part that names something the module defines: ``...dataset_writer.write_dataset``)
   resolves to a module file or package folder through pyproject.toml's package-dir
   mapping;
@@ -215,18 +215,20 @@ def test_every_docs_page_is_linked_from_the_readme() -> None:
 def test_the_checker_sees_what_it_must(tmp_path: Path) -> None:
     """The checks have teeth: each kind of stale reference is reported."""
     dirs = package_dirs()
-    assert resolve_module("stepbundle.runtime.dataset_writer.write_dataset", dirs) is None
+    assert resolve_module("stepbundle.runtime.data.dataset_writer.write_dataset", dirs) is None
     assert resolve_module("stepbundle.runtime.load", dirs) is None
     assert resolve_module("stepbundle.schema.describe", dirs) is None
     assert resolve_module("stepbundle.runtime.mlir.ALLOWED_CUSTOM_CALLS", dirs) is not None
     assert resolve_module("stepbundle.nonexistent", dirs) is not None
     page = ROOT / "README.md"
-    assert path_problem("runtime/loader.py", page) is None
+    assert path_problem("runtime/data/loader.py", page) is None
     assert path_problem("runtime/no_such_module.py", page) is not None
     assert path_problem("no_such_folder/module.py", page) is not None
     assert path_problem("ckpt/step-00000500.safetensors", page) is None
-    tokens = set(path_tokens("see `runtime/loader.py`'s docstring and (tests/frontend_torch)."))
-    assert tokens == {"runtime/loader.py", "tests/frontend_torch"}
+    tokens = set(
+        path_tokens("see `runtime/data/loader.py`'s docstring and (tests/frontend_torch).")
+    )
+    assert tokens == {"runtime/data/loader.py", "tests/frontend_torch"}
 
 
 SOURCE_DIRS = (

@@ -263,6 +263,40 @@ def layer_violations(edges: Mapping[str, Iterable[str]]) -> list[str]:
     return sorted(bad)
 
 
+# The runtime's rooms, lowest first: a room imports the base modules and the rooms before
+# it, never one after it nor the face (``load.py``, ``options.py``, the package itself),
+# which may import them all. The base modules import only each other.
+RUNTIME_ROOMS = ("io", "placement", "data", "compile", "state", "train")
+RUNTIME_BASE = frozenset({"errors", "dtypes", "fallback", "_compat"})
+
+
+def runtime_room(module: str) -> str | None:
+    """``"base"``, a room's name, ``"face"``, or None outside the runtime."""
+    parts = module.split(".")
+    if parts[:2] != ["stepbundle", "runtime"]:
+        return None
+    if len(parts) > 2 and parts[2] in RUNTIME_ROOMS:
+        return parts[2]
+    if len(parts) > 2 and parts[2] in RUNTIME_BASE:
+        return "base"
+    return "face"
+
+
+def room_violations(edges: Mapping[str, Iterable[str]]) -> list[str]:
+    bad = []
+    for src, targets in edges.items():
+        a = runtime_room(src)
+        if a is None or a == "face":
+            continue
+        for dst in targets:
+            b = runtime_room(dst)
+            if b is None or b == a or b == "base":
+                continue
+            if a == "base" or b == "face" or RUNTIME_ROOMS.index(b) > RUNTIME_ROOMS.index(a):
+                bad.append(f"{src} -> {dst} (runtime room {a} may not import {b})")
+    return sorted(bad)
+
+
 def cycles(edges: Mapping[str, Iterable[str]]) -> list[list[str]]:
     """Strongly connected components with more than one module, or a self-import."""
     index: dict[str, int] = {}
@@ -370,6 +404,27 @@ def test_the_checker_sees_a_forbidden_edge_and_a_cycle() -> None:
     assert ["stepbundle.schema.errors", "stepbundle.schema.manifest"] in cycles(edges)
 
 
+def test_the_runtime_rooms_import_downwards_only() -> None:
+    folders = {p.name for p in (ROOT / "runtime").iterdir() if (p / "__init__.py").exists()}
+    assert folders == set(RUNTIME_ROOMS)
+    assert room_violations(graph()) == []
+
+
+def test_the_checker_sees_a_room_edge_the_wrong_way() -> None:
+    edges = {k: set(v) for k, v in graph().items()}
+    edges["stepbundle.runtime.io.store"].add("stepbundle.runtime.compile.compile_cache")
+    edges["stepbundle.runtime.errors"].add("stepbundle.runtime.train.metrics")
+    edges["stepbundle.runtime.train.trainer"].add("stepbundle.runtime.load")
+    assert room_violations(edges) == [
+        "stepbundle.runtime.errors -> stepbundle.runtime.train.metrics"
+        " (runtime room base may not import train)",
+        "stepbundle.runtime.io.store -> stepbundle.runtime.compile.compile_cache"
+        " (runtime room io may not import compile)",
+        "stepbundle.runtime.train.trainer -> stepbundle.runtime.load"
+        " (runtime room train may not import face)",
+    ]
+
+
 def test_lazy_imports_are_edges(tmp_path: Path) -> None:
     path = tmp_path / "mod.py"
     path.write_text("def f():\n    from stepbundle.runtime import load\n    from . import x\n")
@@ -384,23 +439,23 @@ def test_the_checker_sees_constant_dynamic_imports(tmp_path: Path) -> None:
         "from importlib import import_module as im\n"
         "def f():\n"
         "    importlib.import_module('stepbundle.runtime.load')\n"
-        "    im('stepbundle.runtime.trainer')\n"
-        "    __import__('stepbundle.runtime.plan')\n"
+        "    im('stepbundle.runtime.train.trainer')\n"
+        "    __import__('stepbundle.runtime.train.plan')\n"
         "    importlib.import_module('.x', __package__)\n"
     )
     mods = {"stepbundle.exporter.mod": path, "stepbundle.exporter.x": path}
     found = imports_of("stepbundle.exporter.mod", path, mods)
     assert found >= {
         "stepbundle.runtime.load",
-        "stepbundle.runtime.trainer",
-        "stepbundle.runtime.plan",
+        "stepbundle.runtime.train.trainer",
+        "stepbundle.runtime.train.plan",
         "stepbundle.exporter.x",
     }
     assert dynamic_import_violations({"stepbundle.exporter.mod": path}) == []
     edges = {"stepbundle.exporter.mod": found}
     assert layer_violations(edges) == [
         f"stepbundle.exporter.mod -> stepbundle.runtime.{m} (exporter may not import runtime)"
-        for m in ("load", "plan", "trainer")
+        for m in ("load", "train.plan", "train.trainer")
     ]
 
 

@@ -40,7 +40,8 @@ from runtime_helpers import (  # noqa: E402
     rel,
 )
 
-from stepbundle.runtime import _compat, load, rewrites  # noqa: E402
+from stepbundle.runtime import _compat, load  # noqa: E402
+from stepbundle.runtime.compile import rewrites  # noqa: E402
 from stepbundle.schema.reader import open_bundle  # noqa: E402
 from stepbundle.stablehlo import artifact as mlir  # noqa: E402
 from stepbundle.stablehlo.pow_precision import rewrite_powers  # noqa: E402

@@ -141,7 +141,7 @@ def child(a: argparse.Namespace) -> int:
             opts.executable_build_options.exec_time_optimization_effort = a.effort
             return opts
 
-        _compat.compile_options = with_effort  # runtime/program.py calls it through _compat
+        _compat.compile_options = with_effort  # runtime/compile/program.py calls it through _compat
     out = {}
     for entry in a.child.split(","):
         t = load(a.bundle, device=a.platform, entry=entry, cache_dir=False)

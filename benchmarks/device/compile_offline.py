@@ -44,10 +44,11 @@ from typing import Any  # noqa: E402
 import jax  # noqa: E402
 from jax.experimental import topologies  # noqa: E402
 
-from stepbundle.runtime import _compat, rewrites  # noqa: E402
+from stepbundle.runtime import _compat
+from stepbundle.runtime.compile import rewrites
+from stepbundle.runtime.compile.program import compile_program  # noqa: E402
 from stepbundle.runtime.load import _open_bundle, _scalar_constants  # noqa: E402
-from stepbundle.runtime.program import compile_program  # noqa: E402
-from stepbundle.runtime.sharding import Placement  # noqa: E402
+from stepbundle.runtime.placement.sharding import Placement  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from compile_passes import summarize  # noqa: E402

@@ -3,7 +3,7 @@
     python benchmarks/device/compile_variants.py BUNDLE --platform tpu --out variants.json
 
 Every variant is a ``load(..., cache_dir=False)`` of one entry, with a load option or the
-runtime's rewrite pipeline (``runtime/rewrites.py``) changed in one way: a rewrite
+runtime's rewrite pipeline (``runtime/compile/rewrites.py``) changed in one way: a rewrite
 dropped, or a family of operations zeroed before the rewrites that follow (its
 operands then feed nothing and XLA drops them, so the time it leaves is what that family
 costs the compiler). Variants compile one after another in this process, in ``--rounds``
@@ -33,7 +33,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from stepbundle.runtime import load, rewrites
+from stepbundle.runtime import load
+from stepbundle.runtime.compile import rewrites
 from stepbundle.stablehlo import artifact as mlir
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -197,7 +198,7 @@ def main() -> int:
         "jax": jax.__version__,
         "device_kind": jax.devices(platform)[0].device_kind,
         "rounds": a.rounds,
-        # runtime/allocator.py: whether the loads told glibc to keep freed memory, and the
+        # runtime/compile/allocator.py: whether the loads told glibc to keep freed memory, and the
         # process's peak and final resident memory with it
         "kept_freed_memory": bool(kept),
         "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,

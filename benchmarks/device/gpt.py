@@ -231,8 +231,8 @@ def bench(args: argparse.Namespace) -> int:
     import jax.profiler
 
     from stepbundle.runtime import load
-    from stepbundle.runtime.checkpoint import write_safetensors
     from stepbundle.runtime.options import LoadOptions
+    from stepbundle.runtime.state.checkpoint import write_safetensors
 
     platform = args.platform or jax.default_backend()
     dev = jax.devices(platform)[0]
@@ -257,7 +257,7 @@ def bench(args: argparse.Namespace) -> int:
         if without is None:
             return load(args.bundle, device=platform, options=opts)
         # The runtime's pipeline less one rewrite (rewrites.py reads REWRITES at each load).
-        from stepbundle.runtime import rewrites
+        from stepbundle.runtime.compile import rewrites
 
         before = rewrites.REWRITES
         rewrites.REWRITES = tuple(r for r in before if r[0] != without)
@@ -282,7 +282,7 @@ def bench(args: argparse.Namespace) -> int:
         # The bundle with its one-hot loss sums kept (stablehlo/onehot.py not applied).
         variants["bundle_onehot"] = load_bundle(True, without="onehot-sums")
         out["bundle_onehot_compile_s"] = variants["bundle_onehot"].load_info.seconds.get("compile")
-    from stepbundle.runtime import fused_attention
+    from stepbundle.runtime.compile import fused_attention
     from stepbundle.stablehlo import onehot
 
     for spec in args.variant:
@@ -298,7 +298,7 @@ def bench(args: argparse.Namespace) -> int:
         try:
             v = load_bundle(True)
             # A tuning the kernels reject falls back to the traced attention with a
-            # warning (runtime/rewrites.py): that is an error here, not a variant.
+            # warning (runtime/compile/rewrites.py): that is an error here, not a variant.
             if not v.load_info.fused_attention:
                 raise ValueError("nothing was fused (the kernels refused this tuning)")
             variants[name] = v

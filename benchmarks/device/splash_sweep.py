@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from stepbundle.runtime import fused_attention
+from stepbundle.runtime.compile import fused_attention
 from stepbundle.stablehlo.attention import Site
 
 FORWARD = {  # fields that change only the forward kernel

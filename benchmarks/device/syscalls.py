@@ -6,7 +6,7 @@
 and unmapped (what glibc does for a large block it frees), and a 1 MB ``bytearray``
 (glibc's malloc and free as Python uses them), each averaged over many calls. The TPU
 host this project measures on runs under gVisor, where these cost several times what
-they cost on the CPU machine (``runtime/allocator.py`` has both).
+they cost on the CPU machine (``runtime/compile/allocator.py`` has both).
 
 Imports: the standard library.
 """

@@ -100,7 +100,7 @@ def outputs_onto_inputs(folder: Path) -> None:
     """Item 2: --metrics-file/--save-state/--checkpoint-dir/--tensorboard aimed at inputs."""
     import numpy as np
 
-    from stepbundle.runtime.dataset_writer import write_dataset
+    from stepbundle.runtime.data.dataset_writer import write_dataset
 
     base = _base(folder)
     bundle = base[1]
@@ -125,7 +125,7 @@ def outputs_onto_inputs(folder: Path) -> None:
 
 def lr_zero_in_float32(folder: Path) -> None:
     """Item 3: lr=1e-46 by --set, by a schedule and from a checkpoint (capturable Adam)."""
-    from stepbundle.runtime.checkpoint import read_checkpoint, write_checkpoint
+    from stepbundle.runtime.state.checkpoint import read_checkpoint, write_checkpoint
 
     base = _base(folder, "batchnorm_lr")
     out = folder / "final.safetensors"
@@ -161,7 +161,7 @@ def eval_data_missing(folder: Path) -> None:
 
 def save_state_at_until_step(folder: Path) -> None:
     """Item 20: --until-step already reached still writes --save-state."""
-    from stepbundle.runtime.checkpoint import read_checkpoint
+    from stepbundle.runtime.state.checkpoint import read_checkpoint
 
     base = _base(folder)
     first, again = folder / "first.safetensors", folder / "again.safetensors"
@@ -177,7 +177,7 @@ def save_state_at_until_step(folder: Path) -> None:
 
 def metrics_after_sigkill(folder: Path) -> None:
     """Item 22: SIGKILL, a torn last line, --resume: one metrics row per step."""
-    from stepbundle.runtime.checkpoint import read_checkpoint
+    from stepbundle.runtime.state.checkpoint import read_checkpoint
 
     ck, metrics = folder / "ck", folder / "metrics.jsonl"
     base = [*_base(folder), "--checkpoint-dir", str(ck), "--metrics-file", str(metrics)]
@@ -217,7 +217,7 @@ def eval_batch_size_flag(folder: Path) -> None:
     """Item 23: `eval --eval-batch-size` (run's name) works; `--batch-size` notes it."""
     import numpy as np
 
-    from stepbundle.runtime.dataset_writer import write_dataset
+    from stepbundle.runtime.data.dataset_writer import write_dataset
 
     rows = folder / "rows"
     rng = np.random.default_rng(0)

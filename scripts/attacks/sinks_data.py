@@ -187,7 +187,7 @@ def sigkill_after_a_checkpoint_leaves_no_tensorboard_hole(tmp: Path) -> None:
 def _dataset(folder: Path, rows: int, rows_per_shard: int | None = None) -> Path:
     import numpy as np
 
-    from stepbundle.runtime.dataset_writer import write_dataset
+    from stepbundle.runtime.data.dataset_writer import write_dataset
 
     rng = np.random.default_rng(0)
     data = {
@@ -200,7 +200,7 @@ def _dataset(folder: Path, rows: int, rows_per_shard: int | None = None) -> Path
 
 def nested_dataset_index(tmp: Path) -> None:
     """Item 13: a dataset.json nested 100,000 deep is a typed refusal."""
-    from stepbundle.runtime.dataset import DataError, DataErrorKind, open_dataset
+    from stepbundle.runtime.data.dataset import DataError, DataErrorKind, open_dataset
 
     ds = _dataset(tmp / "ds", 24)
     deep = "[" * 100_000 + "]" * 100_000

@@ -65,7 +65,7 @@ from support import (
 )
 
 from stepbundle.exporter import Recipe
-from stepbundle.runtime.schedule import parse_schedule
+from stepbundle.runtime.train.schedule import parse_schedule
 
 ROOT = Path(__file__).resolve().parents[2]
 TABLE_PATH = ROOT / "build" / "equivalence-table.md"

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from stepbundle.exporter import Recipe
-from stepbundle.runtime.schedule import parse_schedule
+from stepbundle.runtime.train.schedule import parse_schedule
 
 # ------------------------------------------------------------------------ bounds
 

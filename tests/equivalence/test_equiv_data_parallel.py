@@ -36,7 +36,7 @@ from support import (
 
 from stepbundle.exporter import Recipe
 from stepbundle.runtime import BindingError, load
-from stepbundle.runtime.schedule import parse_schedule
+from stepbundle.runtime.train.schedule import parse_schedule
 
 TOL = 1e-5
 

@@ -16,7 +16,7 @@ import pytest
 from equiv_harness import CaseRuns, assert_matches_cpu, assert_replays_torch_xla
 from equiv_models import CASES, GPT_SCHEDULE, GPT_SCHEDULE_OFFSET
 
-from stepbundle.runtime.schedule import parse_schedule
+from stepbundle.runtime.train.schedule import parse_schedule
 
 GPT = "GPT (tied emb., dropout, clip, warmup-cosine)"
 NAMES = [GPT, "GPT, bf16 autocast", "GPT, 4 accumulated micro-batches"]

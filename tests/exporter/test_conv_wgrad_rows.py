@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from stepbundle.exporter import Recipe, export
-from stepbundle.runtime import load, rewrites
+from stepbundle.runtime import load
+from stepbundle.runtime.compile import rewrites
 from stepbundle.stablehlo.conv_wgrad import rewrite_weight_gradients
 
 LR = 0.5  # large, so the step's change dominates float32 rounding of the weights

@@ -22,7 +22,8 @@ import torch
 from torch import nn
 
 from stepbundle.exporter import Recipe, export
-from stepbundle.runtime import load, rewrites
+from stepbundle.runtime import load
+from stepbundle.runtime.compile import rewrites
 from stepbundle.runtime.dtypes import array_from_section
 from stepbundle.schema.reader import open_bundle
 from stepbundle.stablehlo import artifact as mlir
@@ -184,7 +185,7 @@ def test_fused_attention_matches_float64_as_well_as_the_traced_one(
 ) -> None:
     if blocks > 1:  # a longer context than the kernels' block: the online softmax across
         # blocks, and the block above the diagonal skipped
-        from stepbundle.runtime import fused_attention
+        from stepbundle.runtime.compile import fused_attention
 
         monkeypatch.setattr(fused_attention, "BLOCK", T)
         monkeypatch.setitem(globals(), "T", T * blocks)
@@ -356,7 +357,7 @@ def test_a_graph_whose_math_differs_is_not_matched(tmp_path: Path) -> None:
 def test_the_kernels_do_not_depend_on_who_lowers_them(tmp_path: Path) -> None:
     # The rewritten program is the compile cache's key: the kernels' bytes must not name
     # the calling script's file and line (jax puts tracebacks in locations).
-    from stepbundle.runtime.fused_attention import kernels_for
+    from stepbundle.runtime.compile.fused_attention import kernels_for
 
     path, _ = _export(tmp_path)
     module, fills = _module_and_fills(path)

@@ -41,8 +41,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from stepbundle.runtime.checkpoint import read_checkpoint
-from stepbundle.runtime.dataset_writer import write_dataset
+from stepbundle.runtime.data.dataset_writer import write_dataset
+from stepbundle.runtime.state.checkpoint import read_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "cifar_cnn.py"

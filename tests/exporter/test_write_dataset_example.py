@@ -8,8 +8,8 @@ from pathlib import Path
 
 import numpy as np
 
-from stepbundle.runtime.dataset import open_dataset
-from stepbundle.runtime.loader import Loader
+from stepbundle.runtime.data.dataset import open_dataset
+from stepbundle.runtime.data.loader import Loader
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "write_dataset.py"
 

@@ -64,7 +64,7 @@ def test_a_bundle_without_weights_and_with_metadata(tmp_path: Path) -> None:
 
     from stepbundle.export_torch import export
     from stepbundle.runtime import load
-    from stepbundle.runtime.checkpoint import write_safetensors
+    from stepbundle.runtime.state.checkpoint import write_safetensors
 
     full, free = tmp_path / "full.stepbundle", tmp_path / "free.stepbundle"
     export(linear_adamw.recipe(), full)

@@ -29,7 +29,7 @@ from support import Run, make_batches, run_bundle_lean
 from torch_cases import mlp_no_dropout
 from torch_refs import eager32, exact64, f64_failures, same32, tied_aliases
 
-from stepbundle.runtime.schedule import parse_schedule
+from stepbundle.runtime.train.schedule import parse_schedule
 
 EAGER_REASON = (
     "The same float32 step computed by two implementations: XLA:CPU through the bundle and "

@@ -36,7 +36,7 @@ from runtime_helpers import golden_folder_name  # noqa: E402
 from support import make_batches, save_batches, to_numpy, train_eager_xla  # noqa: E402
 
 from stepbundle.exporter import export  # noqa: E402
-from stepbundle.runtime.schedule import parse_schedule  # noqa: E402
+from stepbundle.runtime.train.schedule import parse_schedule  # noqa: E402
 from stepbundle.schema import open_bundle  # noqa: E402
 from stepbundle.schema.version import FORMAT_VERSION  # noqa: E402
 

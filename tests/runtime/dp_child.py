@@ -22,8 +22,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from runtime_helpers import GOLDEN_SCHEDULES, GOLDEN_STEPS, golden_batches, golden_bundle
 
-from stepbundle.runtime import distributed, load
-from stepbundle.runtime.schedule import parse_schedule
+from stepbundle.runtime import load
+from stepbundle.runtime.placement import distributed
+from stepbundle.runtime.train.schedule import parse_schedule
 
 
 def main() -> None:

@@ -17,9 +17,10 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from runtime_helpers import golden_bundle
 
-from stepbundle.runtime import distributed, load
-from stepbundle.runtime.dataset import open_dataset
-from stepbundle.runtime.loader import Loader
+from stepbundle.runtime import load
+from stepbundle.runtime.data.dataset import open_dataset
+from stepbundle.runtime.data.loader import Loader
+from stepbundle.runtime.placement import distributed
 
 STEPS = 6
 

@@ -113,7 +113,8 @@ def write_new_checkpoint(target: Path, point: str, cache: str) -> None:
     """Train linear_adamw three steps and save its checkpoint over ``target``."""
     from runtime_helpers import golden_batches, golden_bundle
 
-    from stepbundle.runtime import checkpoint, load
+    from stepbundle.runtime import load
+    from stepbundle.runtime.state.named import checkpoint
 
     trainer = load(golden_bundle("linear_adamw"), cache_dir=cache or False)
     trainer.run(golden_batches("linear_adamw"), 3)

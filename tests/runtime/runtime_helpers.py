@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from stepbundle.runtime.batches import iter_batches
+from stepbundle.runtime.train.batches import iter_batches
 
 GOLDEN_ROOT = Path(__file__).resolve().parent.parent / "golden"
 """Golden files, one folder per format version (``v1.0``, ...): written once by

@@ -1,4 +1,4 @@
-"""runtime/allocator.py: glibc told to keep freed memory, in fresh processes (the setting
+"""runtime/compile/allocator.py: glibc told to keep freed memory, in fresh processes (the setting
 is process-wide). What it changes is read from the kernel: the process's resident memory
 after freeing 160 MB, with the default allocator and after ``keep_freed_memory``."""
 
@@ -18,7 +18,7 @@ from stepbundle.runtime import CompileOptions, load
 # and reports the resident memory before and after the frees (from /proc/self/statm).
 CHILD = """
 import ctypes, json, os, sys
-from stepbundle.runtime import allocator
+from stepbundle.runtime.compile import allocator
 if sys.argv[1] == "late":  # jax's backends (the CPU's here) started first
     import jax
     jax.devices("cpu")

@@ -21,7 +21,7 @@ import pytest
 from runtime_helpers import golden_batches, golden_bundle
 
 from stepbundle.runtime import load
-from stepbundle.runtime.compile_cache import CacheOutcome, CacheWarning
+from stepbundle.runtime.compile.compile_cache import CacheOutcome, CacheWarning
 
 
 def entries(cache: Path) -> list[Path]:

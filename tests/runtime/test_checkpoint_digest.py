@@ -11,8 +11,8 @@ import pytest
 from runtime_helpers import golden_batches, golden_bundle
 
 from stepbundle.runtime import CheckpointError, load
-from stepbundle.runtime.checkpoint import read_checkpoint, write_checkpoint
 from stepbundle.runtime.dtypes import NUMPY_DTYPES, SAFETENSORS_CODES
+from stepbundle.runtime.state.checkpoint import read_checkpoint, write_checkpoint
 from stepbundle.schema.checkpoint_digest import NUMPY_DTYPE_STRINGS, file_digest, verify_file
 from stepbundle.schema.checkpoint_meta import CheckpointMeta
 

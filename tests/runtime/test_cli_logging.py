@@ -362,7 +362,7 @@ def test_refusals_before_loading(
 # ------------------------------------------------------------- dataset folders
 def _dataset(name: str, tmp_path: Path) -> Path:
     """The golden inputs of ``name`` as a dataset folder (3 batches' rows)."""
-    from stepbundle.runtime.dataset_writer import write_dataset
+    from stepbundle.runtime.data.dataset_writer import write_dataset
 
     with np.load(GOLDEN_DIR / f"{name}.inputs.npz") as z:
         rows = {k: v.reshape(-1, *v.shape[2:]) for k, v in z.items()}

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from runtime_helpers import GOLDEN_DIR, golden_bundle
 
-from stepbundle.runtime.checkpoint import read_safetensors
+from stepbundle.runtime.state.checkpoint import read_safetensors
 
 NAME = "dropout_sgd"  # RNG seed, dropout: a resume that lost the seed would show
 TOTAL = 6000
@@ -131,7 +131,11 @@ def test_a_closed_stdout_stops_the_run_and_keeps_the_state(tmp_path: Path) -> No
 
 
 def test_resume_from_another_bundles_checkpoint_needs_the_flag(tmp_path: Path) -> None:
-    from stepbundle.runtime.checkpoint import CheckpointMeta, checkpoint_digest, write_safetensors
+    from stepbundle.runtime.state.checkpoint import (
+        CheckpointMeta,
+        checkpoint_digest,
+        write_safetensors,
+    )
 
     first = subprocess.run(
         run_cmd("--steps", "3", "--checkpoint-dir", str(tmp_path), "--checkpoint-every", "3"),

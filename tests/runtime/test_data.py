@@ -1,4 +1,4 @@
-"""The on-disk dataset (runtime/dataset.py, dataset_writer.py) and its loader (loader.py).
+"""The on-disk dataset (runtime/data/dataset.py, dataset_writer.py) and its loader (loader.py).
 
 numpy only (no jax program runs): these tests also run in the lean environment.
 """
@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from stepbundle.runtime.dataset import (
+from stepbundle.runtime.data.dataset import (
     INDEX_NAME,
     DataError,
     DataErrorKind,
@@ -25,9 +25,9 @@ from stepbundle.runtime.dataset import (
     open_dataset,
     shard_file_name,
 )
-from stepbundle.runtime.dataset_writer import DatasetWriter, write_dataset
+from stepbundle.runtime.data.dataset_writer import DatasetWriter, write_dataset
+from stepbundle.runtime.data.loader import LastBatch, Loader, LoaderState
 from stepbundle.runtime.errors import BindingError
-from stepbundle.runtime.loader import LastBatch, Loader, LoaderState
 from stepbundle.schema.errors import BundleError
 
 Batch = dict[str, np.ndarray[Any, Any]]
@@ -391,8 +391,8 @@ _CHILD = textwrap.dedent(
     """
     import resource, sys
     import numpy as np
-    from stepbundle.runtime.dataset import open_dataset
-    from stepbundle.runtime.loader import Loader
+    from stepbundle.runtime.data.dataset import open_dataset
+    from stepbundle.runtime.data.loader import Loader
 
     def vm_data():
         for line in open("/proc/self/status"):

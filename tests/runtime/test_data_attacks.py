@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 from runtime_helpers import golden_bundle
 
-from stepbundle.runtime.checkpoint import read_checkpoint
-from stepbundle.runtime.dataset import DataError, DataErrorKind, open_dataset
-from stepbundle.runtime.dataset_writer import write_dataset
-from stepbundle.runtime.loader import Loader
+from stepbundle.runtime.data.dataset import DataError, DataErrorKind, open_dataset
+from stepbundle.runtime.data.dataset_writer import write_dataset
+from stepbundle.runtime.data.loader import Loader
+from stepbundle.runtime.state.checkpoint import read_checkpoint
 
 BUNDLE = str(golden_bundle("linear_adamw"))  # x float32[8,5], y float32[8,3]
 

@@ -31,8 +31,8 @@ from runtime_helpers import (
 )
 
 from stepbundle.runtime import BindingError, NonFiniteLossError, PlatformError, load
-from stepbundle.runtime.checkpoint import read_safetensors
-from stepbundle.runtime.schedule import parse_schedule
+from stepbundle.runtime.state.checkpoint import read_safetensors
+from stepbundle.runtime.train.schedule import parse_schedule
 from stepbundle.schema import open_bundle
 from stepbundle.schema.manifest import StateKind
 
@@ -461,9 +461,9 @@ def test_cli_runs_data_parallel_on_virtual_cpu_devices(
 def test_two_processes_read_disjoint_rows_of_a_dataset_and_match_one_device(
     tmp_path: Path,
 ) -> None:
-    from stepbundle.runtime.dataset import open_dataset
-    from stepbundle.runtime.dataset_writer import write_dataset
-    from stepbundle.runtime.loader import Loader
+    from stepbundle.runtime.data.dataset import open_dataset
+    from stepbundle.runtime.data.dataset_writer import write_dataset
+    from stepbundle.runtime.data.loader import Loader
 
     rng = np.random.default_rng(11)
     data = tmp_path / "ds"

@@ -10,9 +10,9 @@ import pytest
 from runtime_helpers import golden_bundle
 
 from stepbundle.runtime import BindingError, load
-from stepbundle.runtime.dataset import open_dataset
-from stepbundle.runtime.dataset_writer import write_dataset
-from stepbundle.runtime.loader import Loader
+from stepbundle.runtime.data.dataset import open_dataset
+from stepbundle.runtime.data.dataset_writer import write_dataset
+from stepbundle.runtime.data.loader import Loader
 
 ROWS = 21  # 2 batches of 8 and a last batch of 5 (which is also a bucket)
 

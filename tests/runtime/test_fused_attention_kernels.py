@@ -1,4 +1,4 @@
-"""runtime/fused_attention.py's kernels on their own, under Pallas's interpreter on the CPU.
+"""runtime/compile/fused_attention.py's kernels on their own, under Pallas's interpreter on the CPU.
 
 The whole rewrite (matching, splicing, a training step against float64 PyTorch) is
 tests/exporter/test_fused_attention.py's; these check the kernels' settings.
@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from stepbundle.runtime import fused_attention as fa
+from stepbundle.runtime.compile import fused_attention as fa
 from stepbundle.stablehlo.attention import Site
 
 

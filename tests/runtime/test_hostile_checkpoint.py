@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from runtime_helpers import golden_batches, golden_bundle
 
 from stepbundle.runtime import CheckpointError, Trainer, load
-from stepbundle.runtime.checkpoint import read_safetensors
+from stepbundle.runtime.state.checkpoint import read_safetensors
 
 
 @pytest.fixture(scope="module")

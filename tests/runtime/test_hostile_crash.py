@@ -24,7 +24,7 @@ import pytest
 from runtime_helpers import golden_batches, golden_bundle
 
 from stepbundle.runtime import CheckpointError, load
-from stepbundle.runtime.checkpoint import read_safetensors
+from stepbundle.runtime.state.checkpoint import read_safetensors
 from stepbundle.schema import BundleError, SectionPayload, open_bundle, write_bundle
 
 CHILD = Path(__file__).resolve().parent / "hostile_writer_child.py"

@@ -39,7 +39,7 @@ from stepbundle.schema.layout import HEADER_SIZE
 
 # The modules, not the function ``stepbundle.runtime.load`` that shadows the first.
 LOAD_MODULE = importlib.import_module("stepbundle.runtime.load")
-PROGRAM_MODULE = importlib.import_module("stepbundle.runtime.validate")
+PROGRAM_MODULE = importlib.import_module("stepbundle.runtime.compile.validate")
 
 
 def _sections(name: str) -> list[tuple[str, SectionKind, int, int]]:

@@ -26,16 +26,16 @@ from remote_helpers import HostileServer
 from runtime_helpers import golden_batches, golden_bundle
 
 from stepbundle.cli.main import main
-from stepbundle.runtime import remote
-from stepbundle.runtime.checkpoint import read_checkpoint
 from stepbundle.runtime.errors import CheckpointError
-from stepbundle.runtime.store import (
+from stepbundle.runtime.io import remote
+from stepbundle.runtime.io.store import (
     STALE_TEMP_AGE_S,
     NotInStoreError,
     pull,
     resolve_bundle,
     stored_path,
 )
+from stepbundle.runtime.state.checkpoint import read_checkpoint
 from stepbundle.schema.errors import BundleError
 
 NAME = "linear_adamw"

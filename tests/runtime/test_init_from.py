@@ -28,9 +28,9 @@ from stepbundle.runtime import (
     _compat,
     load,
 )
-from stepbundle.runtime.checkpoint import write_safetensors
 from stepbundle.runtime.dtypes import NUMPY_DTYPES
-from stepbundle.runtime.init_source import open_source
+from stepbundle.runtime.state.checkpoint import write_safetensors
+from stepbundle.runtime.state.init_source import open_source
 from stepbundle.schema import (
     STATE_INITIALIZERS,
     SectionKind,
@@ -317,7 +317,7 @@ def test_a_torch_save_file_is_named_as_one_with_the_conversion(tmp_path: Path) -
     its first 8 bytes made an absurd header length, which the message quoted."""
     import zipfile
 
-    from stepbundle.runtime.tensor_file import open_safetensors
+    from stepbundle.runtime.io.tensor_file import open_safetensors
 
     archive = tmp_path / "model.pt"
     with zipfile.ZipFile(archive, "w") as z:

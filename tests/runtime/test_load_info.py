@@ -17,8 +17,9 @@ from typing import Any
 import pytest
 from runtime_helpers import golden_batches, golden_bundle
 
-from stepbundle.runtime import _compat, compile_cache, fallback, load
-from stepbundle.runtime.compile_cache import CacheOutcome, CacheWarning
+from stepbundle.runtime import _compat, fallback, load
+from stepbundle.runtime.compile import compile_cache
+from stepbundle.runtime.compile.compile_cache import CacheOutcome, CacheWarning
 from stepbundle.runtime.fallback import PathKind, StepbundleFallbackWarning
 
 BUNDLE = "linear_adamw"

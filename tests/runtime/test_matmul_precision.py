@@ -133,7 +133,7 @@ def test_a_bundle_older_than_the_field_keeps_its_programs_own_precision(
     a bundle to TF32 on a GPU. Nothing is set unless the user asks."""
     from runtime_helpers import golden_bundle as golden
 
-    import stepbundle.runtime.rewrites as program_module
+    import stepbundle.runtime.compile.rewrites as program_module
 
     calls: list[str] = []
     real = program_module.set_matmul_precision

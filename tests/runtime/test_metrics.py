@@ -11,7 +11,7 @@ import pytest
 from runtime_helpers import golden_batches, golden_bundle
 
 from stepbundle.runtime import load
-from stepbundle.runtime.metrics import json_float, json_safe, to_floats, to_json_floats
+from stepbundle.runtime.train.metrics import json_float, json_safe, to_floats, to_json_floats
 
 
 def _strict(text: str) -> object:

@@ -18,8 +18,8 @@ import pytest
 from runtime_helpers import GOLDEN_DIR, golden_batches, golden_bundle
 
 from stepbundle.runtime import BindingError, CheckpointError, load
-from stepbundle.runtime.checkpoint import CheckpointMeta
-from stepbundle.runtime.schedule import parse_schedule
+from stepbundle.runtime.state.checkpoint import CheckpointMeta
+from stepbundle.runtime.train.schedule import parse_schedule
 from stepbundle.schema import SchemaValidationError, open_bundle, validate
 
 

@@ -192,8 +192,8 @@ def test_the_runtime_rewrites_a_golden_cross_entropy() -> None:
     import jax
     from runtime_helpers import golden_bundle
 
-    from stepbundle.runtime.rewrites import RewriteContext, Stage, onehot_sums
-    from stepbundle.runtime.sharding import Placement
+    from stepbundle.runtime.compile.rewrites import RewriteContext, Stage, onehot_sums
+    from stepbundle.runtime.placement.sharding import Placement
     from stepbundle.schema.reader import open_bundle
 
     module = golden_train_module("dropout_sgd")

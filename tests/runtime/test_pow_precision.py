@@ -22,8 +22,9 @@ from runtime_helpers import (
     run_on_cpu,
 )
 
-from stepbundle.runtime import load, rewrites
-from stepbundle.runtime.sharding import Placement
+from stepbundle.runtime import load
+from stepbundle.runtime.compile import rewrites
+from stepbundle.runtime.placement.sharding import Placement
 from stepbundle.schema.reader import open_bundle
 from stepbundle.stablehlo import artifact as mlir
 from stepbundle.stablehlo.pow_precision import BITS, MAX_ELEMENTS, rewrite_powers

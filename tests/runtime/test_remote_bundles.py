@@ -21,8 +21,9 @@ from remote_helpers import BundleServer, Served
 from runtime_helpers import golden_batches, golden_bundle
 
 from stepbundle.cli.main import main
-from stepbundle.runtime import load, remote
-from stepbundle.runtime.store import (
+from stepbundle.runtime import load
+from stepbundle.runtime.io import remote
+from stepbundle.runtime.io.store import (
     DigestMismatchError,
     DownloadError,
     NotInStoreError,
@@ -258,7 +259,7 @@ def test_a_run_by_digest_verifies_its_store_entry_once(
     np.savez(data, **{k: np.stack([b[k] for b in batches]) for k in batches[0]})
     common = ["--data", str(data), "--json", "--cache-dir", str(xla_cache)]
     ck = tmp_path / "ck"
-    caplog.set_level(logging.DEBUG, logger="stepbundle.runtime.store")
+    caplog.set_level(logging.DEBUG, logger="stepbundle.runtime.io.store")
 
     def verified() -> int:
         n = sum(r.getMessage().startswith("verifying the store entry") for r in caplog.records)

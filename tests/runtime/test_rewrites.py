@@ -1,4 +1,4 @@
-"""The rewrite pipeline (``runtime/rewrites.py``) and the compile cache object.
+"""The rewrite pipeline (``runtime/compile/rewrites.py``) and the compile cache object.
 
 A rewrite is one function and one line in ``REWRITES``; these tests add one the way the
 docstring says, and check that it runs on every program compiled, sees the step before
@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 from runtime_helpers import golden_batches, golden_bundle
 
-from stepbundle.runtime import CacheOutcome, load, rewrites
-from stepbundle.runtime.compile_cache import CompileCache
-from stepbundle.runtime.rewrites import REWRITES, RewriteContext, Stage
+from stepbundle.runtime import CacheOutcome, load
+from stepbundle.runtime.compile import rewrites
+from stepbundle.runtime.compile.compile_cache import CompileCache
+from stepbundle.runtime.compile.rewrites import REWRITES, RewriteContext, Stage
 from stepbundle.stablehlo.precision import set_matmul_precision
 
 BUNDLE = "linear_adamw"

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from runtime_helpers import GOLDEN_DIR, golden_bundle
 
-from stepbundle.runtime.checkpoint import read_checkpoint
+from stepbundle.runtime.state.checkpoint import read_checkpoint
 
 BUNDLE = golden_bundle("linear_adamw")
 NPZ = GOLDEN_DIR / "linear_adamw.inputs.npz"
@@ -41,7 +41,7 @@ def last_line(result: subprocess.CompletedProcess[str]) -> str:
 def make_inputs(tmp_path: Path) -> dict[str, Path]:
     """Copies of every kind of input a run reads: bundle, .npz, dataset folder, checkpoint."""
     from stepbundle.runtime import load
-    from stepbundle.runtime.dataset_writer import write_dataset
+    from stepbundle.runtime.data.dataset_writer import write_dataset
 
     bundle = tmp_path / "model.stepbundle"
     bundle.write_bytes(BUNDLE.read_bytes())

@@ -20,8 +20,8 @@ import pytest
 from runtime_helpers import GOLDEN_DIR, golden_batches, golden_bundle
 
 from stepbundle.runtime import load
-from stepbundle.runtime.checkpoint import CheckpointError, read_checkpoint, write_checkpoint
 from stepbundle.runtime.errors import BindingError
+from stepbundle.runtime.state.checkpoint import CheckpointError, read_checkpoint, write_checkpoint
 
 ADAM = golden_bundle("batchnorm_lr")  # capturable Adam, lr a float32 hyperparameter
 TINY = 1e-46  # positive as a Python float, 0 as float32

@@ -14,7 +14,7 @@ import pytest
 from runtime_helpers import golden_batches, golden_bundle
 
 from stepbundle.runtime import CheckpointError, CheckpointFormatError, OtherBundleError, load
-from stepbundle.runtime.checkpoint import (
+from stepbundle.runtime.state.checkpoint import (
     CHECKPOINT_FORMAT,
     CheckpointMeta,
     checkpoint_digest,

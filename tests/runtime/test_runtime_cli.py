@@ -15,7 +15,7 @@ import pytest
 from runtime_helpers import GOLDEN_DIR, golden_batches, golden_bundle
 
 from stepbundle.runtime import load
-from stepbundle.runtime.checkpoint import read_safetensors
+from stepbundle.runtime.state.checkpoint import read_safetensors
 from stepbundle.schema import open_bundle
 
 

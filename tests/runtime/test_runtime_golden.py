@@ -23,7 +23,7 @@ from runtime_helpers import (
 )
 
 from stepbundle.runtime import load
-from stepbundle.runtime.schedule import parse_schedule
+from stepbundle.runtime.train.schedule import parse_schedule
 from stepbundle.schema import open_bundle
 
 EVERY_GOLDEN = [

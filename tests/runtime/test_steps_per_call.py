@@ -19,9 +19,9 @@ import pytest
 from runtime_helpers import GOLDEN_DIR, GOLDEN_SCHEDULES, golden_batches, golden_bundle
 
 from stepbundle.runtime import BindingError, NonFiniteLossError, load
-from stepbundle.runtime.checkpoint import read_safetensors
 from stepbundle.runtime.errors import BatchStackError
-from stepbundle.runtime.metrics import StepMetric
+from stepbundle.runtime.state.checkpoint import read_safetensors
+from stepbundle.runtime.train.metrics import StepMetric
 
 K = 4
 STEPS = 11  # two calls of 4, then three single steps

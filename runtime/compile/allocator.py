@@ -1,0 +1,96 @@
+"""glibc's allocator told to keep the memory it frees, before compiling for a TPU.
+
+libtpu allocates through glibc's ``malloc`` (it links no allocator of its own), and XLA's
+passes allocate and free a great deal: by default glibc gives freed memory back to the
+operating system (``munmap`` of large blocks at once, trimming the heap's top past 128
+KB), one system call each time. Where a system call is expensive that dominates the
+compile. The TPU v5e host this project measures on runs under gVisor (``uname``:
+"runsc"): ``getppid`` costs 6.1 us there against 0.3 us on the CPU machine, a 1 MB
+``mmap``/``munmap`` 180 us against 24 us (``benchmarks/device/syscalls.py``). There,
+examples/cifar_cnn.py's train program spent 1.2-1.5 s in XLA's ``tpu_fusion`` pass and
+0.17 s in its dead-code pass (0.09-0.11 s in ``tpu_fusion`` for the same program
+compiled on the CPU machine), and compiled in 4.1-5.0 s; told to keep freed memory, 0.16 s and 1.9-2.0 s,
+the eval program 1.2-1.6 -> 0.9 s (``benchmarks/results/device/tpu-v5e/malloc-*.json``;
+docs/tpu.md).
+On the CPU machine the same settings change nothing measurable.
+
+``keep_freed_memory`` sets, once per process, what ``MALLOC_MMAP_THRESHOLD_``,
+``MALLOC_TRIM_THRESHOLD_`` and ``MALLOC_TOP_PAD_`` would: blocks up to 32 MB come from
+the heap, the heap is not trimmed until 2 GB of it are free, and it grows 512 MB at a time (address space; pages
+count only once touched). The cost: memory a compile freed stays in the process for
+later allocations instead of going back to the system. It must run **before the TPU
+runtime starts**: set through ``mallopt`` before libtpu initialised, the compile took
+1.95 s; set the same way after, nothing changed (4.2-4.4 s;
+``malloc-mallopt-early.json``, ``malloc-mallopt-late.json``). ``load`` calls it before
+it first asks jax for the TPU, unless ``CompileOptions.keep_freed_memory`` is False; it
+does nothing where jax's backends have already started (a script that touched the TPU
+before ``load``: call ``keep_freed_memory()`` first, or set the variables), where the
+user configured the allocator (any ``MALLOC_*`` variable, or malloc tunables in
+``GLIBC_TUNABLES``), where ``malloc`` is not glibc's (tcmalloc or jemalloc preloaded),
+and on a C library without ``mallopt``. ``LoadInfo.kept_freed_memory`` says which. The
+setting lasts for the rest of the process (also when the load then fails).
+
+Imports: the standard library (and, lazily, runtime._compat to ask jax whether its backends
+started).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+from typing import Any
+
+__all__ = ["SETTINGS", "keep_freed_memory"]
+
+# mallopt's parameter numbers (glibc's malloc.h) and the values set.
+_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
+SETTINGS: tuple[tuple[str, int, int], ...] = (
+    ("mmap_threshold", _M_MMAP_THRESHOLD, 32 << 20),  # glibc's largest allowed
+    ("trim_threshold", _M_TRIM_THRESHOLD, 2**31 - 1),  # mallopt takes an int
+    ("top_pad", _M_TOP_PAD, 512 << 20),
+)
+
+_state: dict[str, bool] = {}
+
+
+def _user_settings() -> bool:
+    """Whether the user configured glibc's allocator: any ``MALLOC_*`` variable
+    (``MALLOC_TRIM_THRESHOLD_``, ``MALLOC_ARENA_MAX``, ...) or malloc tunables in
+    ``GLIBC_TUNABLES``."""
+    return any(k.startswith("MALLOC_") for k in os.environ) or "glibc.malloc." in (
+        os.environ.get("GLIBC_TUNABLES", "")
+    )
+
+
+def keep_freed_memory() -> bool:
+    """Tell glibc to keep freed memory (see the module docstring); decided once per
+    process. Returns whether it is in effect: False where the user configured the
+    allocator, ``malloc`` is not glibc's (an allocator preloaded with ``LD_PRELOAD``), the
+    C library has no ``mallopt``, or on the first call jax's backends had already started."""
+    if "applied" not in _state:
+        from .. import _compat
+
+        _state["applied"] = not _compat.backends_started() and _apply()
+    return _state["applied"]
+
+
+def _address(function: Any) -> int | None:
+    return ctypes.cast(function, ctypes.c_void_p).value
+
+
+def _apply() -> bool:
+    if _user_settings():
+        return False
+    try:
+        process = ctypes.CDLL(None)
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):  # not glibc (musl, macOS)
+        return False
+    if _address(process.malloc) != _address(libc.malloc):
+        return False  # another allocator serves malloc: glibc's settings would do nothing
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    mallopt.restype = ctypes.c_int
+    results = [mallopt(param, value) for _, param, value in SETTINGS]  # every one, then judge
+    return all(r == 1 for r in results)

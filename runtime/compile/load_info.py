@@ -1,0 +1,56 @@
+"""How loading went: ``trainer.load_info``.
+
+Imports: the runtime's program and fallback records.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..fallback import PathChoice
+from .compile_cache import CacheEvent
+
+__all__ = ["LoadInfo"]
+
+
+@dataclass
+class LoadInfo:
+    """How loading went.
+
+    Attributes:
+      seconds: wall seconds per stage (open, compile, state, ...).
+      cache_hits: programs loaded from the compile cache.
+      compiled: programs compiled.
+      cache: per program (``"entry[i]"``), what the compile cache did and why: a hit,
+        a miss with its reason (no entry, damaged, another program's entry, ...), or off;
+        and any error writing the new entry.
+        With ``steps_per_call`` K > 1 each train bucket's K-step loop has its own
+        entry, ``"train[i]xK"`` (here and in ``dispatch``).
+      transfer: how arrays are copied to the device (jaxlib's fast transfer, or the
+        ``jax.device_put`` fallback and why); None until load() has placed the state.
+      dispatch: per compiled program (``"entry[i]"``), how its steps are dispatched
+        (result handlers, or the ``execute`` fallback and why).
+      state_origins: per state entry, where its initial value came from: ``stored``
+        (the bundle), ``rule`` (the bundle's fill) or ``file`` (``init_from``).
+      ignored_tensors: tensors of ``init_from`` no state entry names (``init_strict=False``).
+      matmul_precision: the precision set on every matmul and convolution before
+        compiling (``load(matmul_precision=...)``, or the manifest's); None for a
+        bundle older than format 1.2 loaded without one: its programs keep their own.
+      fused_attention: per compiled program (``"entry[i]"``), how many attentions run as
+        fused kernels (on a TPU; ``CompileOptions.fused_attention``); empty for none.
+      kept_freed_memory: whether glibc's allocator was told to keep freed memory
+        before compiling (on a TPU; ``CompileOptions.keep_freed_memory``,
+        ``runtime/compile/allocator.py``).
+    """
+
+    seconds: dict[str, float] = field(default_factory=dict)
+    cache_hits: int = 0
+    compiled: int = 0
+    cache: dict[str, CacheEvent] = field(default_factory=dict)
+    transfer: PathChoice | None = None
+    dispatch: dict[str, PathChoice] = field(default_factory=dict)
+    state_origins: dict[str, str] = field(default_factory=dict)
+    ignored_tensors: tuple[str, ...] = ()
+    matmul_precision: str | None = "default"
+    fused_attention: dict[str, int] = field(default_factory=dict)
+    kept_freed_memory: bool = False

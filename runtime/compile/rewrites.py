@@ -1,0 +1,297 @@
+"""The rewrite pipeline: what the runtime changes in a checked program before compiling it.
+
+``REWRITES`` is an ordered table of named rewrites. Each is a small function
+``(Stage, RewriteContext) -> Stage`` that decides for itself whether it applies (a
+platform, an option) and returns the stage unchanged when it does not. A rewrite may
+edit ``stage.module`` in place, or return a new module with the ``Program`` record that
+describes its arguments and results (as the state-packing and K-step wrappers do).
+
+Adding one is one function and one line in ``REWRITES``, e.g. a TPU-only rewrite::
+
+    def my_rewrite(stage: Stage, ctx: RewriteContext) -> Stage:
+        if ctx.platform == "tpu":
+            ...  # edit stage.module in place
+        return stage
+
+    REWRITES = (..., ("my-rewrite", my_rewrite), ...)
+
+Where a line goes matters:
+- rewrites of the step's own operations (precision, RNG algorithm, convolutions) go
+  after ``strip-attributes`` and before ``pack-state``, which wraps ``@main`` in a
+  function that takes the packed buffers (the step's ops then sit in a callee);
+- ``aliasing-and-sharding`` stays last: it annotates the final ``@main``'s arguments
+  and results, from the final ``Program`` record.
+
+The rewritten bytecode is the compile cache's key (``compile_cache.py``), so a new or
+changed rewrite can never be served an executable compiled without it; no cache version
+bump is needed for a rewrite. A rewrite must depend only on what ``RewriteContext``
+holds (everything in it is in the key, directly or through the bytecode).
+
+Imports: stepbundle.schema, stepbundle.stablehlo, the runtime's wrappers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from stepbundle.schema.manifest import Program, StateUpdateOutput
+from stepbundle.stablehlo import artifact as mlir
+from stepbundle.stablehlo.attention import Site, count_score_products
+from stepbundle.stablehlo.attention_rewrite import rewrite_attention
+from stepbundle.stablehlo.conv_layout import canonicalize_convolutions
+from stepbundle.stablehlo.conv_wgrad import count_weight_gradients, rewrite_weight_gradients
+from stepbundle.stablehlo.onehot import count_onehot_reductions, rewrite_onehot_reductions
+from stepbundle.stablehlo.pow_precision import rewrite_powers
+from stepbundle.stablehlo.precision import set_matmul_precision
+from stepbundle.stablehlo.rng_algorithm import pin_rng_algorithm
+
+from ..fallback import warn_once
+from ..placement import packing
+from ..placement.sharding import AXIS, MESH, Placement
+from . import multistep
+
+__all__ = ["REWRITES", "Rewrite", "RewriteContext", "Stage", "apply_rewrites"]
+
+
+@dataclass(frozen=True)
+class RewriteContext:
+    """What a rewrite may depend on besides the module and its manifest record.
+
+    Attributes:
+      platform: the PJRT platform compiled for ("cpu", "cuda", "rocm", "tpu").
+      placement: the devices, and how each argument and result is sharded over them.
+      layout: how the trainer holds the state (packs of small tensors), or None.
+      donate: whether state inputs are donated to their updates.
+      steps_per_call: K > 1 compiles the step behind a loop of K steps.
+      matmul_precision: "default", "high" or "highest" for every matmul and
+        convolution, or None to keep the program's own.
+      fused_attention: whether a TPU runs traced attention as fused kernels.
+      scalar_constants: @main's scalar constant arguments (argument number -> value,
+        from the bundle's constant sections): an attention mask's fill value is one.
+      notes: what rewrites report back to the load (``"fused_attention"``: how many
+        attentions were fused); filled in by the rewrites, not part of the key.
+    """
+
+    platform: str
+    placement: Placement
+    layout: packing.Layout | None = None
+    donate: bool = False
+    steps_per_call: int = 1
+    matmul_precision: str | None = None
+    fused_attention: bool = True
+    scalar_constants: Mapping[int, float] = field(default_factory=dict)
+    notes: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Stage:
+    """A module on its way to the compiler, and the record of its arguments and results."""
+
+    module: mlir.Module
+    program: Program
+
+
+Rewrite = Callable[[Stage, RewriteContext], Stage]
+
+
+def strip_attributes(stage: Stage, ctx: RewriteContext) -> Stage:
+    """Drop the module's own aliasing and sharding attributes: they are never trusted,
+    and ``aliasing-and-sharding`` regenerates them from the manifest."""
+    stage.module.strip_attributes()
+    return stage
+
+
+def matmul_precision(stage: Stage, ctx: RewriteContext) -> Stage:
+    """Set ``precision_config`` on every dot_general and convolution."""
+    if ctx.matmul_precision is not None:
+        set_matmul_precision(stage.module, ctx.matmul_precision)
+    return stage
+
+
+def rng_algorithm(stage: Stage, ctx: RewriteContext) -> Stage:
+    """One random-bit algorithm on every backend: DEFAULT is Philox on the CPU and
+    something else on a TPU (``stablehlo/rng_algorithm.py`` says what was measured)."""
+    pin_rng_algorithm(stage.module)
+    return stage
+
+
+def power_precision(stage: Stage, ctx: RewriteContext) -> Stage:
+    """On accelerators under "high" or "highest" (what a comparison with a CPU asks for),
+    small float32 powers (Adam's bias corrections) exactly: a TPU's float32 power was up
+    to 52 ulp off, which moved Adam's losses 4e-5 from the CPU's in 5 steps
+    (``stablehlo/pow_precision.py`` has the figures). At the default precision a TPU's
+    bf16 matmul passes are the larger error, and the rewrite would only cost compile
+    time; a CPU's power is within an ulp already."""
+    if ctx.platform != "cpu" and ctx.matmul_precision in ("high", "highest"):
+        copy = mlir.Module.parse_text(stage.module, stage.module.text())
+        try:
+            if rewrite_powers(copy):
+                return Stage(copy, stage.program)
+        except ValueError as e:  # a form the rewrite does not handle: keep the program as is
+            warn_once(
+                "power-precision",
+                f"stepbundle kept a program's float32 powers as the backend computes them: {e}",
+            )
+    return stage
+
+
+def onehot_sums(stage: Stage, ctx: RewriteContext) -> Stage:
+    """On every platform, sums over a one-hot of the targets (torch_xla's cross-entropy
+    loss) as the values at the targets: each was a pass over (tokens x vocabulary), 0.2-0.36
+    ms apiece of a 55M GPT's 30.3 ms step on a TPU v5e (``stablehlo/onehot.py``). The
+    per-token values are exact; the loss adds them in another order."""
+    try:
+        if not count_onehot_reductions(stage.module):
+            return stage
+        copy = mlir.Module.parse_text(stage.module, stage.module.text())
+        rewrite_onehot_reductions(copy)
+    except Exception as e:  # any failure keeps the program as it is: it is only slower
+        warn_once("onehot-sums", f"stepbundle kept a program's one-hot sums as they are: {e}")
+        return stage
+    return Stage(copy, stage.program)
+
+
+def weight_gradients(stage: Stage, ctx: RewriteContext) -> Stage:
+    """On TPUs, weight-gradient convolutions (a map-sized window) as a loop over rows: they
+    took the TPU compiler most of a minute, about 2x the eval program's time after this
+    (``stablehlo/conv_wgrad.py`` has the figures)."""
+    if ctx.platform != "tpu":
+        return stage
+    try:
+        if not count_weight_gradients(stage.module):
+            return stage  # no copy of a program without one (a GPT's)
+        copy = mlir.Module.parse_text(stage.module, stage.module.text())
+        rewrite_weight_gradients(copy)
+        return Stage(copy, stage.program)
+    except Exception as e:  # any failure keeps the program as it is: it only compiles slower
+        warn_once(
+            "weight-gradients",
+            f"stepbundle kept a program's weight-gradient convolutions as they are: {e}",
+        )
+    return stage
+
+
+def fused_attention(stage: Stage, ctx: RewriteContext) -> Stage:
+    """On one TPU at the default precision, traced attention (bf16, causal or unmasked)
+    as jax's splash-attention kernels, forward and backward: the (T, T) score matrices
+    took about 12 of a 55M GPT's 37.5 ms per step on a v5e (``stablehlo/attention.py``,
+    ``runtime/compile/fused_attention.py``). Not under "high"/"highest" (the kernels' products
+    are bf16) nor over several devices (a Pallas call is not partitioned)."""
+    if (
+        ctx.platform != "tpu"
+        or not ctx.fused_attention
+        or ctx.matmul_precision in ("high", "highest")
+        or ctx.placement.partitioned
+    ):
+        return stage
+    return fuse_attention(stage, ctx, ctx.platform)
+
+
+def fuse_attention(
+    stage: Stage, ctx: RewriteContext, platform: str, interpret: bool = False
+) -> Stage:
+    """``fused_attention``'s rewrite, unconditionally (the CPU tests run it with the
+    kernels interpreted). A failure warns once and keeps the program as it is."""
+    from .fused_attention import kernels_for
+
+    try:
+        kernels = kernels_for(platform, interpret)
+    except ImportError as e:  # a jax without the Pallas kernels
+        warn_once("fused-attention", f"stepbundle kept traced attention as it is: {e}")
+        return stage
+    skipped: list[str] = []
+    copy = mlir.Module.parse_text(stage.module, stage.module.text())
+    scalars = dict(ctx.scalar_constants)
+    try:
+        n = rewrite_attention(copy, kernels, scalars, accept=lambda s: _accept(s, skipped))
+    except Exception as e:  # lowering or verification: keep the traced attention
+        warn_once("fused-attention", f"stepbundle kept traced attention as it is: {e}")
+        return stage
+    if skipped:
+        warn_once("fused-attention-skipped", "stepbundle kept traced attention: " + skipped[0])
+    elif count_score_products(stage.module) > 2 * n:
+        warn_once(
+            "fused-attention-unmatched",
+            "stepbundle kept traced attention it did not recognize (batched products of a "
+            "(T, T) score shape that are not the pattern it fuses; docs/tpu.md, 'Fused "
+            "attention', says which forms are)",
+        )
+    ctx.notes["fused_attention"] = n
+    return Stage(copy, stage.program) if n else stage
+
+
+def _accept(site: Site, skipped: list[str]) -> bool:
+    from .fused_attention import supported
+
+    why = supported(site)
+    if why is not None:
+        skipped.append(why)
+    return why is None
+
+
+def pack_state(stage: Stage, ctx: RewriteContext) -> Stage:
+    """Wrap the step in a function that takes and returns the state's packs."""
+    if ctx.layout is None or not ctx.layout.packs:
+        return stage
+    return Stage(*packing.wrap_program(stage.module, stage.program, ctx.layout))
+
+
+def canonical_convolutions(stage: Stage, ctx: RewriteContext) -> Stage:
+    """With K > 1: XLA:CPU puts only the entry computation's convolutions in the order of
+    its fast kernels; inside the loop they would run (and round) otherwise."""
+    if ctx.steps_per_call > 1:
+        canonicalize_convolutions(stage.module)
+    return stage
+
+
+def steps_per_call(stage: Stage, ctx: RewriteContext) -> Stage:
+    """With K > 1, wrap the step in a loop of K steps over stacked batches."""
+    if ctx.steps_per_call <= 1:
+        return stage
+    return Stage(*multistep.wrap_steps(stage.module, stage.program, ctx.steps_per_call))
+
+
+def aliasing_and_sharding(stage: Stage, ctx: RewriteContext) -> Stage:
+    """Donation from the manifest's alias table, and with several devices the mesh and
+    every argument's and result's sharding."""
+    module, program = stage.module, stage.program
+    aliases: list[int | None] = [None] * len(program.inputs)
+    if ctx.donate:
+        for j, out in enumerate(program.outputs):
+            if isinstance(out, StateUpdateOutput) and out.donates is not None:
+                aliases[out.donates] = j
+    placement = ctx.placement
+    if placement.partitioned:
+        module.set_mesh(MESH, [(AXIS, placement.n)])
+        args, results = placement.annotations(program, stacked=ctx.steps_per_call > 1)
+        module.set_arg_attributes(aliases, args)
+        module.set_result_shardings(results)
+    else:
+        module.set_arg_attributes(aliases)
+    return stage
+
+
+# The pipeline, in order (see the module docstring for where a new line goes).
+REWRITES: tuple[tuple[str, Rewrite], ...] = (
+    ("strip-attributes", strip_attributes),
+    ("rng-algorithm", rng_algorithm),
+    ("matmul-precision", matmul_precision),
+    ("power-precision", power_precision),
+    ("onehot-sums", onehot_sums),
+    ("weight-gradients", weight_gradients),
+    ("fused-attention", fused_attention),
+    ("pack-state", pack_state),
+    ("canonical-convolutions", canonical_convolutions),
+    ("steps-per-call", steps_per_call),
+    ("aliasing-and-sharding", aliasing_and_sharding),
+)
+
+
+def apply_rewrites(
+    stage: Stage, ctx: RewriteContext, rewrites: Sequence[tuple[str, Rewrite]] | None = None
+) -> Stage:
+    """Run ``rewrites`` (default: ``REWRITES``, read at call time) over ``stage`` in order."""
+    for _, rewrite in REWRITES if rewrites is None else rewrites:
+        stage = rewrite(stage, ctx)
+    return stage

@@ -1,0 +1,94 @@
+"""Training state between its two forms: PyTorch's named tensors and the layout's buffers.
+
+The trainer holds one device buffer per entry of the layout (a state tensor on its
+own, or a pack of small ones, see ``packing.py``); users, checkpoints and PyTorch see
+one array per state name. ``check_state_values`` checks named arrays against the
+bundle's state table, ``host_buffers`` joins them into the layout's buffers and
+``named_values`` splits host copies of the buffers back into named arrays.
+
+Imports: numpy, stepbundle.schema.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import numpy as np
+
+from stepbundle.schema.manifest import Manifest
+
+from ..dtypes import NUMPY_DTYPES
+from ..errors import CheckpointError
+from ..placement.packing import Layout, Pack
+
+__all__ = ["check_state_values", "host_buffers", "named_values"]
+
+
+def check_state_values(
+    manifest: Manifest, values: Mapping[str, np.ndarray[Any, Any]]
+) -> dict[str, np.ndarray[Any, Any]]:
+    """Map ``values`` (which may use alias names) onto the state table, checking specs.
+
+    Raises:
+      CheckpointError: a state name is missing, a dtype or shape differs from the state
+        table, or a name is unknown.
+    """
+    out: dict[str, np.ndarray[Any, Any]] = {}
+    problems = []
+    for s in manifest.state:
+        names = (s.name, *s.aliases)
+        found = next((values[n] for n in names if n in values), None)
+        if found is None:
+            problems.append(f"missing {s.name!r}")
+            continue
+        a = np.asarray(found)
+        want = NUMPY_DTYPES[s.spec.dtype]
+        if a.dtype != want or tuple(a.shape) != s.spec.shape:
+            problems.append(f"{s.name!r} is {a.dtype}{list(a.shape)}, the bundle has {s.spec}")
+            continue
+        out[s.name] = a
+    known = {n for s in manifest.state for n in (s.name, *s.aliases)}
+    extra = sorted(set(values) - known)
+    if extra:
+        problems.append(f"unknown name(s) {', '.join(map(repr, extra[:5]))}")
+    if problems:
+        raise CheckpointError(
+            "The state does not match this bundle's state table: "
+            + "; ".join(problems[:8])
+            + ". Load a checkpoint written for this bundle (same model and optimizer)."
+        )
+    return out
+
+
+def host_buffers(
+    layout: Layout, arrays: Mapping[str, np.ndarray[Any, Any]]
+) -> list[np.ndarray[Any, Any]]:
+    """The host arrays of the layout's buffers: packs concatenated, others as they are."""
+    out = []
+    for entry in layout.buffers:
+        if isinstance(entry, Pack):
+            out.append(
+                np.concatenate([np.asarray(arrays[m.state]).reshape(-1) for m in entry.members])
+            )
+        else:
+            out.append(np.asarray(arrays[entry]))
+    return out
+
+
+def named_values(
+    layout: Layout, hosts: Iterable[np.ndarray[Any, Any]]
+) -> dict[str, np.ndarray[Any, Any]]:
+    """Split host copies of the layout's buffers into one array per state name (copies).
+
+    ``hosts`` may be a generator: each buffer is then copied to the host only when its
+    turn comes, and a pack's host copy is dropped once its members are sliced out.
+    """
+    values: dict[str, np.ndarray[Any, Any]] = {}
+    for entry, host in zip(layout.buffers, hosts):
+        if isinstance(entry, Pack):
+            for m in entry.members:
+                values[m.state] = host[m.offset : m.offset + m.numel].reshape(m.shape).copy()
+        else:
+            values[entry] = host
+    return values

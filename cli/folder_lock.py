@@ -19,9 +19,13 @@ is done only under the lock: a run that is refused removes nothing (a process id
 tell a live writer across PID namespaces, and a refused run once removed the temp file
 of the live run's checkpoint in flight). Without a lock, only temp files a day old go.
 
-Limits: a folder at a URL (an object store) has no lock. A local file system that
-cannot lock (some network mounts) gets a one-line warning and the run goes on, as before.
-Windows has no ``fcntl``: no lock there.
+A lock that cannot be taken refuses the run (``FolderLockError``, exit 2): a lock file
+the run may not open (another user's, in a shared folder), a folder or anything else in
+its place, a file system that cannot lock. These once gave a one-line warning and the
+run went on without a lock, so two runs wrote the same ``step-N`` files (issue #43).
+
+Limits: a folder at a URL (an object store) has no lock. Windows has no ``fcntl``: no
+lock there.
 
 Imports: the standard library; ``stepbundle.schema.atomic``.
 """
@@ -38,11 +42,16 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["LOCK_NAME", "holding", "lock_for_run"]
+__all__ = ["LOCK_NAME", "FolderLockError", "holding", "held_by_another_run", "lock_for_run"]
 
 LOCK_NAME = ".stepbundle-run.lock"
 # Without a lock, a temp file this old is dead: a writer changes its file as it writes.
 UNLOCKED_SWEEP_AGE_S = 24 * 3600.0
+
+
+class FolderLockError(ValueError):
+    """The run lock of a checkpoint folder cannot be taken: another live run holds it,
+    or the lock file cannot be opened or locked. The message says which and what to do."""
 
 
 @contextlib.contextmanager
@@ -50,8 +59,10 @@ def holding(folder: Path, given: str) -> Iterator[None]:
     """Hold the run lock of ``folder`` (an existing folder) until the block ends.
 
     Raises:
-      ValueError: another live process holds it, or the lock file is a symbolic link,
-        a hard link or not a regular file (the run would write into what it names).
+      FolderLockError: another live process holds it; the lock file is a symbolic link,
+        a hard link or not a regular file (the run would write into what it names); it
+        cannot be opened (permission denied: another user's); or the file system cannot
+        lock.
     """
     try:
         import fcntl
@@ -68,32 +79,34 @@ def holding(folder: Path, given: str) -> Iterator[None]:
             )
         except OSError as e:
             if e.errno == errno.ELOOP:  # O_NOFOLLOW met a symbolic link
-                raise ValueError(_not_a_lock_file(path, given, "a symbolic link")) from None
-            _warn(path, e)
-            _sweep(folder, UNLOCKED_SWEEP_AGE_S)
-            yield
-            return
+                raise FolderLockError(_not_a_lock_file(path, given, "a symbolic link")) from None
+            if e.errno == errno.EISDIR:
+                raise FolderLockError(_not_a_lock_file(path, given, "a folder")) from None
+            raise FolderLockError(_cannot_open(path, given, e)) from None
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_nlink > 1:
             os.close(fd)
             what = "a hard link to another file" if stat.S_ISREG(st.st_mode) else "not a file"
-            raise ValueError(_not_a_lock_file(path, given, what))
+            raise FolderLockError(_not_a_lock_file(path, given, what))
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = os.read(fd, 200).decode("utf-8", "replace").strip() or "another process"
             os.close(fd)
-            raise ValueError(
+            raise FolderLockError(
                 f"--checkpoint-dir {given!r} is in use by another run ({holder}), which holds "
                 f"{path}; two runs in one folder would mix their checkpoints. Wait for that "
                 "run to end, or give this run a folder of its own."
             ) from None
         except OSError as e:  # a file system without locks
             os.close(fd)
-            _warn(path, e)
-            _sweep(folder, UNLOCKED_SWEEP_AGE_S)
-            yield
-            return
+            raise FolderLockError(
+                f"--checkpoint-dir {given!r}: cannot lock {str(path)!r} "
+                f"({e.strerror or e}); the folder's file system does not take locks, so "
+                "this run cannot tell whether another run writes there, and two runs in one "
+                "folder would mix their checkpoints. Give a folder on a local disk (or a "
+                "bucket URL)."
+            ) from None
         if _same_file(fd, path):
             break
         os.close(fd)  # its holder removed it as we took it: take the new one
@@ -138,12 +151,47 @@ def _sweep(folder: Path, min_age_s: float) -> None:
             print(f"[run] removed {stale}, left by an interrupted write", file=sys.stderr)
 
 
-def _warn(path: Path, e: OSError) -> None:
-    print(
-        f"[run] warning: cannot lock {path} ({e.strerror or e}); make sure no other run "
-        "writes into this folder",
-        file=sys.stderr,
+def _cannot_open(path: Path, given: str, e: OSError) -> str:
+    why = e.strerror or str(e)
+    if e.errno in (errno.EACCES, errno.EPERM):
+        hint = (
+            "It may be another user's run lock, in a shared folder. Give this run a folder "
+            "of its own; or, if no run uses that folder, have its owner remove the lock file."
+        )
+    else:
+        hint = "Give this run a folder where it can create and lock a file."
+    return (
+        f"--checkpoint-dir {given!r}: cannot open its run lock {str(path)!r} ({why}), so "
+        "this run cannot tell whether another run writes into that folder, and two runs in "
+        f"one folder would mix their checkpoints. {hint}"
     )
+
+
+def held_by_another_run(folder: Path) -> str | None:
+    """Who holds the run lock of ``folder`` (``process 12 on host``), if a live run
+    does; None if none does or the lock cannot be probed. Takes nothing: the lock is
+    tried shared and let go at once."""
+    try:
+        import fcntl
+    except ImportError:  # Windows
+        return None
+    try:
+        fd = os.open(folder / LOCK_NAME, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return os.read(fd, 200).decode("utf-8", "replace").strip() or "another process"
+        except OSError:
+            return None
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)
 
 
 def lock_for_run(args: Any, joined: bool) -> contextlib.AbstractContextManager[None]:

@@ -1,0 +1,89 @@
+"""Attacks of issue #43 (reliability round four), performed for real: each function gets
+an empty folder, runs ``python -m stepbundle`` (or the runtime) as a user would (a lock
+that cannot be taken, a checkpoint named for a step it does not hold, Ctrl-C while the
+bundle loads and compiles, SIGTERM with a sparse --log-every, a full disk under a
+periodic checkpoint, an absurd --steps-per-call, a dripping server) and raises
+``AssertionError`` saying what went wrong unless the outcome is the clean refusal (exit
+code, one sentence, nothing lost) or the correct result.
+
+Run by the attack runner (``scripts/attacks.py``) with the lean environment, as
+``attacks()``: ``[(name, function(folder)), ...]``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+TIMEOUT_S = 30.0
+
+
+def _golden(name: str, suffix: str = ".stepbundle") -> Path:
+    """A golden file of the newest format version (``linear_adamw``, ``dropout_sgd``)."""
+    folders = [p for p in (ROOT / "tests" / "golden").glob("v*.*") if p.is_dir()]
+    newest = max(folders, key=lambda p: tuple(int(v) for v in re.findall(r"\d+", p.name)))
+    return newest / f"{name}{suffix}"
+
+
+def _base(folder: Path, name: str = "linear_adamw") -> list[str]:
+    """``run`` on copies of a golden bundle and its batches (so nothing shared is at risk)."""
+    bundle, data = folder / f"{name}.stepbundle", folder / f"{name}.npz"
+    if not bundle.exists():
+        shutil.copy(_golden(name), bundle)
+        shutil.copy(_golden(name, ".inputs.npz"), data)
+    return ["run", str(bundle), "--data", str(data), "--no-cache"]
+
+
+def _cli(*args: str, **kw: object) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "stepbundle", *args]
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S, **kw)  # type: ignore[call-overload]
+    except subprocess.TimeoutExpired as e:
+        raise AssertionError(f"`{' '.join(cmd)}` still ran after {TIMEOUT_S:.0f} s") from e
+
+
+def _refused(result: subprocess.CompletedProcess[str], code: int, *needles: str) -> str:
+    """The refusal's last stderr line, once checked: exit ``code``, no traceback, a
+    sentence holding every needle."""
+    err = result.stderr.strip()
+    line = err.splitlines()[-1] if err else ""
+    assert "Traceback" not in err, f"a traceback instead of a refusal:\n{err[-1500:]}"
+    assert result.returncode == code, (
+        f"expected a refusal with exit {code}, got exit {result.returncode}: {err[-800:]!r}"
+    )
+    for needle in needles:
+        assert needle in line, f"the refusal does not say {needle!r}: {line!r}"
+    return line
+
+
+def lock_that_cannot_be_taken(folder: Path) -> None:
+    """Item 1: a folder (or, not as root, another user's unwritable file) where the run
+    lock goes refuses the run, exit 2, instead of a warning and no lock."""
+    base = _base(folder)
+    ck = folder / "ck"
+    (ck / ".stepbundle-run.lock").mkdir(parents=True)
+    r = _cli(*base, "--steps", "3", "--checkpoint-dir", str(ck))
+    _refused(r, 2, "--checkpoint-dir", ".stepbundle-run.lock", "is a folder")
+    assert not list(ck.glob("step-*")), "a run without its lock wrote checkpoints"
+    if os.geteuid() != 0:  # root opens any file: the permission case needs a user
+        ck2 = folder / "ck2"
+        ck2.mkdir()
+        lock = ck2 / ".stepbundle-run.lock"
+        lock.write_text("process 1 on another-user's-host\n")
+        lock.chmod(0o444)
+        r = _cli(*base, "--steps", "3", "--checkpoint-dir", str(ck2))
+        _refused(r, 2, "cannot open its run lock", "Permission denied")
+        assert not list(ck2.glob("step-*")), "a run without its lock wrote checkpoints"
+
+
+def attacks() -> list[tuple[str, Callable[[Path], None]]]:
+    """Each attack of issue #43, by name."""
+    return [
+        ("1: the run lock cannot be taken", lock_that_cannot_be_taken),
+    ]

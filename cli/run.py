@@ -269,7 +269,7 @@ def _report_load(args: argparse.Namespace, trainer: Any, load_s: float) -> None:
         + (f" x{n_dev} (data parallel)" if n_dev > 1 else "")
         + (f", {trainer.steps_per_call} steps per call" if trainer.steps_per_call > 1 else "")
         + _fused_note(trainer.load_info.fused_attention)
-        + (", freed memory kept (glibc)" if trainer.load_info.kept_freed_memory else ""),
+        + (f", glibc {trainer.load_info.allocator}" if trainer.load_info.allocator else ""),
         file=sys.stderr,
     )
     auto = getattr(args, "auto_steps", None)

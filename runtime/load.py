@@ -88,9 +88,11 @@ def load(
         source = open_source(init_from) if init_from is not None else None
         init_plan = None if compile_only else _plan_state(manifest, source, opts, info)
         info.seconds["open"] = time.perf_counter() - t0
-        if platform == "tpu" and opts.compile.keep_freed_memory:
+        if platform == "tpu":
             # before the TPU runtime starts: set after, it changed nothing (allocator.py)
-            info.kept_freed_memory = allocator.keep_freed_memory()
+            info.kept_freed_memory, info.allocator = allocator.decide(
+                opts.compile.keep_freed_memory
+            )
         client = client_for(platform)
         run_devices = select_devices(client, device, opts.parallel.devices)
         if stacked_entry is not None and len({d.process_index for d in run_devices}) > 1:

@@ -74,9 +74,11 @@ class CompileOptions:
       keep_freed_memory: before compiling for a TPU, tell glibc's allocator to keep the
         memory it frees rather than give it back to the system at once
         (``runtime/compile/allocator.py``: the TPU compiler's passes allocate and free a great
-        deal, and on a sandboxed host each give-back is a slow system call; measured
-        there, a CNN's train program compiled 2x faster). Process-wide, once; skipped
-        where a ``MALLOC_*_`` variable is set. False leaves the allocator alone.
+        deal, and on a sandboxed host each give-back is a slow system call). Process-wide,
+        once; skipped where a ``MALLOC_*`` variable is set. True applies it, False leaves
+        the allocator alone, "auto" (default) applies it only where a system call is
+        measured slow (``STEPBUNDLE_KEEP_FREED_MEMORY`` = 1/0 decides an "auto" instead);
+        ``LoadInfo.allocator`` says what was done and why.
     """
 
     entries: tuple[str, ...] | None = None
@@ -85,7 +87,7 @@ class CompileOptions:
     matmul_precision: str | None = None
     compile_only: bool = False
     fused_attention: bool = True
-    keep_freed_memory: bool = True
+    keep_freed_memory: bool | str = "auto"
 
     def __post_init__(self) -> None:
         entries: object = self.entries
@@ -105,6 +107,10 @@ class CompileOptions:
         if self.steps_per_call < 1:
             raise BindingError(
                 f"steps_per_call must be a whole number of at least 1, got {self.steps_per_call}."
+            )
+        if not (isinstance(self.keep_freed_memory, bool) or self.keep_freed_memory == "auto"):
+            raise BindingError(
+                f'keep_freed_memory must be True, False or "auto", got {self.keep_freed_memory!r}.'
             )
         if self.matmul_precision is not None and self.matmul_precision not in MATMUL_PRECISIONS:
             raise BindingError(

@@ -41,6 +41,8 @@ class LoadInfo:
       kept_freed_memory: whether glibc's allocator was told to keep freed memory
         before compiling (on a TPU; ``CompileOptions.keep_freed_memory``,
         ``runtime/compile/allocator.py``).
+      allocator: what was decided about glibc's allocator and why, in words (the
+        system-call cost measured for "auto"); empty off a TPU.
     """
 
     seconds: dict[str, float] = field(default_factory=dict)
@@ -54,3 +56,4 @@ class LoadInfo:
     matmul_precision: str | None = "default"
     fused_attention: dict[str, int] = field(default_factory=dict)
     kept_freed_memory: bool = False
+    allocator: str = ""

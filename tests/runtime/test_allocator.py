@@ -12,7 +12,8 @@ import sys
 import pytest
 from runtime_helpers import golden_bundle
 
-from stepbundle.runtime import CompileOptions, load
+from stepbundle.runtime import BindingError, CompileOptions, load
+from stepbundle.runtime.compile import allocator
 
 # Allocates 20 blocks of 8 MB through libc's malloc, touches every page, frees them all,
 # and reports the resident memory before and after the frees (from /proc/self/statm).
@@ -88,9 +89,77 @@ def test_glibc_is_left_alone(mode: str, env: dict[str, str]) -> None:
     assert int(result["full"]) - int(result["after"]) > 150 * mb  # type: ignore[call-overload]
 
 
-def test_it_is_on_by_default_for_tpus_only() -> None:
-    assert CompileOptions().keep_freed_memory is True
-    assert CompileOptions(keep_freed_memory=False).keep_freed_memory is False
+DECIDE = """
+import json, sys
+from stepbundle.runtime.compile import allocator
+setting = {"True": True, "False": False}.get(sys.argv[1], sys.argv[1])
+kept, why = allocator.decide(setting)
+print(json.dumps({"kept": kept, "why": why, "cost": allocator.syscall_us()}))
+"""
+
+
+def _decide(setting: str, **env: str) -> dict[str, object]:
+    environ = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("MALLOC_") and k not in ("GLIBC_TUNABLES", allocator.ENV)
+    }
+    environ.update(env)
+    out = subprocess.run(
+        [sys.executable, "-c", DECIDE, setting],
+        capture_output=True,
+        text=True,
+        env=environ,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    result: dict[str, object] = json.loads(out.stdout.strip().splitlines()[-1])
+    return result
+
+
+def test_auto_follows_the_measured_system_call_cost() -> None:
+    result = _decide("auto")
+    cost = float(result["cost"])  # type: ignore[arg-type]
+    assert 0 < cost < 1000
+    assert "system call costs" in str(result["why"])
+    # The rule, unless this host sits right at the threshold (then either answer is fair).
+    if abs(cost - allocator.SLOW_SYSCALL_US) > 0.5:
+        assert result["kept"] is (cost >= allocator.SLOW_SYSCALL_US), result
+
+
+@pytest.mark.parametrize(
+    "setting, env, kept, said",
+    [
+        ("True", {}, True, "keep_freed_memory=True"),
+        ("False", {}, False, "left alone (keep_freed_memory=False)"),
+        ("auto", {"STEPBUNDLE_KEEP_FREED_MEMORY": "1"}, True, "STEPBUNDLE_KEEP_FREED_MEMORY=1"),
+        ("auto", {"STEPBUNDLE_KEEP_FREED_MEMORY": "0"}, False, "STEPBUNDLE_KEEP_FREED_MEMORY=0"),
+        # the option, when set, wins over the environment
+        ("False", {"STEPBUNDLE_KEEP_FREED_MEMORY": "1"}, False, "keep_freed_memory=False"),
+        # a user's allocator settings win over a True
+        ("True", {"MALLOC_ARENA_MAX": "4"}, False, "left alone although asked"),
+    ],
+)
+def test_the_setting_and_its_reason(
+    setting: str, env: dict[str, str], kept: bool, said: str
+) -> None:
+    result = _decide(setting, **env)
+    assert result["kept"] is kept and said in str(result["why"]), result
+
+
+def test_a_bad_setting_is_refused() -> None:
+    for bad in ("yes", 1, None):
+        with pytest.raises(BindingError, match="keep_freed_memory must be"):
+            CompileOptions(keep_freed_memory=bad)  # type: ignore[arg-type]
+    environ = {**os.environ, allocator.ENV: "sometimes"}
+    out = subprocess.run(
+        [sys.executable, "-c", DECIDE, "auto"], capture_output=True, text=True, env=environ
+    )
+    assert out.returncode != 0 and "must be 1, 0 or auto" in out.stderr
+
+
+def test_it_is_decided_for_tpus_only() -> None:
+    assert CompileOptions().keep_freed_memory == "auto"
     # A CPU load leaves the allocator alone (what it changes was measured on a TPU host).
     trainer = load(golden_bundle("linear_adamw"), cache_dir=False)
-    assert trainer.load_info.kept_freed_memory is False
+    assert trainer.load_info.kept_freed_memory is False and trainer.load_info.allocator == ""

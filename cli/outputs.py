@@ -29,6 +29,21 @@ def _check_writable_folder(folder: Path, what: str) -> None:
         raise OSError(f"{what}: cannot write into {str(folder)!r} ({e.strerror or e})") from None
 
 
+def _refuse_locked(folder: Path, flag: str, given: str) -> None:
+    """Refuse an output into a checkpoint folder another live run holds (its run lock,
+    ``folder_lock``): a file written there, say ``--save-state ck/step-99999999.safetensors``,
+    would be taken for one of that run's checkpoints."""
+    from .folder_lock import LOCK_NAME, held_by_another_run
+
+    holder = held_by_another_run(folder)
+    if holder is not None:
+        raise ValueError(
+            f"{flag} {given!r} is in {str(folder)!r}, the checkpoint folder of a live run "
+            f"({holder}, which holds {LOCK_NAME} there); what this run wrote there would "
+            "be mixed with that run's checkpoints. Write it into another folder."
+        )
+
+
 def _local(location: str) -> Path | None:
     """The local path of a path or file:// URL; None for other URLs."""
     if "://" not in location:
@@ -99,6 +114,10 @@ def check_outputs(args: argparse.Namespace) -> None:
     check_output_paths(args)  # before anything below creates an output
     check_sink_outputs(args.metrics_file, args.tensorboard)  # a folder, a missing folder
     if args.metrics_file:
+        _refuse_locked(Path(args.metrics_file).parent, "--metrics-file", args.metrics_file)
+    if args.tensorboard:
+        _refuse_locked(Path(args.tensorboard), "--tensorboard", args.tensorboard)
+    if args.metrics_file:
         from stepbundle.schema.errors import BundleError
 
         from .metrics_file import check_metrics_file
@@ -153,7 +172,9 @@ def check_outputs(args: argparse.Namespace) -> None:
         target = save_state
         if target.is_dir():
             raise ValueError(f"--save-state {args.save_state!r} is a folder; give a file name.")
-        _check_writable_folder(target.parent if str(target.parent) else Path("."), "--save-state")
+        parent = target.parent if str(target.parent) else Path(".")
+        _refuse_locked(parent, "--save-state", args.save_state)
+        _check_writable_folder(parent, "--save-state")
     folder = _local(args.checkpoint_dir) if args.checkpoint_dir else None
     if args.checkpoint_dir and folder is None:
         _check_remote_folder(args.checkpoint_dir, args.resume)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import sys
 from pathlib import Path
 
 __all__ = ["check_path_kinds", "resume_from_folder", "sink_path"]
@@ -67,12 +68,18 @@ _CHECKPOINT_NAME = re.compile(r"step-\d{8,}\.safetensors")
 
 
 def resume_from_folder(args: argparse.Namespace) -> None:
-    """``--resume DIR`` (a local checkpoint folder) means its latest checkpoint: the
-    ``step-N.safetensors`` of the largest N, put back into ``args.resume``. A checkpoint
-    kept before a non-finite step (``step-N-before-nonfinite``) is taken only by name.
+    """``--resume DIR`` (a local checkpoint folder) means its latest checkpoint: of its
+    ``step-N.safetensors`` files, the one whose metadata records the largest step, put
+    back into ``args.resume``. A checkpoint kept before a non-finite step
+    (``step-N-before-nonfinite``) is taken only by name.
+
+    The step is read from each file's metadata, not its name: another process once wrote
+    ``--save-state ck/step-99999999.safetensors`` holding step 3, and its name won. A file
+    whose name and recorded step differ is named on stderr; one whose metadata cannot be
+    read is passed over, also named (a damaged file is refused when it is loaded by name).
 
     Raises:
-      ValueError: the folder holds no checkpoint.
+      ValueError: the folder holds no readable checkpoint.
     """
     given = getattr(args, "resume", None)
     if not isinstance(given, str) or given.startswith("sha256:"):
@@ -88,16 +95,50 @@ def resume_from_folder(args: argparse.Namespace) -> None:
         folder = Path(given)
     if not folder.is_dir():
         return
-    found = sorted(
-        (p for p in folder.iterdir() if _CHECKPOINT_NAME.fullmatch(p.name) and p.is_file()),
-        key=lambda p: int(p.name[5:].split(".")[0]),
-    )
-    if not found:
+    named = [p for p in folder.iterdir() if _CHECKPOINT_NAME.fullmatch(p.name) and p.is_file()]
+    if not named:
         raise ValueError(
             f"--resume {given!r} is a folder holding no checkpoint (step-N.safetensors); "
             "give a checkpoint file, or the --checkpoint-dir of an earlier run."
         )
-    args.resume = str(found[-1])
+    ranked: list[tuple[int, bool, int, Path]] = []
+    for path in named:
+        by_name = int(path.name[5:].split(".")[0])
+        try:
+            step = _recorded_step(path)
+        except ValueError as e:
+            print(f"[run] --resume {given}: passing over {path.name}: {e}", file=sys.stderr)
+            continue
+        if step != by_name:
+            print(
+                f"[run] --resume {given}: {path.name} holds step {step}, not the step its "
+                "name says; it is ranked by the step it holds",
+                file=sys.stderr,
+            )
+        ranked.append((step, step == by_name, by_name, path))
+    if not ranked:
+        raise ValueError(
+            f"--resume {given!r}: no checkpoint in that folder can be read (each is named "
+            "above). Give a checkpoint file, or the --checkpoint-dir of an earlier run."
+        )
+    args.resume = str(max(ranked)[3])
+
+
+def _recorded_step(path: Path) -> int:
+    """The step a checkpoint's metadata records (its header only is read).
+
+    Raises:
+      ValueError: the file is not a checkpoint whose metadata can be read.
+    """
+    from stepbundle.runtime.io.tensor_file import open_safetensors
+    from stepbundle.schema.checkpoint_meta import parse_checkpoint_metadata
+    from stepbundle.schema.errors import CheckpointError
+
+    try:
+        with open_safetensors(path) as f:
+            return parse_checkpoint_metadata(path, f.metadata).step
+    except CheckpointError as e:
+        raise ValueError(str(e)) from None
 
 
 def check_path_kinds(args: argparse.Namespace) -> None:

@@ -17,6 +17,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -82,8 +83,57 @@ def lock_that_cannot_be_taken(folder: Path) -> None:
         assert not list(ck2.glob("step-*")), "a run without its lock wrote checkpoints"
 
 
+def _long_run(args: list[str], **kw: object) -> subprocess.Popen[str]:
+    return subprocess.Popen(  # type: ignore[call-overload,no-any-return]
+        [sys.executable, "-m", "stepbundle", *args], text=True, **kw
+    )
+
+
+def _wait_for(what: str, done: Callable[[], bool], proc: subprocess.Popen[str]) -> None:
+    deadline = time.monotonic() + TIMEOUT_S
+    while not done():
+        assert proc.poll() is None, f"the run ended ({proc.returncode}) before {what}"
+        assert time.monotonic() < deadline, f"no {what} within {TIMEOUT_S:.0f} s"
+        time.sleep(0.02)
+
+
+def checkpoint_named_for_another_step(folder: Path) -> None:
+    """Item 9: --save-state ck/step-99999999.safetensors into a live run's folder is
+    refused; a file of that name put there anyway does not win --resume ck, which ranks
+    checkpoints by the step their metadata holds."""
+    base, ck = _base(folder), folder / "ck"
+    live = _long_run(
+        [*base, "--steps", "100000000", "--checkpoint-dir", str(ck), "--checkpoint-every", "20"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    impostor = ck / "step-99999999.safetensors"
+    try:
+        _wait_for("a checkpoint", lambda: bool(list(ck.glob("step-*.safetensors"))), live)
+        r = _cli(*base, "--steps", "3", "--save-state", str(impostor))
+        _refused(r, 2, "--save-state", "checkpoint folder of a live run", f"process {live.pid}")
+        assert not impostor.exists(), "the refused run wrote into the live run's folder"
+        _wait_for("two checkpoints", lambda: len(list(ck.glob("step-*.safetensors"))) > 1, live)
+    finally:
+        live.kill()
+        live.wait(timeout=TIMEOUT_S)
+    kept = sorted(ck.glob("step-*.safetensors"))
+    first, latest = kept[0], kept[-1]
+    shutil.copy(first, impostor)  # what a writer that never asked leaves there
+    r = _cli(*base, "--steps", "1", "--resume", str(ck), "--checkpoint-dir", str(ck))
+    assert r.returncode == 0, f"--resume ck failed: {r.stderr[-1500:]}"
+    assert f"resumed from {latest}" in r.stderr, (
+        f"--resume ck did not take {latest.name}, the latest step held: {r.stderr[-1500:]}"
+    )
+    held = int(first.name[5:13])
+    assert f"step-99999999.safetensors holds step {held}," in r.stderr, (
+        f"the misnamed checkpoint was not named: {r.stderr[-1500:]}"
+    )
+
+
 def attacks() -> list[tuple[str, Callable[[Path], None]]]:
     """Each attack of issue #43, by name."""
     return [
         ("1: the run lock cannot be taken", lock_that_cannot_be_taken),
+        ("9: a checkpoint named for a step it does not hold", checkpoint_named_for_another_step),
     ]

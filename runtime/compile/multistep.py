@@ -17,9 +17,15 @@ results as in a single step, so XLA updates it in place. Every iteration runs th
 program on the same values as a single step would, and the results are bit for bit K
 single steps' where XLA compiles the loop body's kernels as the single step's
 (tests/runtime/test_steps_per_call.py checks state and every metric on the golden
-bundles, tests/exporter/test_steps_per_call_conv.py on a CNN). For that the K-step
-program's convolutions are put in XLA:CPU's kernel order first (stablehlo/conv_layout.py:
-XLA does it for the entry computation only), and metrics are stored one iteration late.
+bundles, tests/exporter/test_steps_per_call_conv.py on a CNN). For that the loop body
+must give XLA the single step's fusions: the K-step program's convolutions are put in
+XLA:CPU's kernel order first (stablehlo/conv_layout.py: XLA does it for the entry
+computation only), each step's rows of the stacked inputs are sliced one iteration early
+into carries of their own (so no slice is fused into the step's kernels), and metrics are
+stored one iteration late (so no store is fused into them). Measured bit for bit on an
+AVX-512 Xeon and on an AVX2 EPYC without AVX-512 (jax 0.7.1 and 0.10.2); XLA promises
+no kernel choice, so a host or XLA version that emitted a loop body's reduction in another
+order would give metrics a float32 rounding apart (docs/runtime.md says so).
 
 The bundle is not changed and nothing is exported again: the wrapper is built from the
 manifest's tables (after ``packing.wrap_program``, when the state is packed), and the
@@ -153,6 +159,22 @@ def wrap_steps(module: mlir.Module, program: Program, k: int) -> tuple[mlir.Modu
             prev_of[j] = len(init)
             init.append(name)
             carry_types.append(_type(out.spec))
+    # A stacked input reaches the step from a carry of its own holding the current row,
+    # sliced one iteration early (row 0 before the loop, row i + 1 in iteration i): a
+    # step that read its row through the stack's dynamic_slice would have the slice
+    # fused into its consumers, whose kernels XLA:CPU may then emit in another order
+    # than the single step's (measured: jax 0.7.1 on an AVX2 EPYC without AVX-512, the
+    # dropout_sgd golden bundle's loss 1 ulp off at step 3, its labels read through the
+    # slice inside the loss's reduction; state equal). From the carry, the step's
+    # fusions read a plain buffer, as the single step's read a parameter.
+    row_of: dict[int, int] = {}  # stacked input index -> carry of its current row
+    for i, row in enumerate(inputs):
+        if _is_stacked(row):
+            name = f"%first{i}"
+            lines += _load_row(name, f"%a{i}", new_inputs[i].spec, row.spec, "%zero")
+            row_of[i] = len(init)
+            init.append(name)
+            carry_types.append(_type(row.spec))
     n_carry = len(init)
     block_args = ", ".join(f"%c{c}: {t}" for c, t in enumerate(carry_types))
     all_types = ", ".join(carry_types)
@@ -167,23 +189,7 @@ def wrap_steps(module: mlir.Module, program: Program, k: int) -> tuple[mlir.Modu
         '%z = "stablehlo.constant"() {value = dense<0> : tensor<i64>} : () -> tensor<i64>',
         '%one = "stablehlo.constant"() {value = dense<1> : tensor<i64>} : () -> tensor<i64>',
     ]
-    call_args: list[str] = []
-    for i, row in enumerate(inputs):
-        carried = f"%c{1 + i}"
-        if not _is_stacked(row):
-            call_args.append(carried)
-            continue
-        spec = row.spec
-        one = TensorSpec(spec.dtype, (1, *spec.shape))
-        starts = ", ".join(["%c0"] + ["%z"] * len(spec.shape))
-        start_types = ", ".join(["tensor<i64>"] * (1 + len(spec.shape)))
-        body.append(
-            f'%s{i} = "stablehlo.dynamic_slice"({carried}, {starts}) '
-            f"{{slice_sizes = {_i64_array([1, *spec.shape])}}} : "
-            f"({_type(new_inputs[i].spec)}, {start_types}) -> {_type(one)}"
-        )
-        body.append(f'%r{i} = "stablehlo.reshape"(%s{i}) : ({_type(one)}) -> {_type(spec)}')
-        call_args.append(f"%r{i}")
+    call_args = [f"%c{row_of.get(i, 1 + i)}" for i in range(n_in)]
     in_types = ", ".join(_type(r.spec) for r in inputs)
     out_types = ", ".join(_type(r.spec) for r in outputs)
     body.append(
@@ -193,6 +199,11 @@ def wrap_steps(module: mlir.Module, program: Program, k: int) -> tuple[mlir.Modu
     next_carry = [f"%c{c}" for c in range(n_carry)]
     next_carry[0] = "%next"
     body.append('%next = "stablehlo.add"(%c0, %one) : (tensor<i64>, tensor<i64>) -> tensor<i64>')
+    # The next iteration's rows; in the last iteration dynamic_slice clamps the start to
+    # row k - 1, whose value is not used.
+    for i, c in row_of.items():
+        body += _load_row(f"%r{i}", f"%c{1 + i}", new_inputs[i].spec, inputs[i].spec, "%z", "%next")
+        next_carry[c] = f"%r{i}"
     # Row i - 1 gets the previous iteration's metrics; at i = 0 the index is clamped
     # to row 0, which gets the zero initial value and is overwritten at i = 1.
     body.append(
@@ -249,6 +260,22 @@ def wrap_steps(module: mlir.Module, program: Program, k: int) -> tuple[mlir.Modu
         outputs=tuple(new_outputs),
         batch=tuple(NamedSpec(b.name, stacked_spec(b.spec, k)) for b in program.batch),
     )
+
+
+def _load_row(
+    result: str, stack: str, stack_spec: TensorSpec, spec: TensorSpec, zero: str, row: str = ""
+) -> list[str]:
+    """Ops that read row ``row`` (row 0 when empty) of ``stack`` into ``result`` (of ``spec``)."""
+    one = TensorSpec(spec.dtype, (1, *spec.shape))
+    starts = ", ".join([row or zero] + [zero] * len(spec.shape))
+    start_types = ", ".join(["tensor<i64>"] * (1 + len(spec.shape)))
+    s = f"{result}_slice"
+    return [
+        f'{s} = "stablehlo.dynamic_slice"({stack}, {starts}) '
+        f"{{slice_sizes = {_i64_array([1, *spec.shape])}}} : "
+        f"({_type(stack_spec)}, {start_types}) -> {_type(one)}",
+        f'{result} = "stablehlo.reshape"({s}) : ({_type(one)}) -> {_type(spec)}',
+    ]
 
 
 def _store_row(

@@ -15,6 +15,15 @@ __all__ = ["cmd_eval"]
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
+    from .stopping import Signals
+
+    # Ctrl-C ends the load and the evaluation at once, never as a KeyboardInterrupt
+    # inside jax (stopping.Signals says why).
+    with Signals().installed():
+        return _cmd_eval(args)
+
+
+def _cmd_eval(args: argparse.Namespace) -> int:
     from stepbundle.runtime import CompileOptions, LoadOptions, load
     from stepbundle.runtime.io.file_kinds import NotARegularFileError
     from stepbundle.runtime.train.metrics import json_safe

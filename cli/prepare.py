@@ -108,6 +108,15 @@ def add_compile(sub: Any, add_device_options: Callable[[Any], None]) -> None:
 
 
 def cmd_compile(args: argparse.Namespace) -> int:
+    from .stopping import Signals
+
+    # Ctrl-C ends the compiles at once, never as a KeyboardInterrupt inside jax
+    # (stopping.Signals says why).
+    with Signals().installed():
+        return _cmd_compile(args)
+
+
+def _cmd_compile(args: argparse.Namespace) -> int:
     from stepbundle.runtime import (
         CacheOutcome,
         CompileOptions,

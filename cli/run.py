@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from .common import EXIT_PIPE_CLOSED
 from .common import die as _die
-from .stopping import Stopper, StopRequested, exit_on_sigterm
+from .stopping import Signals, Stopper, StopRequested
 from .watchdog import Watchdog
 
 if TYPE_CHECKING:
@@ -81,6 +81,13 @@ _SETUP_TIMEOUT_S = 1800.0
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    # SIGINT and SIGTERM end the load at once, and stop the steps at a boundary: never a
+    # KeyboardInterrupt inside jax (stopping.Signals says why).
+    with Signals().installed() as signals:
+        return _cmd_run(args, signals)
+
+
+def _cmd_run(args: argparse.Namespace, signals: Signals) -> int:
     from stepbundle.runtime.placement import distributed
     from stepbundle.schema.errors import BundleError
 
@@ -104,6 +111,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         return _die(str(e), 2)
     except BundleError as e:
         return _die(str(e), 1)
+    if joined:
+        signals.in_job = True
+        signals.retake()  # jax.distributed installed its own SIGTERM handler
 
     def fail(message: str, code: int) -> int:
         # In a job, tell the other processes, which would otherwise wait for this one
@@ -127,7 +137,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             return fail(str(e), 1)
         if metrics is not None:
             held.callback(metrics.close)
-        return _load_and_run(args, joined, fail, metrics, npz)
+        return _load_and_run(args, joined, fail, metrics, npz, signals)
 
 
 def _load_and_run(
@@ -136,6 +146,7 @@ def _load_and_run(
     fail: Callable[[str, int], int],
     metrics: MetricsFile | None,
     npz: Any,
+    signals: Signals,
 ) -> int:
     from stepbundle.runtime.placement import distributed
     from stepbundle.schema.errors import BundleError
@@ -183,7 +194,7 @@ def _load_and_run(
             if args.save_state:  # the state asked for is the resumed one
                 _save_state(trainer, args.save_state)
             return 0
-        return _run_train(args, trainer, batches, steps, offset, metrics)
+        return _run_train(args, trainer, batches, steps, offset, metrics, signals)
     except BundleError as e:
         return _die(str(e), 1)
 
@@ -300,6 +311,7 @@ def _run_train(
     steps: int,
     offset: int,
     metrics: MetricsFile | None,
+    signals: Signals,
 ) -> int:
     from stepbundle.runtime.data.dataset import DataError
     from stepbundle.runtime.errors import NonFiniteLossError
@@ -371,12 +383,11 @@ def _run_train(
 
     t1 = time.perf_counter()
     code = 0
-    # Signals stop a single-process run cleanly. A multi-process job keeps the default:
-    # its processes cannot agree on one step boundary without a collective per step.
+    # Signals stop a single-process run cleanly. A multi-process job's processes end at
+    # once: they cannot agree on one step boundary without a collective per step.
     single = len({d.process_index for d in trainer.devices}) == 1
     with (
-        stopper.installed(enabled=single),
-        exit_on_sigterm(enabled=not single),
+        signals.stopping_at_boundaries(stopper, enabled=single),
         watchdog or contextlib.nullcontext(),
         reporter,
     ):

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -131,9 +132,35 @@ def checkpoint_named_for_another_step(folder: Path) -> None:
     )
 
 
+def ctrl_c_while_loading(folder: Path) -> None:
+    """Items 2 and 3: Ctrl-C at times spread over the load, the compiles and the automatic
+    K probe (an empty compile cache) ends every run with exit 130: never a segfault
+    (139), never a KeyboardInterrupt lost in a jax callback and the run going on."""
+    base = _base(folder)
+    cmd = [sys.executable, "-m", "stepbundle", *base, "--steps", "20000"]
+    cmd += ["--steps-per-call", "auto"]
+    problems = []
+    for i, delay in enumerate([1.0 + 0.3 * n for n in range(10)]):  # after the imports
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        time.sleep(delay)
+        proc.send_signal(signal.SIGINT)
+        try:
+            _, err = proc.communicate(timeout=TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            _, err = proc.communicate()
+            problems.append(f"try {i} (SIGINT at {delay:.1f} s): still running after it")
+            continue
+        code = proc.returncode
+        if code != 130 or "SIGINT" not in err or "Exception ignored" in err or "Traceback" in err:
+            problems.append(f"try {i} (SIGINT at {delay:.1f} s): exit {code}: {err[-600:]!r}")
+    assert not problems, "Ctrl-C did not end the run cleanly:\n" + "\n".join(problems)
+
+
 def attacks() -> list[tuple[str, Callable[[Path], None]]]:
     """Each attack of issue #43, by name."""
     return [
         ("1: the run lock cannot be taken", lock_that_cannot_be_taken),
         ("9: a checkpoint named for a step it does not hold", checkpoint_named_for_another_step),
+        ("2, 3: Ctrl-C while loading, compiling, probing K", ctrl_c_while_loading),
     ]

@@ -115,7 +115,13 @@ def cmd_export(args: argparse.Namespace) -> int:
         print(f"[export] {msg}", file=sys.stderr)
 
     try:
-        report = export(recipe, args.output, mlir_dir=args.emit_mlir, progress=progress)
+        report = export(
+            recipe,
+            args.output,
+            mlir_dir=args.emit_mlir,
+            progress=progress,
+            check=not getattr(args, "no_check", False),
+        )
     except ExportError as e:
         return _die(str(e), 1)
     counts = ", ".join(f"{v} {k}" for k, v in sorted(report.input_counts.items()))

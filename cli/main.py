@@ -100,6 +100,13 @@ def _add_export(sub: Any) -> None:
         "described by rule",
     )
     e.add_argument(
+        "--no-check",
+        action="store_true",
+        help="skip the export check (by default the bundle's first step is run once on the "
+        "CPU through the runtime and compared with one eager PyTorch step; skip it for a "
+        "model too big to step on this machine's CPU)",
+    )
+    e.add_argument(
         "--frontend",
         choices=("auto", "torch_xla", "torch"),
         default="auto",

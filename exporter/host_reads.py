@@ -4,11 +4,16 @@ A step that reads an XLA tensor on the host (``.item()``, ``if t:``, ``float(t)`
 ``t.tolist()``, a tensor where torch wants an int) splits into several graphs whose
 host-side decisions would be frozen into the bundle. torch_xla's counters can only say
 *that* it happened (``trace.py`` still checks them); ``guard_host_reads`` intercepts the
-reads themselves as they happen (a ``TorchFunctionMode`` for Python's conversions, a
-``TorchDispatchMode`` for ``aten._local_scalar_dense``, which torch's C++ calls when a
-tensor is passed where it wants a number), and refuses at the first one
+reads themselves as they happen (a ``TorchFunctionMode`` for Python's conversions; for
+``aten._local_scalar_dense``, which torch's C++ calls when a tensor is passed where it
+wants a number, a kernel that stands in for torch_xla's while the step is traced), and
+refuses at the first one
 with the file and line of the code that asked (the innermost frame outside torch,
 torch_xla and the exporter), the frames that called it, and a fix where one is known.
+
+It also refuses a tensor made inside the step that torch_xla's functionalization does not
+track (``UntrackedTensorError``): a ``TorchDispatchMode`` the step enters makes torch_xla's
+factory functions return such tensors, and torch_xla drops writes through views of them.
 
 Imports: torch; torch_xla through ``xla.py`` only.
 """
@@ -18,19 +23,33 @@ from __future__ import annotations
 import os
 import sys
 import sysconfig
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from stepbundle.frontend.errors import ExportError
 
 from . import xla
 
-__all__ = ["HostReadError", "guard_host_reads"]
+__all__ = ["HostReadError", "UntrackedTensorError", "guard_host_reads"]
+
+
+class UntrackedTensorError(ExportError):
+    """The traced step made an XLA tensor outside torch_xla's functionalization (a
+    ``TorchDispatchMode`` was active inside the step), whose writes through views
+    torch_xla would drop.
+
+    Attributes:
+      location: ``file:line`` of the code that made it.
+    """
+
+    def __init__(self, message: str, *, location: str) -> None:
+        super().__init__(message)
+        self.location = location
 
 
 class HostReadError(ExportError):
@@ -147,50 +166,75 @@ def _optimizer_fix() -> str | None:
 _SCALAR_READ = "aten._local_scalar_dense (a tensor passed where torch wants a Python number)"
 
 
-class _ReadsInTorch(TorchDispatchMode):
+class _ReadsInTorch:
     """Host reads made by torch's C++ (a tensor given as a Scalar argument, such as
     ``addcdiv_(value=t)``), which no Python method sees: every one goes through
-    ``aten._local_scalar_dense``."""
+    ``aten._local_scalar_dense``, whose XLA kernel this replaces while it is entered
+    (the dispatcher restores torch_xla's own at exit).
+
+    Not a ``TorchDispatchMode``: while any Python dispatch mode is active, torch_xla's
+    factory functions (``torch.zeros``, ``full``, ``arange``, ``eye``, ``empty``) return
+    tensors that functionalization does not wrap, and torch_xla then drops every write
+    through a view of them (``t[i] = v``, ``t[a:b].fill_(v)``, ``t.view(...).add_(u)``)
+    without a word: a mask or bias built that way inside the step vanished from the
+    traced program (issue #39). A kernel at the XLA key changes nothing else.
+    """
 
     def __init__(self, refuse: Callable[[str], HostReadError]) -> None:
-        super().__init__()
         self.refuse = refuse
+        self._lib: torch.library.Library | None = None
 
-    def __torch_dispatch__(
-        self,
-        func: Any,
-        types: Any,
-        args: Sequence[Any] = (),
-        kwargs: Mapping[str, Any] | None = None,
-    ) -> Any:
-        if func is torch.ops.aten._local_scalar_dense.default:
-            t = args[0] if args else None
-            if isinstance(t, torch.Tensor) and t.device.type == "xla":
-                raise self.refuse(_SCALAR_READ)
-        return func(*args, **(kwargs or {}))
+    def _kernel(self, t: torch.Tensor) -> Any:
+        raise self.refuse(_SCALAR_READ)
+
+    def __enter__(self) -> _ReadsInTorch:
+        lib = torch.library.Library("aten", "IMPL")
+        with warnings.catch_warnings():
+            # "Overriding a previously registered kernel": that is the point, and it ends
+            # at __exit__.
+            warnings.simplefilter("ignore", UserWarning)
+            lib.impl("_local_scalar_dense", self._kernel, "XLA")
+        self._lib = lib
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        lib, self._lib = self._lib, None
+        if lib is not None:
+            lib._destroy()
 
 
 class guard_host_reads(TorchFunctionMode):  # noqa: N801 - a context manager, used like a function
     """Within it, reading an XLA tensor on the host raises ``HostReadError``.
 
     Python-level reads are caught as calls (``Tensor.item`` ...), reads inside torch's
-    C++ at the dispatcher (``aten._local_scalar_dense``). Reads of CPU tensors (a
-    non-capturable optimizer's host step count) are allowed: they are not device values.
+    C++ by a stand-in for torch_xla's ``aten._local_scalar_dense`` kernel
+    (``_ReadsInTorch``). Reads of CPU tensors (a non-capturable optimizer's host step
+    count) are allowed: they are not device values.
     """
 
     def __init__(self, what: str) -> None:
         super().__init__()
         self.what = what
         self._dispatch = _ReadsInTorch(self._refusal)
+        self._functionalized = False
 
     def __enter__(self) -> guard_host_reads:
+        # Whether torch_xla wraps the tensors it makes for functionalization (it does
+        # unless XLA_DISABLE_FUNCTIONALIZATION is set): asked before any mode is active.
+        self._functionalized = torch._is_functional_tensor(torch.empty(0, device=xla.device()))
         super().__enter__()
-        self._dispatch.__enter__()
+        try:
+            self._dispatch.__enter__()
+        except BaseException:
+            super().__exit__(None, None, None)
+            raise
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self._dispatch.__exit__(*exc)
-        super().__exit__(*exc)
+        try:
+            self._dispatch.__exit__(*exc)
+        finally:
+            super().__exit__(*exc)
 
     def __torch_function__(
         self,
@@ -203,23 +247,35 @@ class guard_host_reads(TorchFunctionMode):  # noqa: N801 - a context manager, us
         t = args[0] if args else None
         if read is not None and isinstance(t, torch.Tensor) and t.device.type == "xla":
             raise self._refusal(read)
-        return func(*args, **(kwargs or {}))
+        out = func(*args, **(kwargs or {}))
+        if (
+            self._functionalized
+            and isinstance(out, torch.Tensor)
+            and out.device.type == "xla"
+            and not torch._is_functional_tensor(out)
+        ):
+            raise self._untracked(func)
+        return out
+
+    def _untracked(self, func: Callable[..., Any]) -> UntrackedTensorError:
+        location, chain, code = _where()
+        name = torch.overrides.resolve_name(func) or getattr(func, "__name__", repr(func))
+        return UntrackedTensorError(
+            f"The {self.what} made an XLA tensor at {location}"
+            + (f" (`{code}`)" if code else "")
+            + f", through {name}"
+            + (f"; called from {chain}" if chain else "")
+            + ", that torch_xla's functionalization does not track: a TorchDispatchMode "
+            "(FlopCounterMode, a debugging or logging mode, ...) is active inside the step. "
+            "torch_xla drops every write through a view of such a tensor (t[i] = v, "
+            "t[a:b].fill_(v), t.view(...).add_(u)) without an error, so the traced program "
+            "would not do what the step does, and the export is refused. Remove the "
+            "dispatch mode from the step and export again.",
+            location=location,
+        )
 
     def _refusal(self, read: str) -> HostReadError:
-        frames = _frames()
-        if not frames:  # pragma: no cover - a read from torch itself, called by nothing else
-            location, chain, code = "(inside torch)", "", ""
-        else:
-            f, line, _ = frames[0]
-            location = f"{f}:{line}"
-            chain = " <- ".join(f"{g}:{n} ({fn})" for g, n, fn in frames[1:5])
-            code = ""
-            raw = sys._getframe(0)
-            while raw is not None:  # the innermost frame's real path, for its source
-                if _shown(raw.f_code.co_filename) == f and raw.f_lineno == line:
-                    code = _source_line(raw.f_code.co_filename, line)
-                    break
-                raw = raw.f_back  # type: ignore[assignment]
+        location, chain, code = _where()
         fix = next(
             (fix for tail, fix in _KNOWN_FIXES.items() if location.startswith(tail)),
             _optimizer_fix() or _GENERIC_FIX,
@@ -234,3 +290,22 @@ class guard_host_reads(TorchFunctionMode):  # noqa: N801 - a context manager, us
             location=location,
             read=read.split(" ")[0],
         )
+
+
+def _where() -> tuple[str, str, str]:
+    """(``file:line``, the calling frames, the source line) of the step's code that
+    called into torch, for a refusal made by ``guard_host_reads``."""
+    frames = _frames()
+    if not frames:  # pragma: no cover - a call from torch itself, called by nothing else
+        return "(inside torch)", "", ""
+    f, line, _ = frames[0]
+    location = f"{f}:{line}"
+    chain = " <- ".join(f"{g}:{n} ({fn})" for g, n, fn in frames[1:5])
+    code = ""
+    raw = sys._getframe(0)
+    while raw is not None:  # the innermost frame's real path, for its source
+        if _shown(raw.f_code.co_filename) == f and raw.f_lineno == line:
+            code = _source_line(raw.f_code.co_filename, line)
+            break
+        raw = raw.f_back  # type: ignore[assignment]
+    return location, chain, code

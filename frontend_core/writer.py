@@ -19,7 +19,7 @@ import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -49,6 +49,9 @@ from .errors import ExportError
 from .initial_state import initial_section, non_persistent_buffers
 from .recipe import Recipe
 
+if TYPE_CHECKING:
+    from .step_check import CheckReport
+
 __all__ = [
     "ExportReport",
     "Lowered",
@@ -77,6 +80,8 @@ class ExportReport:
       notes: what the user should know about the bundle written (optimizer settings a
         scheduler set and the bundle keeps fixed, ``schedulers.py``); each is also given
         to ``progress`` and issued as a ``UserWarning``.
+      check: what the export check did (``step_check.CheckReport``), or None when it
+        was not asked for (``check=False``).
     """
 
     path: Path
@@ -87,6 +92,7 @@ class ExportReport:
     input_counts: dict[str, int] = field(default_factory=dict)
     numerics_rewrites: int = 0
     notes: list[str] = field(default_factory=list)
+    check: CheckReport | None = None
 
 
 class StateRecord(Protocol):

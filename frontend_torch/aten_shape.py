@@ -174,6 +174,26 @@ def _select_scatter(ctx: OpContext, x: Any, src: Any, dim: int, index: int) -> A
     return x.at[idx].set(src.astype(x.dtype))
 
 
+@lowers(aten.diagonal.default, aten.diagonal_copy.default)
+def _diagonal(ctx: OpContext, x: Any, offset: int = 0, dim1: int = 0, dim2: int = 1) -> Any:
+    # numpy's diagonal, like torch's, puts the diagonal last.
+    return jnp.diagonal(x, offset, _dim(dim1, x.ndim), _dim(dim2, x.ndim))
+
+
+@lowers(aten.diagonal_scatter.default)
+def _diagonal_scatter(
+    ctx: OpContext, x: Any, src: Any, offset: int = 0, dim1: int = 0, dim2: int = 1
+) -> Any:
+    """``x`` with the diagonal ``diagonal(x, offset, dim1, dim2)`` replaced by ``src``."""
+    d1, d2 = _dim(dim1, x.ndim), _dim(dim2, x.ndim)
+    moved = jnp.moveaxis(x, (d1, d2), (-2, -1))
+    n = src.shape[-1]
+    rows = np.arange(n) + max(-offset, 0)
+    cols = np.arange(n) + max(offset, 0)
+    moved = moved.at[..., rows, cols].set(src.astype(x.dtype))
+    return jnp.moveaxis(moved, (-2, -1), (d1, d2))
+
+
 @lowers(
     aten.split_with_sizes.default,
     aten.split_with_sizes_copy.default,

@@ -140,3 +140,51 @@ def test_a_read_inside_the_optimizer_names_torch_and_the_fix() -> None:
     assert "support.py:" in err.value.location  # mse_step's optimizer.step() line
     assert "inside the optimizer's update (torch/optim/" in message
     assert "build the optimizer with capturable=True" in message
+
+
+def _scalar_read_step(model, optimizer, batch):
+    loss = mse_step(model, optimizer, batch)["loss"]
+    z = torch.zeros(3, device=loss.device)
+    z.addcdiv_(torch.ones_like(z), torch.ones_like(z), value=loss.detach())  # read in C++
+    return {"loss": loss + z.sum()}
+
+
+def test_a_read_in_torchs_cpp_is_named_and_torch_xla_reads_again_afterwards() -> None:
+    """torch's C++ reading a tensor as a number is caught by a kernel that stands in for
+    torch_xla's while the step is traced (not a TorchDispatchMode: issue #39); torch_xla's
+    own kernel is back once the export ends."""
+    import torch_xla
+
+    with pytest.raises(HostReadError) as err:
+        export(linear_sgd_recipe(_scalar_read_step), "/nonexistent/x.stepbundle")
+    line = _line_of(_scalar_read_step, "z.addcdiv_(")
+    assert err.value.location == f"{__file__}:{line}"
+    assert err.value.read == "aten._local_scalar_dense"
+    assert float(torch.full((2,), 1.5, device=torch_xla.device()).sum()) == 3.0
+
+
+def _dispatch_mode_step(model, optimizer, batch):
+    from torch.utils.flop_counter import FlopCounterMode
+
+    optimizer.zero_grad()
+    with FlopCounterMode(display=False):
+        bias = torch.zeros(3, device=batch["x"].device)
+        bias[1] = 10.0
+        loss = torch.nn.functional.mse_loss(model(batch["x"]) + bias, batch["y"])
+    loss.backward()
+    optimizer.step()
+    return {"loss": loss}
+
+
+def test_a_dispatch_mode_inside_the_step_is_refused_naming_the_tensor() -> None:
+    """Under a TorchDispatchMode torch_xla's factories make tensors functionalization does
+    not track, and torch_xla drops the write into ``bias``: refused, not exported wrong."""
+    from stepbundle.exporter.host_reads import UntrackedTensorError
+
+    with pytest.raises(UntrackedTensorError) as err:
+        export(linear_sgd_recipe(_dispatch_mode_step), "/nonexistent/x.stepbundle")
+    line = _line_of(_dispatch_mode_step, "bias = torch.zeros(")
+    assert err.value.location == f"{__file__}:{line}"
+    message = str(err.value)
+    assert '(`bias = torch.zeros(3, device=batch["x"].device)`), through torch.zeros' in message
+    assert "Remove the dispatch mode from the step" in message

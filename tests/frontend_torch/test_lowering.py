@@ -176,6 +176,17 @@ CASES: dict[str, tuple[Callable[..., Any], tuple[torch.Tensor, ...]]] = {
         ],
         (rand(5, 4), torch.tensor([3, 0, 3]), rand(3, 4)),
     ),
+    "diagonals": (
+        lambda x, d, e, f: [
+            x.diagonal(),
+            x.diagonal(1, 1, 2),
+            x.diagonal(-1, -1, 0),
+            torch.diagonal_scatter(x, d, 0, 1, 2),
+            torch.diagonal_scatter(x, e, 1, 1, 2),
+            torch.diagonal_scatter(x, f, -2, 2, 0),
+        ],
+        (rand(3, 4, 4), rand(3, 4), rand(3, 3), rand(4, 2)),
+    ),
     "creation": (
         lambda x: [
             torch.arange(5) * x.sum(),

@@ -24,6 +24,7 @@ import torch
 from stepbundle.frontend.errors import ExportError
 from stepbundle.frontend.recipe import Recipe, checked_metadata, read_only_entries, step_label
 from stepbundle.frontend.schedulers import scheduler_notes
+from stepbundle.frontend.step_check import check_bundle
 from stepbundle.frontend.step_io import batch_signature, checked_batch
 from stepbundle.frontend.writer import (
     ExportReport,
@@ -37,6 +38,7 @@ from stepbundle.schema.version import RNG_RESTORED_DRAWS
 
 from . import xla
 from .bind import BoundProgram, GraphChanged, bind
+from .check import references
 from .gradients import GradientsDropped, NoGradient, gradients_reached
 from .graphdiff import explain_graph_change
 from .numerics import checked_numerics
@@ -89,6 +91,8 @@ def _trace_recipe(
         initial_hyper = {n: float(t.detach().cpu()) for n, t in ws.hyperparameters.items()}
         kinds = {s.name: s.kind for s in initial}
         say(f"prepared: {len(initial)} state tensors on {device}")
+        if ws.capturable_note:
+            say(f"note: {ws.capturable_note}")
 
         hints = ws.optimizer_hints()
         host_state = ws.host_state()
@@ -171,6 +175,7 @@ def export(
     mlir_dir: str | os.PathLike[str] | None = None,
     progress: Callable[[str], None] | None = None,
     run_traced_steps: bool = False,
+    check: bool = True,
 ) -> ExportReport:
     """Trace ``recipe``'s step with torch_xla and write a bundle to ``path``.
 
@@ -188,9 +193,17 @@ def export(
         the same either way; running costs the steps' compile time (most of an
         export's), and is there to check that claim and to time it
         (``benchmarks/export_time.py``).
+      check: after writing, step the bundle once on the CPU through the runtime (in a
+        child process) and the recipe once eagerly on a copy, and refuse when a metric
+        or state tensor differs beyond float32 rounding (``stepbundle.frontend.step_check``;
+        the reference is PyTorch on the CPU, or torch_xla eager where the bundle draws
+        XLA's random numbers or keeps its BatchNorm, ``check.py``). False skips it (a
+        model too big to step on this machine's CPU).
 
     Raises:
       ExportError: the step cannot be replayed faithfully; the message says why.
+      CheckFailed: the check found the bundle's step computing something else (the
+        bundle is removed); an ``ExportError``.
     """
     say = progress or (lambda _msg: None)
     times: dict[str, float] = {}
@@ -270,7 +283,7 @@ def export(
         for name, progs in [("train", train_bound), *eval_bound.items()]
     }
     trains = [b for b, _ in train_bound]
-    return write_bundle(
+    report = write_bundle(
         recipe,
         path,
         state=[(s, initial_values[s.name]) for s in initial],
@@ -289,3 +302,13 @@ def export(
         say=say,
         times=times,
     )
+    if check:
+        t1 = time.perf_counter()
+        plain, random = references(numerics, report.numerics_rewrites)
+        report.check = check_bundle(
+            recipe, report.path, report.manifest, reference=plain, random_reference=random, say=say
+        )
+        if not report.check.ran:
+            say(report.check.line())
+        times["check"] = time.perf_counter() - t1
+    return report

@@ -17,8 +17,9 @@ call, from the very first one:
   step takes torch's own foreach implementation, which keeps it a tensor. Adafactor reads
   two norms with ``.item()`` every step: its traced step is the same update written with
   tensor ops (``_adafactor_step``). Settings whose update branches on the step count in
-  Python (non-capturable Adamax, NAdam, RAdam, ASGD, Rprop) are refused up front by
-  ``check_optimizer`` with the fix (``capturable=True``).
+  Python (non-capturable Adamax, NAdam, RAdam, ASGD, Rprop) are traced with
+  ``capturable=True``, the same update with the step count on the device
+  (``stepbundle.frontend.fresh_state.take_capturable``, both front-ends).
 
 Imports: torch.
 """
@@ -26,124 +27,15 @@ Imports: torch.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from stepbundle.frontend.errors import ExportError
+from stepbundle.frontend.fresh_state import NEEDS_CAPTURABLE, fresh_state
 
-__all__ = ["check_optimizer", "fresh_state", "traced_optimizer"]
-
-_StateRule = Callable[[dict[str, Any], torch.Tensor], dict[str, torch.Tensor]]
-
-
-def _scalar(value: float, like: torch.Tensor) -> torch.Tensor:
-    # torch.optim's _get_scalar_dtype(): float64 when that is the default dtype, else float32.
-    dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
-    # A buffer of its own (.clone()): torch_xla hands out one shared device buffer for
-    # equal scalars, which would make every parameter's ``mu`` one graph input in the
-    # first traced step and separate inputs in the next.
-    return torch.full((), value, dtype=dtype).to(like.device).clone()
-
-
-def _zeros(p: torch.Tensor) -> torch.Tensor:
-    return torch.zeros_like(p, memory_format=torch.preserve_format)
-
-
-def _lr(group: dict[str, Any]) -> float:
-    lr = group["lr"]
-    return float(lr.detach().cpu()) if isinstance(lr, torch.Tensor) else float(lr)
-
-
-def _rmsprop(group: dict[str, Any], p: torch.Tensor) -> dict[str, torch.Tensor]:
-    s = {"step": _scalar(0.0, p), "square_avg": _zeros(p)}
-    if group["momentum"] > 0:
-        s["momentum_buffer"] = _zeros(p)
-    if group["centered"]:
-        s["grad_avg"] = _zeros(p)
-    return s
-
-
-def _adamax(group: dict[str, Any], p: torch.Tensor) -> dict[str, torch.Tensor]:
-    return {"step": _scalar(0.0, p), "exp_avg": _zeros(p), "exp_inf": _zeros(p)}
-
-
-def _nadam(group: dict[str, Any], p: torch.Tensor) -> dict[str, torch.Tensor]:
-    return {
-        "step": _scalar(0.0, p),
-        "mu_product": _scalar(1.0, p),
-        "exp_avg": _zeros(p),
-        "exp_avg_sq": _zeros(p),
-    }
-
-
-def _radam(group: dict[str, Any], p: torch.Tensor) -> dict[str, torch.Tensor]:
-    return {"step": _scalar(0.0, p), "exp_avg": _zeros(p), "exp_avg_sq": _zeros(p)}
-
-
-def _asgd(group: dict[str, Any], p: torch.Tensor) -> dict[str, torch.Tensor]:
-    return {
-        "step": _scalar(0.0, p),
-        "eta": _scalar(_lr(group), p),
-        "mu": _scalar(1.0, p),
-        "ax": _zeros(p),
-    }
-
-
-def _rprop(group: dict[str, Any], p: torch.Tensor) -> dict[str, torch.Tensor]:
-    return {
-        "step": _scalar(0.0, p),
-        "prev": _zeros(p),
-        "step_size": torch.full_like(p, _lr(group), memory_format=torch.preserve_format),
-    }
-
-
-def _adadelta(group: dict[str, Any], p: torch.Tensor) -> dict[str, torch.Tensor]:
-    return {"step": _scalar(0.0, p), "square_avg": _zeros(p), "acc_delta": _zeros(p)}
-
-
-def _adafactor(group: dict[str, Any], p: torch.Tensor) -> dict[str, torch.Tensor]:
-    s = {"step": _scalar(0.0, p)}
-    if p.dim() > 1:
-        row, col = list(p.shape), list(p.shape)
-        row[-1], col[-2] = 1, 1
-        s["row_var"] = p.new_zeros(row)
-        s["col_var"] = p.new_zeros(col)
-    else:
-        s["variance"] = _zeros(p)
-    return s
-
-
-def _rules() -> dict[type, _StateRule]:
-    optim = torch.optim
-    return {
-        optim.RMSprop: _rmsprop,
-        optim.Adamax: _adamax,
-        optim.NAdam: _nadam,
-        optim.RAdam: _radam,
-        optim.ASGD: _asgd,
-        optim.Rprop: _rprop,
-        optim.Adadelta: _adadelta,
-        optim.Adafactor: _adafactor,
-    }
-
-
-def fresh_state(
-    opt: torch.optim.Optimizer, group: dict[str, Any], p: torch.Tensor
-) -> dict[str, torch.Tensor] | None:
-    """The state ``opt``'s first step creates for parameter ``p`` (on ``p``'s device), or
-    None when this module has no rule for ``opt`` (Adam, SGD and torch_xla's syncfree
-    optimizers are handled by the workspace; Adagrad creates its state in ``__init__``)."""
-    for cls, rule in _rules().items():
-        if type(opt) is cls:
-            return rule(group, p)
-    return None
-
-
-# Optimizers whose non-capturable update branches on the step count, or passes a value
-# computed from it where torch wants a Python number: no single graph replays them.
-_NEEDS_CAPTURABLE = ("Adamax", "NAdam", "RAdam", "ASGD", "Rprop")
+__all__ = ["NEEDS_CAPTURABLE", "check_optimizer", "fresh_state", "traced_optimizer"]
 
 
 def check_optimizer(opt: torch.optim.Optimizer) -> None:
@@ -162,14 +54,6 @@ def check_optimizer(opt: torch.optim.Optimizer) -> None:
             raise ExportError(
                 f"{where} was built with fused=True, a CUDA/CPU kernel torch_xla does not "
                 "have. Build it with fused=False (and capturable=True where it has one)."
-            )
-        if name in _NEEDS_CAPTURABLE and not g.get("capturable", False):
-            raise ExportError(
-                f"{where} was built with capturable=False: its update then turns the "
-                "step-count-dependent factors into Python numbers (and branches on them), "
-                "so every step would bake different numbers into the graph. Build it with "
-                f"torch.optim.{name}(..., capturable=True): it keeps them on the device and "
-                "matches the non-capturable update."
             )
 
 

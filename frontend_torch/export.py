@@ -21,9 +21,11 @@ import torch
 
 from stepbundle.frontend.dtypes import HYPERPARAMETER_DTYPE
 from stepbundle.frontend.errors import ExportError
+from stepbundle.frontend.fresh_state import take_capturable
 from stepbundle.frontend.hyperparameters import declared_values
 from stepbundle.frontend.recipe import Recipe, checked_metadata, read_only_entries, step_label
 from stepbundle.frontend.schedulers import scheduler_notes
+from stepbundle.frontend.step_check import check_bundle
 from stepbundle.frontend.step_io import batch_signature, checked_batch
 from stepbundle.frontend.writer import (
     ExportReport,
@@ -85,9 +87,14 @@ def _trace(
     batches: list[dict[str, torch.Tensor]],
     *,
     zero_grads: bool,
+    say: Callable[[str], None],
 ) -> tuple[list[Slot], _Bound, dict[str, _Bound]]:
     slots = state_slots(recipe, zero_grads=zero_grads)
     with Sandbox(recipe) as sandbox:
+        # param_groups are put back when the sandbox closes
+        note = take_capturable(recipe.optimizer)
+        if note and zero_grads:
+            say(f"note: {note}")
         return _trace_in(recipe, sandbox, slots, hypers, batches, zero_grads=zero_grads)
 
 
@@ -199,6 +206,7 @@ def export(
     *,
     mlir_dir: str | os.PathLike[str] | None = None,
     progress: Callable[[str], None] | None = None,
+    check: bool = True,
 ) -> ExportReport:
     """Capture ``recipe``'s step with torch (no torch_xla) and write a bundle to ``path``.
 
@@ -214,9 +222,15 @@ def export(
       path: where to write the bundle (atomically).
       mlir_dir: if given, each program is also written there as ``.mlir`` text.
       progress: called with a line per stage.
+      check: after writing, step the bundle once on the CPU through the runtime (in a
+        child process) and the recipe once eagerly on a copy, and refuse when a metric
+        or state tensor differs beyond float32 rounding (``stepbundle.frontend.step_check``).
+        False skips it (a model too big to step on this machine's CPU).
 
     Raises:
       ExportError: the step cannot be replayed faithfully; the message says why.
+      CheckFailed: the check found the bundle's step computing something else (the
+        bundle is removed); an ``ExportError``.
     """
     say = progress or (lambda _msg: None)
     times: dict[str, float] = {}
@@ -246,7 +260,9 @@ def export(
     hypers = _hyperparameters(recipe)
     for zero_grads in (True, False):
         try:
-            slots, train_bound, eval_bound = _trace(recipe, hypers, batches, zero_grads=zero_grads)
+            slots, train_bound, eval_bound = _trace(
+                recipe, hypers, batches, zero_grads=zero_grads, say=say
+            )
             break
         except _GradientsDropped:
             continue
@@ -267,7 +283,7 @@ def export(
         ]
         for name, progs in [("train", train_bound), *eval_bound.items()]
     }  # fmt: skip
-    return write_bundle(
+    report = write_bundle(
         recipe,
         path,
         state=[(s, s.value) for s in slots],
@@ -283,3 +299,20 @@ def export(
         say=say,
         times=times,
     )
+    if check:
+        t1 = time.perf_counter()
+        report.check = check_bundle(
+            recipe, report.path, report.manifest, random_reference=_NO_RANDOM_REFERENCE, say=say
+        )
+        if not report.check.ran:
+            say(report.check.line())
+        times["check"] = time.perf_counter() - t1
+    return report
+
+
+_NO_RANDOM_REFERENCE = (
+    "the step draws random numbers (dropout, ...), which this front-end's program draws "
+    "from jax's threefry generator and no eager PyTorch step can reproduce; the bundle "
+    "was written unchecked (the torch_xla front-end checks such steps against torch_xla "
+    "eager)"
+)

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from stepbundle.frontend.errors import ExportError, not_a_parameter
-from stepbundle.frontend.fresh_state import adam_first_state, sgd_first_state
+from stepbundle.frontend.fresh_state import adam_first_state, fresh_state, sgd_first_state
 from stepbundle.frontend.recipe import Recipe
 from stepbundle.frontend.user_objects import UserObjects
 from stepbundle.schema.manifest import StateKind
@@ -68,14 +68,16 @@ def _group_names(named: Iterable[tuple[str, torch.Tensor]]) -> dict[int, list[st
 def _fresh_state(
     opt: torch.optim.Optimizer, group: Mapping[str, Any], p: torch.Tensor
 ) -> dict[str, torch.Tensor]:
-    """The state a fresh Adam, AdamW or SGD creates on its first step, as it would."""
+    """The state a fresh optimizer creates on its first step, as it would (the front-end
+    core's table)."""
     if isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)):
         return adam_first_state(group, p, torch.zeros((), dtype=torch.get_default_dtype()))
     if isinstance(opt, torch.optim.SGD):
         return sgd_first_state(opt, group, p)
-    # Other optimizers: if their first step creates state, the tracer notices and asks
-    # the user to step once before exporting.
-    return {}
+    fresh = fresh_state(opt, dict(group), p)
+    # Optimizers the table does not know: if their first step creates state, the tracer
+    # notices and asks the user to step once before exporting.
+    return {} if fresh is None else fresh
 
 
 def state_slots(recipe: Recipe, *, zero_grads: bool) -> list[Slot]:

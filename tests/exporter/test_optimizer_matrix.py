@@ -213,13 +213,6 @@ def test_fresh_optimizer_matches_eager_from_step_one(case: str, tmp_path: Path) 
         )
 
 
-@pytest.mark.parametrize("name", ["Adamax", "NAdam", "RAdam", "ASGD", "Rprop"])
-def test_non_capturable_settings_are_refused_with_the_fix(name: str) -> None:
-    make = getattr(torch.optim, name)
-    with pytest.raises(ExportError, match=rf"torch\.optim\.{name}\(\.\.\., capturable=True\)"):
-        export(_recipe(make, {"lr": 0.01})(), "/nonexistent/x.stepbundle")
-
-
 @pytest.mark.parametrize(
     ("make", "kwargs", "message"),
     [

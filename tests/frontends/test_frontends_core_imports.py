@@ -18,6 +18,7 @@ CORE = [
     "stepbundle.frontend.initial_state",
     "stepbundle.frontend.recipe",
     "stepbundle.frontend.schedulers",
+    "stepbundle.frontend.step_check",
     "stepbundle.frontend.step_io",
     "stepbundle.frontend.tables",
     "stepbundle.frontend.user_objects",

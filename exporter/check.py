@@ -1,0 +1,91 @@
+"""The torch_xla front-end's references for the export check (``stepbundle.frontend.step_check``).
+
+A torch_xla bundle replays torch_xla's semantics: its random numbers come from XLA's
+generator (the seed rule of ``rng_seeds.py``), and with ``numerics="torch_xla"`` its
+training BatchNorm is XLA's expansion. PyTorch on the CPU computes neither, so for those
+steps the check compares against torch_xla eager from the bundle's seed (the same
+masks: torch_xla eager is deterministic across processes, DESIGN.md). Every other step is
+compared against PyTorch on the CPU, the ground truth.
+
+One case has no reference: a step that draws random numbers *and* has training
+BatchNorm rewritten to PyTorch's numerics (the default): only torch_xla eager draws the
+same numbers, and it computes BatchNorm the other way. The check is skipped, saying so.
+
+Imports: torch, torch_xla (through ``xla.py``), stepbundle.frontend.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from stepbundle.frontend.recipe import Recipe
+from stepbundle.frontend.step_check import CPU_EAGER, Reference
+
+from . import xla
+from .workspace import move_to_device
+
+__all__ = ["references"]
+
+
+def _on_cpu(model: torch.nn.Module) -> bool:
+    return all(t.device.type == "cpu" for t in [*model.parameters(), *model.buffers()])
+
+
+def _cpu_step(
+    recipe: Recipe,
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    batch: dict[str, torch.Tensor],
+    seed: int | None,
+) -> tuple[Mapping[str, Any], dict[str, torch.Tensor]]:
+    if not _on_cpu(model):  # a recipe built on the XLA device: its copy comes back first
+        move_to_device(model, opt, torch.device("cpu"))
+    return CPU_EAGER.run(recipe, model, opt, batch, seed)
+
+
+def _xla_step(
+    recipe: Recipe,
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    batch: dict[str, torch.Tensor],
+    seed: int | None,
+) -> tuple[Mapping[str, Any], dict[str, torch.Tensor]]:
+    from stepbundle.frontend.step_check import state_by_name
+
+    device = xla.device()
+    move_to_device(model, opt, device)
+    saved = xla.get_rng_state()
+    try:
+        xla.sync()
+        if seed is not None:
+            xla.set_rng_state(seed)
+        metrics = recipe.step(model, opt, {k: v.to(device) for k, v in batch.items()})
+        xla.sync()
+        out = {
+            k: v.detach().cpu() if isinstance(v, torch.Tensor) else v for k, v in metrics.items()
+        }
+        return out, state_by_name(model, opt)
+    finally:
+        xla.set_rng_state(saved)
+
+
+CPU = Reference(CPU_EAGER.name, _cpu_step, float64=True)
+XLA_EAGER = Reference("torch_xla eager (the bundle's seed and numerics)", _xla_step)
+
+
+def references(numerics: str, numerics_rewrites: int) -> tuple[Reference, Reference | str]:
+    """The check's reference for a step without random numbers, and for one with them
+    (or why none reproduces it)."""
+    if numerics == "torch_xla":
+        return XLA_EAGER, XLA_EAGER
+    if numerics_rewrites:
+        return CPU, (
+            "the step draws random numbers (dropout, ...) and computes training BatchNorm: "
+            "only torch_xla eager draws the bundle's random numbers, and it computes "
+            'BatchNorm as XLA does, which numerics="pytorch" replaced; no eager step '
+            "computes this bundle's step, so it was written unchecked"
+        )
+    return CPU, XLA_EAGER

@@ -1,0 +1,534 @@
+"""The export check: the bundle's first step against one eager PyTorch step, by default.
+
+After a front-end writes a bundle, ``check_bundle`` runs the bundle's training step once
+on the CPU through the runtime, from the bundle's initial state (a bundle without
+weights: the model's own parameters and buffers, handed to the runtime as its
+``init_from``) with the recipe's example batch, and runs
+the recipe's own step once, eagerly, on a deep copy of the model and optimizer starting
+from the same state. Every metric and every state tensor must agree within what float32
+rounding explains (``Bounds``); otherwise ``CheckFailed`` names the metric or tensor that
+differs most, with both values.
+
+Where it runs:
+
+- The runtime runs in a child process, ``python -m stepbundle.cli.step_check``: the
+  front-ends may not import the runtime (``tests/test_layering.py``), and the runtime
+  turns on jax's 64-bit mode, which must not change in the process that exported (the
+  torch front-end lowers through jax there). The child's start and the program's compile
+  on the CPU are most of the check's cost.
+- The eager reference is ``CPU_EAGER`` (PyTorch on the CPU), unless the front-end passes
+  another: the torch_xla front-end steps torch_xla eagerly where only it computes what
+  the bundle computes (random numbers drawn by XLA's generator; ``numerics="torch_xla"``).
+  A capturable optimizer runs eagerly on the CPU with ``capturable=False``: torch refuses
+  a capturable step on the CPU, and both settings compute the same update (torch's
+  documentation; the capturable one keeps the step count a tensor).
+- Where no eager step can reproduce the bundle's random draws (the torch front-end draws
+  them from jax's threefry), the check is skipped and the report says why.
+
+Imports: torch, safetensors, stepbundle.schema (the runtime only as a child process).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from stepbundle.schema.manifest import InputKind, Manifest, MetricOutput, StateKind
+
+from .errors import ExportError
+from .recipe import Recipe
+
+__all__ = [
+    "CPU_EAGER",
+    "Bounds",
+    "CheckCouldNotRun",
+    "CheckFailed",
+    "CheckReport",
+    "Reference",
+    "check_bundle",
+    "state_by_name",
+]
+
+StepRunner = Callable[
+    [Recipe, torch.nn.Module, torch.optim.Optimizer, dict[str, torch.Tensor], int | None],
+    tuple[Mapping[str, Any], dict[str, torch.Tensor]],
+]
+"""``(recipe, model, optimizer, batch, seed) -> (metrics, state by name)``: one eager step of
+``recipe.step`` on the given copies, the state read back as CPU tensors."""
+
+
+@dataclass(frozen=True)
+class Reference:
+    """An eager step a bundle must reproduce.
+
+    Attributes:
+      name: what it is, for the export line ("PyTorch eager on the CPU").
+      run: runs it (``StepRunner``).
+    """
+
+    name: str
+    run: StepRunner
+    float64: bool = False
+    """The same step in float64 is the arbiter of a tensor beyond ``Bounds`` (PyTorch on
+    the CPU; not torch_xla eager, whose random numbers float64 does not draw)."""
+
+
+class CheckFailed(ExportError):
+    """The bundle's step and the eager step disagree beyond float32 rounding.
+
+    Attributes:
+      name: the metric or state tensor that differs most (against its bound).
+      bundle_value, eager_value: its values there (the element that differs most).
+    """
+
+    def __init__(self, message: str, name: str, bundle_value: float, eager_value: float):
+        super().__init__(message)
+        self.name = name
+        self.bundle_value = bundle_value
+        self.eager_value = eager_value
+
+
+class CheckCouldNotRun(ExportError):
+    """The check itself could not run (the runtime's process failed, or the eager step
+    raised); the message says what happened and how to export without the check."""
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """How far the bundle may be from the eager step, from float32 rounding.
+
+    A state tensor ``a`` (bundle) against ``b`` (eager), which were ``b0`` before the
+    step, passes when ``||a - b|| <= update * ||b - b0|| + ulps * eps * ||b|| + atol *
+    sqrt(n)`` (2-norms): the step's *update* must agree to ``update`` (relative), and
+    the new value to a few roundings of its own size. Comparing the update, not only the
+    new value, keeps the check sensitive to an update that is small beside the value it
+    changes (a parameter at a small learning rate). A metric passes when ``|a - b| <=
+    metric * |b| + atol``. Integer tensors must be equal.
+
+    The defaults hold with a wide margin on the equivalence suite's models (one step
+    differs from PyTorch float32 by about 1e-6 of the update; resnet18's BatchNorm
+    gradients 1e-5): ``docs/frontends.md`` has the figures. ``LOW_PRECISION`` is for steps
+    that compute in bfloat16 or float16 (autocast, or such state or batches).
+    """
+
+    update: float = 1e-3
+    ulps: float = 4.0
+    eps: float = float(torch.finfo(torch.float32).eps)
+    atol: float = 1e-7
+    metric: float = 1e-4
+
+
+FLOAT32 = Bounds()
+LOW_PRECISION = Bounds(update=5e-2, ulps=4.0, eps=float(torch.finfo(torch.bfloat16).eps),
+                       atol=1e-5, metric=3e-2)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class CheckReport:
+    """What the check did, for the export line (``ExportReport.check``).
+
+    Attributes:
+      ran: False when it was skipped; ``reason`` says why.
+      reference: the eager step compared against.
+      seconds: its wall time (runtime process, eager step, comparison).
+      runtime_seconds: the runtime process alone (start, compile, step, write).
+      compared: metrics and state tensors compared.
+      closest: the one nearest its bound, and how near (a fraction of the bound).
+      reason: why it was skipped.
+    """
+
+    ran: bool
+    reference: str = ""
+    seconds: float = 0.0
+    runtime_seconds: float = 0.0
+    compared: int = 0
+    closest: str = ""
+    reason: str = ""
+
+    def line(self) -> str:
+        """The export line."""
+        if not self.ran:
+            return f"check skipped: {self.reason}"
+        return (
+            f"checked: one step through the runtime on the CPU against {self.reference}: "
+            f"{self.compared} metrics and state tensors agree (closest to its bound: "
+            f"{self.closest}); {self.seconds:.1f}s (runtime process {self.runtime_seconds:.1f}s)"
+        )
+
+
+_NO_CHECK = "export with check=False (stepbundle export --no-check) to skip the check"
+
+
+def state_by_name(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """Every state tensor under the bundle's names, as CPU copies: ``state_dict()`` keys
+    (every name of a tied tensor), ``optimizer.state.<param>.<key>``, ``<param>.grad``."""
+    out: dict[str, torch.Tensor] = {}
+    first: dict[int, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        first.setdefault(id(p), name)
+        out[name] = p.detach().cpu().clone()
+        if p.grad is not None:
+            out[f"{name}.grad"] = p.grad.detach().cpu().clone()
+    for name, b in model.named_buffers(remove_duplicate=False):
+        if b is not None:
+            out[name] = b.detach().cpu().clone()
+    for group in opt.param_groups:
+        for p in group["params"]:
+            pname = first.get(id(p))
+            for key, v in opt.state.get(p, {}).items():
+                if pname is not None and isinstance(v, torch.Tensor):
+                    out[f"optimizer.state.{pname}.{key}"] = v.detach().cpu().clone()
+    return out
+
+
+def _cpu_step(
+    recipe: Recipe,
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    batch: dict[str, torch.Tensor],
+    seed: int | None,
+) -> tuple[Mapping[str, Any], dict[str, torch.Tensor]]:
+    for group in opt.param_groups:
+        if group.get("capturable", False):
+            group["capturable"] = False  # same update; torch refuses capturable on the CPU
+    metrics = recipe.step(model, opt, {k: v.cpu() for k, v in batch.items()})
+    return metrics, state_by_name(model, opt)
+
+
+CPU_EAGER = Reference("PyTorch eager on the CPU", _cpu_step, float64=True)
+
+
+def _run_runtime(
+    path: Path, batch: Mapping[str, torch.Tensor], work: Path, init: Mapping[str, torch.Tensor]
+) -> float:
+    from safetensors.torch import save_file
+
+    batch_file = work / "batch.safetensors"
+    save_file({k: v.detach().cpu().contiguous() for k, v in batch.items()}, str(batch_file))
+    cmd = [sys.executable, "-m", "stepbundle.cli.step_check", str(path), str(batch_file), str(work)]
+    if init:
+        save_file({k: v.contiguous() for k, v in init.items()}, str(work / "init.safetensors"))
+        cmd += ["--init-from", str(work / "init.safetensors")]
+    env = dict(os.environ)
+    env["JAX_PLATFORMS"] = "cpu"
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        tail = (proc.stderr or proc.stdout).strip()[-2000:]
+        raise CheckCouldNotRun(
+            f"The export check could not run the bundle's step on the CPU (the runtime's "
+            f"process exited with {proc.returncode}):\n{tail}\nIf the model is too big to "
+            f"step on this machine's CPU, {_NO_CHECK}."
+        )
+    return time.perf_counter() - t0
+
+
+@contextlib.contextmanager
+def _autocast_seen(model: torch.nn.Module) -> Iterator[list[bool]]:
+    """Records whether the model's forward ran under autocast (any device type)."""
+    seen = [False]
+
+    def hook(*_: Any) -> None:
+        for device_type in ("cpu", "cuda", "xla"):
+            with contextlib.suppress(Exception):
+                if torch.is_autocast_enabled(device_type):
+                    seen[0] = True
+
+    handle = model.register_forward_pre_hook(hook)
+    try:
+        yield seen
+    finally:
+        handle.remove()
+
+
+def _element(a: torch.Tensor, b: torch.Tensor) -> tuple[str, float, float]:
+    """Where ``a`` and ``b`` differ most: the index (as text) and both values."""
+    d = (a - b).abs()
+    if not bool(torch.isfinite(d).all()):
+        d = torch.where(torch.isfinite(d), d, torch.full_like(d, math.inf))
+    i = int(torch.argmax(d.reshape(-1)))
+    idx = tuple(int(x) for x in torch.unravel_index(torch.tensor(i), a.shape)) if a.dim() else ()
+    return (str(list(idx)) if idx else ""), float(a.reshape(-1)[i]), float(b.reshape(-1)[i])
+
+
+@dataclass(frozen=True)
+class _Verdict:
+    name: str
+    ratio: float  # distance / bound: above 1 fails
+    where: str
+    bundle: float
+    eager: float
+    detail: str
+
+
+def _compare_tensor(
+    name: str, got: torch.Tensor, want: torch.Tensor, before: torch.Tensor | None, b: Bounds
+) -> _Verdict:
+    if tuple(got.shape) != tuple(want.shape):
+        return _Verdict(name, math.inf, "", math.nan, math.nan,
+                        f"shape {tuple(got.shape)} in the bundle, {tuple(want.shape)} eager")  # fmt: skip
+    if got.numel() == 0:
+        return _Verdict(name, 0.0, "", 0.0, 0.0, "")
+    if not (got.is_floating_point() or want.is_floating_point()):
+        equal = bool(torch.equal(got.to(torch.int64), want.to(torch.int64)))
+        where, x, y = _element(got.double(), want.double())
+        return _Verdict(name, 0.0 if equal else math.inf, where, x, y, "integers must be equal")
+    a, w = got.double(), want.double()
+    where, x, y = _element(a, w)
+    if not torch.equal(torch.isfinite(a), torch.isfinite(w)):
+        return _Verdict(name, math.inf, where, x, y, "non-finite values differ")
+    fin = torch.isfinite(w)
+    a, w = a[fin], w[fin]
+    b0 = before.double()[fin] if before is not None and before.shape == want.shape else None
+    update = float(torch.linalg.vector_norm(w - b0)) if b0 is not None else float("inf")
+    if b0 is None:  # no value before the step (state the step created): the value is the update
+        update = float(torch.linalg.vector_norm(w))
+    dist = float(torch.linalg.vector_norm(a - w))
+    bound = (
+        b.update * update
+        + b.ulps * b.eps * float(torch.linalg.vector_norm(w))
+        + b.atol * math.sqrt(w.numel())
+    )
+    detail = f"normwise distance {dist:.3g}, bound {bound:.3g} (update {update:.3g})"
+    return _Verdict(name, dist / bound if bound > 0 else (0.0 if dist == 0 else math.inf),
+                    where, x, y, detail)  # fmt: skip
+
+
+def _compare_metric(name: str, got: list[float], want: torch.Tensor, b: Bounds) -> _Verdict:
+    w = want.detach().cpu().double().reshape(-1)
+    a = torch.tensor(got, dtype=torch.float64)
+    if a.shape != w.shape:
+        return _Verdict(name, math.inf, "", math.nan, math.nan, "shapes differ")
+    where, x, y = _element(a, w)
+    if not torch.equal(torch.isfinite(a), torch.isfinite(w)):
+        return _Verdict(name, math.inf, where, x, y, "non-finite values differ")
+    fin = torch.isfinite(w)
+    d = (a[fin] - w[fin]).abs()
+    bound = b.metric * w[fin].abs() + b.atol
+    ratio = float((d / bound).max()) if d.numel() else 0.0
+    return _Verdict(name, ratio, where, x, y, f"bound {b.metric:g} relative")
+
+
+def _describe(v: _Verdict) -> str:
+    at = f"[{v.where}]" if v.where else ""
+    return f"{v.name}{at}: bundle {v.bundle!r}, eager {v.eager!r}"
+
+
+def _low_precision(manifest: Manifest, autocast: bool) -> bool:
+    low = {"bfloat16", "float16", "bf16", "f16"}
+    specs = [s.spec for s in manifest.state]
+    specs += [n.spec for p in manifest.entries["train"].programs for n in p.batch]
+    return autocast or any(str(getattr(s.dtype, "value", s.dtype)) in low for s in specs)
+
+
+def _copies(recipe: Recipe) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """A deep copy of the model and optimizer (together, so the optimizer points at the
+    copied parameters)."""
+    try:
+        model, opt = copy.deepcopy((recipe.model, recipe.optimizer))
+    except Exception as e:
+        raise CheckCouldNotRun(
+            f"The export check could not copy the model and optimizer to step them "
+            f"eagerly ({type(e).__name__}: {e}); {_NO_CHECK}."
+        ) from e
+    return model, opt
+
+
+def _eager(
+    ref: Reference,
+    recipe: Recipe,
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    batch: dict[str, torch.Tensor],
+    seed: int | None,
+) -> tuple[Mapping[str, Any], dict[str, torch.Tensor], bool]:
+    try:
+        with torch.random.fork_rng(devices=[]), _autocast_seen(model) as autocast:
+            metrics, state = ref.run(recipe, model, opt, batch, seed)
+    except ExportError:
+        raise
+    except Exception as e:
+        raise CheckCouldNotRun(
+            f"The export check's eager step ({ref.name}) raised {type(e).__name__}: {e}. "
+            f"{_NO_CHECK[0].upper()}{_NO_CHECK[1:]}."
+        ) from e
+    return metrics, state, autocast[0]
+
+
+def _to_float64(
+    model: torch.nn.Module, opt: torch.optim.Optimizer, batch: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """The copies in float64 in place (the optimizer keeps pointing at the parameters:
+    ``Module.double`` converts their data), and the batch's floating inputs."""
+    model.double()
+    for p in model.parameters():
+        if p.grad is not None and p.grad.is_floating_point():
+            p.grad = p.grad.double()
+    for st in opt.state.values():
+        for k, v in list(st.items()):
+            if isinstance(v, torch.Tensor) and v.is_floating_point() and k != "step":
+                st[k] = v.double()
+    return {k: v.double() if v.is_floating_point() else v for k, v in batch.items()}
+
+
+def _verdicts(
+    metric_names: list[str],
+    state_names: list[str],
+    bundle: tuple[Mapping[str, Any], Mapping[str, torch.Tensor]],
+    eager: tuple[Mapping[str, Any], Mapping[str, torch.Tensor]],
+    before: Mapping[str, torch.Tensor],
+    bounds: Bounds,
+) -> list[_Verdict]:
+    out = []
+    for name in metric_names:
+        want = eager[0][name]
+        want = want if isinstance(want, torch.Tensor) else torch.tensor(float(want))
+        out.append(_compare_metric(name, bundle[0][name]["values"], want, bounds))
+    for name in state_names:
+        b0 = before.get(name)
+        if b0 is None and name.endswith(".grad"):
+            b0 = torch.zeros_like(eager[1][name])
+        out.append(_compare_tensor(name, bundle[1][name], eager[1][name], b0, bounds))
+    return out
+
+
+def check_bundle(
+    recipe: Recipe,
+    path: str | os.PathLike[str],
+    manifest: Manifest,
+    *,
+    reference: Reference = CPU_EAGER,
+    random_reference: Reference | str,
+    say: Callable[[str], None] = lambda _m: None,
+) -> CheckReport:
+    """Step the bundle at ``path`` once through the runtime and ``recipe`` once eagerly;
+    compare every metric and state tensor.
+
+    Where a tensor is further from the eager step than ``Bounds`` allow, and the
+    reference is PyTorch on the CPU, the step is run once more in float64: the bundle
+    passes where it is no further from float64 than twice PyTorch float32's own distance
+    (rounding that the step itself amplifies, such as Adam dividing a gradient that is
+    zero in exact arithmetic by its own magnitude, moves PyTorch float32 as much).
+
+    Args:
+      recipe: the recipe exported (its model and optimizer are deep-copied, never
+        stepped; torch's RNG state is left as it was).
+      path, manifest: the bundle written and its manifest.
+      reference: the eager step for a program that draws no random numbers.
+      random_reference: the eager step for one that does (it must draw the same numbers
+        from the bundle's seed), or why none can (the check is then skipped, saying so).
+      say: progress lines.
+
+    Raises:
+      CheckFailed: a metric or state tensor differs beyond ``Bounds``; the bundle at
+        ``path`` is removed.
+      CheckCouldNotRun: the runtime's process failed, or the eager step raised.
+    """
+    t0 = time.perf_counter()
+    program = manifest.entries["train"].programs[0]
+    draws = any(i.kind is InputKind.RNG_SEED for i in program.inputs)
+    if draws and isinstance(random_reference, str):
+        return CheckReport(False, reason=random_reference)
+    ref = random_reference if draws and isinstance(random_reference, Reference) else reference
+    seed = manifest.rng.seed if draws and manifest.rng is not None else None
+    path = Path(path)
+    batch = dict(recipe.example_batch)
+    with tempfile.TemporaryDirectory(prefix="stepbundle-check-") as tmp:
+        work = Path(tmp)
+        init: dict[str, torch.Tensor] = {}
+        if not recipe.include_state:  # the runtime takes the weights from the model's
+            held = state_by_name(recipe.model, recipe.optimizer)
+            kinds = (StateKind.PARAMETER, StateKind.BUFFER)
+            init = {
+                e.name: held[e.name] for e in manifest.state if e.kind in kinds and e.name in held
+            }
+        runtime_seconds = _run_runtime(path, batch, work, init)
+        from safetensors.torch import load_file
+
+        after = load_file(str(work / "after.safetensors"))
+        metrics = json.loads((work / "metrics.json").read_text())
+        model, opt = _copies(recipe)
+        before = state_by_name(model, opt)
+        eager_metrics, eager_state, autocast = _eager(ref, recipe, model, opt, batch, seed)
+        del model, opt
+        bounds = LOW_PRECISION if _low_precision(manifest, autocast) else FLOAT32
+        metric_names = [
+            o.name
+            for o in program.outputs
+            if isinstance(o, MetricOutput) and o.name in metrics and o.name in eager_metrics
+        ]
+        # State eager never made (a parameter no gradient reached) is not compared.
+        state_names = [e.name for e in manifest.state if e.name in after and e.name in eager_state]
+        bundle = (metrics, after)
+        verdicts = _verdicts(
+            metric_names, state_names, bundle, (eager_metrics, eager_state), before, bounds
+        )
+        failing = {v.name for v in verdicts if v.ratio > 1.0}
+        arbitrated = 0
+        if failing and ref.float64 and bounds is FLOAT32:
+            model, opt = _copies(recipe)
+            batch64 = _to_float64(model, opt, batch)
+            m64, s64, _ = _eager(ref, recipe, model, opt, batch64, seed)
+            del model, opt
+            e32 = {v.name: v for v in _verdicts(metric_names, state_names, (
+                {k: {"values": torch.as_tensor(v).double().reshape(-1).tolist()}
+                 for k, v in eager_metrics.items() if k in metric_names}, eager_state),
+                (m64, s64), before, bounds) if v.name in failing}  # fmt: skip
+            b64 = _verdicts(metric_names, state_names, bundle, (m64, s64), before, bounds)
+            kept = []
+            for v in verdicts:
+                if v.name in failing:
+                    v64 = next(x for x in b64 if x.name == v.name)
+                    own = e32[v.name].ratio  # PyTorch float32's own distance, in bounds
+                    if v64.ratio <= max(1.0, 2.0 * own):
+                        arbitrated += 1
+                        v = dataclasses.replace(v, ratio=v64.ratio / max(1.0, 2.0 * own))
+                kept.append(v)
+            verdicts = kept
+    seconds = time.perf_counter() - t0
+    if not verdicts:  # pragma: no cover - every train program has a loss metric
+        return CheckReport(False, reason="nothing to compare")
+    worst = max(verdicts, key=lambda v: v.ratio)
+    if worst.ratio > 1.0:
+        with contextlib.suppress(OSError):
+            path.unlink()
+        raise CheckFailed(
+            f"The exported step does not compute what the recipe's step computes: after one "
+            f"step from the same state and batch, {_describe(worst)} ({worst.detail}; "
+            f"{worst.ratio:.3g}x the bound float32 rounding explains). Compared against "
+            f"{ref.name}. The bundle at {os.fspath(path)!r} was removed. This is a bug of "
+            f"stepbundle or an unsupported pattern in the step: please report it with the "
+            f"recipe; {_NO_CHECK}.",
+            worst.name,
+            worst.bundle,
+            worst.eager,
+        )
+    report = CheckReport(
+        True,
+        reference=ref.name,
+        seconds=seconds,
+        runtime_seconds=runtime_seconds,
+        compared=len(verdicts),
+        closest=f"{worst.name} at {worst.ratio:.2g} of it"
+        + (
+            f"; {arbitrated} within PyTorch float32's own distance from float64"
+            if arbitrated
+            else ""
+        ),
+    )
+    say(report.line())
+    return report

@@ -1,0 +1,202 @@
+"""The export check (issue #39 item 2), once per front-end: it passes faithful bundles of
+the equivalence suite's kinds of model, and refuses a bundle whose step drops an update.
+
+The planted divergence is real: a bundle exported unchecked is rewritten so that one
+state tensor's new value becomes an unused metric, and the runtime then never updates
+that tensor; the check must name it, with both values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from stepbundle.frontend.errors import ExportError
+from stepbundle.frontend.recipe import Recipe
+from stepbundle.frontend.step_check import CheckFailed, check_bundle
+from stepbundle.schema import SectionPayload, open_bundle, write_bundle
+from stepbundle.schema.manifest import MetricOutput, StateUpdateOutput
+
+
+def _mse(model: nn.Module, opt: torch.optim.Optimizer, batch: dict[str, Any]) -> Any:
+    opt.zero_grad()
+    loss = nn.functional.mse_loss(model(batch["x"]), batch["y"])
+    loss.backward()
+    opt.step()
+    return {"loss": loss}
+
+
+def _classify(model: nn.Module, opt: torch.optim.Optimizer, batch: dict[str, Any]) -> Any:
+    opt.zero_grad()
+    logits = model(batch["x"])
+    loss = nn.functional.cross_entropy(logits, batch["y"])
+    loss.backward()
+    opt.step()
+    return {"loss": loss, "accuracy": (logits.detach().argmax(-1) == batch["y"]).float().mean()}
+
+
+def _linear(adam: dict[str, Any]) -> Recipe:
+    torch.manual_seed(0)
+    model = nn.Linear(5, 3)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05, **adam)
+    x = torch.randn(8, 5)
+    return Recipe(model, opt, _mse, {"x": x, "y": x @ torch.randn(5, 3) + 0.1})
+
+
+def _cnn(adam: dict[str, Any]) -> Recipe:
+    """The equivalence suite's CNN: convolutions, training BatchNorm, SGD with nesterov."""
+    torch.manual_seed(1)
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+        nn.Conv2d(8, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16), nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 5),
+    )  # fmt: skip
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, nesterov=True,
+                          weight_decay=5e-4)  # fmt: skip
+    batch = {"x": torch.randn(6, 3, 12, 12), "y": torch.arange(6) % 5}
+    return Recipe(model, opt, _classify, batch, seed=1234)
+
+
+class _TinyLM(nn.Module):
+    """nanoGPT's shape, small: tied embeddings, a pre-LN block with causal attention."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(32, 16)
+        self.pos = nn.Parameter(torch.randn(8, 16) * 0.02)
+        self.ln = nn.LayerNorm(16)
+        self.qkv = nn.Linear(16, 48)
+        self.mlp = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
+        self.head = nn.Linear(16, 32, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = self.emb(idx) + self.pos[: idx.shape[1]]
+        q, k, v = self.qkv(self.ln(h)).split(16, dim=-1)
+        att = (q @ k.transpose(-1, -2)) / 4.0
+        mask = torch.ones(idx.shape[1], idx.shape[1], dtype=torch.bool, device=idx.device).tril()
+        h = h + att.masked_fill(~mask, float("-inf")).softmax(-1) @ v
+        return self.head(h + self.mlp(self.ln(h)))
+
+
+def _lm_step(model: nn.Module, opt: torch.optim.Optimizer, batch: dict[str, Any]) -> Any:
+    opt.zero_grad()
+    logits = model(batch["idx"])
+    loss = nn.functional.cross_entropy(logits.flatten(0, 1), batch["y"].flatten())
+    loss.backward()
+    opt.step()
+    return {"loss": loss}
+
+
+def _lm(adam: dict[str, Any]) -> Recipe:
+    torch.manual_seed(2)
+    model = _TinyLM()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, **adam)
+    idx = torch.randint(0, 32, (4, 8))
+    return Recipe(model, opt, _lm_step, {"idx": idx, "y": torch.roll(idx, -1, 1)})
+
+
+@pytest.mark.parametrize("make", [_linear, _cnn, _lm], ids=["linear_adamw", "cnn_bn", "tiny_lm"])
+def test_the_check_passes_faithful_bundles(frontend: Any, make: Any, tmp_path: Path) -> None:
+    report = frontend.export(make(frontend.adam), tmp_path / "b.stepbundle")
+    check = report.check
+    assert check is not None and check.ran, check
+    assert check.reference == "PyTorch eager on the CPU"
+    n_state = len(report.manifest.state)
+    assert check.compared >= n_state  # every state tensor and the metrics
+    assert "check" in report.stage_seconds and check.seconds > 0
+    assert (tmp_path / "b.stepbundle").exists()
+
+
+def test_the_check_runs_a_bundle_without_weights_from_its_state_by_rule(
+    frontend: Any, tmp_path: Path
+) -> None:
+    recipe = _linear(frontend.adam)
+    recipe.include_state = False
+    report = frontend.export(recipe, tmp_path / "b.stepbundle")
+    assert report.check is not None and report.check.ran
+
+
+def test_check_false_skips_it(frontend: Any, tmp_path: Path) -> None:
+    report = frontend.export(_linear(frontend.adam), tmp_path / "b.stepbundle", check=False)
+    assert report.check is None and "check" not in report.stage_seconds
+
+
+def _dropping(path: Path, out: Path, state: str) -> Path:
+    """The bundle at ``path``, its train program no longer writing ``state`` back (the
+    new value becomes a metric nobody reads): the runtime leaves ``state`` as it was."""
+    with open_bundle(path) as b:
+        manifest = b.manifest
+        payloads = [SectionPayload(s.name, s.kind, bytes(b.section(s.name))) for s in manifest.sections]  # fmt: skip
+
+    def edit(o: Any) -> Any:
+        if isinstance(o, StateUpdateOutput) and o.state == state:
+            return MetricOutput(name="dropped_update", spec=o.spec)
+        return o
+
+    train = manifest.entries["train"]
+    programs = tuple(dataclasses.replace(p, outputs=tuple(edit(o) for o in p.outputs)) for p in train.programs)  # fmt: skip
+    assert programs != train.programs, f"{state} is not updated by the program"
+    entries = {**manifest.entries, "train": dataclasses.replace(train, programs=programs)}
+    write_bundle(out, dataclasses.replace(manifest, entries=entries), payloads)
+    return out
+
+
+@pytest.mark.parametrize(
+    ("make", "state"),
+    [
+        (_linear, "weight"),
+        (_linear, "optimizer.state.weight.exp_avg_sq"),
+        (_cnn, "1.running_var"),
+        (_lm, "pos"),
+    ],
+)
+def test_the_check_catches_a_dropped_update(
+    frontend: Any, make: Any, state: str, tmp_path: Path
+) -> None:
+    recipe = make(frontend.adam)
+    report = frontend.export(recipe, tmp_path / "good.stepbundle", check=False)
+    bad = _dropping(report.path, tmp_path / "bad.stepbundle", state)
+    with open_bundle(bad) as b:
+        manifest = b.manifest
+    with pytest.raises(CheckFailed) as caught:
+        check_bundle(make(frontend.adam), bad, manifest, random_reference="none")
+    e = caught.value
+    assert isinstance(e, ExportError)
+    assert e.name == state
+    assert str(e).count(state) >= 1 and "bundle " in str(e) and "eager " in str(e)
+    assert math.isfinite(e.bundle_value) and math.isfinite(e.eager_value)
+    assert e.bundle_value != e.eager_value
+    assert not bad.exists()  # a refused bundle is not left behind
+
+
+class _Dropout(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Dropout(0.3), nn.Linear(32, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+def test_a_step_that_draws_random_numbers(frontend: Any, tmp_path: Path) -> None:
+    """torch_xla: checked against torch_xla eager from the bundle's seed (the same masks);
+    torch: skipped, saying why (its masks come from jax's generator)."""
+    torch.manual_seed(0)
+    model = _Dropout()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    batch = {"x": torch.randn(16, 8), "y": torch.randn(16, 4)}
+    report = frontend.export(Recipe(model, opt, _mse, batch, seed=7), tmp_path / "b.stepbundle")
+    check = report.check
+    assert check is not None
+    if frontend.name == "torch_xla":
+        assert check.ran and check.reference.startswith("torch_xla eager")
+    else:
+        assert not check.ran and "random numbers" in check.reason
+        assert "check skipped" in check.line()

@@ -76,6 +76,10 @@ def _join_job(args: argparse.Namespace) -> bool:
     return multi
 
 
+# Calls dispatched and not known to be finished, at most (see _run_train's pace): two
+# keep the device fed while the host waits for the older one.
+_CALLS_AHEAD = 2
+
 # How long the processes of a job wait for each other to load (cold compiles included).
 _SETUP_TIMEOUT_S = 1800.0
 
@@ -355,9 +359,28 @@ def _run_train(
     watchdog = Watchdog(args.step_timeout) if args.step_timeout else None
     latest: list[tuple[int, int, dict[str, Any]]] = []
 
+    # The call before this one, by its metric arrays (a K-step call's steps share them).
+    before: list[list[Any]] = []
+
+    def pace(metrics: dict[str, Any]) -> None:
+        """Wait for the call two before this step's to finish, so that the host never
+        runs more than two calls ahead of the device. Dispatch is asynchronous, and with a
+        sparse --log-every nothing else waited: a SIGTERM found dozens of steps queued,
+        and the run stopped only after all of them (issue #43, item 11)."""
+        arrays = [getattr(v, "stack", v) for v in metrics.values()]
+        if not arrays or (before and before[-1][0] is arrays[0]):
+            return  # no metrics to wait on, or another step of the same call
+        before.append(arrays)
+        if len(before) > _CALLS_AHEAD:
+            for a in before.pop(0):
+                wait = getattr(a, "block_until_ready", None)
+                if wait is not None:
+                    wait()
+
     def on_step(i: int, metrics: dict[str, Any]) -> None:
         if watchdog is not None:
             watchdog.feed()
+        pace(metrics)
         step = start_step + i
         # With --steps-per-call K the state moves K steps per call, and the callbacks of
         # a call's steps come after it: evaluations, checkpoints and stops happen where

@@ -157,10 +157,49 @@ def ctrl_c_while_loading(folder: Path) -> None:
     assert not problems, "Ctrl-C did not end the run cleanly:\n" + "\n".join(problems)
 
 
+SLOW = Path(__file__).resolve().parent / "data" / "slow_step"  # about 0.2 s a step here
+
+
+def sigterm_with_sparse_logging(folder: Path) -> None:
+    """Item 11: SIGTERM with --log-every 16 on a slow step, sent as step 15 is reported,
+    stops after the step (or the call) in flight, not at step 32, the next reported one:
+    the host may not run dozens of steps ahead of the device, all of which would then
+    have to finish. (The stop may come a few steps later when this process is slow to
+    send the signal: 8 steps of slack, at about 0.2 s a step.)"""
+    ck = folder / "ck"
+    for k in ("1", "2"):
+        cmd = [sys.executable, "-m", "stepbundle", "run", f"{SLOW}.stepbundle", "--no-cache"]
+        cmd += ["--data", f"{SLOW}.inputs.npz", "--steps", "100000", "--log-every", "16"]
+        cmd += ["--json", "--steps-per-call", k, "--checkpoint-dir", str(ck / k)]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert proc.stdout is not None
+        try:
+            line = proc.stdout.readline()
+            assert line.startswith('{"step": 15,'), f"K={k}: not step 15's line: {line!r}"
+            proc.send_signal(signal.SIGTERM)
+            _, err = proc.communicate(timeout=TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"K={k}: still running {TIMEOUT_S:.0f} s after SIGTERM") from None
+        finally:
+            proc.kill()
+            proc.wait()
+        assert proc.returncode == 143 and "SIGTERM" in err, (
+            f"K={k}: exit {proc.returncode}: {err[-800:]}"
+        )
+        final = sorted((ck / k).glob("step-*.safetensors"))
+        assert final, f"K={k}: no final checkpoint: {err[-800:]}"
+        at = int(final[-1].name[5:13])
+        assert 16 <= at <= 24, (
+            f"K={k}: SIGTERM as step 15 was reported stopped the run at step {at}, not "
+            "after the step in flight"
+        )
+
+
 def attacks() -> list[tuple[str, Callable[[Path], None]]]:
     """Each attack of issue #43, by name."""
     return [
         ("1: the run lock cannot be taken", lock_that_cannot_be_taken),
         ("9: a checkpoint named for a step it does not hold", checkpoint_named_for_another_step),
         ("2, 3: Ctrl-C while loading, compiling, probing K", ctrl_c_while_loading),
+        ("11: SIGTERM with --log-every 16 on a slow step", sigterm_with_sparse_logging),
     ]

@@ -39,37 +39,15 @@ def _load_recipe(spec: str) -> Any:
     return fn
 
 
-def _installed(name: str) -> bool:
-    return importlib.util.find_spec(name) is not None
-
-
 def _choose_frontend(asked: str) -> tuple[str, str]:
-    """The front-end to use and why; raises SystemExit when it cannot run here."""
-    if asked == "auto":
-        if _installed("torch_xla"):
-            return "torch_xla", "torch_xla is installed"
-        if _installed("torch"):
-            return "torch", "torch_xla is not installed"
-        raise SystemExit(
-            _die(
-                "`stepbundle export` needs torch: install a front-end, "
-                "pip install 'stepbundle[export-torch]' (current torch and jax) or "
-                "'stepbundle[export]' (torch 2.9 + torch_xla). Running bundles "
-                "(`stepbundle run`) needs neither."
-            )
-        )
-    need = ("torch", "torch_xla") if asked == "torch_xla" else ("torch", "jax")
-    extra = "export" if asked == "torch_xla" else "export-torch"
-    missing = [n for n in need if not _installed(n)]
-    if missing:
-        raise SystemExit(
-            _die(
-                f"--frontend {asked} needs {' and '.join(need)}, and {', '.join(missing)} "
-                f"is not installed. Install its extra: pip install 'stepbundle[{extra}]'. "
-                "Running bundles (`stepbundle run`) does not need it."
-            )
-        )
-    return asked, "asked for"
+    """The front-end to use and why (``stepbundle.choose_frontend``); raises SystemExit
+    when it cannot run here."""
+    from stepbundle import FrontendMissingError, choose_frontend
+
+    try:
+        return choose_frontend(asked)
+    except FrontendMissingError as e:
+        raise SystemExit(_die(str(e))) from None
 
 
 def cmd_export(args: argparse.Namespace) -> int:

@@ -12,7 +12,7 @@ import os
 import sys
 from typing import Any, NoReturn
 
-from stepbundle import __version__
+from stepbundle._version import __version__
 
 from . import args as types
 from .common import EXIT_PIPE_CLOSED

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 import stepbundle.schema as codec
-from stepbundle import __version__
+from stepbundle._version import __version__
 from stepbundle.schema.manifest import (
     ConstantInput,
     Entry,

@@ -288,7 +288,7 @@ def test_export_in_the_lean_environment_asks_for_the_extra(
 ) -> None:
     out = _export_example(lean_python, tmp_path / "x")
     assert out.returncode == 2
-    assert "`stepbundle export` needs torch: install a front-end" in out.stderr
+    assert "Exporting needs torch: install a front-end" in out.stderr
     assert "pip install 'stepbundle[export-torch]'" in out.stderr
     assert "'stepbundle[export]' (torch 2.9 + torch_xla)" in out.stderr
 

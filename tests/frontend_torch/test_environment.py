@@ -51,7 +51,7 @@ def test_the_cli_chooses_this_front_end_and_writes_the_same_bytes(
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert refused.returncode == 2
-    assert "--frontend torch_xla needs torch and torch_xla" in refused.stderr
+    assert "The torch_xla front-end needs torch and torch_xla" in refused.stderr
     assert "pip install 'stepbundle[export]'" in refused.stderr
 
 

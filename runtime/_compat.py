@@ -32,6 +32,9 @@ JaxRuntimeError = jax.errors.JaxRuntimeError
 
 __all__ = [
     "JAXLIB_VERSION",
+    "YNN_FUSION_OPTION",
+    "cpu_numerics_overrides",
+    "option_overrides",
     "job_agree",
     "compile_options",
     "compile_program",
@@ -316,9 +319,54 @@ def job_agree(ok: bool, timeout_s: float) -> bool | None:
     return all(a == "1" for a in answers)
 
 
-def compile_options(num_partitions: int = 1, device_ids: Sequence[int] | None = None) -> Any:
-    """Compile options for one replica over ``num_partitions`` devices (SPMD when > 1)."""
+YNN_FUSION_OPTION = "xla_cpu_experimental_ynn_fusion_type"
+"""The XLA:CPU option naming the operations it hands to YNNPACK (reductions,
+convolutions, matmuls). Newer jaxlibs hand a training program's reductions to it, and
+their float32 results drift from PyTorch's: torchvision's resnet18 (64x64, SGD, four
+distinct batches) on jax 0.10.2 was 1.6e-2 from PyTorch float64 at step 3, and within
+1.3e-6 with the option empty (docs/numerics.md)."""
+
+_YNN_FROM = (0, 8, 0)
+"""The first jaxlib whose XLA may know ``YNN_FUSION_OPTION``. jax 0.7.1's refuses it
+("No such compile option"); 0.10.2's knows it. A jaxlib in between that refuses it is
+compiled without it (``compile_program``)."""
+
+
+def _version_tuple(version: str) -> tuple[int, ...]:
+    parts = []
+    for piece in version.split(".")[:3]:
+        digits = "".join(itertools.takewhile(str.isdigit, piece))
+        parts.append(int(digits or 0))
+    return tuple(parts)
+
+
+def cpu_numerics_overrides(xla_flags: str) -> tuple[tuple[tuple[str, str], ...], str]:
+    """The per-compile XLA options that keep CPU programs as accurate as PyTorch's, and
+    what was decided, in words (``LoadInfo.cpu_numerics``).
+
+    YNNPACK's fusions are switched off (``YNN_FUSION_OPTION`` empty) for each program
+    the runtime compiles, through ``CompileOptions.env_option_overrides``: a per-compile
+    option, so it holds whenever jax's CPU backend started, and touches nothing but the
+    runtime's own programs. A user's ``xla_flags`` (the ``XLA_FLAGS`` environment
+    variable) that mention the option win: nothing is set then.
+    """
+    if YNN_FUSION_OPTION in xla_flags:
+        return (), f"left to XLA_FLAGS, which sets {YNN_FUSION_OPTION}"
+    if _version_tuple(JAXLIB_VERSION) < _YNN_FROM:
+        return (), f"nothing to set: jaxlib {JAXLIB_VERSION}'s XLA has no YNNPACK fusion"
+    return ((YNN_FUSION_OPTION, ""),), f"YNNPACK fusion off ({YNN_FUSION_OPTION}= per compile)"
+
+
+def compile_options(
+    num_partitions: int = 1,
+    device_ids: Sequence[int] | None = None,
+    overrides: Sequence[tuple[str, str]] = (),
+) -> Any:
+    """Compile options for one replica over ``num_partitions`` devices (SPMD when > 1),
+    with XLA's ``overrides`` (option name, value) for this compile only."""
     opts = xla_client.CompileOptions()
+    if overrides:
+        opts.env_option_overrides = list(overrides)
     build = opts.executable_build_options
     build.num_replicas = 1
     build.num_partitions = num_partitions
@@ -336,11 +384,33 @@ def compile_options(num_partitions: int = 1, device_ids: Sequence[int] | None = 
     return opts
 
 
+def option_overrides(options: Any) -> tuple[tuple[str, str], ...]:
+    """The XLA option overrides ``options`` holds (for the compile-cache key)."""
+    return tuple((str(k), str(v)) for k, v in getattr(options, "env_option_overrides", ()))
+
+
+def _without_unknown_ynn(options: Any, error: Exception) -> bool:
+    """Drop ``YNN_FUSION_OPTION`` from ``options`` when ``error`` says this XLA does not
+    know it (a jaxlib between 0.7.1 and 0.10.2 that predates YNNPACK: nothing to turn
+    off); whether it did."""
+    if f"No such compile option: '{YNN_FUSION_OPTION}'" not in str(error):
+        return False
+    kept = [(k, v) for k, v in option_overrides(options) if k != YNN_FUSION_OPTION]
+    options.env_option_overrides = kept
+    return True
+
+
 def compile_program(
     client: Client, bytecode: bytes, devices: Sequence[Device], options: Any
 ) -> Executable:
     """Compile MLIR bytecode for ``devices`` and load it."""
-    return client.compile_and_load(bytecode, xla_client.DeviceList(tuple(devices)), options)
+    device_list = xla_client.DeviceList(tuple(devices))
+    try:
+        return client.compile_and_load(bytecode, device_list, options)
+    except JaxRuntimeError as e:
+        if not _without_unknown_ynn(options, e):
+            raise
+        return client.compile_and_load(bytecode, device_list, options)
 
 
 def serialize_executable(client: Client, exe: Executable) -> bytes:

@@ -93,6 +93,8 @@ def load(
             info.kept_freed_memory, info.allocator = allocator.decide(
                 opts.compile.keep_freed_memory
             )
+        if platform == "cpu":
+            _, info.cpu_numerics = _compat.cpu_numerics_overrides(os.environ.get("XLA_FLAGS", ""))
         client = client_for(platform)
         run_devices = select_devices(client, device, opts.parallel.devices)
         if stacked_entry is not None and len({d.process_index for d in run_devices}) > 1:

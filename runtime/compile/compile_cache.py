@@ -51,7 +51,10 @@ __all__ = [
 #   the payload; both are checked before the payload is deserialized.
 # v5 (2026-12-01): the XLA_FLAGS and LIBTPU_INIT_ARGS environment variables, as jax's own
 #   cache keys them: an executable compiled under other XLA flags is another executable.
-CACHE_KEY_VERSION = b"stepbundle-cache-v5"
+# v6 (2026-12-06): the compile options' XLA option overrides (on the CPU, YNNPACK's
+#   fusions off: _compat.cpu_numerics_overrides); a v5 entry compiled with them on would
+#   otherwise be reused.
+CACHE_KEY_VERSION = b"stepbundle-cache-v6"
 _ENTRY_MAGIC = b"SBXC\x00\x04\r\n"
 _ENTRY_HEADER = len(_ENTRY_MAGIC) + 32 + 32
 _NO_ENTRY = "no entry"
@@ -77,8 +80,9 @@ class CacheEvent:
     write_error: str | None = None  # the entry could not be written (the run goes on)
 
 
-def cache_key(client: Any, devices: Sequence[Any], bytecode: bytes) -> bytes:
+def cache_key(client: Any, devices: Sequence[Any], bytecode: bytes, options: Any = None) -> bytes:
     """The SHA-256 key of an executable: everything it depends on, each part length-prefixed."""
+    overrides = _compat.option_overrides(options) if options is not None else ()
     key = hashlib.sha256()
     for part in (
         CACHE_KEY_VERSION,
@@ -90,6 +94,7 @@ def cache_key(client: Any, devices: Sequence[Any], bytecode: bytes) -> bytes:
         # compiled for cuda:0 and loaded for cuda:1 fails at its first step.
         ",".join(f"{d.id}@{d.process_index}" for d in devices).encode(),
         _xla_flags(),
+        "\n".join(f"{k}={v}" for k, v in overrides).encode(),
         bytecode,
     ):
         key.update(len(part).to_bytes(8, "little"))
@@ -152,7 +157,7 @@ class CompileCache:
         if self.folder is None:
             exe = _compat.compile_program(client, bytecode, devices, options)
             return exe, CacheEvent(CacheOutcome.OFF, "cache off")
-        key = cache_key(client, devices, bytecode)
+        key = cache_key(client, devices, bytecode, options)
         path = self.entry(key)
         payload, why = self.read(key)
         if payload is not None:

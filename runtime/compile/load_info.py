@@ -43,6 +43,10 @@ class LoadInfo:
         ``runtime/compile/allocator.py``).
       allocator: what was decided about glibc's allocator and why, in words (the
         system-call cost measured for "auto"); empty off a TPU.
+      cpu_numerics: on the CPU, what the programs were compiled with to be as accurate
+        as PyTorch's CPU kernels, in words: YNNPACK's fusions off per compile, left to
+        the user's ``XLA_FLAGS``, or nothing to set on this jaxlib
+        (``_compat.cpu_numerics_overrides``); empty off the CPU.
     """
 
     seconds: dict[str, float] = field(default_factory=dict)
@@ -57,3 +61,4 @@ class LoadInfo:
     fused_attention: dict[str, int] = field(default_factory=dict)
     kept_freed_memory: bool = False
     allocator: str = ""
+    cpu_numerics: str = ""

@@ -11,6 +11,7 @@ Imports: jaxlib (through _compat), stepbundle.schema, stepbundle.stablehlo.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -98,6 +99,9 @@ def compile_program(
     )
     stage = apply_rewrites(Stage(module, program), ctx)
     devices = list(placement.devices)
-    options = _compat.compile_options(len(devices), [d.id for d in devices])
+    overrides: tuple[tuple[str, str], ...] = ()
+    if platform == "cpu":  # as accurate as PyTorch's CPU kernels (_compat.cpu_numerics_overrides)
+        overrides, _ = _compat.cpu_numerics_overrides(os.environ.get("XLA_FLAGS", ""))
+    options = _compat.compile_options(len(devices), [d.id for d in devices], overrides)
     exe, event = cache.compile(label, client, stage.module.bytecode(), devices, options)
     return CompiledProgram(stage.program, exe, donate, event, ctx.notes.get("fused_attention", 0))

@@ -19,7 +19,12 @@ from typing import Any
 import torch
 
 from stepbundle.frontend.errors import not_a_parameter
-from stepbundle.frontend.fresh_state import adam_first_state, sgd_first_state, take_capturable
+from stepbundle.frontend.fresh_state import (
+    NEEDS_CAPTURABLE,
+    adam_first_state,
+    sgd_first_state,
+    take_capturable,
+)
 from stepbundle.frontend.hyperparameters import declare_hyperparameters
 from stepbundle.frontend.recipe import Recipe
 from stepbundle.frontend.user_objects import UserObjects
@@ -207,7 +212,9 @@ class Workspace(UserObjects):
     def _swap_in(self, zero_grads: bool, no_gradient: frozenset[str]) -> None:
         device, model, optimizer = self.device, self.model, self.optimizer
         # Before the state moves: a capturable optimizer keeps its step on the device.
-        self.capturable_note = take_capturable(optimizer)
+        # On torch_xla, Adam's and AdamW's non-capturable step count is a host number
+        # baked into the trace as well.
+        self.capturable_note = take_capturable(optimizer, (*NEEDS_CAPTURABLE, "Adam", "AdamW"))
         check_optimizer(optimizer)
         params: dict[int, torch.nn.Parameter] = {}
         for m, saved in zip(self._modules, self._saved_params):

@@ -185,12 +185,14 @@ numbers and branches on them (RAdam's ``rho_t > 5``, ASGD's ``eta``...): no sing
 replays them, so both front-ends trace them with ``capturable=True``."""
 
 
-def take_capturable(opt: torch.optim.Optimizer) -> str | None:
+def take_capturable(
+    opt: torch.optim.Optimizer, needs: tuple[str, ...] = NEEDS_CAPTURABLE
+) -> str | None:
     """Set ``capturable=True`` on ``opt``'s param groups where its traced update needs it
-    (the caller restores ``param_groups`` after tracing); returns the note for the export
-    line, or None when nothing changed."""
+    (``needs``: the optimizers' class names; the caller restores ``param_groups`` after
+    tracing); returns the note for the export line, or None when nothing changed."""
     name = type(opt).__name__
-    if name not in NEEDS_CAPTURABLE or type(opt).__module__.split(".")[0] != "torch":
+    if name not in needs or type(opt).__module__.split(".")[0] != "torch":
         return None
     changed = [i for i, g in enumerate(opt.param_groups) if not g.get("capturable", False)]
     for i in changed:

@@ -37,7 +37,8 @@ __all__ = [
     "option_overrides",
     "job_agree",
     "compile_options",
-    "compile_program",
+    "compile_bytecode",
+    "ExecutableCall",
     "deserialize_executable",
     "get_client",
     "put_sharded",
@@ -400,7 +401,7 @@ def _without_unknown_ynn(options: Any, error: Exception) -> bool:
     return True
 
 
-def compile_program(
+def compile_bytecode(
     client: Client, bytecode: bytes, devices: Sequence[Device], options: Any
 ) -> Executable:
     """Compile MLIR bytecode for ``devices`` and load it."""
@@ -424,7 +425,7 @@ def deserialize_executable(
     return client.deserialize_executable(data, xla_client.DeviceList(tuple(devices)), options)
 
 
-class Dispatcher:
+class ExecutableCall:
     """Runs one loaded executable on one device and returns its results as arrays.
 
     ``LoadedExecutable.execute`` builds every result array twice (once per device and

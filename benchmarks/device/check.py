@@ -148,7 +148,7 @@ def _rewritten_power(platform_: str, x: np.ndarray, y: np.ndarray) -> np.ndarray
     assert rewrite_powers(module, max_elements=n) == 1
     client = _compat.get_client(platform_)
     device = client.local_devices()[0]
-    exe = _compat.compile_program(
+    exe = _compat.compile_bytecode(
         client, module.bytecode(), [device], _compat.compile_options(1, [device.id])
     )
     return np.asarray(exe.execute([jax.device_put(v, device) for v in (x, y)])[0])

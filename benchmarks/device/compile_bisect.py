@@ -140,7 +140,7 @@ def main() -> int:
         name, (bytecode, changed) = item
         t0 = time.perf_counter()
         try:
-            _compat.compile_program(client, bytecode, [device], options)
+            _compat.compile_bytecode(client, bytecode, [device], options)
             err = None
         except Exception as e:  # a variant that does not compile is a finding too
             err = f"{type(e).__name__}: {str(e)[:300]}"

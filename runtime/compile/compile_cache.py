@@ -155,7 +155,7 @@ class CompileCache:
         self, client: Any, bytecode: bytes, devices: Sequence[Any], options: Any
     ) -> tuple[Any, CacheEvent]:
         if self.folder is None:
-            exe = _compat.compile_program(client, bytecode, devices, options)
+            exe = _compat.compile_bytecode(client, bytecode, devices, options)
             return exe, CacheEvent(CacheOutcome.OFF, "cache off")
         key = cache_key(client, devices, bytecode, options)
         path = self.entry(key)
@@ -167,7 +167,7 @@ class CompileCache:
             except _compat.JaxRuntimeError as e:
                 # The entry is intact and ours, but this jaxlib would not load it.
                 why = f"the entry would not deserialize ({e})"
-        exe = _compat.compile_program(client, bytecode, devices, options)
+        exe = _compat.compile_bytecode(client, bytecode, devices, options)
         if isinstance(path, str) and not self.writer:
             # A shared cache at a URL gets one writer per job, not one per host.
             return exe, CacheEvent(CacheOutcome.MISS, why, path)

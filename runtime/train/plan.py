@@ -96,7 +96,7 @@ class CompiledPlan:
     batch_sig: BatchSignature
     loss_slot: int | None
     signature_text: str
-    dispatch: _compat.Dispatcher
+    dispatch: _compat.ExecutableCall
     kind: Literal[PlanKind.COMPILED] = field(default=PlanKind.COMPILED, init=False)
 
     @property
@@ -209,7 +209,7 @@ def build_plan(
         batch_sig=_batch_signature(program),
         loss_slot=loss_slot,
         signature_text=batch_text(program),
-        dispatch=_compat.Dispatcher(
+        dispatch=_compat.ExecutableCall(
             compiled.executable,
             [(o.spec.shape, to_numpy(o.spec.dtype)) for o in program.outputs],
             placement.output_shardings(program),

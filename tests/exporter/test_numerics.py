@@ -59,7 +59,7 @@ def _execute(module: mlir.Module, args: list[np.ndarray]) -> list[np.ndarray]:
 
     client = _compat.get_client("cpu")
     devices = client.local_devices()[:1]
-    exe = _compat.compile_program(client, module.bytecode(), devices, _compat.compile_options())
+    exe = _compat.compile_bytecode(client, module.bytecode(), devices, _compat.compile_options())
     with _compat.x64_scope():
         arrays = [_compat.put_sharded(a, _compat.single_device_sharding(devices[0])) for a in args]
         return [_compat.to_host(a) for a in exe.execute(arrays)]

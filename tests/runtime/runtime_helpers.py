@@ -100,7 +100,7 @@ def run_on_cpu(module: Any, *args: np.ndarray) -> list[np.ndarray]:
 
     client = _compat.get_client("cpu")
     device = client.local_devices()[0]
-    exe = _compat.compile_program(
+    exe = _compat.compile_bytecode(
         client, module.bytecode(), [device], _compat.compile_options(1, [device.id])
     )
     return [np.asarray(o) for o in exe.execute([jax.device_put(a, device) for a in args])]

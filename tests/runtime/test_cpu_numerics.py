@@ -95,7 +95,7 @@ def test_the_overrides_are_in_the_compile_cache_key() -> None:
 
 def test_a_jaxlib_whose_xla_lacks_the_option_compiles_without_it() -> None:
     """On jax 0.7.1 (the oldest supported) XLA refuses the option ("No such compile
-    option"); compile_program then drops it. On newer jaxlibs it is accepted as is."""
+    option"); compile_bytecode then drops it. On newer jaxlibs it is accepted as is."""
     from runtime_helpers import golden_train_module
 
     module = golden_train_module("linear_adamw")

@@ -320,6 +320,7 @@ def _run_train(
     from stepbundle.runtime.data.dataset import DataError
     from stepbundle.runtime.errors import NonFiniteLossError
     from stepbundle.runtime.io.remote import join
+    from stepbundle.schema.errors import CheckpointError
 
     from .report import Reporter
 
@@ -335,6 +336,21 @@ def _run_train(
         reporter.flush()  # the logs hold every step the checkpoint holds
         trainer.save_checkpoint(path)
         written.add(trainer.step_count)
+
+    failed: list[str] = []  # why each checkpoint this run could not write failed
+
+    def try_checkpoint(name: str | None = None) -> bool:
+        """``checkpoint``, with a failure (a full disk) printed and kept, not raised: the
+        run then stops and still writes what it can (issue #43, item 6)."""
+        assert ckpt_dir is not None
+        path = join(ckpt_dir, name or f"step-{trainer.step_count:08d}.safetensors")
+        try:
+            checkpoint(name)
+        except CheckpointError as e:
+            failed.append(_why_not_written(e, path))
+            print(f"\n[run] {failed[-1]}", file=sys.stderr)
+            return False
+        return True
 
     # In a multi-process job process 0 reports; every process computes.
     reporter = Reporter(
@@ -400,8 +416,11 @@ def _run_train(
             return
         if stopper.exit_code is not None:
             reporter.close()  # end the bar's line before the stop is reported
-        if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:
-            checkpoint()
+        periodic = args.checkpoint_every and (step + 1) % args.checkpoint_every == 0
+        if periodic and not try_checkpoint():
+            # A full disk: stop, and still write --save-state, which may be elsewhere.
+            reporter.close()
+            stopper.request(1, "a checkpoint could not be written")
         stopper.check()
 
     t1 = time.perf_counter()
@@ -423,7 +442,7 @@ def _run_train(
             reporter.close()
             print(f"\n[run] {e}", file=sys.stderr)
             if ckpt_dir is not None:
-                checkpoint(f"step-{trainer.step_count:08d}-before-nonfinite.safetensors")
+                try_checkpoint(f"step-{trainer.step_count:08d}-before-nonfinite.safetensors")
             code = 3
         except DataError as e:  # the data failed under the run (a shard truncated)
             reporter.close()
@@ -433,8 +452,10 @@ def _run_train(
             code = stopper.exit_code or 1
             print(f"\n[run] stopping after {trainer.step_count} steps ({stop})", file=sys.stderr)
         trainer.block_until_ready()
-        if ckpt_dir is not None and code != 3 and trainer.step_count not in written:
-            checkpoint()  # every run into a checkpoint folder ends with its final state
+        # Every run into a checkpoint folder ends with its final state.
+        final = code != 3 and trainer.step_count not in written
+        final = final and not failed  # a failed one was this step's, into this folder
+        if ckpt_dir is not None and final and try_checkpoint():
             print(
                 f"[run] wrote checkpoint {join(ckpt_dir, f'step-{trainer.step_count:08d}.safetensors')}",
                 file=sys.stderr,
@@ -452,9 +473,52 @@ def _run_train(
     )
     if done < steps and code == 0:
         print(f"[run] the data ended after {done} steps (--epochs {args.epochs})", file=sys.stderr)
+    saved = None
     if args.save_state:
-        _save_state(trainer, args.save_state)
+        try:
+            _save_state(trainer, args.save_state)
+            saved = args.save_state
+        except CheckpointError as e:
+            if not failed:
+                raise
+            failed.append(_why_not_written(e, args.save_state))
+            print(f"[run] {failed[-1]}", file=sys.stderr)
+    if failed:
+        code = code if code not in (0, 3) else 1
+        _report_unsaved(args, trainer.step_count, saved, written, ckpt_dir)
     return code
+
+
+def _why_not_written(e: Exception, path: str) -> str:
+    """A checkpoint that could not be written, in one sentence that gives no advice the
+    ended process could not take ("save again")."""
+    cause = e.__cause__ or e.__context__
+    if isinstance(cause, OSError):
+        return f"could not write {path}: {cause.strerror or cause}"
+    return str(e)
+
+
+def _report_unsaved(
+    args: argparse.Namespace, step: int, saved: str | None, written: set[int], ckpt_dir: str | None
+) -> None:
+    """Say plainly where the state of a run whose checkpoint failed is, if anywhere."""
+    from stepbundle.runtime.io.remote import join
+
+    if saved is not None:
+        print(f"[run] the state at step {step} is in --save-state {saved}", file=sys.stderr)
+        return
+    if written and ckpt_dir is not None:
+        last = max(written)
+        where = f"the last checkpoint written is {join(ckpt_dir, f'step-{last:08d}.safetensors')} (step {last})"
+    elif args.resume:
+        where = f"this run wrote no checkpoint; it started from {args.resume}"
+    else:
+        where = "this run wrote no checkpoint"
+    print(
+        f"[run] nothing of the state at step {step} was saved; {where}. Free space (or give "
+        "--save-state on another disk) and resume from there.",
+        file=sys.stderr,
+    )
 
 
 def _evaluate(args: argparse.Namespace, trainer: Any, reporter: Any, step: int) -> None:

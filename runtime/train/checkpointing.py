@@ -79,6 +79,7 @@ class Checkpoints:
                     "checkpoint files are untouched; free space or fix the folder and save "
                     "again."
                 )
+                failure.__cause__ = e  # raised below, outside this block: keep the OSError
         written = self._placement.agree(failure is None)
         if failure is not None:
             raise failure

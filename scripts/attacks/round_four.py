@@ -12,14 +12,16 @@ Run by the attack runner (``scripts/attacks.py``) with the lean environment, as
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import resource
 import shutil
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -195,6 +197,67 @@ def sigterm_with_sparse_logging(folder: Path) -> None:
         )
 
 
+@contextlib.contextmanager
+def _full_disk(where: Path, free_bytes: int) -> Iterator[bool]:
+    """Mount a nearly full tmpfs at ``where`` (as sinks_data.py does); yields False
+    (nothing mounted) where mounting is not allowed."""
+    where.mkdir()
+    mount = ["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(where)]
+    mounted = subprocess.run(mount, capture_output=True).returncode == 0
+    try:
+        if mounted:
+            filler = where / ".filler"
+            with open(filler, "wb", buffering=0) as f, contextlib.suppress(OSError):
+                while True:
+                    f.write(b"\0" * 4096)
+            os.truncate(filler, max(0, filler.stat().st_size - free_bytes))
+        yield mounted
+    finally:
+        if mounted:
+            subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+def full_disk_under_a_periodic_checkpoint(folder: Path) -> None:
+    """Item 6: the checkpoint folder fills up under periodic checkpoints; the run stops
+    (exit 1), still writes --save-state on another disk, says where the state is, and
+    the checkpoints written before are intact. Where no tmpfs can be mounted the
+    file-size limit stands in for the full disk, for every file: then nothing can be
+    saved, and the run must say so and name what is left."""
+    from stepbundle.runtime.state.checkpoint import read_checkpoint
+
+    base = _base(folder)
+    out = folder / "final.safetensors"
+
+    def limit() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1024, 1024))
+
+    with _full_disk(folder / "small", free_bytes=4 * 4096) as mounted:
+        ck = folder / "small" / "ck"
+        r = _cli(*base, "--steps", "5000", "--checkpoint-every", "100",
+                 "--checkpoint-dir", str(ck), "--save-state", str(out),
+                 preexec_fn=None if mounted else limit)  # fmt: skip
+        assert r.returncode == 1 and "Traceback" not in r.stderr, (
+            f"exit {r.returncode}, expected 1: {r.stderr[-1500:]}"
+        )
+        assert "save again" not in r.stderr, f"advice the ended run cannot take: {r.stderr[-800:]}"
+        kept = sorted(ck.glob("step-*.safetensors"))
+        for p in kept:
+            read_checkpoint(p)  # each whole (raises if torn)
+        if not mounted:
+            assert not out.exists() and "nothing of the state at step" in r.stderr, (
+                f"the run did not say that nothing was saved: {r.stderr[-800:]}"
+            )
+            return
+        assert kept, f"no checkpoint fitted the small disk: {r.stderr[-800:]}"
+        assert out.exists(), f"--save-state on the other disk was not written: {r.stderr[-800:]}"
+        step = read_checkpoint(out)[1].step
+        assert step > int(kept[-1].name[5:13]), f"--save-state holds step {step}, not the last"
+        assert f"the state at step {step} is in --save-state {out}" in r.stderr, (
+            f"the run does not say where its state is: {r.stderr[-800:]}"
+        )
+
+
 def attacks() -> list[tuple[str, Callable[[Path], None]]]:
     """Each attack of issue #43, by name."""
     return [
@@ -202,4 +265,5 @@ def attacks() -> list[tuple[str, Callable[[Path], None]]]:
         ("9: a checkpoint named for a step it does not hold", checkpoint_named_for_another_step),
         ("2, 3: Ctrl-C while loading, compiling, probing K", ctrl_c_while_loading),
         ("11: SIGTERM with --log-every 16 on a slow step", sigterm_with_sparse_logging),
+        ("6: a full disk under a periodic checkpoint", full_disk_under_a_periodic_checkpoint),
     ]

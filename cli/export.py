@@ -98,7 +98,7 @@ def cmd_export(args: argparse.Namespace) -> int:
             args.output,
             mlir_dir=args.emit_mlir,
             progress=progress,
-            check=not getattr(args, "no_check", False),
+            check=False if getattr(args, "no_check", False) else None,
         )
     except ExportError as e:
         return _die(str(e), 1)

@@ -24,7 +24,7 @@ import torch
 from stepbundle.frontend.errors import ExportError
 from stepbundle.frontend.recipe import Recipe, checked_metadata, read_only_entries, step_label
 from stepbundle.frontend.schedulers import scheduler_notes
-from stepbundle.frontend.step_check import check_bundle
+from stepbundle.frontend.step_check import check_bundle, check_wanted
 from stepbundle.frontend.step_io import batch_signature, checked_batch
 from stepbundle.frontend.writer import (
     ExportReport,
@@ -175,7 +175,7 @@ def export(
     mlir_dir: str | os.PathLike[str] | None = None,
     progress: Callable[[str], None] | None = None,
     run_traced_steps: bool = False,
-    check: bool = True,
+    check: bool | None = None,
 ) -> ExportReport:
     """Trace ``recipe``'s step with torch_xla and write a bundle to ``path``.
 
@@ -198,7 +198,8 @@ def export(
         or state tensor differs beyond float32 rounding (``stepbundle.frontend.step_check``;
         the reference is PyTorch on the CPU, or torch_xla eager where the bundle draws
         XLA's random numbers or keeps its BatchNorm, ``check.py``). False skips it (a
-        model too big to step on this machine's CPU).
+        model too big to step on this machine's CPU); None (the default): on, unless
+        the environment sets ``STEPBUNDLE_EXPORT_CHECK=0``.
 
     Raises:
       ExportError: the step cannot be replayed faithfully; the message says why.
@@ -302,7 +303,7 @@ def export(
         say=say,
         times=times,
     )
-    if check:
+    if check_wanted(check):
         t1 = time.perf_counter()
         plain, random = references(numerics, report.numerics_rewrites)
         report.check = check_bundle(

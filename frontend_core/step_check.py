@@ -60,8 +60,23 @@ __all__ = [
     "CheckReport",
     "Reference",
     "check_bundle",
+    "check_wanted",
     "state_by_name",
 ]
+
+CHECK_ENV = "STEPBUNDLE_EXPORT_CHECK"
+"""``STEPBUNDLE_EXPORT_CHECK=0`` turns the check's default off (a machine whose models
+are all too big to step on its CPU; the project's test suite, whose tests of other
+things export hundreds of bundles). ``check=True`` or ``False`` given to ``export`` wins."""
+
+
+def check_wanted(check: bool | None) -> bool:
+    """``export``'s ``check`` argument resolved: as given, else on unless
+    ``STEPBUNDLE_EXPORT_CHECK`` is ``0``, ``false``, ``no`` or ``off``."""
+    if check is not None:
+        return bool(check)
+    return os.environ.get(CHECK_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
 
 StepRunner = Callable[
     [Recipe, torch.nn.Module, torch.optim.Optimizer, dict[str, torch.Tensor], int | None],

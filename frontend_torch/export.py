@@ -25,7 +25,7 @@ from stepbundle.frontend.fresh_state import take_capturable
 from stepbundle.frontend.hyperparameters import declared_values
 from stepbundle.frontend.recipe import Recipe, checked_metadata, read_only_entries, step_label
 from stepbundle.frontend.schedulers import scheduler_notes
-from stepbundle.frontend.step_check import check_bundle
+from stepbundle.frontend.step_check import check_bundle, check_wanted
 from stepbundle.frontend.step_io import batch_signature, checked_batch
 from stepbundle.frontend.writer import (
     ExportReport,
@@ -206,7 +206,7 @@ def export(
     *,
     mlir_dir: str | os.PathLike[str] | None = None,
     progress: Callable[[str], None] | None = None,
-    check: bool = True,
+    check: bool | None = None,
 ) -> ExportReport:
     """Capture ``recipe``'s step with torch (no torch_xla) and write a bundle to ``path``.
 
@@ -225,7 +225,8 @@ def export(
       check: after writing, step the bundle once on the CPU through the runtime (in a
         child process) and the recipe once eagerly on a copy, and refuse when a metric
         or state tensor differs beyond float32 rounding (``stepbundle.frontend.step_check``).
-        False skips it (a model too big to step on this machine's CPU).
+        False skips it (a model too big to step on this machine's CPU); None (the
+        default): on, unless the environment sets ``STEPBUNDLE_EXPORT_CHECK=0``.
 
     Raises:
       ExportError: the step cannot be replayed faithfully; the message says why.
@@ -299,7 +300,7 @@ def export(
         say=say,
         times=times,
     )
-    if check:
+    if check_wanted(check):
         t1 = time.perf_counter()
         report.check = check_bundle(
             recipe, report.path, report.manifest, random_reference=_NO_RANDOM_REFERENCE, say=say

@@ -16,6 +16,11 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+# Exports in tests of other things skip the export check (each costs a runtime process
+# and a CPU compile); tests/frontends/test_frontends_export_check.py asks for it, and
+# checks that it is on by default without this variable. Child processes inherit it.
+os.environ.setdefault("STEPBUNDLE_EXPORT_CHECK", "0")
+
 try:
     import torch_xla  # noqa: F401
 

@@ -104,7 +104,7 @@ def _lm(adam: dict[str, Any]) -> Recipe:
 
 @pytest.mark.parametrize("make", [_linear, _cnn, _lm], ids=["linear_adamw", "cnn_bn", "tiny_lm"])
 def test_the_check_passes_faithful_bundles(frontend: Any, make: Any, tmp_path: Path) -> None:
-    report = frontend.export(make(frontend.adam), tmp_path / "b.stepbundle")
+    report = frontend.export(make(frontend.adam), tmp_path / "b.stepbundle", check=True)
     check = report.check
     assert check is not None and check.ran, check
     assert check.reference == "PyTorch eager on the CPU"
@@ -119,13 +119,24 @@ def test_the_check_runs_a_bundle_without_weights_from_its_state_by_rule(
 ) -> None:
     recipe = _linear(frontend.adam)
     recipe.include_state = False
-    report = frontend.export(recipe, tmp_path / "b.stepbundle")
+    report = frontend.export(recipe, tmp_path / "b.stepbundle", check=True)
     assert report.check is not None and report.check.ran
 
 
 def test_check_false_skips_it(frontend: Any, tmp_path: Path) -> None:
     report = frontend.export(_linear(frontend.adam), tmp_path / "b.stepbundle", check=False)
     assert report.check is None and "check" not in report.stage_seconds
+
+
+def test_the_check_is_on_by_default(
+    frontend: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("STEPBUNDLE_EXPORT_CHECK", raising=False)
+    report = frontend.export(_linear(frontend.adam), tmp_path / "b.stepbundle")
+    assert report.check is not None and report.check.ran
+    monkeypatch.setenv("STEPBUNDLE_EXPORT_CHECK", "0")
+    report = frontend.export(_linear(frontend.adam), tmp_path / "c.stepbundle")
+    assert report.check is None
 
 
 def _dropping(path: Path, out: Path, state: str) -> Path:
@@ -192,7 +203,8 @@ def test_a_step_that_draws_random_numbers(frontend: Any, tmp_path: Path) -> None
     model = _Dropout()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     batch = {"x": torch.randn(16, 8), "y": torch.randn(16, 4)}
-    report = frontend.export(Recipe(model, opt, _mse, batch, seed=7), tmp_path / "b.stepbundle")
+    recipe = Recipe(model, opt, _mse, batch, seed=7)
+    report = frontend.export(recipe, tmp_path / "b.stepbundle", check=True)
     check = report.check
     assert check is not None
     if frontend.name == "torch_xla":
@@ -200,3 +212,25 @@ def test_a_step_that_draws_random_numbers(frontend: Any, tmp_path: Path) -> None
     else:
         assert not check.ran and "random numbers" in check.reason
         assert "check skipped" in check.line()
+
+
+def test_the_cli_says_the_check_ran_and_skips_it_with_no_check(
+    frontend: Any, tmp_path: Path
+) -> None:
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "STEPBUNDLE_EXPORT_CHECK"}
+    base = [sys.executable, "-m", "stepbundle", "export", "examples/linear_adamw.py:recipe",
+            "--frontend", frontend.name]  # fmt: skip
+    root = Path(__file__).resolve().parents[2]
+    on = subprocess.run([*base, "-o", str(tmp_path / "a.stepbundle")], cwd=root, env=env,
+                        capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert on.returncode == 0, on.stderr[-2000:]
+    assert "[export] checked: one step through the runtime on the CPU" in on.stderr
+    assert "check " in on.stderr.split("[export] stages:")[1]  # its seconds among the stages
+    off = subprocess.run([*base, "-o", str(tmp_path / "b.stepbundle"), "--no-check"], cwd=root,
+                         env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert off.returncode == 0, off.stderr[-2000:]
+    assert "checked:" not in off.stderr and (tmp_path / "b.stepbundle").exists()

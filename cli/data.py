@@ -20,6 +20,7 @@ from typing import Any
 __all__ = [
     "DATA_ERRORS",
     "NOT_READ",
+    "check_steps_per_call",
     "default_batch_size",
     "eval_batches",
     "is_dataset",
@@ -182,3 +183,52 @@ def open_data(args: argparse.Namespace) -> Any:
         except (*DATA_ERRORS, BundleError) as e:
             raise ValueError(f"cannot read {flag} {path!r}: {e}") from None
     return npz
+
+
+# Host bytes a K-step call holds per step beyond its batch: the group's tuple and dict.
+_STEP_OVERHEAD = 1024
+
+
+def check_steps_per_call(args: argparse.Namespace, npz: Any) -> None:
+    """Refuse, before anything is compiled, a ``--steps-per-call K`` whose K batches do
+    not fit in this process's memory: a call stacks K batches on the host (and copies the
+    stack to the device). ``--steps-per-call 100000000`` on a tiny bundle once ran 160 s
+    and took 6.5 GB before a ``MemoryError``.
+
+    The size of a batch is known from an .npz, or from a dataset folder with
+    ``--batch-size`` (without it the batch is the bundle's, known only after the load,
+    and the runtime's own check refuses it then).
+
+    Raises:
+      ValueError: K batches cannot fit; the message says how large they are.
+    """
+    import math
+
+    from stepbundle.runtime.io.host_memory import available_bytes, format_bytes
+
+    k = getattr(args, "steps_per_call", None)
+    if not isinstance(k, int) or k <= 1 or getattr(args, "entry", "train") != "train":
+        return
+    per_batch: int | None = None
+    if isinstance(npz, Mapping) and npz:
+        per_batch = sum(a.nbytes // max(1, a.shape[0]) for a in npz.values() if a.ndim)
+    elif is_dataset(args.data) and getattr(args, "batch_size", None):
+        from stepbundle.runtime.data.dataset import open_dataset
+
+        specs = open_dataset(args.data).inputs
+        row = sum(math.prod(s.shape) * s.dtype.itemsize for s in specs)
+        per_batch = row * args.batch_size
+    if per_batch is None:
+        return
+    steps = getattr(args, "steps", None)
+    held = min(k, steps) if isinstance(steps, int) else k  # a call takes at most --steps
+    need = held * (2 * per_batch + _STEP_OVERHEAD)
+    avail = available_bytes()
+    if avail is not None and need > avail:
+        raise ValueError(
+            f"--steps-per-call {k} stacks {held} batches of --data ({format_bytes(per_batch)} "
+            f"each) in host memory for every call, {format_bytes(need)} with the copies a "
+            f"call makes, and this process can allocate {format_bytes(avail)}. Use a much "
+            "smaller K (8 or 32 take most of the gain; 'auto' picks one), e.g. "
+            "--steps-per-call 32."
+        )

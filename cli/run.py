@@ -95,7 +95,7 @@ def _cmd_run(args: argparse.Namespace, signals: Signals) -> int:
     from stepbundle.runtime.placement import distributed
     from stepbundle.schema.errors import BundleError
 
-    from .data import NOT_READ, open_data
+    from .data import NOT_READ, check_steps_per_call, open_data
     from .outputs import check_outputs
     from .paths import check_path_kinds, resume_from_folder
 
@@ -107,6 +107,7 @@ def _cmd_run(args: argparse.Namespace, signals: Signals) -> int:
         alone = not (args.distributed or args.coordinator is not None)
         npz = open_data(args) if alone else NOT_READ
         check_outputs(args)
+        check_steps_per_call(args, npz)  # K batches that cannot fit in memory
     except (OSError, ValueError) as e:
         return _die(str(e), 2)
     try:

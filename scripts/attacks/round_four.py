@@ -258,6 +258,21 @@ def full_disk_under_a_periodic_checkpoint(folder: Path) -> None:
         )
 
 
+def steps_per_call_that_cannot_fit(folder: Path) -> None:
+    """Item 5: --steps-per-call 100000000 on a tiny bundle is refused before anything is
+    loaded (exit 2, naming the memory), not 160 s of stacking and a MemoryError."""
+    base = _base(folder)
+
+    def limit() -> None:  # a run that stacks anyway fails sooner, and spares the machine
+        resource.setrlimit(resource.RLIMIT_AS, (16 * 2**30, 16 * 2**30))
+
+    r = _cli(*base, "--steps", "100000000", "--steps-per-call", "100000000", preexec_fn=limit)
+    _refused(r, 2, "--steps-per-call 100000000", "memory", "--steps-per-call 32")
+    assert "loaded" not in r.stderr, f"the bundle was loaded first: {r.stderr[-800:]}"
+    ok = _cli(*base, "--steps", "8", "--steps-per-call", "4", preexec_fn=limit)
+    assert ok.returncode == 0, f"a K that fits was refused: {ok.stderr[-800:]}"
+
+
 def attacks() -> list[tuple[str, Callable[[Path], None]]]:
     """Each attack of issue #43, by name."""
     return [
@@ -266,4 +281,5 @@ def attacks() -> list[tuple[str, Callable[[Path], None]]]:
         ("2, 3: Ctrl-C while loading, compiling, probing K", ctrl_c_while_loading),
         ("11: SIGTERM with --log-every 16 on a slow step", sigterm_with_sparse_logging),
         ("6: a full disk under a periodic checkpoint", full_disk_under_a_periodic_checkpoint),
+        ("5: --steps-per-call 100000000", steps_per_call_that_cannot_fit),
     ]

@@ -15,7 +15,8 @@ intermediate's uses accounted for, so nothing else reads a value that would disa
     s = dot_general(q, kt)          q: (B*H, T, D), kt: (B*H, D, T), batch dim 0
     s = reshape(s) to (B, H, T, T); [convert]; multiply(s, broadcast(scale)); [convert]
     s = select(broadcast(mask), s, broadcast(fill))   optional; mask causal (checked by
-                                                      evaluating it), fill <= -1e30
+                                                      evaluating it, in its element
+                                                      types), fill <= -1e30
     p = softmax over the last dim   reduce max, subtract, exp, reduce add, divide
     o = dot_general(reshape([convert] p), v)
 
@@ -35,6 +36,7 @@ from .artifact import Module
 from .graph import (
     element_type,
     evaluate,
+    holds_integers,
     ints,
     only_user,
     producer,
@@ -45,7 +47,7 @@ from .graph import (
     uses_of,
 )
 
-__all__ = ["Site", "count_score_products", "find_attention"]
+__all__ = ["NOT_CAUSAL", "Site", "count_score_products", "find_attention"]
 
 FILL_AT_MOST = -1e30
 """A masked score at or below this gives exactly zero probability in float32 (with the
@@ -215,42 +217,94 @@ def _iota_rows_ge_columns(value: Any, t: int) -> bool:
     if [ints(s, "broadcast_dimensions") for s in sides] != [[0], [1]]:
         return False
     iotas = [producer(s.operands[0]) for s in sides]
+    # The positions must be exact in the iota's type: 0..T-1 rounded to bf16 (T > 257)
+    # or wrapped in i8 (T > 128) compare into another mask.
     return all(
-        i is not None and i.name == "stablehlo.iota" and shape_of(i.result) == [t] for i in iotas
+        i is not None
+        and i.name == "stablehlo.iota"
+        and shape_of(i.result) == [t]
+        and holds_integers(element_type(i.result), t)
+        for i in iotas
     )
 
 
-def _is_causal(select: Any, t: int, scalars: dict[int, float], seen: dict[Any, bool]) -> bool:
-    """Whether ``select``'s predicate is the lower triangle of a (T, T) mask broadcast
-    over the batch and heads (the last two dims exactly); checked once per mask (the
-    layers of a model share one), by its form or else by computing it."""
+NOT_CAUSAL = "a mask over the scores that is not provably causal"
+"""The start of every reason ``_mask_miss`` gives."""
+
+
+def _mask_miss(select: Any, t: int, scalars: dict[int, float], seen: dict[Any, str]) -> str:
+    """Why ``select``'s predicate is not the lower triangle of a (T, T) mask broadcast
+    over the batch and heads (the last two dims exactly), or "" when it is; checked once
+    per mask (the layers of a model share one), by its form or else by computing it with
+    each value held as its element type holds it (``graph.evaluate``)."""
     bcast = producer(select.operands[0])
     if bcast is None or bcast.name != "stablehlo.broadcast_in_dim":
-        return False
+        return f"{NOT_CAUSAL} (not one (T, T) mask broadcast over the batch and heads)"
     rank = len(shape_of(bcast.result))
     mask = bcast.operands[0]
     if ints(bcast, "broadcast_dimensions") != [rank - 2, rank - 1]:
-        return False
+        return f"{NOT_CAUSAL} (not one (T, T) mask broadcast over the batch and heads)"
     if shape_of(mask) != [t, t] or element_type(mask) != "i1":
-        return False
+        return f"{NOT_CAUSAL} (not one (T, T) mask broadcast over the batch and heads)"
     key = producer(mask)
     if key is not None and key in seen:
         return seen[key]
-    causal = _iota_rows_ge_columns(mask, t)
-    if not causal:
+    miss = ""
+    if not _iota_rows_ge_columns(mask, t):
         values = evaluate(mask, scalars)
-        causal = values is not None and [bool(x) for x in values] == [
-            i >= j for i in range(t) for j in range(t)
-        ]
+        if values is None:
+            miss = (
+                f"{NOT_CAUSAL} (not computable when the program is compiled: read from "
+                "state or an input, too large, or built from positions its element type "
+                "does not hold exactly, such as positions rounded to bf16 or wrapped in int8)"
+            )
+        elif [bool(x) for x in values] != [i >= j for i in range(t) for j in range(t)]:
+            miss = f"{NOT_CAUSAL} (computed, it is not the lower triangle)"
     if key is not None:
-        seen[key] = causal
-    return causal
+        seen[key] = miss
+    return miss
 
 
-def _forward(dot1: Any, scalars: dict[int, float], seen: dict[Any, bool]) -> Site | None:
-    """The forward pattern from the scores' product ``dot1``, or None."""
+def _row_max_of(value: Any, depth: int = 0) -> bool:
+    """Whether ``value`` reaches a max over its last dim (a softmax's first step) through
+    reshapes, converts, scalings, masks and additions only: a product's result that
+    does is attention's scores."""
+    if depth > 6:
+        return False
+    for u in uses_of(value):
+        if _reduce_kind(u) == "max":
+            return True
+        if u.name in _SCORE_PATH and _row_max_of(u.result, depth + 1):
+            return True
+    return False
+
+
+_SCORE_PATH = frozenset(
+    {
+        "stablehlo.reshape",
+        "stablehlo.convert",
+        "stablehlo.multiply",
+        "stablehlo.divide",
+        "stablehlo.select",
+        "stablehlo.add",
+    }
+)
+
+
+def _forward(
+    dot1: Any, scalars: dict[int, float], seen: dict[Any, str], misses: list[str]
+) -> Site | None:
+    """The forward pattern from the scores' product ``dot1``, or None; why, in ``misses``,
+    where the product is attention's scores that the kernels cannot take."""
     q, kt = dot1.operands
     bh, t, d = shape_of(q)
+    tk = shape_of(kt)[2]
+    if tk != t and _row_max_of(dot1.result):
+        misses.append(
+            f"a cross-attention (queries of length {t}, keys of length {tk}): the fused "
+            "kernels take self-attention only, queries and keys of one length"
+        )
+        return None
     if shape_of(kt) != [bh, d, t] or t < 2:
         return None
     rs = only_user(dot1.result, "stablehlo.reshape")
@@ -272,7 +326,9 @@ def _forward(dot1: Any, scalars: dict[int, float], seen: dict[Any, bool]) -> Sit
         fill = splat_value(sel.operands[2], scalars)
         if fill is None or not fill <= FILL_AT_MOST:
             return None
-        if not _is_causal(sel, t, scalars, seen):
+        miss = _mask_miss(sel, t, scalars, seen)
+        if miss:
+            misses.append(miss)
             return None
         causal = True
         x = skip_converts(sel.result)
@@ -415,17 +471,22 @@ def count_score_products(module: Module) -> int:
         )
 
 
-def find_attention(module: Module, scalars: dict[int, float] | None = None) -> list[Site]:
+def find_attention(
+    module: Module, scalars: dict[int, float] | None = None, misses: list[str] | None = None
+) -> list[Site]:
     """Every attention of ``module``'s functions that matches the pattern (module
     docstring) with its backward complete or absent. ``scalars`` gives @main's scalar
-    constant arguments (argument number -> value), where the mask's fill may come from."""
+    constant arguments (argument number -> value), where the mask's fill may come from.
+    ``misses``, when given, gets a reason for each attention seen and not taken that
+    has one: a cross-attention, a mask not provably causal."""
     found = []
-    seen: dict[Any, bool] = {}
+    seen: dict[Any, str] = {}
+    why: list[str] = [] if misses is None else misses
     with module._ctx:
         for op in module._operations():
             if not _batched_matmul(op):
                 continue
-            site = _forward(op, scalars or {}, seen)
+            site = _forward(op, scalars or {}, seen, why)
             if site is not None and _backward(site):
                 found.append(site)
     return found

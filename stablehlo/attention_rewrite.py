@@ -57,15 +57,17 @@ def rewrite_attention(
     kernels: Kernels,
     scalars: dict[int, float] | None = None,
     accept: Callable[[Site], bool] = lambda site: True,
+    misses: list[str] | None = None,
 ) -> int:
     """Replace every attention ``find_attention`` finds by calls of the fused functions
     ``kernels`` gives, in place (those ``accept`` takes). Returns the number replaced.
+    ``misses`` gets ``find_attention``'s reasons for the attentions it did not take.
 
     Raises:
       ValueError: the module does not verify afterwards (it may be partly rewritten:
         the runtime rewrites a copy).
     """
-    sites = [s for s in find_attention(module, scalars) if accept(s)]
+    sites = [s for s in find_attention(module, scalars, misses) if accept(s)]
     if not sites:
         return 0
     with module._ctx:

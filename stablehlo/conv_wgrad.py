@@ -47,9 +47,14 @@ only where it was measured to matter: the runtime applies it on TPUs. A convolut
 rewritten when its output has at most ``MAX_POSITIONS`` spatial positions and fewer than
 its window has (a filter-sized result of a map-sized window), its window has more than
 ``ROW_WINDOW`` elements and more than one row (a loop of one iteration would change
-nothing: a ``Conv1d``'s 1xL map, or a convolution the rewrite already made); a forward or
-input-gradient convolution, whose window is the small filter, never is, nor are grouped
-(depthwise) or strided layers' weight gradients.
+nothing: a ``Conv1d``'s 1xL map, or a convolution the rewrite already made); grouped
+(depthwise), strided, dilated and reversed convolutions never are. The rule reads
+shapes, not which convolution of the step it is: a forward or input-gradient
+convolution with the usual small filter (a 3x3 window) is left alone, but one whose
+filter is as large as its map, so that its window is map-sized and its output a few
+positions (an 8x8 kernel over an 8x8 map: one position, a window of 64), is rewritten
+too. It is the same sum, and the same map-sized window the TPU compiler unrolls
+(``tests/runtime/test_conv_wgrad.py`` pins both).
 
 Imports: jaxlib's MLIR bindings, stepbundle.stablehlo.artifact.
 """

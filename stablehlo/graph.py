@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -22,8 +23,10 @@ __all__ = [
     "COMPARISONS",
     "call",
     "comparison_direction",
+    "converted",
     "element_type",
     "evaluate",
+    "holds_integers",
     "insert_functions",
     "ints",
     "main_argument",
@@ -180,7 +183,12 @@ def evaluate(value: Any, scalars: dict[int, float], depth: int = 0) -> list[Any]
     constants, iotas and known scalar arguments (``scalars``: @main argument number ->
     value) through broadcasts, compares, selects, converts and logic; None for anything
     else or anything larger than ``MAX_EVALUATED``. Plain Python: the StableHLO layer
-    stays free of numpy, and a mask is computed once per load."""
+    stays free of numpy, and a mask is computed once per load.
+
+    Each value is held as its element type holds it: a convert to bf16 rounds as bf16
+    does, and an iota or a convert whose values the type cannot hold exactly (positions
+    past 256 in bf16, past 127 in i8: rounded or wrapped) or an element type not
+    modelled here makes the result None, as unknown (``converted``, ``holds_integers``)."""
     shape = shape_of(value)
     if math.prod(shape) > MAX_EVALUATED or depth > 12:
         return None
@@ -193,7 +201,11 @@ def evaluate(value: Any, scalars: dict[int, float], depth: int = 0) -> list[Any]
         return None if v is None else [v] * math.prod(shape)
     if op.name == "stablehlo.iota":
         dim = int(ir.IntegerAttr(op.attributes["iota_dimension"]).value)
-        return [ix[dim] for ix in _index(shape)]
+        elem = element_type(op.result)
+        if not holds_integers(elem, shape[dim]):
+            return None  # positions rounded or wrapped by the type: not computed here
+        kind = float if elem in _PRECISION else int
+        return [kind(ix[dim]) for ix in _index(shape)]
     if op.name not in _EVALUATED:
         return None
     args = [evaluate(v, scalars, depth + 1) for v in op.operands]
@@ -211,8 +223,8 @@ def evaluate(value: Any, scalars: dict[int, float], depth: int = 0) -> list[Any]
         ]
     if op.name == "stablehlo.convert":
         elem = element_type(op.result)
-        kind = bool if elem == "i1" else float if elem.startswith(("f", "bf")) else int
-        return [kind(x) for x in a]
+        out = [converted(x, elem) for x in a]
+        return None if any(x is None for x in out) else out
     logic = op.name in ("stablehlo.not", "stablehlo.and", "stablehlo.or")
     if logic and element_type(op.result) != "i1":
         return None  # bitwise on integers: not computed here
@@ -231,6 +243,77 @@ def evaluate(value: Any, scalars: dict[int, float], depth: int = 0) -> list[Any]
     c = args[2]
     assert c is not None
     return [y if x else z for x, y, z in zip(a, b, c)]  # select
+
+
+_PRECISION = {"f64": 53, "f32": 24, "f16": 11, "bf16": 8}
+"""Significand bits of the float types ``evaluate`` models: every integer up to
+2**bits is exact."""
+
+
+def _int_range(elem: str) -> tuple[int, int] | None:
+    """The values a signed (``i8``, ``si8``) or unsigned (``ui8``) integer type holds."""
+    m = re.fullmatch(r"(s|u)?i(\d+)", elem)
+    if m is None or elem == "i1":
+        return None
+    bits = int(m.group(2))
+    if m.group(1) == "u":
+        return 0, (1 << bits) - 1
+    return -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+
+
+def holds_integers(elem: str, n: int) -> bool:
+    """Whether the element type holds every integer in [0, n) exactly (an iota of n
+    positions): an integer type wide enough, or a float type with enough significand
+    bits; False for a type not modelled here."""
+    if n <= 0:
+        return True
+    if elem in _PRECISION:
+        return n - 1 <= 1 << _PRECISION[elem]
+    span = _int_range(elem)
+    return span is not None and span[1] >= n - 1
+
+
+_FORMATS = {
+    "f32": (24, -149, 3.4028234663852886e38),
+    "f16": (11, -24, 65504.0),
+    "bf16": (8, -133, 3.3895313892515355e38),
+}
+"""Per float type: significand bits, the exponent of its smallest subnormal, its
+largest finite value."""
+
+
+def _round_float(x: float, elem: str) -> float | None:
+    """``x`` rounded once to the nearest ``elem`` value (ties to even, subnormals
+    included), or None beyond the type's finite range (not modelled)."""
+    if elem == "f64" or x == 0.0 or math.isnan(x) or math.isinf(x):
+        return x
+    bits, tiny, largest = _FORMATS[elem]
+    _, e = math.frexp(x)  # |x| = m * 2**e, 0.5 <= m < 1
+    step = max(e - bits, tiny)  # the spacing of elem's values around x
+    y = math.ldexp(round(math.ldexp(x, -step)), step)  # round(): ties to even
+    return None if abs(y) > largest else y
+
+
+def converted(x: Any, elem: str) -> Any:
+    """What ``stablehlo.convert`` makes of the number ``x`` in element type ``elem``:
+    ``i1`` is ``x != 0``; a float rounds to nearest; a float becomes an integer by
+    truncation toward zero. None where the result is not exact in ``elem``'s own terms
+    (an integer out of its range, which XLA would wrap; a float beyond the type's range;
+    NaN or infinity to an integer) or ``elem`` is a type not modelled here."""
+    if elem == "i1":
+        return bool(x)
+    if isinstance(x, bool):
+        x = int(x)
+    if elem in _PRECISION:
+        return _round_float(float(x), elem)
+    span = _int_range(elem)
+    if span is None:
+        return None
+    if isinstance(x, float):
+        if math.isnan(x) or math.isinf(x):
+            return None
+        x = int(x)  # toward zero
+    return x if span[0] <= x <= span[1] else None
 
 
 _EVALUATED = frozenset(

@@ -216,3 +216,29 @@ def test_a_bf16_weight_gradient_is_summed_in_float32() -> None:
     got = _run(module, [x, dy])[0].astype(np.float64)
     err = np.max(np.abs(got - ref)) / np.max(np.abs(ref))
     assert err < 2**-8  # one rounding to bf16 (8 bits of mantissa), not one per row
+
+
+# A forward convolution whose filter covers its whole map (an 8x8 kernel over an 8x8
+# map, no padding: one output position): by shape it is a map-sized window, like a
+# weight gradient's, and the rewrite takes it too (conv_wgrad's docstring says so).
+BIG_FILTER = """
+func.func @main(%x: tensor<2x3x8x8xf32>, %w: tensor<4x3x8x8xf32>) -> tensor<2x4x1x1xf32> {
+  %y = stablehlo.convolution(%x, %w) dim_numbers = [b, f, 0, 1]x[o, i, 0, 1]->[b, f, 0, 1], window = {} {batch_group_count = 1 : i64, feature_group_count = 1 : i64} : (tensor<2x3x8x8xf32>, tensor<4x3x8x8xf32>) -> tensor<2x4x1x1xf32>
+  return %y : tensor<2x4x1x1xf32>
+}
+"""
+
+
+def test_a_forward_convolution_with_a_map_sized_filter_is_rewritten_and_computes_it() -> None:
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((2, 3, 8, 8)).astype(np.float32)
+    w = rng.standard_normal((4, 3, 8, 8)).astype(np.float32)
+    ref = np.einsum("nchw,ochw->no", x.astype(np.float64), w.astype(np.float64))
+    module = mlir.Module.parse_text(_like(), BIG_FILTER)
+    assert _windows(module) == [64]
+    assert rewrite_weight_gradients(module) == 1
+    assert _windows(module) == [32]  # 4 rows of 8 per iteration
+    assert _ops(module, "stablehlo.while") == 1
+    got = _run(module, [x, w])[0][:, :, 0, 0].astype(np.float64)
+    assert np.max(np.abs(got - ref)) / np.max(np.abs(ref)) < 1e-6
+    # The usual forward convolution (a 3x3 filter) is not: test_only_the_weight_gradient_is_rewritten.

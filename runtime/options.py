@@ -42,6 +42,33 @@ def _whole(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _flags(record: object, *names: str) -> None:
+    """Refuse a field that should be True or False but is something else ("yes", 1)."""
+    for name in names:
+        value = getattr(record, name)
+        if not isinstance(value, bool):
+            raise BindingError(f"{name} must be True or False, got {value!r}.")
+
+
+def _path_or_none(name: str, value: object) -> None:
+    """Refuse a field that should be a path (a str or os.PathLike) or None."""
+    if value is not None and not isinstance(value, (str, os.PathLike)):
+        raise BindingError(
+            f"{name} must be a path (a str or os.PathLike) or None, got {value!r} "
+            f"({type(value).__name__})."
+        )
+    if isinstance(value, str) and not value:
+        raise BindingError(f"{name} must be a path or None, got an empty string.")
+
+
+# More steps per call than this is no batch count a host could stack (a call holds its K
+# batches at once); 8 or 32 take most of the gain.
+MAX_STEPS_PER_CALL = 1 << 20
+
+# File systems that live only in this process: a cache there is gone when it ends.
+_PROCESS_LOCAL = ("memory://",)
+
+
 @dataclass(frozen=True)
 class CompileOptions:
     """What is compiled, and how.
@@ -100,6 +127,20 @@ class CompileOptions:
                     f"{entries!r}."
                 )
             object.__setattr__(self, "entries", tuple(entries))
+        if self.entries is not None and (not self.entries or not all(self.entries)):
+            raise BindingError(
+                f"entries must name at least one entry, and no empty name, got {entries!r}; "
+                "None compiles every entry of the bundle."
+            )
+        cache: object = self.cache_dir
+        if not isinstance(cache, bool) and cache is not None:
+            _path_or_none("cache_dir", cache)
+            if str(os.fspath(cache)).lower().startswith(_PROCESS_LOCAL):  # type: ignore[call-overload]
+                raise BindingError(
+                    f"cache_dir={cache!r} is a file system that lives only in this process: "
+                    "the compiled programs would be gone when it ends. Give a folder or a "
+                    "shared URL, or cache_dir=False for no cache."
+                )
         if not _whole(self.steps_per_call):
             raise BindingError(
                 f"steps_per_call must be a whole number of at least 1, got {self.steps_per_call!r}."
@@ -108,6 +149,12 @@ class CompileOptions:
             raise BindingError(
                 f"steps_per_call must be a whole number of at least 1, got {self.steps_per_call}."
             )
+        if self.steps_per_call > MAX_STEPS_PER_CALL:
+            raise BindingError(
+                f"steps_per_call={self.steps_per_call} is more than {MAX_STEPS_PER_CALL}: a "
+                "call stacks its K batches in memory at once. 8 or 32 take most of the gain."
+            )
+        _flags(self, "compile_only", "fused_attention")
         if not (isinstance(self.keep_freed_memory, bool) or self.keep_freed_memory == "auto"):
             raise BindingError(
                 f'keep_freed_memory must be True, False or "auto", got {self.keep_freed_memory!r}.'
@@ -147,6 +194,8 @@ class StateOptions:
     pack_state: bool | int = True
 
     def __post_init__(self) -> None:
+        _path_or_none("init_from", self.init_from)
+        _flags(self, "init_strict")
         p = self.pack_state
         if not isinstance(p, bool) and (not _whole(p) or p < 0):
             raise BindingError(
@@ -174,6 +223,12 @@ class SafetyOptions:
     check_state: bool = False
 
     def __post_init__(self) -> None:
+        _flags(self, "stop_on_nonfinite", "check_state")
+        if self.expect_digest is not None and not isinstance(self.expect_digest, str):
+            raise BindingError(
+                f"expect_digest must be a bundle digest (sha256:...) or None, got "
+                f"{self.expect_digest!r}."
+            )
         if self.check_state and not self.stop_on_nonfinite:
             raise BindingError(
                 "check_state=True needs stop_on_nonfinite=True: the state can only be kept "
@@ -209,6 +264,7 @@ class ParallelOptions:
             raise PlatformError(f"devices must be a whole number or 'all', got {d!r}.")
         elif d < 1:
             raise PlatformError(f"devices must be a whole number of at least 1, got {d!r}.")
+        _flags(self, "shard_optimizer_state")
 
 
 @dataclass(frozen=True)

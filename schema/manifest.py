@@ -270,8 +270,9 @@ class Manifest:
         E[x^2] - E[x]^2); ``"torch_xla"``: exactly as torch_xla lowered the step, to
         ops each XLA release expands its own way. ``None``: not recorded (1.0 bundles,
         1.1 bundles written before the field). Informational: the programs are plain
-        StableHLO either way, and readers never branch on it. Known values are
-        ``schema.version.NUMERICS``; readers accept any non-empty string.
+        StableHLO either way, and readers never branch on it. A reader refuses any value
+        but ``schema.version.NUMERICS`` in a bundle of its own version or older, and
+        accepts any non-empty string from a newer minor.
       matmul_precision: the matmul precision the step was traced under, one of
         ``schema.version.MATMUL_PRECISIONS`` (format 1.2; ``"default"`` when absent). The
         runtime sets it on every dot_general and convolution at load unless told otherwise.

@@ -288,7 +288,7 @@ def _parse(path: str, mapping: mmap.mmap) -> Bundle:
         end, name = max(ends)
         if data_start + end > size:
             raise _truncated(path, size, data_start + end, f"section {name!r}")
-    validate(manifest, size, manifest_length=manifest_length)
+    validate(manifest, size, manifest_length=manifest_length, format_version=version)
     return Bundle(path, mapping, version, bytes(head), manifest_bytes, manifest)
 
 

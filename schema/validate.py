@@ -39,7 +39,13 @@ from .validate_programs import (
     check_tensor_section,
     fail,
 )
-from .version import MATMUL_PRECISIONS, RNG_RESTORED_DRAWS, STATE_INITIALIZERS
+from .version import (
+    FORMAT_VERSION,
+    MATMUL_PRECISIONS,
+    NUMERICS,
+    RNG_RESTORED_DRAWS,
+    STATE_INITIALIZERS,
+)
 from .wire import encode_manifest, manifest_to_wire
 
 __all__ = ["PLATFORMS", "validate"]
@@ -48,7 +54,32 @@ __all__ = ["PLATFORMS", "validate"]
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}\Z")
 
 
-def validate(manifest: Manifest, file_size: int, *, manifest_length: int | None = None) -> None:
+def _check_numerics(numerics: str | None, format_version: tuple[int, int]) -> None:
+    """``numerics`` is one of ``version.NUMERICS`` (every value a writer has written:
+    ``pytorch``, ``torch_xla``) in a bundle of this reader's version or older. A newer
+    minor may add values, and a reader that refused one would refuse a bundle it runs
+    correctly (a value readers must act on would come with a required feature): there
+    any non-empty value is accepted. Until issue #43 any non-empty value was accepted
+    everywhere, ``"yolo"`` included."""
+    if numerics is None:
+        return
+    check_nonempty(numerics, "numerics", "numerics")
+    if format_version <= FORMAT_VERSION and numerics not in NUMERICS:
+        raise fail(
+            "numerics",
+            f"{numerics!r} is not one of {', '.join(sorted(NUMERICS))}, the values format "
+            f"{format_version[0]}.{format_version[1]} allows. The bundle was not written by "
+            "a stepbundle exporter, or its manifest was edited: export it again.",
+        )
+
+
+def validate(
+    manifest: Manifest,
+    file_size: int,
+    *,
+    manifest_length: int | None = None,
+    format_version: tuple[int, int] = FORMAT_VERSION,
+) -> None:
     """Check ``manifest`` as the manifest of a bundle file of ``file_size`` bytes.
 
     Args:
@@ -57,6 +88,9 @@ def validate(manifest: Manifest, file_size: int, *, manifest_length: int | None 
       manifest_length: the byte length of the manifest in the file; by default the length
         of ``encode_manifest(manifest)``. A reader passes the length from the header,
         since a newer writer's manifest may be longer than this reader would encode it.
+      format_version: the version in the file's header (a reader passes it); by default
+        this writer's. Some fields take only the values of the versions this reader
+        knows, and any value from a newer minor (``numerics``).
 
     Raises:
       SchemaValidationError: the first rule broken, with the path of the offending field.
@@ -75,11 +109,7 @@ def validate(manifest: Manifest, file_size: int, *, manifest_length: int | None 
     _check_required_features(manifest.required_features)
     for key in manifest.metadata:
         check_nonempty(key, "metadata", "a metadata key")
-    # Any non-empty value is accepted, not only version.NUMERICS: the field is
-    # informational, and a reader that refused a newer writer's value would refuse a
-    # bundle it runs correctly.
-    if manifest.numerics is not None:
-        check_nonempty(manifest.numerics, "numerics", "numerics")
+    _check_numerics(manifest.numerics, format_version)
     # Unlike numerics, the runtime acts on it: an unknown value is refused.
     if manifest.matmul_precision not in MATMUL_PRECISIONS:
         raise fail(

@@ -40,3 +40,29 @@ def test_an_unknown_precision_is_refused(tmp_path: Path, value: str) -> None:
     with pytest.raises(SchemaValidationError, match="default, high, highest") as info:
         open_bundle(path)
     assert info.value.path == "matmul_precision"
+
+
+@pytest.mark.parametrize("version", [(1, 1), (1, 2)])
+@pytest.mark.parametrize("value", ["yolo", "PyTorch", "torch-xla"])
+def test_an_unknown_numerics_is_refused(
+    tmp_path: Path, value: str, version: tuple[int, int]
+) -> None:
+    """``numerics`` (1.1) is an enumeration the reader checks (issue #43, item 10): once,
+    any non-empty string was accepted."""
+    path = _bundle(tmp_path, lambda w: w.__setitem__("numerics", value), version)
+    with pytest.raises(SchemaValidationError, match="pytorch, torch_xla") as info:
+        open_bundle(path)
+    assert info.value.path == "numerics"
+
+
+@pytest.mark.parametrize("value", ["pytorch", "torch_xla", None])
+def test_every_numerics_a_writer_wrote_is_read(tmp_path: Path, value: str | None) -> None:
+    path = _bundle(tmp_path, lambda w: w.__setitem__("numerics", value), (1, 2))
+    with open_bundle(path) as bundle:
+        assert bundle.manifest.numerics == value
+
+
+def test_a_newer_minor_may_record_a_numerics_this_reader_does_not_know(tmp_path: Path) -> None:
+    path = _bundle(tmp_path, lambda w: w.__setitem__("numerics", "float64_reference"), (1, 99))
+    with open_bundle(path) as bundle:
+        assert bundle.manifest.numerics == "float64_reference"

@@ -161,6 +161,7 @@ class CheckReport:
       reference: the eager step compared against.
       seconds: its wall time (runtime process, eager step, comparison).
       runtime_seconds: the runtime process alone (start, compile, step, write).
+      eager_seconds: the eager step (and the float64 one, when it ran).
       compared: metrics and state tensors compared.
       closest: the one nearest its bound, and how near (a fraction of the bound).
       reason: why it was skipped.
@@ -170,6 +171,7 @@ class CheckReport:
     reference: str = ""
     seconds: float = 0.0
     runtime_seconds: float = 0.0
+    eager_seconds: float = 0.0
     compared: int = 0
     closest: str = ""
     reason: str = ""
@@ -181,7 +183,8 @@ class CheckReport:
         return (
             f"checked: one step through the runtime on the CPU against {self.reference}: "
             f"{self.compared} metrics and state tensors agree (closest to its bound: "
-            f"{self.closest}); {self.seconds:.1f}s (runtime process {self.runtime_seconds:.1f}s)"
+            f"{self.closest}); {self.seconds:.1f}s (runtime process {self.runtime_seconds:.1f}s, "
+            f"eager {self.eager_seconds:.1f}s)"
         )
 
 
@@ -476,9 +479,11 @@ def check_bundle(
 
         after = load_file(str(work / "after.safetensors"))
         metrics = json.loads((work / "metrics.json").read_text())
+        t_eager = time.perf_counter()
         model, opt = _copies(recipe)
         before = state_by_name(model, opt)
         eager_metrics, eager_state, autocast = _eager(ref, recipe, model, opt, batch, seed)
+        eager_seconds = time.perf_counter() - t_eager
         del model, opt
         bounds = LOW_PRECISION if _low_precision(manifest, autocast) else FLOAT32
         metric_names = [
@@ -495,10 +500,12 @@ def check_bundle(
         failing = {v.name for v in verdicts if v.ratio > 1.0}
         arbitrated = 0
         if failing and ref.float64 and bounds is FLOAT32:
+            t64 = time.perf_counter()
             model, opt = _copies(recipe)
             batch64 = _to_float64(model, opt, batch)
             m64, s64, _ = _eager(ref, recipe, model, opt, batch64, seed)
             del model, opt
+            eager_seconds += time.perf_counter() - t64
             e32 = {v.name: v for v in _verdicts(metric_names, state_names, (
                 {k: {"values": torch.as_tensor(v).double().reshape(-1).tolist()}
                  for k, v in eager_metrics.items() if k in metric_names}, eager_state),
@@ -537,6 +544,7 @@ def check_bundle(
         reference=ref.name,
         seconds=seconds,
         runtime_seconds=runtime_seconds,
+        eager_seconds=eager_seconds,
         compared=len(verdicts),
         closest=f"{worst.name} at {worst.ratio:.2g} of it"
         + (

@@ -23,6 +23,8 @@ import jax.numpy as jnp
 import torch
 from jax import lax
 
+from stepbundle.stablehlo import attention_composite as ac
+
 from .aten_math import HIGHEST, torch_dtype_of
 from .registry import OpContext, compute_dtype, jax_dtype, lowers, to_dtype
 
@@ -331,6 +333,40 @@ def _check_no_dropout(dropout_p: float) -> None:
         raise NotImplementedError("fused attention with dropout")
 
 
+COMPOSITES = True
+"""Write each attention as a ``stablehlo.composite`` (``stablehlo/attention_composite.py``)
+whose decomposition is the lowering below; False writes the lowering alone (the tests
+compare the two bit for bit)."""
+
+
+def _mask_of(attn_mask: Any, dt: Any) -> Any:
+    if attn_mask is None:
+        return None
+    return attn_mask.astype(jnp.bool_ if attn_mask.dtype == jnp.bool_ else dt)
+
+
+def _composite(
+    fn: Any, name: str, operands: list[Any], q: Any, k: Any, is_causal: bool, mask: Any,
+    scale: Any, dropout_p: float,
+) -> Any:  # fmt: skip
+    """``fn(*operands)``, written as the attention composite ``name`` when COMPOSITES."""
+    if not COMPOSITES:
+        return fn(*operands)
+    kind = "none" if mask is None else ("boolean" if mask.dtype == jnp.bool_ else "additive")
+    if is_causal and mask is None:
+        kind = "causal"
+    attrs = ac.attributes(
+        causal=is_causal,
+        scale=(1.0 / (q.shape[-1] ** 0.5)) if scale is None else float(scale),
+        mask=kind,
+        dropout_p=dropout_p,
+        groups=q.shape[-3] // k.shape[-3],
+        q_len=q.shape[-2],
+        kv_len=k.shape[-2],
+    )
+    return jax.lax.composite(lambda *xs, **_: fn(*xs), name, version=ac.VERSION)(*operands, **attrs)
+
+
 @lowers(aten._scaled_dot_product_flash_attention_for_cpu.default)
 def _sdpa_cpu(
     ctx: OpContext,
@@ -345,15 +381,19 @@ def _sdpa_cpu(
 ) -> Any:
     _check_no_dropout(dropout_p)
     dt = jax_dtype(compute_dtype(ctx.out_at(0).dtype))
-    mask = (
-        None
-        if attn_mask is None
-        else attn_mask.astype(jnp.bool_ if attn_mask.dtype == jnp.bool_ else dt)
-    )
-    out, lse = _attention(q.astype(dt), k.astype(dt), v.astype(dt), is_causal, mask, scale)
+    out_dt, lse_dt = (jax_dtype(ctx.out_at(i).dtype) for i in (0, 1))
+    mask = _mask_of(attn_mask, dt)
+
+    def forward(q: Any, k: Any, v: Any, *m: Any) -> Any:
+        out, lse = _attention(
+            q.astype(dt), k.astype(dt), v.astype(dt), is_causal, m[0] if m else None, scale
+        )
+        return out.astype(out_dt), lse.astype(lse_dt)
+
     # torch's kernel returns the output as (batch, seq, heads, dim) memory seen as
     # (batch, heads, seq, dim): values are what they are, the layout is torch's business.
-    return out, lse
+    operands = [q, k, v] + ([] if mask is None else [mask])
+    return _composite(forward, ac.NAME, operands, q, k, is_causal, mask, scale, dropout_p)
 
 
 @lowers(aten._scaled_dot_product_flash_attention_for_cpu_backward.default)
@@ -373,16 +413,20 @@ def _sdpa_cpu_backward(
 ) -> Any:
     _check_no_dropout(dropout_p)
     dt = jax_dtype(compute_dtype(ctx.out_at(0).dtype))
-    mask = (
-        None
-        if attn_mask is None
-        else attn_mask.astype(jnp.bool_ if attn_mask.dtype == jnp.bool_ else dt)
-    )
-    _, vjp = jax.vjp(
-        lambda q, k, v: _attention(q, k, v, is_causal, mask, scale)[0],
-        q.astype(dt), k.astype(dt), v.astype(dt),
-    )  # fmt: skip
-    return vjp(grad.astype(dt))
+    grad_dts = [jax_dtype(ctx.out_at(i).dtype) for i in range(3)]
+    mask = _mask_of(attn_mask, dt)
+
+    def backward(grad: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, *m: Any) -> Any:
+        # out and lse are the forward's (an operand of the composite, for a kernel that
+        # reads them); the decomposition recomputes the forward instead.
+        _, vjp = jax.vjp(
+            lambda q, k, v: _attention(q, k, v, is_causal, m[0] if m else None, scale)[0],
+            q.astype(dt), k.astype(dt), v.astype(dt),
+        )  # fmt: skip
+        return tuple(g.astype(t) for g, t in zip(vjp(grad.astype(dt)), grad_dts))
+
+    operands = [grad, q, k, v, out, lse] + ([] if mask is None else [mask])
+    return _composite(backward, ac.GRAD_NAME, operands, q, k, is_causal, mask, scale, dropout_p)
 
 
 # --------------------------------------------------------------- random numbers

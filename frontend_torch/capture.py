@@ -75,6 +75,10 @@ DECOMPOSITIONS: dict[Any, Callable[..., Any]] = {
         ]
     ),
 }
+# Kept whole: scaled_dot_product_attention's forward (its backward is kept already), so
+# that the lowering writes attention as one named operation a TPU runtime can swap for
+# fused kernels (aten_nn.py, stablehlo/attention_composite.py).
+del DECOMPOSITIONS[aten._scaled_dot_product_flash_attention_for_cpu.default]
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ import torch
 from torch import fx
 
 from . import aten_math, aten_nn, aten_reduce, aten_shape  # noqa: F401  (they fill LOWERINGS)
+from .attention_masks import fold_causal_masks
 from .registry import LOWERINGS, OpContext, jax_dtype
 
 __all__ = ["LoweringError", "ProgramGraph", "UnsupportedOperator", "evaluate", "lower"]
@@ -165,6 +166,7 @@ def lower(graph: ProgramGraph) -> bytes:
       UnsupportedOperator: an operator has no lowering.
       LoweringError: a lowering disagreed with torch on a result's shape.
     """
+    fold_causal_masks(graph.gm)  # a constant causal attn_mask as is_causal=True
     placeholders = [n for n in graph.gm.graph.nodes if n.op == "placeholder"]
     avals = []
     for i in graph.inputs:

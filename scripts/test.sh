@@ -35,6 +35,7 @@ lane_b() {
     tests/runtime/test_runtime_step.py tests/runtime/test_cache_integrity.py \
     tests/runtime/test_steps_per_call.py tests/runtime/test_data_parallel.py \
     tests/runtime/test_cpu_numerics.py \
+    tests/runtime/test_attention_composite.py \
     -k "not fuzzed"  # the cache fuzz (2.5 minutes) runs in the lean stage
   echo "== pytest, torch front-end (current torch + jax, no torch_xla) =="
   .venv-torch/bin/python -m pytest -q --durations=5 tests/frontend_torch tests/frontends

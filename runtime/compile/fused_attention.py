@@ -27,8 +27,19 @@ from __future__ import annotations
 from typing import Any
 
 from stepbundle.stablehlo.attention import Site
+from stepbundle.stablehlo.attention_composite import Attention
 
-__all__ = ["BLOCK", "TUNING", "attention_function", "block_sizes", "kernels_for", "supported"]
+__all__ = [
+    "BLOCK",
+    "TUNING",
+    "attention_function",
+    "block_sizes",
+    "composite_kernel",
+    "composite_kernels_for",
+    "composite_supported",
+    "kernels_for",
+    "supported",
+]
 
 BLOCK = 512
 """The largest block along each sequence; smaller contexts use their length."""
@@ -168,3 +179,151 @@ def kernels_for(platform: str, interpret: bool = False) -> Any:
         return lower(forward, qs, kts, qs, ss), lower(backward, leaves, out_aval)
 
     return make
+
+
+# ------------------------------------------------------- attention composites (SDPA)
+PAD_TO = 128
+"""Sequences are padded to a multiple of this for the kernels (the padding masked)."""
+
+HEAD_SIZES = (64, 128, 256)
+
+
+def composite_supported(att: Attention) -> str | None:
+    """Why an attention composite keeps its decomposition (in words a user can act on),
+    or None when the kernels take it."""
+    if att.dropout_p:
+        return f"dropout on the attention probabilities (p={att.dropout_p:g}) is not fused"
+    if att.mask in ("boolean", "additive"):
+        return (
+            f"an {att.mask} attn_mask is not fused (a causal mask given as attn_mask: pass "
+            "is_causal=True instead)"
+        )
+    if att.mask not in ("none", "causal"):
+        return f"the mask kind {att.mask!r} is unknown"
+    if att.dtype != "bf16":
+        return f"q is {att.dtype}, not bf16 (run the model under bf16 autocast)"
+    if att.head_dim not in HEAD_SIZES or att.v_dim != att.head_dim:
+        return f"the head size ({att.head_dim}, v {att.v_dim}) is not one of {HEAD_SIZES}"
+    if att.kv_heads < 1 or att.heads % att.kv_heads or att.heads // att.kv_heads != att.groups:
+        return f"{att.heads} query heads do not share {att.kv_heads} key/value heads evenly"
+    return None
+
+
+def _padded(n: int) -> int:
+    return -(-n // PAD_TO) * PAD_TO
+
+
+def composite_kernel(
+    att: Attention, interpret: bool = False, tuning: dict[str, Any] | None = None
+) -> Any:
+    """The jax function that replaces ``att``'s composite: the forward ``(q, k, v) ->
+    (out, lse)``, or the backward ``(dout, q, k, v, out, lse) -> (dq, dk, dv)`` (it
+    recomputes the forward through the kernels' own vjp; ``out`` and ``lse`` are not
+    read), on the composite's (B, H, T, D) arrays."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.experimental.pallas.ops.tpu.splash_attention import (
+        splash_attention_kernel as sk,
+    )
+    from jax.experimental.pallas.ops.tpu.splash_attention import (
+        splash_attention_mask as sm,
+    )
+
+    h, tq, tk = att.heads, att.q_len, att.kv_len
+    pq, pk = _padded(tq), _padded(tk)
+    if (pq, pk) == (tq, tk):
+        one: Any = sm.CausalMask((tq, tk)) if att.causal else sm.FullMask((tq, tk))
+    else:  # the padded keys masked; PyTorch's causal mask is the top-left triangle
+        rows, cols = np.arange(pq)[:, None], np.arange(pk)[None, :]
+        keep = (cols < tk) & ((cols <= rows) if att.causal else True)
+        one = sm.NumpyMask(np.broadcast_to(keep, (pq, pk)).copy())
+    sizes: dict[str, Any] = {
+        "block_q": _block(pq),
+        "block_kv": _block(pk),
+        "block_q_dkv": _block(pq),
+        "block_kv_dkv": _block(pk),
+        "use_fused_bwd_kernel": True,
+    }
+    sizes.update(TUNING if tuning is None else tuning)
+    for key in ("q_layout", "k_layout", "v_layout"):
+        if isinstance(sizes.get(key), str):
+            sizes[key] = getattr(sk.QKVLayout, sizes[key])
+
+    def make(save_residuals: bool) -> Any:
+        return sk.make_splash_mha(
+            mask=sm.MultiHeadMask([one for _ in range(h)]),
+            block_sizes=sk.BlockSizes(**sizes),
+            head_shards=1,
+            q_seq_shards=1,
+            save_residuals=save_residuals,
+            interpret=interpret,
+        )
+
+    dt = jnp.dtype(_NAMES[att.dtype])
+
+    def prepare(q: Any, k: Any, v: Any) -> tuple[Any, Any, Any]:
+        # The scale is applied to q in float32, rounded once to q's type; grouped
+        # key/value heads repeated (their gradients summed back by the vjp).
+        q = (q.astype(jnp.float32) * jnp.float32(att.scale)).astype(dt)
+        if att.groups > 1:
+            k, v = (jnp.repeat(x, att.groups, axis=1) for x in (k, v))
+        pad = ((0, 0), (0, 0))
+        q = jnp.pad(q, (*pad, (0, pq - tq), (0, 0)))
+        k, v = (jnp.pad(x, (*pad, (0, pk - tk), (0, 0))) for x in (k, v))
+        return q, k.astype(dt), v.astype(dt)
+
+    if not att.grad:
+        kernel = make(True)
+
+        def forward(q: Any, k: Any, v: Any) -> Any:
+            out, (lse,) = jax.vmap(kernel)(*prepare(q, k, v))
+            return out[:, :, :tq].astype(q.dtype), lse[:, :, :tq].astype(jnp.float32)
+
+        return forward
+    kernel = make(False)
+
+    def backward(do: Any, q: Any, k: Any, v: Any, out: Any, lse: Any) -> Any:
+        def attention(q: Any, k: Any, v: Any) -> Any:
+            return jax.vmap(kernel)(*prepare(q, k, v))[:, :, :tq]
+
+        _, pullback = jax.vjp(attention, q, k, v)
+        dq, dk, dv = pullback(do.astype(dt))
+        return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+    return backward
+
+
+def composite_kernels_for(platform: str, interpret: bool = False) -> Any:
+    """A ``stablehlo.attention_composite.Kernels`` callable for ``platform``."""
+    import jax
+    import jax.numpy as jnp
+
+    def make(att: Attention) -> str:
+        dt = jnp.dtype(_NAMES[att.dtype])
+        aval: Any = jax.ShapeDtypeStruct
+        q = aval((att.batch, att.heads, att.q_len, att.head_dim), dt)
+        k = aval((att.batch, att.kv_heads, att.kv_len, att.head_dim), dt)
+        fn = composite_kernel(att, interpret)
+        if not att.grad:
+            return _lower(fn, platform, q, k, k)
+        lse = aval((att.batch, att.heads, att.q_len), jnp.float32)
+        return _lower(fn, platform, q, q, k, k, q, lse)
+
+    return make
+
+
+def _lower(fn: Any, platform: str, *avals: Any) -> str:
+    """``fn`` lowered for ``platform`` as MLIR text, every argument kept."""
+    import jax
+
+    # No traceback in the locations: the kernels' bytes (part of the compile cache's
+    # key) would otherwise name the calling script's file and line.
+    config: Any = jax.config
+    limit = config.jax_traceback_in_locations_limit
+    config.update("jax_traceback_in_locations_limit", 0)
+    try:
+        traced = jax.jit(fn, keep_unused=True).trace(*avals)
+        return str(traced.lower(lowering_platforms=(platform,)).as_text())
+    finally:
+        config.update("jax_traceback_in_locations_limit", limit)

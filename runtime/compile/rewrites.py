@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from stepbundle.schema.manifest import Program, StateUpdateOutput
 from stepbundle.stablehlo import artifact as mlir
 from stepbundle.stablehlo.attention import Site, count_score_products
+from stepbundle.stablehlo.attention_composite import count_composites, rewrite_composites
 from stepbundle.stablehlo.attention_rewrite import rewrite_attention
 from stepbundle.stablehlo.conv_layout import canonicalize_convolutions
 from stepbundle.stablehlo.conv_wgrad import count_weight_gradients, rewrite_weight_gradients
@@ -203,22 +204,21 @@ def fuse_attention(
     skipped: list[str] = []
     copy = mlir.Module.parse_text(stage.module, stage.module.text())
     scalars = dict(ctx.scalar_constants)
-    misses: list[str] = []  # attention seen and not taken, and why
+    composites = _fuse_composites(copy, platform, interpret)
+    if composites is None:  # a failure: the program is as it was
+        return stage
     try:
-        n = rewrite_attention(
-            copy, kernels, scalars, accept=lambda s: _accept(s, skipped), misses=misses
-        )
+        n = rewrite_attention(copy, kernels, scalars, accept=lambda s: _accept(s, skipped))
     except Exception as e:  # lowering or verification: keep the traced attention
         warn_once("fused-attention", f"stepbundle kept traced attention as it is: {e}")
-        return stage
+        if not composites:
+            return stage
+        copy, n = mlir.Module.parse_text(stage.module, stage.module.text()), 0
+        composites = _fuse_composites(copy, platform, interpret) or 0
+    n += composites
     if skipped:
         warn_once("fused-attention-skipped", "stepbundle kept traced attention: " + skipped[0])
-    for miss in dict.fromkeys(misses):
-        warn_once(
-            f"fused-attention-missed:{miss}",
-            f"stepbundle kept traced attention it did not recognize: {miss}",
-        )
-    if not skipped and not misses and count_score_products(stage.module) > 2 * n:
+    elif count_score_products(stage.module) > 2 * n:
         warn_once(
             "fused-attention-unmatched",
             "stepbundle kept traced attention it did not recognize (batched products of a "
@@ -227,6 +227,33 @@ def fuse_attention(
         )
     ctx.notes["fused_attention"] = n
     return Stage(copy, stage.program) if n else stage
+
+
+def _fuse_composites(module: mlir.Module, platform: str, interpret: bool) -> int | None:
+    """Attention composites (``stablehlo/attention_composite.py``: what a front-end
+    writes for ``F.scaled_dot_product_attention``) as the kernels, in place where their
+    attributes allow; each kept says where and why (a warning, once per reason). The
+    number of forward attentions fused, or None when the rewrite failed (``module`` may
+    then be partly rewritten)."""
+    from .fused_attention import composite_kernels_for, composite_supported
+
+    if not count_composites(module):
+        return 0
+    try:
+        fused, kept = rewrite_composites(
+            module, composite_kernels_for(platform, interpret), composite_supported
+        )
+    except Exception as e:  # lowering or verification: keep the decompositions
+        warn_once(
+            "fused-attention-composite", f"stepbundle kept attention as its decomposition: {e}"
+        )
+        return None
+    for why in dict.fromkeys(kept):
+        warn_once(
+            f"fused-attention-kept:{why}",
+            f"stepbundle kept attention as its decomposition (slower on a TPU): {why}",
+        )
+    return sum(1 for a in fused if not a.grad)
 
 
 def _accept(site: Site, skipped: list[str]) -> bool:

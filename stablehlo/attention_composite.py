@@ -1,0 +1,223 @@
+"""Attention written into a program as a named operation, and swapped for fused kernels.
+
+Where a front-end sees attention as one operation (``F.scaled_dot_product_attention``),
+it writes a ``stablehlo.composite`` named ``stepbundle.attention`` whose decomposition
+is the math it traced, and one named ``stepbundle.attention_grad`` for its backward.
+A runtime that does not know the names runs the decompositions (XLA inlines a
+composite); a TPU runtime calls fused kernels instead where the attributes allow
+(``rewrite_composites``). Both are version 1:
+
+    stepbundle.attention       (q, k, v[, mask]) -> (out, lse)
+    stepbundle.attention_grad  (dout, q, k, v, out, lse[, mask]) -> (dq, dk, dv)
+
+q is (B, H, Tq, D), k and v (B, H / groups, Tk, D) (v's last dim may differ), out is
+q's dtype, lse (B, H, Tq) float32: the rows' logsumexp of the scaled, masked scores.
+The mask operand is there when ``mask`` is ``boolean`` (True keeps a score) or
+``additive`` (added to the scores); it broadcasts to (B, H, Tq, Tk). Attributes
+(``composite_attributes``): ``causal`` (bool: the upper triangle of (Tq, Tk), aligned
+top-left as PyTorch's ``is_causal``, is masked), ``scale`` (float), ``mask`` ("none",
+"causal", "boolean", "additive"), ``dropout_p`` (float; 0 unless a front-end writes
+dropout inside), ``groups`` (int: query heads per key/value head), ``q_len``,
+``kv_len`` (ints).
+
+Imports: jaxlib's MLIR bindings.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from jaxlib.mlir import ir
+
+from .artifact import Module
+from .build import verify
+from .graph import call, element_type, function_type, insert_functions, shape_of
+
+__all__ = [
+    "GRAD_NAME",
+    "MASK_KINDS",
+    "NAME",
+    "VERSION",
+    "Attention",
+    "attributes",
+    "count_composites",
+    "find_composites",
+    "rewrite_composites",
+]
+
+NAME = "stepbundle.attention"
+GRAD_NAME = "stepbundle.attention_grad"
+VERSION = 1
+MASK_KINDS = ("none", "causal", "boolean", "additive")
+
+
+def attributes(
+    *, causal: bool, scale: float, mask: str, dropout_p: float, groups: int, q_len: int, kv_len: int
+) -> dict[str, Any]:
+    """The composite's attributes, as a front-end writes them (``jax.lax.composite``'s
+    keyword arguments)."""
+    if mask not in MASK_KINDS:
+        raise ValueError(f"mask kind {mask!r} is not one of {MASK_KINDS}")
+    return {
+        "causal": bool(causal),
+        "scale": float(scale),
+        "mask": mask,
+        "dropout_p": float(dropout_p),
+        "groups": int(groups),
+        "q_len": int(q_len),
+        "kv_len": int(kv_len),
+    }
+
+
+@dataclass(frozen=True)
+class Attention:
+    """One attention composite's attributes and shapes: what its kernels depend on.
+
+    Attributes:
+      grad: a ``stepbundle.attention_grad`` (else the forward).
+      batch, heads, kv_heads, q_len, kv_len, head_dim, v_dim: B, H, H / groups, Tq, Tk,
+        D, and v's last dim.
+      dtype: q's element type as MLIR prints it (``bf16``).
+      causal, scale, mask, dropout_p, groups: the composite's attributes.
+      version: the composite's version.
+    """
+
+    grad: bool
+    batch: int
+    heads: int
+    kv_heads: int
+    q_len: int
+    kv_len: int
+    head_dim: int
+    v_dim: int
+    dtype: str
+    causal: bool
+    scale: float
+    mask: str
+    dropout_p: float
+    groups: int
+    version: int
+
+    def describe(self) -> str:
+        """The site in words (for a message)."""
+        what = "attention backward" if self.grad else "attention"
+        mask = "causal" if self.causal else self.mask
+        return (
+            f"{what} (batch {self.batch}, {self.heads} heads of {self.head_dim}, "
+            f"{self.kv_heads} key/value heads, Tq {self.q_len}, Tk {self.kv_len}, "
+            f"{self.dtype}, mask {mask}, dropout {self.dropout_p:g})"
+        )
+
+
+def _attr_value(attr: Any) -> Any:
+    for kind in (ir.BoolAttr, ir.IntegerAttr, ir.FloatAttr, ir.StringAttr):
+        try:
+            return kind(attr).value
+        except (ValueError, TypeError):  # not of this kind
+            continue
+    return None
+
+
+def _read(op: Any) -> Attention | None:
+    """``op``'s attention, or None when it is not one of ours in a form we read."""
+    if op.name != "stablehlo.composite":
+        return None
+    name = ir.StringAttr(op.attributes["name"]).value
+    if name not in (NAME, GRAD_NAME):
+        return None
+    version = ir.IntegerAttr(op.attributes["version"]).value if "version" in op.attributes else 0
+    attrs: dict[str, Any] = {}
+    if "composite_attributes" in op.attributes:
+        table = ir.DictAttr(op.attributes["composite_attributes"])
+        for key in ("causal", "scale", "mask", "dropout_p", "groups", "q_len", "kv_len"):
+            if key in table:
+                attrs[key] = _attr_value(table[key])
+    grad = name == GRAD_NAME
+    qkv = list(op.operands)[1:4] if grad else list(op.operands)[:3]
+    if len(qkv) != 3 or any(len(shape_of(v)) != 4 for v in qkv):
+        return None
+    (b, h, tq, d), (_, hk, tk, _), v_dim = shape_of(qkv[0]), shape_of(qkv[1]), shape_of(qkv[2])[3]
+    try:
+        return Attention(
+            grad, b, h, hk, tq, tk, d, v_dim, element_type(qkv[0]),
+            bool(attrs["causal"]), float(attrs["scale"]), str(attrs["mask"]),
+            float(attrs["dropout_p"]), int(attrs["groups"]), int(version),
+        )  # fmt: skip
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def find_composites(module: Module) -> list[tuple[Any, Attention | None]]:
+    """Every attention composite of ``module`` (forward and backward), with its reading
+    (None where the attributes are not the version-1 set)."""
+    with module._ctx:
+        found = []
+        for op in module._operations():
+            if op.name != "stablehlo.composite":
+                continue
+            if ir.StringAttr(op.attributes["name"]).value in (NAME, GRAD_NAME):
+                found.append((op, _read(op)))
+        return found
+
+
+def count_composites(module: Module) -> int:
+    """How many attention composites ``module`` holds (forward and backward)."""
+    return len(find_composites(module))
+
+
+Kernels = Callable[[Attention], str]
+"""Attention -> the text of a module whose ``@main`` takes the composite's operands
+and returns its results."""
+
+
+def rewrite_composites(
+    module: Module, kernels: Kernels, supported: Callable[[Attention], str | None]
+) -> tuple[list[Attention], list[str]]:
+    """Replace each attention composite that ``supported`` takes (returns None for) by
+    a call of the function ``kernels`` gives, in place; the rest keep their
+    decomposition. Returns those replaced and, for each kept, why in words.
+
+    Raises:
+      ValueError: a kernel function does not take and give the composite's types, or
+        the module does not verify afterwards (it may be partly rewritten: the runtime
+        rewrites a copy).
+    """
+    replaced: list[Attention] = []
+    kept: list[str] = []
+    with module._ctx:
+        made: dict[Attention, str] = {}
+        for op, att in find_composites(module):
+            if att is None:
+                kept.append("an attention composite whose attributes this runtime cannot read")
+                continue
+            if att.version != VERSION:
+                kept.append(f"{att.describe()}: composite version {att.version}, not {VERSION}")
+                continue
+            why = supported(att)
+            if why is not None:
+                kept.append(f"{att.describe()}: {why}")
+                continue
+            if att not in made:
+                kind = "bwd" if att.grad else "fwd"
+                made[att] = insert_functions(
+                    module, kernels(att), f"stepbundle_sdpa{len(made)}_{kind}"
+                )
+                ft = function_type(module, made[att])
+                want_in = [str(v.type) for v in op.operands]
+                want_out = [str(r.type) for r in op.results]
+                got_in, got_out = [str(t) for t in ft.inputs], [str(t) for t in ft.results]
+                if got_in != want_in or got_out != want_out:
+                    raise ValueError(
+                        f"the fused {att.describe()} takes {got_in} -> {got_out}, the "
+                        f"composite {want_in} -> {want_out}"
+                    )
+            new = call(module, made[att], list(op.operands), op)
+            for i, value in enumerate(new):
+                op.results[i].replace_all_uses_with(value)
+            op.erase()
+            replaced.append(att)
+        if replaced:
+            verify(module._module, "fusing attention composites")
+    return replaced, kept

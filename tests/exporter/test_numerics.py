@@ -236,16 +236,18 @@ def test_cnn_both_numerics(tmp_path: Path) -> None:
     for name, ref in xla.state.items():
         if ref.dtype.kind == "f" and name in got_exact.state:
             assert _normwise(got_exact.state[name], ref) <= 1e-5, name
-    # PyTorch's numerics: losses much nearer float64 than torch_xla's, and near PyTorch
-    # float32's (measured over 4 steps: torch_xla eager 2.9e-4, the default bundle 3.9e-6,
-    # PyTorch float32 7.9e-7; the bundle's remaining gap to float32 is not BatchNorm's
-    # statistics, which test_rewritten_batch_norm_is_accurate_where_xla_cancels bounds).
+    # PyTorch's numerics: losses within the band PyTorch float32 sets around float64
+    # (10x its own distance), and torch_xla's outside it. The band, not a ratio between
+    # the two bundles: their distances depend on the host's kernels (over 4 steps, an
+    # AVX-512 Xeon: torch_xla eager 2.9e-4, the default bundle 3.9e-6; an AVX2 EPYC:
+    # 5.7e-5 and 2.3e-6; PyTorch float32 7.9e-7 on both). The bundle's remaining gap to
+    # float32 is not BatchNorm's statistics, which
+    # test_rewritten_batch_norm_is_accurate_where_xla_cancels bounds.
     err = {
         label: _loss_error(run, f64)
         for label, run in (("xla", xla), ("default", got_default), ("f32", f32))
     }
-    assert err["default"] < err["xla"] / 30, err
-    assert err["default"] <= 10 * err["f32"], err
+    assert err["default"] <= 10 * err["f32"] < err["xla"], err
 
     # State: every floating tensor. The running variances too: PyTorch updates them with
     # the unbiased batch variance (n / (n - 1)), torch_xla with the biased one, and the

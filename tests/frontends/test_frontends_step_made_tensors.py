@@ -247,6 +247,31 @@ def test_writes_into_tensors_made_in_the_step_are_kept(
         assert all(m["p_masked_class"] == 0.0 for m in got.metrics)
 
 
+def _forward_eval(model, batch):
+    out, forms = model(batch["x"])
+    return {"mse": F.mse_loss(out, batch["y"]), **_form_metrics(forms)}
+
+
+def test_an_eval_entry_keeps_them_too(frontend, tmp_path: Path) -> None:
+    """A read-only entry is traced under the same guard: its writes are kept as well."""
+    from stepbundle.runtime import CompileOptions, LoadOptions, load
+
+    recipe = _forward_recipe()
+    recipe.eval_step = _forward_eval
+    path = tmp_path / "eval.stepbundle"
+    frontend.export(recipe, path)
+    batch = make_batches(recipe, 2)[1]
+    got = load(path, "cpu", LoadOptions(compile=CompileOptions(cache_dir=False))).evaluate(batch)
+    model = _forward_recipe().model.double()  # the same initial weights, in float64
+    model.eval()
+    with torch.no_grad():
+        want = _forward_eval(model, {k: torch.from_numpy(v).double() for k, v in batch.items()})
+    assert set(got) == set(want)
+    for k, v in want.items():
+        g = float(np.asarray(got[k]))
+        assert abs(g - float(v)) <= RTOL * max(1.0, abs(float(v))), (k, g, float(v))
+
+
 def test_the_oracle_sees_every_write() -> None:
     """Without its write, each form's metric differs from the reference's: the test above
     would catch any one write lost (the oracle is not blind to it)."""

@@ -19,6 +19,8 @@ from typing import Any
 
 import numpy as np
 
+from stepbundle.runtime import CompileOptions, LoadOptions
+
 
 def _block(trainer: Any, batch: dict[str, Any], k: int) -> tuple[float, float]:
     """Wall and CPU seconds (every thread of this process) of k steps."""
@@ -38,8 +40,8 @@ def main(argv: list[str]) -> int:
     with np.load(batch_path, allow_pickle=False) as z:
         batch = {k: z[k] for k in z.files}
     trainers = {
-        "pytorch": load(rewrite, cache_dir=False),
-        "torch_xla": load(torch_xla, cache_dir=False),
+        "pytorch": load(rewrite, options=LoadOptions(compile=CompileOptions(cache_dir=False))),
+        "torch_xla": load(torch_xla, options=LoadOptions(compile=CompileOptions(cache_dir=False))),
     }
     ks = {}
     for name, tr in trainers.items():

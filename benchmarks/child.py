@@ -26,6 +26,8 @@ import re
 import sys
 import time
 
+from stepbundle.runtime import CompileOptions, LoadOptions, SafetyOptions, StateOptions
+
 T_START = time.perf_counter()
 
 
@@ -71,7 +73,12 @@ def load(bundle: str, batch_path: str, cache_dir: str, pack: bool = True) -> dic
     t1 = time.perf_counter()
     batch = _batch(batch_path)
     t2 = time.perf_counter()
-    trainer = sb_load(bundle, cache_dir=cache_dir, pack_state=pack)
+    trainer = sb_load(
+        bundle,
+        options=LoadOptions(
+            compile=CompileOptions(cache_dir=cache_dir), state=StateOptions(pack_state=pack)
+        ),
+    )
     t3 = time.perf_counter()
     loss = float(trainer.step(batch)["loss"])
     t4 = time.perf_counter()
@@ -129,7 +136,13 @@ def rss(
     t0 = time.perf_counter()
     # stop_on_nonfinite compiles the step without donation; its per-step loss check is
     # switched off again below, so the two variants differ in donation only.
-    trainer = sb_load(bundle, cache_dir=cache_dir, stop_on_nonfinite=not donate)
+    trainer = sb_load(
+        bundle,
+        options=LoadOptions(
+            compile=CompileOptions(cache_dir=cache_dir),
+            safety=SafetyOptions(stop_on_nonfinite=not donate),
+        ),
+    )
     trainer._dispatcher.stop_on_nonfinite = False
     load_s = time.perf_counter() - t0
     stages = dict(trainer.load_info.seconds)

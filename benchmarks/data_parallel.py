@@ -30,6 +30,8 @@ import numpy as np  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from models import Case, GPTConfig, make_batches, recipe  # noqa: E402
 
+from stepbundle.runtime import CompileOptions, LoadOptions  # noqa: E402
+
 CONFIGS = (
     ("1 device", {"devices": 1}),
     ("2 devices", {"devices": 2}),
@@ -56,7 +58,10 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "gpt.stepbundle"
         export(recipe(case, batches[0]), path)
-        trainers = {label: load(path, cache_dir=False, **kw) for label, kw in CONFIGS}
+        trainers = {
+            label: load(path, options=LoadOptions.from_keywords(cache_dir=False, **kw))
+            for label, kw in CONFIGS
+        }
     results: dict[str, dict[str, object]] = {}
     for label, t in trainers.items():
         ms = t.run(batches, args.steps)

@@ -77,6 +77,8 @@ from typing import Any
 
 import numpy as np
 
+from stepbundle.runtime import CompileOptions, LoadOptions
+
 BATCH = 32
 WIDTH = 16
 ROOT = Path(__file__).resolve().parent.parent
@@ -345,7 +347,7 @@ def trainer_mode(args: argparse.Namespace) -> dict[str, Any]:
         write_dataset(os.path.join(tmp, "ds"), rows, rows_per_shard=args.rows_per_shard)
         ds = open_dataset(os.path.join(tmp, "ds"))
         loader = Loader(ds, BATCH, seed=0)
-        trainer = load(bundle, cache_dir=False)
+        trainer = load(bundle, options=LoadOptions(compile=CompileOptions(cache_dir=False)))
         sources = {"npz": batches, "loader": loader}
         for src in sources.values():  # warm-up: compile, page cache, first epoch
             for _ in range(args.warmup_blocks):

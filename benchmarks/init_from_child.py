@@ -20,6 +20,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from child import _reset_peak, _status_kb  # noqa: E402
 
+from stepbundle.runtime import CompileOptions, LoadOptions, StateOptions
+
 
 def _memory() -> dict[str, int]:
     return {k: _status_kb(k) for k in ("VmRSS", "VmHWM", "RssAnon", "RssFile")}
@@ -54,7 +56,12 @@ def main(argv: list[str]) -> int:
     before = _memory()
     reset = _reset_peak()
     t0 = time.perf_counter()
-    trainer = load(bundle, cache_dir=cache, init_from=init_from)
+    trainer = load(
+        bundle,
+        options=LoadOptions(
+            compile=CompileOptions(cache_dir=cache), state=StateOptions(init_from=init_from)
+        ),
+    )
     load_s = time.perf_counter() - t0
     after = _memory()
     state_bytes = sum(int(a.nbytes) for a in trainer._store.buffers)

@@ -26,6 +26,8 @@ from typing import Any
 
 import numpy as np
 
+from stepbundle.runtime import CompileOptions, LoadOptions
+
 VOCAB, BLOCK, BATCH = 16384, 128, 8
 
 
@@ -74,11 +76,11 @@ def bench(args: argparse.Namespace) -> int:
         }
         for _ in range(4)
     ]
-    rewritten = load(args.bundle, cache_dir=False)
+    rewritten = load(args.bundle, options=LoadOptions(compile=CompileOptions(cache_dir=False)))
     before = rewrites.REWRITES
     rewrites.REWRITES = tuple(r for r in before if r[0] != "onehot-sums")
     try:
-        kept = load(args.bundle, cache_dir=False)
+        kept = load(args.bundle, options=LoadOptions(compile=CompileOptions(cache_dir=False)))
     finally:
         rewrites.REWRITES = before
     first = {

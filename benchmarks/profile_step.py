@@ -27,6 +27,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from stepbundle.runtime import CompileOptions, LoadOptions
+
 
 def _batch(path: str) -> dict[str, Any]:
     import numpy as np
@@ -61,7 +63,7 @@ def _loop(trainer: Any, batch: dict[str, Any], seconds: float) -> int:
 def worker(path: str, seconds: float) -> None:
     from stepbundle.runtime import load
 
-    trainer = load(path, cache_dir=False)
+    trainer = load(path, options=LoadOptions(compile=CompileOptions(cache_dir=False)))
     batch = _batch(path)
     _loop(trainer, batch, 1.0)
     n = _loop(trainer, batch, seconds)
@@ -74,7 +76,7 @@ def cprofile(path: str, seconds: float) -> None:
 
     from stepbundle.runtime import load
 
-    trainer = load(path, cache_dir=False)
+    trainer = load(path, options=LoadOptions(compile=CompileOptions(cache_dir=False)))
     batch = _batch(path)
     _loop(trainer, batch, 1.0)
     prof = cProfile.Profile()
@@ -91,7 +93,7 @@ def breakdown(path: str, reps: int = 2000) -> None:
 
     from stepbundle.runtime import load
 
-    trainer = load(path, cache_dir=False)
+    trainer = load(path, options=LoadOptions(compile=CompileOptions(cache_dir=False)))
     batch = _batch(path)
     _loop(trainer, batch, 1.0)
     plan = trainer._router.plans["train"][0]

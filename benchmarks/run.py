@@ -29,6 +29,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from stepbundle.runtime import CompileOptions, LoadOptions, StateOptions
+
 os.environ.setdefault("PJRT_DEVICE", "CPU")
 
 HERE = Path(__file__).resolve().parent
@@ -180,8 +182,11 @@ def time_case(case: Any, bundle: Path, cfg: dict[str, Any], cache: Path) -> list
     from stepbundle.runtime import load
 
     batches = models.make_batches(case, 4)
-    trainer = load(bundle, cache_dir=cache)
-    multi = [load(bundle, cache_dir=cache, steps_per_call=k) for k in STEPS_PER_CALL]
+    trainer = load(bundle, options=LoadOptions(compile=CompileOptions(cache_dir=cache)))
+    multi = [
+        load(bundle, options=LoadOptions(compile=CompileOptions(cache_dir=cache, steps_per_call=k)))
+        for k in STEPS_PER_CALL
+    ]
     ms: list[mt.Method] = [
         mt.TorchXlaLazy(case, batches),
         mt.TorchXlaDynamo(case, batches, whole_step=False),
@@ -254,7 +259,12 @@ def diagnose(
 
     from stepbundle.runtime import load
 
-    trainer = load(bundle, cache_dir=cache, pack_state=False)
+    trainer = load(
+        bundle,
+        options=LoadOptions(
+            compile=CompileOptions(cache_dir=cache), state=StateOptions(pack_state=False)
+        ),
+    )
     ms, facts = experiments.make(trainer, bundle, batches)
     if only:
         ms = [m for m in ms if m.name in only]

@@ -43,6 +43,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from stepbundle.runtime import CompileOptions, LoadOptions
+
 ROOT = Path(__file__).resolve().parent.parent
 # The newest format version's golden bundles (one folder per version, v<major>.<minor>).
 GOLDEN = max(
@@ -98,7 +100,10 @@ def soak(
     from stepbundle.runtime import load
 
     rss_start = rss_bytes()
-    trainer = load(GOLDEN / f"{name}.stepbundle", cache_dir=cache_dir or False)
+    trainer = load(
+        GOLDEN / f"{name}.stepbundle",
+        options=LoadOptions(compile=CompileOptions(cache_dir=cache_dir or False)),
+    )
     data = batches(name)
     n = len(data)
     rss_loaded = rss_bytes()
@@ -206,7 +211,10 @@ def soak_sampled(
         ds = open_dataset(folder)
         loader = Loader(ds, batch_size, seed=seed)
         feed: Any = loader if source is Source.DATASET else batches(name)
-        trainer = load(GOLDEN / f"{name}.stepbundle", cache_dir=cache_dir or False)
+        trainer = load(
+            GOLDEN / f"{name}.stepbundle",
+            options=LoadOptions(compile=CompileOptions(cache_dir=cache_dir or False)),
+        )
         mem_loaded = memory_kb()
         float(trainer.run(feed, warmup, keep_metrics=False)[-1]["loss"])
         mem_warm = memory_kb()

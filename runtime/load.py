@@ -15,7 +15,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import stepbundle.schema as codec
 from stepbundle.schema.manifest import ConstantInput, Manifest, MetricOutput, Program
@@ -31,7 +31,7 @@ from .errors import BindingError, PlatformError
 from .fallback import PathChoice
 from .io import remote
 from .io.store import default_cache_dir, is_digest, resolve_bundle
-from .options import LegacyLoadKeywords, LoadOptions
+from .options import LoadOptions
 from .placement import packing
 from .placement.devices import client_for, parse_device, select_devices
 from .placement.sharding import Placement, zero1_split
@@ -40,9 +40,6 @@ from .state.init_state import InitPlan, place_state, plan_initial_state
 from .train.plan import CompiledPlan, Plan, RefusedPlan, batch_text, build_plan, refused_plan
 from .train.trainer import Trainer
 
-if TYPE_CHECKING:
-    from typing import Unpack
-
 __all__ = ["load"]
 
 
@@ -50,7 +47,6 @@ def load(
     path: str | os.PathLike[str],
     device: str = "cpu",
     options: LoadOptions | None = None,
-    **keywords: Unpack[LegacyLoadKeywords],
 ) -> Trainer:
     """Load a bundle and return a ``Trainer`` that owns its state on ``device``.
 
@@ -62,15 +58,18 @@ def load(
       options: what to compile, where the state comes from, what to refuse and on how
         many devices (``LoadOptions``; every field is documented there). None: the
         defaults (every entry, the default compile cache, the bundle's state, one device).
-      **keywords: compatibility layer (remove after 0.3): ``load``'s former keyword
-        arguments (``entry``, ``cache_dir``, ``expect_digest``, ``stop_on_nonfinite``,
-        ``check_state``, ``devices``, ``pack_state``, ``shard_optimizer_state``,
-        ``init_from``, ``init_strict``, ``compile_only``, ``steps_per_call``,
-        ``matmul_precision``, ``fused_attention``), turned into
-        ``LoadOptions.from_keywords(**keywords)``.
-        Not together with ``options``.
+
+    Example:
+      >>> trainer = load("linear.stepbundle", "cpu",
+      ...                LoadOptions(CompileOptions(steps_per_call=8)))  # doctest: +SKIP
     """
-    opts = _resolve_options(options, keywords)
+    if options is not None and not isinstance(options, LoadOptions):
+        raise BindingError(
+            f"load() takes its options as a LoadOptions, got {type(options).__name__}. Build "
+            "one: LoadOptions(compile=CompileOptions(...), ...), or from flat names with "
+            "LoadOptions.from_keywords(steps_per_call=8, ...)."
+        )
+    opts = options if options is not None else LoadOptions()
     t0 = time.perf_counter()
     info = LoadInfo()
     source: InitSource | None = None  # init_from's files, open while the state is placed
@@ -225,22 +224,6 @@ def _plan_state(
     info.state_origins = {name: o.value for name, o in plan.origins.items()}
     info.ignored_tensors = plan.unexpected
     return plan
-
-
-def _resolve_options(options: LoadOptions | None, keywords: LegacyLoadKeywords) -> LoadOptions:
-    """``options``, or the options ``load``'s former keyword arguments stand for."""
-    if not keywords:
-        return options if options is not None else LoadOptions()
-    unknown = sorted(set(keywords) - LegacyLoadKeywords.__optional_keys__)
-    if unknown:
-        raise TypeError(f"load() got an unexpected keyword argument {unknown[0]!r}")
-    if options is not None:
-        raise BindingError(
-            f"load() takes its options either as options=LoadOptions(...) or as keyword "
-            f"arguments, not both (got options and {', '.join(sorted(keywords))}). Put "
-            "every option into the LoadOptions."
-        )
-    return LoadOptions.from_keywords(**keywords)
 
 
 def _open_bundle(path: str | os.PathLike[str], expect_digest: str | None) -> codec.Bundle:

@@ -9,8 +9,9 @@ it is written, with the typed error ``load`` raised for it before, and before an
 is opened. Checks that need the bundle (an entry it lacks, a missing ``loss`` metric) or
 the devices (more than the job has) stay with ``load``.
 
-``LoadOptions.from_keywords`` builds the records from ``load``'s former keyword
-arguments (``load(path, stop_on_nonfinite=True, ...)``), which ``load`` still takes.
+``LoadOptions.from_keywords`` builds the records from flat names
+(``LoadOptions.from_keywords(steps_per_call=8, init_from=path)``), for scripts and for
+code that passes options through as keywords.
 
 Imports: stepbundle.schema and stepbundle.stablehlo (the precision names).
 """
@@ -20,7 +21,6 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TypedDict
 
 from stepbundle.stablehlo.precision import MATMUL_PRECISIONS
 
@@ -28,7 +28,6 @@ from .errors import BindingError, PlatformError
 
 __all__ = [
     "CompileOptions",
-    "LegacyLoadKeywords",
     "LoadOptions",
     "ParallelOptions",
     "SafetyOptions",
@@ -308,13 +307,10 @@ class LoadOptions:
         steps_per_call: int = 1,
         matmul_precision: str | None = None,
         fused_attention: bool = True,
+        keep_freed_memory: bool | str = "auto",
     ) -> LoadOptions:
-        """The options ``load``'s former keyword arguments stand for (same names, same
-        defaults; ``entry`` is ``CompileOptions.entries``).
-
-        Compatibility layer for ``load(path, stop_on_nonfinite=True, ...)``: remove after
-        0.3, once callers pass ``options=LoadOptions(...)``.
-        """
+        """The options from flat names: each is the field of that name in its record
+        (same defaults; ``entry`` is ``CompileOptions.entries``)."""
         return cls(
             compile=CompileOptions(
                 entries=None
@@ -325,6 +321,7 @@ class LoadOptions:
                 matmul_precision=matmul_precision,
                 compile_only=compile_only,
                 fused_attention=fused_attention,
+                keep_freed_memory=keep_freed_memory,
             ),
             state=StateOptions(init_from=init_from, init_strict=init_strict, pack_state=pack_state),
             safety=SafetyOptions(
@@ -334,23 +331,3 @@ class LoadOptions:
             ),
             parallel=ParallelOptions(devices=devices, shard_optimizer_state=shard_optimizer_state),
         )
-
-
-class LegacyLoadKeywords(TypedDict, total=False):
-    """``load``'s former keyword arguments (see ``LoadOptions.from_keywords``); remove after
-    0.3 with it."""
-
-    entry: str | list[str] | None
-    cache_dir: PathLike | bool | None
-    expect_digest: str | None
-    stop_on_nonfinite: bool
-    check_state: bool
-    devices: int | str
-    pack_state: bool | int
-    shard_optimizer_state: bool
-    init_from: PathLike | None
-    init_strict: bool
-    compile_only: bool
-    steps_per_call: int
-    matmul_precision: str | None
-    fused_attention: bool

@@ -58,6 +58,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from stepbundle.runtime import CompileOptions, LoadOptions
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "tests" / "runtime"))
@@ -264,15 +266,23 @@ def _cache_worker(args: argparse.Namespace) -> dict[str, Any]:
         out.update({f"state/{k}": v for k, v in t.state_dict().items()})
         return out
 
-    want = results(load(bundle, cache_dir=False))
+    want = results(load(bundle, options=LoadOptions(compile=CompileOptions(cache_dir=False))))
     cache = work / "cache"
-    slots = {k: e.path for k, e in load(bundle, cache_dir=cache).load_info.cache.items()}
+    slots = {
+        k: e.path
+        for k, e in load(
+            bundle, options=LoadOptions(compile=CompileOptions(cache_dir=cache))
+        ).load_info.cache.items()
+    }
     pristine = {k: p.read_bytes() for k, p in slots.items()}  # type: ignore[union-attr]
     # Every other program's entry: this bundle's other slots and the other goldens'.
     foreign = [(f"{CACHE_GOLDEN} {k}", pristine[k]) for k in sorted(pristine)]
     for other in GOLDEN_NAMES:
         if other != CACHE_GOLDEN:
-            t = load(golden_bundle(other), cache_dir=work / other)
+            t = load(
+                golden_bundle(other),
+                options=LoadOptions(compile=CompileOptions(cache_dir=work / other)),
+            )
             foreign += [(f"{other} {k}", e.path.read_bytes()) for k, e in t.load_info.cache.items()]  # type: ignore[union-attr]
 
     def case(i: int, family: str, rng: random.Random) -> tuple[str, str | None]:
@@ -295,7 +305,7 @@ def _cache_worker(args: argparse.Namespace) -> dict[str, Any]:
         assert path is not None
         path.write_bytes(damaged)
         try:
-            t = load(bundle, cache_dir=cache)
+            t = load(bundle, options=LoadOptions(compile=CompileOptions(cache_dir=cache)))
             event = t.load_info.cache[slot]
             outcome = f"{event.outcome.value} ({event.reason})"
             if family == "forged header":
@@ -339,13 +349,15 @@ def _checkpoint_worker(args: argparse.Namespace) -> dict[str, Any]:
 
     goldens: dict[str, tuple[bytes, tuple[Any, ...], Any]] = {}
     for name in GOLDEN_NAMES:
-        t = load(golden_bundle(name), cache_dir=cache)
+        t = load(golden_bundle(name), options=LoadOptions(compile=CompileOptions(cache_dir=cache)))
         if name in GOLDEN_SCHEDULES:
             t.set_schedule("lr", GOLDEN_SCHEDULES[name])
         for b in golden_batches(name)[:2]:
             t.step(b)
         t.save_checkpoint(work / f"{name}.safetensors")
-        fresh = load(golden_bundle(name), cache_dir=cache)
+        fresh = load(
+            golden_bundle(name), options=LoadOptions(compile=CompileOptions(cache_dir=cache))
+        )
         goldens[name] = ((work / f"{name}.safetensors").read_bytes(), snapshot(t), fresh)
     as_it_was = {name: snapshot(g[2]) for name, g in goldens.items()}
     target = work / "case.safetensors"

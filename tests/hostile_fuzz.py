@@ -30,6 +30,7 @@ from typing import Any, Protocol, TypeVar
 import msgpack
 from runtime_helpers import GOLDEN_DIR
 
+from stepbundle.runtime import CompileOptions, LoadOptions, SafetyOptions
 from stepbundle.schema import BundleError, IntegrityError, open_bundle
 from stepbundle.schema.layout import HEADER_FORMAT, HEADER_SIZE, align, pack_header
 from stepbundle.schema.wire import manifest_to_wire
@@ -504,8 +505,10 @@ def exercise(
     try:
         trainer = runtime_load(
             path,
-            cache_dir=cache_dir if cache_dir is not None else False,
-            stop_on_nonfinite=stop_on_nonfinite,
+            options=LoadOptions(
+                compile=CompileOptions(cache_dir=cache_dir if cache_dir is not None else False),
+                safety=SafetyOptions(stop_on_nonfinite=stop_on_nonfinite),
+            ),
         )
     except BundleError as e:
         return Outcome("load", type(e).__name__, peak)

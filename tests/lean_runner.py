@@ -14,7 +14,7 @@ import importlib.util
 
 import numpy as np
 
-from stepbundle.runtime import load
+from stepbundle.runtime import CompileOptions, LoadOptions, load
 from stepbundle.runtime.train.batches import iter_batches
 from stepbundle.runtime.train.schedule import parse_schedule
 
@@ -34,7 +34,7 @@ def main() -> None:
     torch_importable = importlib.util.find_spec("torch") is not None
     if args.require_no_torch and torch_importable:
         raise SystemExit("torch is importable in this process; the lean runner must not see it")
-    trainer = load(args.bundle, cache_dir=False)
+    trainer = load(args.bundle, options=LoadOptions(compile=CompileOptions(cache_dir=False)))
     if args.seed is not None:
         trainer.seed = args.seed
     if args.schedule:

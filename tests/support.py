@@ -17,6 +17,8 @@ from typing import Any
 
 import numpy as np
 
+from stepbundle.runtime import CompileOptions, LoadOptions
+
 ROOT = Path(__file__).resolve().parent.parent
 LEAN_RUNNER = Path(__file__).resolve().parent / "lean_runner.py"
 
@@ -214,7 +216,7 @@ def run_bundle_inprocess(
 ) -> Run:
     from stepbundle.runtime import load
 
-    trainer = load(bundle, cache_dir=False)
+    trainer = load(bundle, options=LoadOptions(compile=CompileOptions(cache_dir=False)))
     if seed is not None:
         trainer.seed = seed
     if schedule is not None:

@@ -26,6 +26,8 @@ from typing import Any
 
 import numpy as np
 
+from stepbundle.runtime import CompileOptions, LoadOptions
+
 STEPS = 8
 
 
@@ -42,7 +44,11 @@ def prepare(folder: Path) -> None:
         {k: rng.integers(0, t.VOCAB, (t.BATCH, t.T)).astype(np.int64) for k in ("idx", "y")}
         for _ in range(STEPS)
     ]
-    trainer = load(path, device="cpu", entry="train", cache_dir=False)
+    trainer = load(
+        path,
+        device="cpu",
+        options=LoadOptions(compile=CompileOptions(entries="train", cache_dir=False)),
+    )
     losses = [float(trainer.step(b)["loss"]) for b in batches]
     state = {k: np.asarray(v) for k, v in trainer.state_dict().items()}
     np.savez(folder / "batches.npz", **{f"{k}{i}": b[k] for i, b in enumerate(batches) for k in b})

@@ -40,7 +40,7 @@ from runtime_helpers import (  # noqa: E402
     rel,
 )
 
-from stepbundle.runtime import _compat, load  # noqa: E402
+from stepbundle.runtime import CompileOptions, LoadOptions, _compat, load  # noqa: E402
 from stepbundle.runtime.compile import rewrites  # noqa: E402
 from stepbundle.schema.reader import open_bundle  # noqa: E402
 from stepbundle.stablehlo import artifact as mlir  # noqa: E402
@@ -48,7 +48,7 @@ from stepbundle.stablehlo.pow_precision import rewrite_powers  # noqa: E402
 
 
 def trainer(platform_: str, name: str, version: Any = None, **kw: Any) -> Any:
-    t = load(golden_bundle(name, version), device=platform_, **kw)
+    t = load(golden_bundle(name, version), platform_, LoadOptions.from_keywords(**kw))
     if name in GOLDEN_SCHEDULES:
         t.set_schedule("lr", GOLDEN_SCHEDULES[name])
     return t
@@ -244,11 +244,25 @@ def cnn(platform_: str, bundle: str, data: str, out: dict[str, Any]) -> None:
     rec: dict[str, Any] = {"bundle": bundle}
     for entry in ("eval", "train"):
         t0 = time.perf_counter()
-        t = load(bundle, device=platform_, entry=entry, cache_dir=False)
+        t = load(
+            bundle,
+            device=platform_,
+            options=LoadOptions(compile=CompileOptions(entries=entry, cache_dir=False)),
+        )
         rec[f"{entry}_load_s"] = time.perf_counter() - t0
         rec[f"{entry}_compile_s"] = t.load_info.seconds.get("compile")
-    dev = load(bundle, device=platform_, entry="train", cache_dir=False, matmul_precision="highest")
-    cpu = load(bundle, device="cpu", entry="train", cache_dir=False)
+    dev = load(
+        bundle,
+        device=platform_,
+        options=LoadOptions(
+            compile=CompileOptions(entries="train", cache_dir=False, matmul_precision="highest")
+        ),
+    )
+    cpu = load(
+        bundle,
+        device="cpu",
+        options=LoadOptions(compile=CompileOptions(entries="train", cache_dir=False)),
+    )
     m_dev = dev.run(batches, len(batches))
     m_cpu = cpu.run(batches, len(batches))
     loss_dev = np.array([float(m["loss"]) for m in m_dev])

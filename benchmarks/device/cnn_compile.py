@@ -35,6 +35,8 @@ from typing import Any
 
 import numpy as np
 
+from stepbundle.runtime import CompileOptions, LoadOptions
+
 BATCH, CLASSES, WIDTHS = 64, 10, (8, 16, 32)
 MEAN = (125.3, 123.0, 113.9)
 STD = (63.0, 62.1, 66.7)
@@ -144,7 +146,11 @@ def child(a: argparse.Namespace) -> int:
         _compat.compile_options = with_effort  # runtime/compile/program.py calls it through _compat
     out = {}
     for entry in a.child.split(","):
-        t = load(a.bundle, device=a.platform, entry=entry, cache_dir=False)
+        t = load(
+            a.bundle,
+            device=a.platform,
+            options=LoadOptions(compile=CompileOptions(entries=entry, cache_dir=False)),
+        )
         out[entry] = float(t.load_info.seconds["compile"])
     print("RESULT " + json.dumps(out), flush=True)
     return 0
@@ -206,7 +212,11 @@ def main() -> int:
     jax.config.update("jax_platform_name", platform)
 
     def bundle(path: str, entry: str) -> float:
-        t = load(path, device=platform, entry=entry, cache_dir=False)
+        t = load(
+            path,
+            device=platform,
+            options=LoadOptions(compile=CompileOptions(entries=entry, cache_dir=False)),
+        )
         return float(t.load_info.seconds["compile"])
 
     runs: dict[str, Any] = {}

@@ -40,6 +40,8 @@ from stepbundle.stablehlo import artifact as mlir
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from compile_bisect import _zero_ops  # noqa: E402
 
+from stepbundle.runtime import CompileOptions, LoadOptions
+
 
 def _zeroing(op: str, pick: Any = lambda line: True) -> rewrites.Rewrite:
     def rewrite(stage: rewrites.Stage, ctx: rewrites.RewriteContext) -> rewrites.Stage:
@@ -170,7 +172,11 @@ def main() -> int:
     kept = False
     times: dict[str, list[float]] = {k: [] for k in table}
     errors: dict[str, str] = {}
-    load(a.bundle, device=platform, entry="eval", cache_dir=False)  # the compiler's warm-up
+    load(
+        a.bundle,
+        device=platform,
+        options=LoadOptions(compile=CompileOptions(entries="eval", cache_dir=False)),
+    )  # the compiler's warm-up
     for r in range(a.rounds):
         for name, (entry, pipeline, options) in table.items():
             rewrites.REWRITES = pipeline
@@ -178,7 +184,11 @@ def main() -> int:
             # its lines follow, and compile_passes.py sums them per variant.
             print(f"[compile_variants] {name} round {r}", file=sys.stderr, flush=True)
             try:
-                t = load(a.bundle, device=platform, entry=entry, cache_dir=False, **options)
+                t = load(
+                    a.bundle,
+                    platform,
+                    LoadOptions.from_keywords(entry=entry, cache_dir=False, **options),
+                )
                 kept = kept or t.load_info.kept_freed_memory
                 times[name].append(float(t.load_info.seconds["compile"]))
                 if batches and entry == "train":

@@ -35,7 +35,7 @@ from support import (
 )
 
 from stepbundle.exporter import Recipe
-from stepbundle.runtime import BindingError, load
+from stepbundle.runtime import BindingError, CompileOptions, LoadOptions, ParallelOptions, load
 from stepbundle.runtime.train.schedule import parse_schedule
 
 TOL = 1e-5
@@ -53,7 +53,7 @@ def _assert_close(got: Run, ref: Run, what: str) -> None:
 def _run(path: Path, batches: list[dict[str, np.ndarray]], steps: int, **kw: Any) -> Run:
     seed = kw.pop("seed", None)
     schedule = kw.pop("schedule", None)
-    trainer = load(path, cache_dir=False, **kw)
+    trainer = load(path, options=LoadOptions.from_keywords(cache_dir=False, **kw))
     if seed is not None:
         trainer.seed = seed
     if schedule is not None:
@@ -100,7 +100,12 @@ def test_batchnorm_statistics_are_global_and_odd_buckets_are_refused(tmp_path: P
     assert any("running_mean" in k for k in two.state)
     # The 3-image bucket cannot split over 2 devices: refused before dispatch, with the
     # bucket that can be used.
-    trainer = load(path, cache_dir=False, devices=2)
+    trainer = load(
+        path,
+        options=LoadOptions(
+            compile=CompileOptions(cache_dir=False), parallel=ParallelOptions(devices=2)
+        ),
+    )
     g = np.random.default_rng(0)
     short = {
         "x": g.standard_normal((3, 3, 12, 12)).astype(np.float32),
@@ -114,6 +119,6 @@ def test_batchnorm_statistics_are_global_and_odd_buckets_are_refused(tmp_path: P
     trainer.step(batches[0])  # the state is intact and the full bucket runs
     assert trainer.step_count == 1
     # On one device the same bundle runs both buckets.
-    single = load(path, cache_dir=False)
+    single = load(path, options=LoadOptions(compile=CompileOptions(cache_dir=False)))
     single.step(short)
     assert single.step_count == 1

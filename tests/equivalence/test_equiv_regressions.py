@@ -33,6 +33,7 @@ import torch
 from support import run_bundle_inprocess, to_numpy, train_eager_xla
 
 from stepbundle.exporter import ExportError, Recipe, export
+from stepbundle.runtime import CompileOptions, LoadOptions
 from stepbundle.schema.manifest import InputKind
 
 
@@ -96,7 +97,7 @@ def test_equal_lrs_in_two_groups_are_two_inputs(tmp_path: Path) -> None:
     lrs = {"param_groups.0.lr": 0.02, "param_groups.1.lr": 0.005}
     from stepbundle.runtime import load
 
-    trainer = load(path, cache_dir=False)
+    trainer = load(path, options=LoadOptions(compile=CompileOptions(cache_dir=False)))
     for name, v in lrs.items():
         trainer.set_hyperparameter(name, v)
     batch = {k: to_numpy(v) for k, v in recipe().example_batch.items()}
@@ -149,7 +150,13 @@ def test_equal_scalar_batch_inputs_are_two_inputs(tmp_path: Path) -> None:
     batch["scale"], batch["shift"] = np.float32(1.0), np.float32(0.0)
     from stepbundle.runtime import load
 
-    evaluated = float(np.asarray(load(path, cache_dir=False).evaluate(batch)["loss"]))
+    evaluated = float(
+        np.asarray(
+            load(path, options=LoadOptions(compile=CompileOptions(cache_dir=False))).evaluate(
+                batch
+            )["loss"]
+        )
+    )
     got = run_bundle_inprocess(path, [batch], 2)
     ref = train_eager_xla(recipe, [batch], 2)
     np.testing.assert_allclose(got.series("loss"), ref.series("loss"), rtol=1e-5)

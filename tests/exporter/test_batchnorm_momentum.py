@@ -17,6 +17,7 @@ import torch
 import stepbundle.runtime as sr
 from stepbundle.exporter import Recipe, export
 from stepbundle.exporter.host_reads import HostReadError
+from stepbundle.runtime import CompileOptions, LoadOptions
 
 
 class _Net(torch.nn.Module):
@@ -61,7 +62,7 @@ def test_running_var_is_pytorchs_unbiased_update(tmp_path: Path, momentum: float
     x = _batch()
     path = tmp_path / "bn.stepbundle"
     _export(momentum, path)
-    trainer = sr.load(path, cache_dir=False)
+    trainer = sr.load(path, options=LoadOptions(compile=CompileOptions(cache_dir=False)))
     trainer.step({"x": x.numpy()})
     got = trainer.state_dict()["bn.running_var"]
 

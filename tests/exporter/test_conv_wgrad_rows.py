@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from stepbundle.exporter import Recipe, export
-from stepbundle.runtime import load
+from stepbundle.runtime import CompileOptions, LoadOptions, load
 from stepbundle.runtime.compile import rewrites
 from stepbundle.stablehlo.conv_wgrad import rewrite_weight_gradients
 
@@ -79,7 +79,7 @@ def test_row_loop_weight_gradients_step_like_pytorch_float64(
     exported = copy.deepcopy(model)
     optimizer = torch.optim.SGD(exported.parameters(), lr=LR)
     export(Recipe(model=exported, optimizer=optimizer, step=_step, example_batch=example), path)
-    trainer = load(path, cache_dir=False)
+    trainer = load(path, options=LoadOptions(compile=CompileOptions(cache_dir=False)))
     assert rows_everywhere == [3]  # all three weight gradients became loops
     trainer.run([_batch()], 1)
     got = trainer.state_dict()

@@ -14,7 +14,7 @@ from export_helpers import check_equivalent, mse_step, regression_batch
 from support import make_batches, run_bundle_inprocess, to_numpy, train_eager_xla
 
 from stepbundle.exporter import ExportError, Recipe, export
-from stepbundle.runtime import load
+from stepbundle.runtime import CompileOptions, LoadOptions, load
 from stepbundle.schema import BatchInput, MetricOutput, open_bundle
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -92,7 +92,7 @@ def test_shape_buckets_match_torch_xla(bundle: Path) -> None:
     short = [{k: v[:17] for k, v in b.items()} for b in full]
     batches = [full[0], short[0], full[1], short[1]]
     ref = train_eager_xla(_recipe, batches, 4, seed=99)
-    t = load(bundle, cache_dir=False)
+    t = load(bundle, options=LoadOptions(compile=CompileOptions(cache_dir=False)))
     losses = [float(t.step(b)["loss"]) for b in batches]
     assert np.allclose(losses, ref.series("loss"), rtol=1e-5, atol=0)
     state = t.state_dict()
@@ -109,7 +109,7 @@ def test_eval_entry_matches_torch_xla_eval(bundle: Path) -> None:
 
     recipe = _recipe()
     batch = make_batches(recipe, 2)[1]
-    t = load(bundle, cache_dir=False)
+    t = load(bundle, options=LoadOptions(compile=CompileOptions(cache_dir=False)))
     got = t.evaluate(batch)
     dev = torch_xla.device()
     from stepbundle.exporter.workspace import move_to_device
@@ -301,7 +301,7 @@ def test_checkpoint_loads_back_into_the_module_and_optimizer(tmp_path: Path) -> 
     path = tmp_path / "v.stepbundle"
     export(recipe_fn(), path)
     batches = make_batches(recipe_fn(), 4)
-    t = load(path, cache_dir=False)
+    t = load(path, options=LoadOptions(compile=CompileOptions(cache_dir=False)))
     t.run(batches, 3)
     ckpt = tmp_path / "c.safetensors"
     t.save_checkpoint(ckpt)

@@ -11,6 +11,7 @@ from export_helpers import check_equivalent, linear_sgd_recipe, mse_step, regres
 from support import make_batches, run_bundle_inprocess
 
 from stepbundle.exporter import ExportError, Recipe, export
+from stepbundle.runtime import CompileOptions, LoadOptions
 from stepbundle.schema import BundleError, InputKind
 
 
@@ -142,7 +143,7 @@ def test_two_param_groups_get_two_lr_inputs(tmp_path: Path) -> None:
     export(_lr_recipe(make_opt)(), path)
     from stepbundle.runtime import load
 
-    t = load(path, cache_dir=False)
+    t = load(path, options=LoadOptions(compile=CompileOptions(cache_dir=False)))
     assert t.hyperparameters == {
         "param_groups.0.lr": pytest.approx(0.02),
         "param_groups.1.lr": pytest.approx(0.005),

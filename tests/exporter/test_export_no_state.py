@@ -134,9 +134,9 @@ def test_five_steps_from_the_shards_equal_the_full_bundle_and_eager(hf: dict[str
 
 
 def _run(bundle: Path, batches: list[Any], **kwargs: Any) -> Run:
-    from stepbundle.runtime import load
+    from stepbundle.runtime import LoadOptions, load
 
-    t = load(bundle, **kwargs)
+    t = load(bundle, options=LoadOptions.from_keywords(**kwargs))
     ms = t.run(list(batches), STEPS)
     metrics = [{k: float(np.asarray(v).reshape(-1)[0]) for k, v in m.items()} for m in ms]
     return Run(metrics, t.state_dict())

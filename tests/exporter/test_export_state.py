@@ -11,6 +11,7 @@ import torch
 from export_helpers import check_equivalent, linear_sgd_recipe, mse_step, regression_batch
 
 from stepbundle.exporter import Recipe, export
+from stepbundle.runtime import CompileOptions, LoadOptions
 from stepbundle.schema import InputKind, StateInput, StateKind, StateUpdateOutput
 
 
@@ -301,7 +302,9 @@ def test_bundle_initial_state_is_the_state_at_export(tmp_path: Path) -> None:
         mse_step(r.model, r.optimizer, batch)
     snapshot = copy.deepcopy((r.model.state_dict(), r.optimizer.state_dict()))
     export(r, tmp_path / "b.stepbundle")
-    sd = load(tmp_path / "b.stepbundle", cache_dir=False).state_dict()
+    sd = load(
+        tmp_path / "b.stepbundle", options=LoadOptions(compile=CompileOptions(cache_dir=False))
+    ).state_dict()
     for k, v in snapshot[0].items():
         np.testing.assert_array_equal(sd[k], v.numpy(), err_msg=k)
     opt_state = snapshot[1]["state"]

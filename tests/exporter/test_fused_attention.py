@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from stepbundle.exporter import Recipe, export
-from stepbundle.runtime import load
+from stepbundle.runtime import CompileOptions, LoadOptions, load
 from stepbundle.runtime.compile import rewrites
 from stepbundle.runtime.dtypes import array_from_section
 from stepbundle.schema.reader import open_bundle
@@ -142,7 +142,11 @@ def _load_with(path: Path, rewrite: Any = None, entry: str = "train") -> Any:
             (n, rewrite if n == "fused-attention" else r) for n, r in original
         )
     try:
-        return load(path, device="cpu", entry=entry, cache_dir=False)
+        return load(
+            path,
+            device="cpu",
+            options=LoadOptions(compile=CompileOptions(entries=entry, cache_dir=False)),
+        )
     finally:
         rewrites.REWRITES = original
 

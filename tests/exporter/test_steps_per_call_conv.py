@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from stepbundle.exporter import Recipe, export
-from stepbundle.runtime import load
+from stepbundle.runtime import CompileOptions, LoadOptions, load
 
 K = 4
 
@@ -62,8 +62,10 @@ def test_a_cnn_runs_k_steps_per_call_bit_for_bit(tmp_path: Path) -> None:
         }
         for _ in range(2 * K)
     ]
-    one = load(path, cache_dir=False)
-    many = load(path, cache_dir=False, steps_per_call=K)
+    one = load(path, options=LoadOptions(compile=CompileOptions(cache_dir=False)))
+    many = load(
+        path, options=LoadOptions(compile=CompileOptions(cache_dir=False, steps_per_call=K))
+    )
     m_one = [float(np.asarray(m["loss"])) for m in one.run(batches, 2 * K)]
     m_many = [float(np.asarray(m["loss"])) for m in many.run(batches, 2 * K)]
     assert f"train[0]x{K}" in many.load_info.cache  # the K-step program ran

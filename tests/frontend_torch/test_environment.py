@@ -12,6 +12,7 @@ import torch
 
 import stepbundle.schema as codec
 from stepbundle.export_torch import NO_TORCH_XLA
+from stepbundle.runtime import CompileOptions, LoadOptions
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -85,7 +86,7 @@ def test_a_bundle_without_weights_and_with_metadata(tmp_path: Path) -> None:
     batch = {k: v.numpy() for k, v in recipe.example_batch.items()}
     runs = []
     for path, kw in ((full, {}), (free, {"init_from": tmp_path / "model.safetensors"})):
-        t = load(path, cache_dir=False, **kw)
+        t = load(path, options=LoadOptions.from_keywords(cache_dir=False, **kw))
         losses = [np.asarray(t.step(batch)["loss"]).tobytes() for _ in range(3)]
         runs.append((losses, {k: v.tobytes() for k, v in t.state_dict().items()}))
     assert runs[0] == runs[1]

@@ -16,7 +16,7 @@ from modes_net import ModesNet, modes_batch, mse_eval, mse_step, prepared
 from support import Run, assert_runs_close, make_batches, max_rel_diff, train_eager_cpu
 
 from stepbundle.export_torch import export
-from stepbundle.runtime import load
+from stepbundle.runtime import CompileOptions, LoadOptions, load
 from stepbundle.schema import StateUpdateOutput
 
 
@@ -37,7 +37,7 @@ def _recipe(frozen: bool = True):
 
 
 def _run(path: Path, batches, steps: int) -> Run:
-    trainer = load(path, cache_dir=False)
+    trainer = load(path, options=LoadOptions(compile=CompileOptions(cache_dir=False)))
     ms = trainer.run(list(batches), steps)
     metrics = [{k: float(np.asarray(v, np.float64).reshape(-1)[0]) for k, v in m.items()}
                for m in ms]  # fmt: skip

@@ -23,7 +23,7 @@ from support import Run, make_batches
 from torch_refs import eager32
 
 from stepbundle.export_torch import export
-from stepbundle.runtime import load
+from stepbundle.runtime import CompileOptions, LoadOptions, load
 from stepbundle.schema.manifest import InputKind
 from stepbundle.schema.rng import TORCH_XLA_MARK_STEP, advance_seed
 
@@ -74,7 +74,9 @@ def test_the_seed_rule_is_the_documented_one(tmp_path: Path) -> None:
     r.step, r.seed = torch_cases.random_numbers_step, 12345
     export(r, tmp_path / "rng.stepbundle")
     batches = make_batches(linear_adamw.recipe(), 1)
-    trainer = load(tmp_path / "rng.stepbundle", cache_dir=False)
+    trainer = load(
+        tmp_path / "rng.stepbundle", options=LoadOptions(compile=CompileOptions(cache_dir=False))
+    )
     got = trainer.run(batches, 3)
     with jax.enable_x64(True):
         for n, metrics in enumerate(got):

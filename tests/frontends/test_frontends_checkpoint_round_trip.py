@@ -21,7 +21,7 @@ from support import make_batches, mse_step
 
 from stepbundle.frontend import Recipe
 from stepbundle.frontend.checkpoint import load_into
-from stepbundle.runtime import load
+from stepbundle.runtime import CompileOptions, LoadOptions, load
 
 STEPS = 3
 BETA1, LR = 0.85, 0.02
@@ -54,7 +54,7 @@ def test_load_into_restores_state_and_beta1_after_runtime_steps(frontend, tmp_pa
     path = tmp_path / "adamw.stepbundle"
     frontend.export(_recipe(frontend.adam), path)
     batches = make_batches(_recipe(frontend.adam), STEPS + 1)
-    trainer = load(path, cache_dir=False)
+    trainer = load(path, options=LoadOptions(compile=CompileOptions(cache_dir=False)))
     trainer.set_hyperparameter("betas.0", BETA1)
     trainer.set_hyperparameter("lr", LR)
     trainer.run(batches[:STEPS], STEPS)
@@ -104,7 +104,7 @@ def test_load_into_refuses_a_damaged_checkpoint_and_changes_nothing(
 
     path = tmp_path / "adamw.stepbundle"
     frontend.export(_recipe(frontend.adam), path)
-    trainer = load(path, cache_dir=False)
+    trainer = load(path, options=LoadOptions(compile=CompileOptions(cache_dir=False)))
     trainer.run(make_batches(_recipe(frontend.adam), 2), 2)
     ckpt = tmp_path / "ckpt.safetensors"
     trainer.save_checkpoint(ckpt)

@@ -22,7 +22,7 @@ import torch
 from support import Run, assert_runs_close, make_batches, mse_step
 
 from stepbundle.frontend import ExportError, Recipe
-from stepbundle.runtime import load
+from stepbundle.runtime import CompileOptions, LoadOptions, load
 from stepbundle.schema import InputKind
 
 STEPS = 6
@@ -97,7 +97,7 @@ def test_one_cycle_momentum_on_betas_0_matches_eager(frontend, tmp_path: Path) -
     ref = frontend.eager(
         lambda: _recipe(frontend.adam, hyperparameters=(), eager=True), batches, STEPS
     )
-    trainer = load(path, cache_dir=False)
+    trainer = load(path, options=LoadOptions(compile=CompileOptions(cache_dir=False)))
     trainer.set_schedule("lr", lambda i: lrs[i])
     trainer.set_schedule("betas.0", lambda i: beta1s[i])
     ms = trainer.run(list(batches), STEPS)
@@ -109,7 +109,7 @@ def test_one_cycle_momentum_on_betas_0_matches_eager(frontend, tmp_path: Path) -
     print(f"OneCycleLR lr + beta1 vs {frontend.name} eager: {worst}")
 
     # The test could fail: with beta1 left at its first value the run is another one.
-    fixed = load(path, cache_dir=False)
+    fixed = load(path, options=LoadOptions(compile=CompileOptions(cache_dir=False)))
     fixed.set_schedule("lr", lambda i: lrs[i])
     other = fixed.run(list(batches), STEPS)
     assert abs(float(np.asarray(other[-1]["loss"])) - ref.metrics[-1]["loss"]) > 1e-4
@@ -131,7 +131,7 @@ def test_a_short_name_schedules_betas_0_of_every_group(frontend, tmp_path: Path)
         "param_groups.0.betas.0": 0.9,
         "param_groups.1.betas.0": 0.8,
     }
-    trainer = load(path, cache_dir=False)
+    trainer = load(path, options=LoadOptions(compile=CompileOptions(cache_dir=False)))
     trainer.set_hyperparameter("betas.0", 0.5)
     assert trainer.hyperparameters == {
         "param_groups.0.betas.0": 0.5,

@@ -22,7 +22,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from runtime_helpers import GOLDEN_SCHEDULES, GOLDEN_STEPS, golden_batches, golden_bundle
 
-from stepbundle.runtime import load
+from stepbundle.runtime import CompileOptions, LoadOptions, ParallelOptions, load
 from stepbundle.runtime.placement import distributed
 from stepbundle.runtime.train.schedule import parse_schedule
 
@@ -38,12 +38,21 @@ def main() -> None:
     assert jax.process_count() == int(nproc)
     if mode == "partial":
         try:
-            load(golden_bundle(name), devices=2, cache_dir=False)
+            load(
+                golden_bundle(name),
+                options=LoadOptions(
+                    compile=CompileOptions(cache_dir=False), parallel=ParallelOptions(devices=2)
+                ),
+            )
         except Exception as e:
             print(f"REFUSED {type(e).__name__}: {e}")
         return
     trainer = load(
-        golden_bundle(name), devices="all", cache_dir=False, shard_optimizer_state=mode == "zero1"
+        golden_bundle(name),
+        options=LoadOptions(
+            compile=CompileOptions(cache_dir=False),
+            parallel=ParallelOptions(devices="all", shard_optimizer_state=mode == "zero1"),
+        ),
     )
     if mode == "unwritable":
         trainer.step(golden_batches(name)[0])

@@ -17,7 +17,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from runtime_helpers import golden_bundle
 
-from stepbundle.runtime import load
+from stepbundle.runtime import CompileOptions, LoadOptions, ParallelOptions, load
 from stepbundle.runtime.data.dataset import open_dataset
 from stepbundle.runtime.data.loader import Loader
 from stepbundle.runtime.placement import distributed
@@ -30,7 +30,12 @@ def main() -> None:
     distributed.initialize(
         f"localhost:{port}", int(nproc), int(pid), cpu_devices=int(per), timeout_s=60
     )
-    trainer = load(golden_bundle("linear_adamw"), devices="all", cache_dir=False)
+    trainer = load(
+        golden_bundle("linear_adamw"),
+        options=LoadOptions(
+            compile=CompileOptions(cache_dir=False), parallel=ParallelOptions(devices="all")
+        ),
+    )
     dataset = open_dataset(data)
     seen: list[np.ndarray] = []
     gather = dataset.gather

@@ -22,6 +22,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from stepbundle.runtime import CompileOptions, LoadOptions
+
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
@@ -116,7 +118,10 @@ def write_new_checkpoint(target: Path, point: str, cache: str) -> None:
     from stepbundle.runtime import load
     from stepbundle.runtime.state.named import checkpoint
 
-    trainer = load(golden_bundle("linear_adamw"), cache_dir=cache or False)
+    trainer = load(
+        golden_bundle("linear_adamw"),
+        options=LoadOptions(compile=CompileOptions(cache_dir=cache or False)),
+    )
     trainer.run(golden_batches("linear_adamw"), 3)
     # For the data point: the length, the JSON header, then the first tensor's bytes.
     patch_point(point, checkpoint, max_bytes=10**12, max_writes=3)

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from runtime_helpers import golden_batches, golden_bundle
 
-from stepbundle.runtime import load
+from stepbundle.runtime import CompileOptions, LoadOptions, load
 from stepbundle.runtime.compile.compile_cache import CacheOutcome, CacheWarning
 
 
@@ -34,30 +34,49 @@ def first_loss(trainer: object, name: str) -> float:
 
 def test_hits_are_verified_and_reported(tmp_path: Path) -> None:
     cache = tmp_path / "cache"
-    cold = load(golden_bundle("linear_adamw"), cache_dir=cache)
+    cold = load(
+        golden_bundle("linear_adamw"), options=LoadOptions(compile=CompileOptions(cache_dir=cache))
+    )
     assert {e.outcome for e in cold.load_info.cache.values()} == {CacheOutcome.MISS}
     assert {e.reason for e in cold.load_info.cache.values()} == {"no entry"}
-    warm = load(golden_bundle("linear_adamw"), cache_dir=cache)
+    warm = load(
+        golden_bundle("linear_adamw"), options=LoadOptions(compile=CompileOptions(cache_dir=cache))
+    )
     assert {e.outcome for e in warm.load_info.cache.values()} == {CacheOutcome.HIT}
     assert set(warm.load_info.cache) == {"train[0]", "train[1]", "eval[0]", "eval[1]"}
-    off = load(golden_bundle("linear_adamw"), cache_dir=False)
+    off = load(
+        golden_bundle("linear_adamw"), options=LoadOptions(compile=CompileOptions(cache_dir=False))
+    )
     assert {e.outcome for e in off.load_info.cache.values()} == {CacheOutcome.OFF}
 
 
 @pytest.mark.filterwarnings("ignore::stepbundle.runtime.CacheWarning")
 def test_a_foreign_entry_renamed_into_place_is_a_miss(tmp_path: Path) -> None:
     cache = tmp_path / "cache"
-    load(golden_bundle("linear_adamw"), cache_dir=cache)
+    load(
+        golden_bundle("linear_adamw"), options=LoadOptions(compile=CompileOptions(cache_dir=cache))
+    )
     other_cache = tmp_path / "other"
-    load(golden_bundle("dropout_sgd"), cache_dir=other_cache)
+    load(
+        golden_bundle("dropout_sgd"),
+        options=LoadOptions(compile=CompileOptions(cache_dir=other_cache)),
+    )
     (foreign,) = entries(other_cache)[:1]
     for target in entries(cache):  # every linear_adamw entry is now dropout_sgd's program
         shutil.copyfile(foreign, target)
-    again = load(golden_bundle("linear_adamw"), cache_dir=cache)
+    again = load(
+        golden_bundle("linear_adamw"), options=LoadOptions(compile=CompileOptions(cache_dir=cache))
+    )
     assert again.load_info.cache_hits == 0
     reasons = {e.reason for e in again.load_info.cache.values()}
     assert reasons == {"the entry belongs to another program or device set"}
-    want = first_loss(load(golden_bundle("linear_adamw"), cache_dir=False), "linear_adamw")
+    want = first_loss(
+        load(
+            golden_bundle("linear_adamw"),
+            options=LoadOptions(compile=CompileOptions(cache_dir=False)),
+        ),
+        "linear_adamw",
+    )
     assert first_loss(again, "linear_adamw") == want
 
 
@@ -129,13 +148,19 @@ def test_fuzzed_entries_are_misses_never_wrong_never_a_crash(tmp_path: Path) -> 
 
 def test_a_directory_in_place_of_an_entry_is_a_miss_and_a_write_error(tmp_path: Path) -> None:
     cache = tmp_path / "cache"
-    load(golden_bundle("linear_adamw"), cache_dir=cache, entry="eval")
+    load(
+        golden_bundle("linear_adamw"),
+        options=LoadOptions(compile=CompileOptions(cache_dir=cache, entries="eval")),
+    )
     for p in entries(cache):
         p.unlink()
         p.mkdir()  # the entry's name is taken by a folder: unreadable and unwritable
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        t = load(golden_bundle("linear_adamw"), cache_dir=cache, entry="eval")
+        t = load(
+            golden_bundle("linear_adamw"),
+            options=LoadOptions(compile=CompileOptions(cache_dir=cache, entries="eval")),
+        )
     events = list(t.load_info.cache.values())
     assert all(e.outcome is CacheOutcome.MISS for e in events)
     assert all(e.reason.startswith("the entry is unreadable") for e in events)
@@ -158,7 +183,10 @@ def test_a_client_that_cannot_serialize_warns_once_and_the_load_goes_on(
     cache = tmp_path / "cache"
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        t = load(golden_bundle("linear_adamw"), cache_dir=cache)
+        t = load(
+            golden_bundle("linear_adamw"),
+            options=LoadOptions(compile=CompileOptions(cache_dir=cache)),
+        )
     events = list(t.load_info.cache.values())
     assert len(events) == 4
     assert all(e.outcome is CacheOutcome.MISS for e in events)
@@ -170,7 +198,13 @@ def test_a_client_that_cannot_serialize_warns_once_and_the_load_goes_on(
     assert len(said) == 1  # once, not once per program
     assert "cannot write the compile cache" in str(said[0].message)
     assert entries(cache) == []
-    want = first_loss(load(golden_bundle("linear_adamw"), cache_dir=False), "linear_adamw")
+    want = first_loss(
+        load(
+            golden_bundle("linear_adamw"),
+            options=LoadOptions(compile=CompileOptions(cache_dir=False)),
+        ),
+        "linear_adamw",
+    )
     assert first_loss(t, "linear_adamw") == want
 
 

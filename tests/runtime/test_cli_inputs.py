@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 from runtime_helpers import GOLDEN_DIR, golden_bundle
 
+from stepbundle.runtime import CompileOptions, LoadOptions
+
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
@@ -238,7 +240,9 @@ def test_a_missing_bundle_or_a_symlink_loop_is_one_line(tmp_path: Path) -> None:
 def test_a_batch_with_non_string_keys_is_a_binding_error() -> None:
     from stepbundle.runtime import BindingError, load
 
-    t = load(golden_bundle("linear_adamw"), cache_dir=False)
+    t = load(
+        golden_bundle("linear_adamw"), options=LoadOptions(compile=CompileOptions(cache_dir=False))
+    )
     x = np.zeros((8, 5), np.float32)
     y = np.zeros((8, 3), np.float32)
     with pytest.raises(BindingError, match="Batch input names are strings"):

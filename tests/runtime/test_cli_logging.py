@@ -24,7 +24,7 @@ from runtime_helpers import GOLDEN_DIR, golden_batches, golden_bundle
 from stepbundle.cli.main import main
 from stepbundle.cli.progress import ProgressBar
 from stepbundle.cli.report import Reporter
-from stepbundle.runtime import load
+from stepbundle.runtime import CompileOptions, LoadOptions, load
 
 BUNDLE = str(golden_bundle("batchnorm_lr"))  # has an lr hyperparameter
 DATA = str(GOLDEN_DIR / "batchnorm_lr.inputs.npz")
@@ -50,7 +50,7 @@ def strict_json(line: str) -> dict[str, Any]:
 
 def api_steps(n: int) -> list[dict[str, float]]:
     """Loss and lr of the first ``n`` steps, through the Python API."""
-    t = load(BUNDLE, cache_dir=False)
+    t = load(BUNDLE, options=LoadOptions(compile=CompileOptions(cache_dir=False)))
     out = []
     for m in t.run(golden_batches("batchnorm_lr"), n):
         out.append({"loss": float(m["loss"]), "lr": t.hyperparameters["lr"]})

@@ -30,7 +30,17 @@ from runtime_helpers import (
     rel,
 )
 
-from stepbundle.runtime import BindingError, NonFiniteLossError, PlatformError, load
+from stepbundle.runtime import (
+    BindingError,
+    CompileOptions,
+    LoadOptions,
+    NonFiniteLossError,
+    ParallelOptions,
+    PlatformError,
+    SafetyOptions,
+    StateOptions,
+    load,
+)
 from stepbundle.runtime.state.checkpoint import read_safetensors
 from stepbundle.runtime.train.schedule import parse_schedule
 from stepbundle.schema import open_bundle
@@ -41,7 +51,7 @@ HERE = Path(__file__).resolve().parent
 
 
 def _run(name: str, steps: int | None = None, **kw):
-    trainer = load(golden_bundle(name), cache_dir=False, **kw)
+    trainer = load(golden_bundle(name), options=LoadOptions.from_keywords(cache_dir=False, **kw))
     if name in GOLDEN_SCHEDULES:
         trainer.set_schedule("lr", parse_schedule(GOLDEN_SCHEDULES[name]))
     metrics = trainer.run(golden_batches(name), steps or GOLDEN_STEPS[name])
@@ -99,7 +109,14 @@ def test_dropout_masks_match_one_device_for_the_same_seed() -> None:
 
 
 def test_state_is_replicated_and_donated_on_every_device() -> None:
-    t = load(golden_bundle("linear_adamw"), cache_dir=False, devices=4, pack_state=False)
+    t = load(
+        golden_bundle("linear_adamw"),
+        options=LoadOptions(
+            compile=CompileOptions(cache_dir=False),
+            state=StateOptions(pack_state=False),
+            parallel=ParallelOptions(devices=4),
+        ),
+    )
     before = list(t._store.buffers)
     for a in before:
         assert len(a.addressable_shards) == 4 and a.is_fully_replicated
@@ -114,7 +131,12 @@ def test_state_is_replicated_and_donated_on_every_device() -> None:
 def test_rejected_batch_donates_nothing_on_any_device() -> None:
     batches = golden_batches("linear_adamw")
     reference, _ = _run("linear_adamw", steps=2, devices=4)
-    t = load(golden_bundle("linear_adamw"), cache_dir=False, devices=4)
+    t = load(
+        golden_bundle("linear_adamw"),
+        options=LoadOptions(
+            compile=CompileOptions(cache_dir=False), parallel=ParallelOptions(devices=4)
+        ),
+    )
     t.step(batches[0])
     held = list(t._store.buffers)
     with pytest.raises(BindingError, match="Shape mismatch for batch input 'x'"):
@@ -127,8 +149,18 @@ def test_rejected_batch_donates_nothing_on_any_device() -> None:
 
 
 def test_batch_already_split_over_the_devices_is_used_in_place() -> None:
-    t = load(golden_bundle("linear_adamw"), cache_dir=False, devices=4)
-    ref = load(golden_bundle("linear_adamw"), cache_dir=False, devices=4)
+    t = load(
+        golden_bundle("linear_adamw"),
+        options=LoadOptions(
+            compile=CompileOptions(cache_dir=False), parallel=ParallelOptions(devices=4)
+        ),
+    )
+    ref = load(
+        golden_bundle("linear_adamw"),
+        options=LoadOptions(
+            compile=CompileOptions(cache_dir=False), parallel=ParallelOptions(devices=4)
+        ),
+    )
     batch = golden_batches("linear_adamw")[0]
     on_devices = {k: t.placement.put_batch(v) for k, v in batch.items()}
     _, dev = t._dispatcher.pick("train", on_devices)
@@ -138,7 +170,14 @@ def test_batch_already_split_over_the_devices_is_used_in_place() -> None:
 
 def test_nonfinite_loss_stops_a_data_parallel_step_and_keeps_the_state() -> None:
     batches = golden_batches("linear_adamw")
-    t = load(golden_bundle("linear_adamw"), cache_dir=False, devices=4, stop_on_nonfinite=True)
+    t = load(
+        golden_bundle("linear_adamw"),
+        options=LoadOptions(
+            compile=CompileOptions(cache_dir=False),
+            safety=SafetyOptions(stop_on_nonfinite=True),
+            parallel=ParallelOptions(devices=4),
+        ),
+    )
     t.step(batches[0])
     before = t.state_dict()
     bad = {**batches[1], "x": np.full_like(batches[1]["x"], np.inf)}
@@ -153,25 +192,55 @@ def test_nonfinite_loss_stops_a_data_parallel_step_and_keeps_the_state() -> None
 
 def test_compile_cache_keeps_data_parallel_executables_apart(tmp_path: Path) -> None:
     batch = golden_batches("dropout_sgd")[0]
-    first = load(golden_bundle("dropout_sgd"), cache_dir=tmp_path, devices=4)
-    again = load(golden_bundle("dropout_sgd"), cache_dir=tmp_path, devices=4)
-    other = load(golden_bundle("dropout_sgd"), cache_dir=tmp_path, devices=2)
+    first = load(
+        golden_bundle("dropout_sgd"),
+        options=LoadOptions(
+            compile=CompileOptions(cache_dir=tmp_path), parallel=ParallelOptions(devices=4)
+        ),
+    )
+    again = load(
+        golden_bundle("dropout_sgd"),
+        options=LoadOptions(
+            compile=CompileOptions(cache_dir=tmp_path), parallel=ParallelOptions(devices=4)
+        ),
+    )
+    other = load(
+        golden_bundle("dropout_sgd"),
+        options=LoadOptions(
+            compile=CompileOptions(cache_dir=tmp_path), parallel=ParallelOptions(devices=2)
+        ),
+    )
     assert (first.load_info.compiled, first.load_info.cache_hits) == (1, 0)
     assert (again.load_info.compiled, again.load_info.cache_hits) == (0, 1)
     assert (other.load_info.compiled, other.load_info.cache_hits) == (1, 0)
     assert float(again.step(batch)["loss"]) == float(first.step(batch)["loss"])
     # An executable stays bound to its devices: cpu:1 cannot reuse cpu:0's (it would
     # fail at its first step), so it compiles its own, and runs.
-    on_0 = load(golden_bundle("dropout_sgd"), cache_dir=tmp_path, device="cpu:0")
-    on_1 = load(golden_bundle("dropout_sgd"), cache_dir=tmp_path, device="cpu:1")
+    on_0 = load(
+        golden_bundle("dropout_sgd"),
+        device="cpu:0",
+        options=LoadOptions(compile=CompileOptions(cache_dir=tmp_path)),
+    )
+    on_1 = load(
+        golden_bundle("dropout_sgd"),
+        device="cpu:1",
+        options=LoadOptions(compile=CompileOptions(cache_dir=tmp_path)),
+    )
     assert (on_1.load_info.compiled, on_1.load_info.cache_hits) == (1, 0)
     assert on_1.device != on_0.device
     assert float(on_1.step(batch)["loss"]) == float(on_0.step(batch)["loss"])
 
 
 def test_eval_entry_and_short_bucket_on_four_devices() -> None:
-    one = load(golden_bundle("linear_adamw"), cache_dir=False)
-    four = load(golden_bundle("linear_adamw"), cache_dir=False, devices=4)
+    one = load(
+        golden_bundle("linear_adamw"), options=LoadOptions(compile=CompileOptions(cache_dir=False))
+    )
+    four = load(
+        golden_bundle("linear_adamw"),
+        options=LoadOptions(
+            compile=CompileOptions(cache_dir=False), parallel=ParallelOptions(devices=4)
+        ),
+    )
     batch = golden_batches("linear_adamw")[1]
     want, got = one.evaluate(batch), four.evaluate(batch)
     assert set(got) == set(want)
@@ -190,7 +259,12 @@ def test_eval_entry_and_short_bucket_on_four_devices() -> None:
 
 def test_bucket_that_does_not_split_is_refused() -> None:
     with pytest.raises(PlatformError) as err:
-        load(golden_bundle("batchnorm_lr"), cache_dir=False, devices=4)
+        load(
+            golden_bundle("batchnorm_lr"),
+            options=LoadOptions(
+                compile=CompileOptions(cache_dir=False), parallel=ParallelOptions(devices=4)
+            ),
+        )
     msg = str(err.value)
     assert "batch input 'x' has 10 rows" in msg and "4 devices" in msg
     assert "multiple of 4" in msg
@@ -198,12 +272,33 @@ def test_bucket_that_does_not_split_is_refused() -> None:
 
 def test_device_requests_that_cannot_be_met_are_clear_errors() -> None:
     with pytest.raises(PlatformError, match="needs 64 cpu devices, but the job has 4"):
-        load(golden_bundle("linear_adamw"), cache_dir=False, devices=64)
+        load(
+            golden_bundle("linear_adamw"),
+            options=LoadOptions(
+                compile=CompileOptions(cache_dir=False), parallel=ParallelOptions(devices=64)
+            ),
+        )
     with pytest.raises(PlatformError, match="either one device"):
-        load(golden_bundle("linear_adamw"), cache_dir=False, devices=2, device="cpu:1")
+        load(
+            golden_bundle("linear_adamw"),
+            device="cpu:1",
+            options=LoadOptions(
+                compile=CompileOptions(cache_dir=False), parallel=ParallelOptions(devices=2)
+            ),
+        )
     with pytest.raises(PlatformError, match="a number or 'all'"):
-        load(golden_bundle("linear_adamw"), cache_dir=False, devices="most")
-    t = load(golden_bundle("linear_adamw"), cache_dir=False, devices="all")
+        load(
+            golden_bundle("linear_adamw"),
+            options=LoadOptions(
+                compile=CompileOptions(cache_dir=False), parallel=ParallelOptions(devices="most")
+            ),
+        )
+    t = load(
+        golden_bundle("linear_adamw"),
+        options=LoadOptions(
+            compile=CompileOptions(cache_dir=False), parallel=ParallelOptions(devices="all")
+        ),
+    )
     assert len(t.devices) == len(jax.devices("cpu"))
 
 
@@ -212,11 +307,21 @@ def test_checkpoints_move_between_device_counts(first: int, second: int, tmp_pat
     name = "dropout_sgd"
     batches = golden_batches(name)
     straight, losses = _run(name, steps=5)
-    a = load(golden_bundle(name), cache_dir=False, devices=first)
+    a = load(
+        golden_bundle(name),
+        options=LoadOptions(
+            compile=CompileOptions(cache_dir=False), parallel=ParallelOptions(devices=first)
+        ),
+    )
     a.run(batches, 2)
     ckpt = tmp_path / "mid.safetensors"
     a.save_checkpoint(ckpt)
-    b = load(golden_bundle(name), cache_dir=False, devices=second)
+    b = load(
+        golden_bundle(name),
+        options=LoadOptions(
+            compile=CompileOptions(cache_dir=False), parallel=ParallelOptions(devices=second)
+        ),
+    )
     b.load_checkpoint(ckpt)
     assert b.step_count == 2 and b.seed == a.seed
     rest = b.run(batches, 3, offset=2)
@@ -233,11 +338,13 @@ def test_scalar_state_keeps_its_shape_on_several_devices(zero1: bool, tmp_path: 
     """0-d state (num_batches_tracked, Adam's step) stays 0-d on every device, so its
     checkpoints load anywhere."""
     for name in ("batchnorm_lr", "linear_adamw"):
-        one = load(golden_bundle(name), cache_dir=False, pack_state=False)
-        two = load(
-            golden_bundle(name), cache_dir=False, devices=2, pack_state=False,
-            shard_optimizer_state=zero1,
-        )  # fmt: skip
+        one = load(
+            golden_bundle(name),
+            options=LoadOptions(
+                compile=CompileOptions(cache_dir=False), state=StateOptions(pack_state=False)
+            ),
+        )
+        two = load(golden_bundle(name), options=LoadOptions(compile=CompileOptions(cache_dir=False), state=StateOptions(pack_state=False), parallel=ParallelOptions(devices=2, shard_optimizer_state=zero1)))  # fmt: skip
         shapes = {k: v.shape for k, v in one.state_dict().items()}
         assert any(s == () for s in shapes.values())
         for buf in two._store.buffers:
@@ -279,7 +386,7 @@ def test_zero1_splits_optimizer_state_and_computes_the_same(tmp_path: Path) -> N
     values, _ = read_safetensors(tmp_path / "z.safetensors")
     for k, v in replicated.state_dict().items():
         assert values[k].shape == v.shape
-    one = load(golden_bundle(name), cache_dir=False)
+    one = load(golden_bundle(name), options=LoadOptions(compile=CompileOptions(cache_dir=False)))
     one.load_checkpoint(tmp_path / "z.safetensors")
     _assert_close(one.state_dict(), replicated.state_dict())
 
@@ -345,7 +452,7 @@ def test_two_processes_run_one_data_parallel_job(name: str, zero1: bool, tmp_pat
     state = {k[len("state/") :]: v for k, v in results[0].items() if k.startswith("state/")}
     _assert_close(state, one.state_dict(), results[0]["losses"], losses)
     # Process 0's checkpoint resumes in a single-device run.
-    single = load(golden_bundle(name), cache_dir=False)
+    single = load(golden_bundle(name), options=LoadOptions(compile=CompileOptions(cache_dir=False)))
     single.load_checkpoint(tmp_path / "checkpoint.safetensors")
     assert single.step_count == GOLDEN_STEPS[name]
     _assert_close(single.state_dict(), one.state_dict())
@@ -503,7 +610,9 @@ def test_two_processes_read_disjoint_rows_of_a_dataset_and_match_one_device(
     for step in range(6):
         ra, rb = a["rows"][4 * step : 4 * step + 4], b["rows"][4 * step : 4 * step + 4]
         assert not set(ra) & set(rb)
-    one = load(golden_bundle("linear_adamw"), cache_dir=False)
+    one = load(
+        golden_bundle("linear_adamw"), options=LoadOptions(compile=CompileOptions(cache_dir=False))
+    )
     loader = Loader(open_dataset(data), 8, seed=3)
     want = [float(m["loss"]) for m in one.run(loader, 6)]
     np.testing.assert_allclose(a["losses"], want, rtol=1e-5)

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 from runtime_helpers import golden_batches, golden_bundle
 
-from stepbundle.runtime import CheckpointError, load
+from stepbundle.runtime import CheckpointError, CompileOptions, LoadOptions, SafetyOptions, load
 from stepbundle.runtime.state.checkpoint import read_safetensors
 from stepbundle.schema import BundleError, SectionPayload, open_bundle, write_bundle
 
@@ -97,7 +97,12 @@ def test_a_bundle_writer_killed_mid_write_leaves_the_previous_bundle(
     with open_bundle(target) as b:
         assert b.verify() == []
         assert b.digest == digest
-    trainer = load(target, expect_digest=digest, cache_dir=cache)
+    trainer = load(
+        target,
+        options=LoadOptions(
+            compile=CompileOptions(cache_dir=cache), safety=SafetyOptions(expect_digest=digest)
+        ),
+    )
     assert np.isfinite(float(trainer.step(golden_batches("linear_adamw")[0])["loss"]))
 
     # The killed writer left its temp file: hidden, named after the target, never the
@@ -131,7 +136,9 @@ def test_a_checkpoint_writer_killed_mid_write_leaves_the_previous_checkpoint(
     folder.mkdir()
     target = folder / "step.safetensors"
     batches = golden_batches("linear_adamw")
-    trainer = load(golden_bundle("linear_adamw"), cache_dir=cache)
+    trainer = load(
+        golden_bundle("linear_adamw"), options=LoadOptions(compile=CompileOptions(cache_dir=cache))
+    )
     trainer.step(batches[0])
     trainer.save_checkpoint(target)
     previous = target.read_bytes()
@@ -141,7 +148,9 @@ def test_a_checkpoint_writer_killed_mid_write_leaves_the_previous_checkpoint(
     assert where.startswith(POINTS[point]), where
 
     assert target.read_bytes() == previous, where
-    fresh = load(golden_bundle("linear_adamw"), cache_dir=cache)
+    fresh = load(
+        golden_bundle("linear_adamw"), options=LoadOptions(compile=CompileOptions(cache_dir=cache))
+    )
     fresh.load_checkpoint(target)
     assert fresh.step_count == 1
     restored = fresh.state_dict()
@@ -160,6 +169,8 @@ def test_a_checkpoint_writer_killed_mid_write_leaves_the_previous_checkpoint(
             read_safetensors(stray)
 
     fresh.save_checkpoint(target)  # the next save is not disturbed
-    again = load(golden_bundle("linear_adamw"), cache_dir=cache)
+    again = load(
+        golden_bundle("linear_adamw"), options=LoadOptions(compile=CompileOptions(cache_dir=cache))
+    )
     again.load_checkpoint(target)
     assert again.step_count == 2

@@ -38,7 +38,7 @@ from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 from runtime_helpers import GOLDEN_NAMES, golden_batches
 
-from stepbundle.runtime import load
+from stepbundle.runtime import CompileOptions, LoadOptions, load
 from stepbundle.schema import SchemaValidationError
 
 CASES_PER_MUTATION = 40
@@ -124,7 +124,7 @@ def test_a_huge_batch_spec_is_refused_at_load_without_allocating(tmp_path: Path)
     tracemalloc.start()
     try:
         with pytest.raises(SchemaValidationError) as info:
-            load(path, cache_dir=False)
+            load(path, options=LoadOptions(compile=CompileOptions(cache_dir=False)))
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()

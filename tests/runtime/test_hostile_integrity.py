@@ -25,7 +25,7 @@ import pytest
 from runtime_helpers import GOLDEN_DIR, GOLDEN_NAMES, golden_batches, golden_bundle
 
 from stepbundle import cli
-from stepbundle.runtime import BindingError, load
+from stepbundle.runtime import BindingError, CompileOptions, LoadOptions, SafetyOptions, load
 from stepbundle.schema import (
     ConstantInput,
     IntegrityError,
@@ -123,7 +123,7 @@ def test_a_flipped_byte_in_any_section_is_caught_before_first_use(
         assert [f for f in bundle.verify() if repr(section) in f]
 
     with pytest.raises(IntegrityError, match=f"Section {re.escape(repr(section))}") as info:
-        load(path, cache_dir=cache)
+        load(path, options=LoadOptions(compile=CompileOptions(cache_dir=cache)))
     assert "damaged" in str(info.value)
     # The damaged bytes never reached the parser and never became a tensor.
     assert damaged not in spies
@@ -151,7 +151,7 @@ def test_a_flipped_manifest_byte_is_caught_before_any_field_is_read(
         with pytest.raises(IntegrityError, match="does not match the SHA-256 in its header"):
             open_bundle(path)
         with pytest.raises(IntegrityError, match="does not match the SHA-256 in its header"):
-            load(path, cache_dir=False)
+            load(path, options=LoadOptions(compile=CompileOptions(cache_dir=False)))
     assert decoded == []
     with open_bundle(golden_bundle(name)):  # the spy works: an intact bundle is decoded
         assert len(decoded) == 1
@@ -214,16 +214,32 @@ def test_load_with_expect_digest(tmp_path: Path) -> None:
         digest = b.digest
     with open_bundle(other) as b:
         other_digest = b.digest
-    trainer = load(pinned, expect_digest=digest, cache_dir=False)
+    trainer = load(
+        pinned,
+        options=LoadOptions(
+            compile=CompileOptions(cache_dir=False), safety=SafetyOptions(expect_digest=digest)
+        ),
+    )
     assert trainer.digest == digest
     trainer.step(golden_batches("linear_adamw")[0])
     with pytest.raises(BindingError) as info:
-        load(other, expect_digest=digest, cache_dir=False)
+        load(
+            other,
+            options=LoadOptions(
+                compile=CompileOptions(cache_dir=False), safety=SafetyOptions(expect_digest=digest)
+            ),
+        )
     assert digest in str(info.value) and other_digest in str(info.value)
     # A digest spelled another way is another digest: no normalisation, no prefix match.
     for spelling in (digest.upper(), digest[len("sha256:") :], digest[:40]):
         with pytest.raises(BindingError, match="Refusing to run"):
-            load(pinned, expect_digest=spelling, cache_dir=False)
+            load(
+                pinned,
+                options=LoadOptions(
+                    compile=CompileOptions(cache_dir=False),
+                    safety=SafetyOptions(expect_digest=spelling),
+                ),
+            )
 
 
 def _run_cli(*args: str) -> subprocess.CompletedProcess[str]:

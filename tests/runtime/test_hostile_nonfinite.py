@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from runtime_helpers import golden_batches, golden_bundle
 
-from stepbundle.runtime import BindingError, NonFiniteLossError, load
+from stepbundle.runtime import BindingError, LoadOptions, NonFiniteLossError, SafetyOptions, load
 from stepbundle.schema import (
     BundleError,
     DType,
@@ -48,7 +48,10 @@ def _assert_same_state(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> No
 @pytest.mark.parametrize("value", [math.inf, math.nan])
 def test_a_nonfinite_loss_stops_the_step_and_keeps_the_state(tmp_path: Path, value: float) -> None:
     batches = golden_batches("linear_adamw")
-    trainer = load(golden_bundle("linear_adamw"), stop_on_nonfinite=True)
+    trainer = load(
+        golden_bundle("linear_adamw"),
+        options=LoadOptions(safety=SafetyOptions(stop_on_nonfinite=True)),
+    )
     trainer.step(batches[0])
     trainer.step(batches[1])
     before = trainer.state_dict()
@@ -93,7 +96,10 @@ def test_without_stop_on_nonfinite_the_bad_step_lands() -> None:
 def test_the_seed_is_not_advanced_by_a_stopped_step() -> None:
     # dropout_sgd reads an RNG seed: a stopped step must not consume one.
     batches = golden_batches("dropout_sgd")
-    trainer = load(golden_bundle("dropout_sgd"), stop_on_nonfinite=True)
+    trainer = load(
+        golden_bundle("dropout_sgd"),
+        options=LoadOptions(safety=SafetyOptions(stop_on_nonfinite=True)),
+    )
     trainer.step(batches[0])
     seed = trainer.seed
     with pytest.raises(NonFiniteLossError):
@@ -155,7 +161,7 @@ def test_stop_on_nonfinite_refuses_a_bundle_without_a_loss_metric(tmp_path: Path
     # stop_on_nonfinite silently checked nothing.
     path = _with_train_metric(tmp_path, "objective")
     with pytest.raises(BindingError, match="no metric of that name .*'objective'"):
-        load(path, stop_on_nonfinite=True)
+        load(path, options=LoadOptions(safety=SafetyOptions(stop_on_nonfinite=True)))
     trainer = load(path)  # without the flag the bundle is fine
     assert set(trainer.step(golden_batches("linear_adamw")[0])) == {"objective"}
 
@@ -165,4 +171,4 @@ def test_stop_on_nonfinite_refuses_a_loss_that_is_not_one_number(tmp_path: Path)
     # it is refused at load, before anything is compiled.
     path = _with_train_metric(tmp_path, "loss", TensorSpec(DType.F32, (2,)))
     with pytest.raises(BindingError, match=r"it is f32\[2\], not a single number"):
-        load(path, stop_on_nonfinite=True)
+        load(path, options=LoadOptions(safety=SafetyOptions(stop_on_nonfinite=True)))

@@ -18,7 +18,7 @@ import pytest
 from jaxlib.mlir import ir
 from runtime_helpers import golden_batches, golden_bundle
 
-from stepbundle.runtime import PlatformError, load
+from stepbundle.runtime import CompileOptions, LoadOptions, PlatformError, StateOptions, load
 from stepbundle.schema import (
     BundleError,
     Entry,
@@ -210,7 +210,7 @@ def test_a_binding_table_that_disagrees_with_the_program_is_refused(tmp_path: Pa
     with pytest.raises(
         SchemaValidationError, match=r"the binding table says f32\[8,6\] but @main's argument"
     ) as info:
-        load(path, cache_dir=False)
+        load(path, options=LoadOptions(compile=CompileOptions(cache_dir=False)))
     assert info.value.path == f"entries.train.programs[0].inputs[{index}]"
 
 
@@ -254,7 +254,10 @@ def test_a_program_section_that_is_not_a_portable_artifact_is_refused(
     # FORMAT.md: a program section is a StableHLO portable artifact. Plain MLIR is tied
     # to the MLIR version that wrote it; it is refused, never parsed on a best effort.
     with pytest.raises(SchemaValidationError) as info:
-        load(_with_program_bytes(tmp_path, make), cache_dir=False)
+        load(
+            _with_program_bytes(tmp_path, make),
+            options=LoadOptions(compile=CompileOptions(cache_dir=False)),
+        )
     assert isinstance(info.value, BundleError)
     assert info.value.path == "entries.train.programs[0].section"
     message = str(info.value)
@@ -304,8 +307,18 @@ def test_main_named_in_an_attribute_does_not_confuse_the_packing_wrapper(tmp_pat
 
     path = _with_transformed_text(tmp_path, plant)
     batch = golden_batches("linear_adamw")[0]
-    want = float(load(golden_bundle("linear_adamw"), cache_dir=False).step(batch)["loss"])
-    packed = load(path, cache_dir=False, pack_state=True)
+    want = float(
+        load(
+            golden_bundle("linear_adamw"),
+            options=LoadOptions(compile=CompileOptions(cache_dir=False)),
+        ).step(batch)["loss"]
+    )
+    packed = load(
+        path,
+        options=LoadOptions(
+            compile=CompileOptions(cache_dir=False), state=StateOptions(pack_state=True)
+        ),
+    )
     assert packed.load_info.compiled == 4
     assert float(packed.step(batch)["loss"]) == want
 
@@ -330,5 +343,5 @@ def test_a_program_without_a_public_main_is_a_bundle_error(
 ) -> None:
     path = _with_transformed_text(tmp_path, transform)
     with pytest.raises(BundleError) as refused:
-        load(path, cache_dir=False)
+        load(path, options=LoadOptions(compile=CompileOptions(cache_dir=False)))
     assert "@main" in str(refused.value), name

@@ -21,8 +21,11 @@ from runtime_helpers import GOLDEN_SCHEDULES, GOLDEN_STEPS, golden_batches, gold
 from stepbundle.runtime import (
     BindingError,
     CheckpointError,
+    CompileOptions,
+    LoadOptions,
     MissingStateError,
     StateDtypeError,
+    StateOptions,
     StateShapeError,
     UnexpectedStateError,
     _compat,
@@ -110,7 +113,7 @@ def made(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 def _run(bundle: Path, **kwargs: Any) -> tuple[list[bytes], dict[str, np.ndarray], Any]:
-    t = load(bundle, **kwargs)
+    t = load(bundle, options=LoadOptions.from_keywords(**kwargs))
     t.set_schedule("lr", GOLDEN_SCHEDULES[NAME])
     metrics = t.run(golden_batches(NAME), STEPS)
     return [np.asarray(m["loss"]).tobytes() for m in metrics], t.state_dict(), t
@@ -153,7 +156,7 @@ def test_a_runtime_checkpoint_gives_the_optimizer_state_too(
     t.run(golden_batches(NAME), 2)
     ckpt = tmp_path / "step2.safetensors"
     t.save_checkpoint(ckpt)
-    free = load(made["free"], init_from=ckpt)
+    free = load(made["free"], options=LoadOptions(state=StateOptions(init_from=ckpt)))
     assert set(free.load_info.state_origins.values()) == {"file"}
     want = t.state_dict()
     got = free.state_dict()
@@ -190,7 +193,10 @@ def test_a_missing_tensor_is_refused_before_any_transfer(
     path = _file(made, tmp_path, {"2.running_var": None})
     for strict in (True, False):  # the bundle has no value of its own for it
         with pytest.raises(MissingStateError) as e:
-            load(made["free"], init_from=path, init_strict=strict)
+            load(
+                made["free"],
+                options=LoadOptions(state=StateOptions(init_from=path, init_strict=strict)),
+            )
         assert "lacks 1 state tensor(s) the bundle needs ('2.running_var')" in str(e.value)
         assert e.value.names == ("2.running_var",)
     assert transfers == []
@@ -201,7 +207,7 @@ def test_an_unexpected_tensor_is_refused_unless_not_strict(
 ) -> None:
     path = _file(made, tmp_path, {"head.weight": np.zeros((2, 2), np.float32)})
     with pytest.raises(UnexpectedStateError) as e:
-        load(made["free"], init_from=path)
+        load(made["free"], options=LoadOptions(state=StateOptions(init_from=path)))
     assert "holds 1 tensor(s) the bundle's state table does not name: 'head.weight'" in str(e.value)
     assert "strict=False (--no-init-strict)" in str(e.value)
     assert transfers == []
@@ -216,7 +222,10 @@ def test_a_wrong_shape_is_refused_even_when_not_strict(
     path = _file(made, tmp_path, {"0.weight": np.zeros((4, 8), np.float32)})
     for strict in (True, False):
         with pytest.raises(StateShapeError) as e:
-            load(made["free"], init_from=path, init_strict=strict)
+            load(
+                made["free"],
+                options=LoadOptions(state=StateOptions(init_from=path, init_strict=strict)),
+            )
         assert "0.weight: the file has f32[4,8], the bundle f32[8,4]" in str(e.value)
         assert "Nothing was loaded" in str(e.value)
     assert transfers == []
@@ -227,7 +236,9 @@ def test_a_wrong_dtype_is_refused(
 ) -> None:
     path = _file(made, tmp_path, {"2.num_batches_tracked": np.zeros((), np.int32)})
     with pytest.raises(StateDtypeError) as e:
-        load(made["free"], init_from=path, init_strict=False)
+        load(
+            made["free"], options=LoadOptions(state=StateOptions(init_from=path, init_strict=False))
+        )
     assert "2.num_batches_tracked: the file has i32[], the bundle i64[]" in str(e.value)
     assert transfers == []
 
@@ -237,8 +248,11 @@ def test_a_full_bundle_takes_what_the_file_holds(made: dict[str, Any], tmp_path:
     path = tmp_path / "partial.safetensors"
     write_safetensors(path, {"0.weight": w})
     with pytest.raises(MissingStateError, match="Without strict"):  # lacks parameters
-        load(golden_bundle(NAME), init_from=path)
-    t = load(golden_bundle(NAME), init_from=path, init_strict=False)
+        load(golden_bundle(NAME), options=LoadOptions(state=StateOptions(init_from=path)))
+    t = load(
+        golden_bundle(NAME),
+        options=LoadOptions(state=StateOptions(init_from=path, init_strict=False)),
+    )
     assert t.state_dict()["0.weight"].tobytes() == w.tobytes()
     assert t.state_dict()["0.bias"].tobytes() == made["weights"]["0.bias"].tobytes()
     origins = t.load_info.state_origins
@@ -285,7 +299,12 @@ def test_a_checkpoint_at_a_url_starts_the_run(made: dict[str, Any]) -> None:
         fetched = {name for _, name, _ in server.requests}
         assert fetched == set(server.objects)  # the index and every shard, nothing else
         with pytest.raises(CheckpointError, match="does not exist"):
-            load(made["free"], init_from=f"{server.url}/ckpt/absent.safetensors")
+            load(
+                made["free"],
+                options=LoadOptions(
+                    state=StateOptions(init_from=f"{server.url}/ckpt/absent.safetensors")
+                ),
+            )
     finally:
         server.stop()
 
@@ -297,7 +316,10 @@ def test_compile_needs_no_weights_and_places_nothing(made: dict[str, Any], tmp_p
 
     cache = tmp_path / "xla"
     assert main(["compile", str(made["free"]), "--cache-dir", str(cache)]) == 0
-    t = load(made["free"], cache_dir=cache, compile_only=True)
+    t = load(
+        made["free"],
+        options=LoadOptions(compile=CompileOptions(cache_dir=cache, compile_only=True)),
+    )
     assert t.load_info.compiled == 0 and t.load_info.cache_hits > 0
     assert t.load_info.state_origins == {}
     with pytest.raises(BindingError, match="compile_only"):

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from runtime_helpers import golden_batches, golden_bundle
 
-from stepbundle.runtime import _compat, fallback, load
+from stepbundle.runtime import CompileOptions, LoadOptions, _compat, fallback, load
 from stepbundle.runtime.compile import compile_cache
 from stepbundle.runtime.compile.compile_cache import CacheOutcome, CacheWarning
 from stepbundle.runtime.fallback import PathKind, StepbundleFallbackWarning
@@ -41,7 +41,7 @@ def fallbacks(caught: list[warnings.WarningMessage]) -> list[warnings.WarningMes
 
 
 def test_the_fast_paths_are_reported() -> None:
-    t = load(golden_bundle(BUNDLE), cache_dir=False)
+    t = load(golden_bundle(BUNDLE), options=LoadOptions(compile=CompileOptions(cache_dir=False)))
     info = t.load_info
     assert info.transfer is not None
     assert info.transfer.operation == "transfer"
@@ -55,15 +55,21 @@ def test_the_fast_paths_are_reported() -> None:
 def test_a_failed_transfer_probe_falls_back_visibly(
     monkeypatch: pytest.MonkeyPatch, fresh_warnings: None
 ) -> None:
-    want = first_loss(load(golden_bundle(BUNDLE), cache_dir=False))
+    want = first_loss(
+        load(golden_bundle(BUNDLE), options=LoadOptions(compile=CompileOptions(cache_dir=False)))
+    )
     # As if jaxlib's internal transfer had gone: probed again, it is missing.
     monkeypatch.setattr(_compat, "_FAST_PUT", [])
     monkeypatch.setattr(_compat, "_TRANSFER", [])
     monkeypatch.setattr(_compat, "_make_fast_put", lambda: (None, "probe says no"))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        first = load(golden_bundle(BUNDLE), cache_dir=False)
-        second = load(golden_bundle(BUNDLE), cache_dir=False)
+        first = load(
+            golden_bundle(BUNDLE), options=LoadOptions(compile=CompileOptions(cache_dir=False))
+        )
+        second = load(
+            golden_bundle(BUNDLE), options=LoadOptions(compile=CompileOptions(cache_dir=False))
+        )
     for t in (first, second):
         transfer = t.load_info.transfer
         assert transfer is not None and transfer.kind is PathKind.FALLBACK
@@ -76,11 +82,15 @@ def test_a_failed_transfer_probe_falls_back_visibly(
 def test_missing_result_handlers_fall_back_visibly(
     monkeypatch: pytest.MonkeyPatch, fresh_warnings: None
 ) -> None:
-    want = first_loss(load(golden_bundle(BUNDLE), cache_dir=False))
+    want = first_loss(
+        load(golden_bundle(BUNDLE), options=LoadOptions(compile=CompileOptions(cache_dir=False)))
+    )
     monkeypatch.delattr(_compat.xla_client, "array_result_handler")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        t = load(golden_bundle(BUNDLE), cache_dir=False)
+        t = load(
+            golden_bundle(BUNDLE), options=LoadOptions(compile=CompileOptions(cache_dir=False))
+        )
     assert set(t.load_info.dispatch) == PROGRAMS
     for path in t.load_info.dispatch.values():
         assert path.kind is PathKind.FALLBACK
@@ -94,14 +104,16 @@ def test_a_damaged_cache_entry_is_a_miss_with_its_reason(
     tmp_path: Path, fresh_warnings: None
 ) -> None:
     cache = tmp_path / "cache"
-    load(golden_bundle(BUNDLE), cache_dir=cache)
+    load(golden_bundle(BUNDLE), options=LoadOptions(compile=CompileOptions(cache_dir=cache)))
     for entry in cache.glob("*.xla"):
         data = bytearray(entry.read_bytes())
         data[-1] ^= 0x40  # one bit of the payload
         entry.write_bytes(bytes(data))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        t = load(golden_bundle(BUNDLE), cache_dir=cache)
+        t = load(
+            golden_bundle(BUNDLE), options=LoadOptions(compile=CompileOptions(cache_dir=cache))
+        )
     assert set(t.load_info.cache) == PROGRAMS
     for event in t.load_info.cache.values():
         assert event.outcome is CacheOutcome.MISS
@@ -110,7 +122,9 @@ def test_a_damaged_cache_entry_is_a_miss_with_its_reason(
     (warned,) = fallbacks(caught)
     assert warned.category is CacheWarning
     assert "was not used: the entry is damaged" in str(warned.message)
-    healed = load(golden_bundle(BUNDLE), cache_dir=cache)
+    healed = load(
+        golden_bundle(BUNDLE), options=LoadOptions(compile=CompileOptions(cache_dir=cache))
+    )
     assert {e.outcome for e in healed.load_info.cache.values()} == {CacheOutcome.HIT}
 
 
@@ -125,8 +139,12 @@ def test_a_read_only_cache_is_reported_and_warned_once(
     cache = tmp_path / "cache"
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        first = load(golden_bundle(BUNDLE), cache_dir=cache)
-        second = load(golden_bundle(BUNDLE), cache_dir=cache)
+        first = load(
+            golden_bundle(BUNDLE), options=LoadOptions(compile=CompileOptions(cache_dir=cache))
+        )
+        second = load(
+            golden_bundle(BUNDLE), options=LoadOptions(compile=CompileOptions(cache_dir=cache))
+        )
     for t in (first, second):
         for event in t.load_info.cache.values():
             assert event.outcome is CacheOutcome.MISS
@@ -136,4 +154,6 @@ def test_a_read_only_cache_is_reported_and_warned_once(
     (warned,) = fallbacks(caught)  # eight failed writes, one warning
     assert warned.category is CacheWarning
     assert "cannot write the compile cache" in str(warned.message)
-    assert first_loss(second) == first_loss(load(golden_bundle(BUNDLE), cache_dir=False))
+    assert first_loss(second) == first_loss(
+        load(golden_bundle(BUNDLE), options=LoadOptions(compile=CompileOptions(cache_dir=False)))
+    )

@@ -1,8 +1,8 @@
 """``load(path, device, options=LoadOptions(...))``: options checked where they are made.
 
 Every option record refuses a bad value in ``__post_init__`` with the typed error ``load``
-raised for it, before any file is opened; ``load``'s former keyword arguments build the
-same records (a compatibility layer, to be removed after 0.3) and give the same trainer.
+raised for it, before any file is opened; ``LoadOptions.from_keywords`` builds the same
+records from flat names, and ``load`` takes nothing but a ``LoadOptions``.
 """
 
 from __future__ import annotations
@@ -11,9 +11,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
-from runtime_helpers import golden_batches, golden_bundle
+from runtime_helpers import golden_bundle
 
 import stepbundle.runtime as sr
 from stepbundle.runtime import (
@@ -70,7 +69,9 @@ def test_options_are_frozen_and_normalized() -> None:
 def test_a_bad_option_is_refused_before_the_bundle_is_opened(tmp_path: Path) -> None:
     missing = tmp_path / "nowhere.stepbundle"
     with pytest.raises(BindingError, match="steps_per_call must be"):
-        load(missing, cache_dir=False, steps_per_call=0)
+        load(
+            missing, options=LoadOptions(compile=CompileOptions(cache_dir=False, steps_per_call=0))
+        )
 
 
 def test_keywords_build_the_same_options() -> None:
@@ -93,25 +94,13 @@ def test_keywords_build_the_same_options() -> None:
     )
 
 
-def test_options_and_keywords_load_the_same_trainer() -> None:
-    batch = golden_batches(BUNDLE)[0]
-    old = load(golden_bundle(BUNDLE), cache_dir=False, pack_state=False, stop_on_nonfinite=True)
-    options = LoadOptions(
-        compile=CompileOptions(cache_dir=False),
-        state=StateOptions(pack_state=False),
-        safety=SafetyOptions(stop_on_nonfinite=True),
-    )
-    new = load(golden_bundle(BUNDLE), "cpu", options=options)
-    assert float(old.step(batch)["loss"]) == float(new.step(batch)["loss"])
-    for k, v in old.state_dict().items():
-        np.testing.assert_array_equal(v, new.state_dict()[k], err_msg=k)
-
-
-def test_options_and_keywords_together_are_refused() -> None:
-    with pytest.raises(BindingError, match="not both"):
-        load(golden_bundle(BUNDLE), options=LoadOptions(), cache_dir=False)
-    with pytest.raises(TypeError, match="'cache'"):
-        load(golden_bundle(BUNDLE), cache=False)  # type: ignore[call-arg]
+def test_load_takes_options_only() -> None:
+    """The keyword arguments ``load`` took before ``LoadOptions`` are gone, and a flat
+    dict in place of the options is refused in words that name the fix."""
+    with pytest.raises(TypeError, match="unexpected keyword argument 'cache_dir'"):
+        load(golden_bundle(BUNDLE), cache_dir=False)  # type: ignore[call-arg]
+    with pytest.raises(BindingError, match="LoadOptions.from_keywords"):
+        load(golden_bundle(BUNDLE), "cpu", {"cache_dir": False})  # type: ignore[arg-type]
 
 
 def test_the_names_the_readme_uses_are_exported() -> None:

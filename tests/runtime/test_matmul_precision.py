@@ -18,7 +18,7 @@ import pytest
 from runtime_helpers import golden_batches, golden_bundle
 
 import stepbundle.schema as codec
-from stepbundle.runtime import BindingError, load
+from stepbundle.runtime import BindingError, CompileOptions, LoadOptions, load
 from stepbundle.stablehlo import artifact as mlir
 from stepbundle.stablehlo.precision import set_matmul_precision
 
@@ -52,29 +52,61 @@ def test_an_unknown_precision_is_refused() -> None:
     with pytest.raises(ValueError, match="default, high, highest"):
         set_matmul_precision(_train_module(), "tf32")
     with pytest.raises(BindingError, match="matmul_precision must be one of"):
-        load(BUNDLE, cache_dir=False, matmul_precision="fast")
+        load(
+            BUNDLE,
+            options=LoadOptions(compile=CompileOptions(cache_dir=False, matmul_precision="fast")),
+        )
 
 
 def test_results_are_bit_identical_on_cpu_across_precisions() -> None:
-    want = _losses(load(BUNDLE, cache_dir=False, matmul_precision="default"))
+    want = _losses(
+        load(
+            BUNDLE,
+            options=LoadOptions(
+                compile=CompileOptions(cache_dir=False, matmul_precision="default")
+            ),
+        )
+    )
     for precision in ("high", "highest"):
-        got = _losses(load(BUNDLE, cache_dir=False, matmul_precision=precision))
+        got = _losses(
+            load(
+                BUNDLE,
+                options=LoadOptions(
+                    compile=CompileOptions(cache_dir=False, matmul_precision=precision)
+                ),
+            )
+        )
         np.testing.assert_array_equal(np.array(got), np.array(want), err_msg=precision)
 
 
 def test_a_cached_executable_is_never_reused_for_another_precision(tmp_path: Path) -> None:
     cache = tmp_path / "cache"
-    first = load(BUNDLE, cache_dir=cache, entry="train", matmul_precision="highest")
+    first = load(
+        BUNDLE,
+        options=LoadOptions(
+            compile=CompileOptions(cache_dir=cache, entries="train", matmul_precision="highest")
+        ),
+    )
     assert first.load_info.compiled > 0 and first.load_info.cache_hits == 0
-    again = load(BUNDLE, cache_dir=cache, entry="train", matmul_precision="highest")
+    again = load(
+        BUNDLE,
+        options=LoadOptions(
+            compile=CompileOptions(cache_dir=cache, entries="train", matmul_precision="highest")
+        ),
+    )
     assert again.load_info.compiled == 0 and again.load_info.cache_hits == first.load_info.compiled
     for other in ("high", "default"):
-        t = load(BUNDLE, cache_dir=cache, entry="train", matmul_precision=other)
+        t = load(
+            BUNDLE,
+            options=LoadOptions(
+                compile=CompileOptions(cache_dir=cache, entries="train", matmul_precision=other)
+            ),
+        )
         assert t.load_info.cache_hits == 0, other
         assert t.load_info.compiled == first.load_info.compiled, other
     # None is the manifest's value: the entries just compiled for it are hits.
     recorded = codec.open_bundle(BUNDLE).manifest.matmul_precision
-    t = load(BUNDLE, cache_dir=cache, entry="train")
+    t = load(BUNDLE, options=LoadOptions(compile=CompileOptions(cache_dir=cache, entries="train")))
     assert t.load_info.matmul_precision == recorded
     assert t.load_info.cache_hits == first.load_info.compiled and t.load_info.compiled == 0
 
@@ -95,7 +127,7 @@ def test_cli_inspect_shows_and_run_takes_the_precision() -> None:
         "--matmul-precision", "highest",
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
-    want = _losses(load(BUNDLE, cache_dir=False))[:2]
+    want = _losses(load(BUNDLE, options=LoadOptions(compile=CompileOptions(cache_dir=False))))[:2]
     assert [json.loads(line)["loss"] for line in out.stdout.splitlines()] == want
     bad = _cli("run", str(BUNDLE), "--steps", "1", "--data", data, "--matmul-precision", "tf32")
     assert bad.returncode != 0 and "--matmul-precision" in bad.stderr
@@ -144,9 +176,16 @@ def test_a_bundle_older_than_the_field_keeps_its_programs_own_precision(
 
     monkeypatch.setattr(program_module, "set_matmul_precision", spy)
     old = golden(NAME, (1, 1))
-    t = load(old, cache_dir=False, entry="train")
+    t = load(old, options=LoadOptions(compile=CompileOptions(cache_dir=False, entries="train")))
     assert t.load_info.matmul_precision is None and calls == []
-    t = load(old, cache_dir=False, entry="train", matmul_precision="highest")
+    t = load(
+        old,
+        options=LoadOptions(
+            compile=CompileOptions(cache_dir=False, entries="train", matmul_precision="highest")
+        ),
+    )
     assert t.load_info.matmul_precision == "highest" and calls and set(calls) == {"highest"}
-    t = load(BUNDLE, cache_dir=False, entry="train")  # 1.2 records one: it is applied
+    t = load(
+        BUNDLE, options=LoadOptions(compile=CompileOptions(cache_dir=False, entries="train"))
+    )  # 1.2 records one: it is applied
     assert calls[-1] == codec.open_bundle(BUNDLE).manifest.matmul_precision

@@ -7,7 +7,14 @@ import numpy as np
 import pytest
 from runtime_helpers import golden_batches, golden_bundle
 
-from stepbundle.runtime import BindingError, NonFiniteLossError, load
+from stepbundle.runtime import (
+    BindingError,
+    CompileOptions,
+    LoadOptions,
+    NonFiniteLossError,
+    SafetyOptions,
+    load,
+)
 
 
 def poisoned(name: str) -> dict[str, np.ndarray]:
@@ -18,7 +25,11 @@ def poisoned(name: str) -> dict[str, np.ndarray]:
 
 def test_a_nan_input_is_stopped_before_it_reaches_the_state() -> None:
     t = load(
-        golden_bundle("batchnorm_lr"), cache_dir=False, stop_on_nonfinite=True, check_state=True
+        golden_bundle("batchnorm_lr"),
+        options=LoadOptions(
+            compile=CompileOptions(cache_dir=False),
+            safety=SafetyOptions(stop_on_nonfinite=True, check_state=True),
+        ),
     )
     t.step(golden_batches("batchnorm_lr")[0])
     before = t.state_dict()
@@ -30,7 +41,9 @@ def test_a_nan_input_is_stopped_before_it_reaches_the_state() -> None:
     for k, v in t.state_dict().items():
         np.testing.assert_array_equal(v, before[k], err_msg=k)
     # Without the watch the same batch turns state tensors into NaN: the test has teeth.
-    unwatched = load(golden_bundle("batchnorm_lr"), cache_dir=False)
+    unwatched = load(
+        golden_bundle("batchnorm_lr"), options=LoadOptions(compile=CompileOptions(cache_dir=False))
+    )
     unwatched.step(golden_batches("batchnorm_lr")[0])
     unwatched.step(poisoned("batchnorm_lr"))
     spoiled = [k for k, v in unwatched.state_dict().items() if not np.isfinite(v).all()]
@@ -40,7 +53,12 @@ def test_a_nan_input_is_stopped_before_it_reaches_the_state() -> None:
 def test_every_metric_is_watched_not_only_the_loss() -> None:
     # linear_adamw's eval entry is not watched; its train entry has only "loss", so use
     # a NaN target: the loss itself is NaN and named in the message.
-    t = load(golden_bundle("linear_adamw"), cache_dir=False, stop_on_nonfinite=True)
+    t = load(
+        golden_bundle("linear_adamw"),
+        options=LoadOptions(
+            compile=CompileOptions(cache_dir=False), safety=SafetyOptions(stop_on_nonfinite=True)
+        ),
+    )
     batch = {k: v.copy() for k, v in golden_batches("linear_adamw")[0].items()}
     batch["y"][0, 0] = np.inf
     with pytest.raises(NonFiniteLossError, match=r"non-finite metrics \(loss = "):
@@ -50,4 +68,9 @@ def test_every_metric_is_watched_not_only_the_loss() -> None:
 
 def test_check_state_needs_stop_on_nonfinite() -> None:
     with pytest.raises(BindingError, match="check_state=True needs stop_on_nonfinite=True"):
-        load(golden_bundle("linear_adamw"), cache_dir=False, check_state=True)
+        load(
+            golden_bundle("linear_adamw"),
+            options=LoadOptions(
+                compile=CompileOptions(cache_dir=False), safety=SafetyOptions(check_state=True)
+            ),
+        )

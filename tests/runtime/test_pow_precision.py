@@ -22,7 +22,7 @@ from runtime_helpers import (
     run_on_cpu,
 )
 
-from stepbundle.runtime import load
+from stepbundle.runtime import CompileOptions, LoadOptions, load
 from stepbundle.runtime.compile import rewrites
 from stepbundle.runtime.placement.sharding import Placement
 from stepbundle.schema.reader import open_bundle
@@ -180,7 +180,10 @@ def test_the_adam_golden_bundle_keeps_its_numbers_with_the_rewrite() -> None:
     )
     kept, rewrites.REWRITES = rewrites.REWRITES, forced
     try:
-        t = load(golden_bundle("linear_adamw"), cache_dir=False)
+        t = load(
+            golden_bundle("linear_adamw"),
+            options=LoadOptions(compile=CompileOptions(cache_dir=False)),
+        )
     finally:
         rewrites.REWRITES = kept
     assert sorted(counts) == [0, 0, 4, 4]  # two eval programs, two train programs

@@ -21,7 +21,7 @@ from remote_helpers import BundleServer, Served
 from runtime_helpers import golden_batches, golden_bundle
 
 from stepbundle.cli.main import main
-from stepbundle.runtime import load
+from stepbundle.runtime import CompileOptions, LoadOptions, SafetyOptions, load
 from stepbundle.runtime.io import remote
 from stepbundle.runtime.io.store import (
     DigestMismatchError,
@@ -48,7 +48,12 @@ def xla_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def want(xla_cache: Path) -> list[float]:
     """The oracle: the bundle's losses, loaded from its local path."""
-    return _losses(load(golden_bundle(NAME), cache_dir=xla_cache, entry="train"))
+    return _losses(
+        load(
+            golden_bundle(NAME),
+            options=LoadOptions(compile=CompileOptions(cache_dir=xla_cache, entries="train")),
+        )
+    )
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +84,13 @@ def test_a_pinned_url_runs_then_comes_from_the_store(
     server: BundleServer, store: Path, xla_cache: Path, want: list[float]
 ) -> None:
     url = f"{server.url}/b.stepbundle"
-    trainer = load(url, expect_digest=DIGEST, cache_dir=xla_cache, entry="train")
+    trainer = load(
+        url,
+        options=LoadOptions(
+            compile=CompileOptions(cache_dir=xla_cache, entries="train"),
+            safety=SafetyOptions(expect_digest=DIGEST),
+        ),
+    )
     assert trainer.digest == DIGEST
     assert _losses(trainer) == want
     assert server.body_bytes == len(DATA)  # the whole file, once
@@ -89,10 +100,24 @@ def test_a_pinned_url_runs_then_comes_from_the_store(
     assert _in_store(store) == [entry.name]  # nothing else (no temp file) was left
 
     server.reset()
-    again = load(url, expect_digest=DIGEST, cache_dir=xla_cache, entry="train")
+    again = load(
+        url,
+        options=LoadOptions(
+            compile=CompileOptions(cache_dir=xla_cache, entries="train"),
+            safety=SafetyOptions(expect_digest=DIGEST),
+        ),
+    )
     assert server.requests == []  # the store answered; the server was not asked
     assert _losses(again) == want
-    assert _losses(load(DIGEST, cache_dir=xla_cache, entry="train")) == want  # by digest alone
+    assert (
+        _losses(
+            load(
+                DIGEST,
+                options=LoadOptions(compile=CompileOptions(cache_dir=xla_cache, entries="train")),
+            )
+        )
+        == want
+    )  # by digest alone
 
     # Without a pin, the header and manifest name the digest; the body is not fetched again.
     server.reset()
@@ -104,7 +129,12 @@ def test_a_pinned_url_runs_then_comes_from_the_store(
 def test_a_wrong_digest_is_refused_before_the_body(server: BundleServer, store: Path) -> None:
     wrong = "sha256:" + "ab" * 32
     with pytest.raises(DigestMismatchError, match="not the expected") as e:
-        load(f"{server.url}/b.stepbundle", expect_digest=wrong, cache_dir=False)
+        load(
+            f"{server.url}/b.stepbundle",
+            options=LoadOptions(
+                compile=CompileOptions(cache_dir=False), safety=SafetyOptions(expect_digest=wrong)
+            ),
+        )
     assert DIGEST in str(e.value) and wrong in str(e.value)
     assert server.body_bytes == MANIFEST_END < len(DATA)  # header and manifest only
     ranges = [r for m, _, r in server.requests if m == "GET"]
@@ -121,7 +151,7 @@ def test_a_truncated_object_never_enters_the_store(
         pull(f"{server.url}/b.stepbundle")
     assert _in_store(store) == []
     with pytest.raises(NotInStoreError, match="stepbundle pull"):
-        load(DIGEST, cache_dir=False)
+        load(DIGEST, options=LoadOptions(compile=CompileOptions(cache_dir=False)))
 
 
 def test_a_server_dying_mid_transfer_is_a_typed_error(
@@ -130,14 +160,29 @@ def test_a_server_dying_mid_transfer_is_a_typed_error(
     url = f"{server.url}/b.stepbundle"
     server.objects["b.stepbundle"] = Served(DATA, "dies", len(DATA) - 3000)
     with pytest.raises(DownloadError) as e:
-        load(url, expect_digest=DIGEST, cache_dir=xla_cache)
+        load(
+            url,
+            options=LoadOptions(
+                compile=CompileOptions(cache_dir=xla_cache),
+                safety=SafetyOptions(expect_digest=DIGEST),
+            ),
+        )
     message = str(e.value)
     assert url in message and "stopped after" in message and "Nothing entered the store" in message
     assert isinstance(e.value, OSError) and e.value.filename == url
     assert _in_store(store) == []
     # Once the server answers again, the same call fetches it.
     server.objects["b.stepbundle"] = Served(DATA)
-    assert load(url, expect_digest=DIGEST, cache_dir=xla_cache, entry="train").digest == DIGEST
+    assert (
+        load(
+            url,
+            options=LoadOptions(
+                compile=CompileOptions(cache_dir=xla_cache, entries="train"),
+                safety=SafetyOptions(expect_digest=DIGEST),
+            ),
+        ).digest
+        == DIGEST
+    )
 
 
 def test_a_damaged_section_is_caught_before_the_store(server: BundleServer, store: Path) -> None:
@@ -170,7 +215,10 @@ def test_missing_objects_and_backends_say_what_to_do(server: BundleServer, store
         and importlib.util.find_spec(str(v["class"]).split(".")[0]) is None
     )
     with pytest.raises(remote.BackendMissingError, match=f"pip install {package}"):
-        load(f"{scheme}://bucket/b.stepbundle", cache_dir=False)
+        load(
+            f"{scheme}://bucket/b.stepbundle",
+            options=LoadOptions(compile=CompileOptions(cache_dir=False)),
+        )
 
 
 def test_cli_pull_run_by_digest_and_inspect_a_url(
@@ -211,7 +259,7 @@ def test_a_store_entry_is_held_to_its_name(
     entry = pull(url, expect_digest=DIGEST).path
     entry.write_bytes(golden_bundle("dropout_sgd").read_bytes())  # a valid, other bundle
     with pytest.raises(NotInStoreError, match="damaged and has been removed"):
-        load(DIGEST, cache_dir=xla_cache)
+        load(DIGEST, options=LoadOptions(compile=CompileOptions(cache_dir=xla_cache)))
     assert not entry.exists()
     server.reset()
     again = pull(url, expect_digest=DIGEST)
@@ -219,7 +267,13 @@ def test_a_store_entry_is_held_to_its_name(
     entry.write_bytes(DATA[:20000])  # truncated in place
     server.reset()
     assert pull(url, expect_digest=DIGEST).fetched  # fetched again, not "already there"
-    assert load(DIGEST, cache_dir=xla_cache, entry="train").digest == DIGEST
+    assert (
+        load(
+            DIGEST,
+            options=LoadOptions(compile=CompileOptions(cache_dir=xla_cache, entries="train")),
+        ).digest
+        == DIGEST
+    )
 
 
 def test_cli_resume_a_bundle_given_by_digest(

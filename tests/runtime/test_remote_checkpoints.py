@@ -19,7 +19,7 @@ from remote_helpers import FakeObjectStore, fake_store
 from runtime_helpers import golden_batches, golden_bundle
 
 from stepbundle.cli.main import main
-from stepbundle.runtime import CheckpointError, load
+from stepbundle.runtime import CheckpointError, CompileOptions, LoadOptions, load
 
 NAME = "dropout_sgd"  # a seed that advances every step: resume must restore it exactly
 BATCHES = golden_batches(NAME)
@@ -38,7 +38,7 @@ def xla_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def whole(xla_cache: Path) -> tuple[list[float], dict[str, np.ndarray]]:
     """Six steps that never stopped: losses and final state."""
-    t = load(golden_bundle(NAME), cache_dir=xla_cache)
+    t = load(golden_bundle(NAME), options=LoadOptions(compile=CompileOptions(cache_dir=xla_cache)))
     losses = [float(m["loss"]) for m in t.run(BATCHES, 6)]
     return losses, t.state_dict()
 
@@ -46,12 +46,16 @@ def whole(xla_cache: Path) -> tuple[list[float], dict[str, np.ndarray]]:
 def _resume_through(
     location: str, local: Path, xla_cache: Path, whole: tuple[list[float], dict[str, np.ndarray]]
 ) -> None:
-    first = load(golden_bundle(NAME), cache_dir=xla_cache)
+    first = load(
+        golden_bundle(NAME), options=LoadOptions(compile=CompileOptions(cache_dir=xla_cache))
+    )
     part1 = [float(m["loss"]) for m in first.run(BATCHES, 3)]
     first.save_checkpoint(location)
     first.save_checkpoint(local)
 
-    second = load(golden_bundle(NAME), cache_dir=xla_cache)
+    second = load(
+        golden_bundle(NAME), options=LoadOptions(compile=CompileOptions(cache_dir=xla_cache))
+    )
     second.load_checkpoint(location)
     assert (second.step_count, second.seed) == (3, first.seed)
     part2 = [float(second.step(BATCHES[i % len(BATCHES)])["loss"]) for i in range(3, 6)]
@@ -85,7 +89,7 @@ def test_object_store_checkpoints_resume_bit_exactly(
 
 def test_a_broken_upload_leaves_the_previous_checkpoint(store_root: Path, xla_cache: Path) -> None:
     url = "fakestore://bucket/run-b/last.safetensors"
-    t = load(golden_bundle(NAME), cache_dir=xla_cache)
+    t = load(golden_bundle(NAME), options=LoadOptions(compile=CompileOptions(cache_dir=xla_cache)))
     t.step(BATCHES[0])
     t.save_checkpoint(url)
     stored = store_root / "bucket" / "run-b" / "last.safetensors"
@@ -98,7 +102,9 @@ def test_a_broken_upload_leaves_the_previous_checkpoint(store_root: Path, xla_ca
     FakeObjectStore.fail_writes_after = None
     assert stored.read_bytes() == before
     assert sorted(p.name for p in stored.parent.iterdir()) == [stored.name]
-    fresh = load(golden_bundle(NAME), cache_dir=xla_cache)
+    fresh = load(
+        golden_bundle(NAME), options=LoadOptions(compile=CompileOptions(cache_dir=xla_cache))
+    )
     fresh.load_checkpoint(url)
     assert fresh.step_count == 1
     with pytest.raises(CheckpointError, match="Cannot read checkpoint fakestore://.*missing"):
@@ -132,7 +138,9 @@ def test_cli_runs_into_and_resumes_from_an_object_store(
     assert losses == whole[0]
     names = sorted(p.name for p in (store_root / "bucket" / "cli-run").iterdir())
     assert names == ["final", "step-00000003.safetensors", "step-00000006.safetensors"]
-    final = load(golden_bundle(NAME), cache_dir=xla_cache)
+    final = load(
+        golden_bundle(NAME), options=LoadOptions(compile=CompileOptions(cache_dir=xla_cache))
+    )
     final.load_checkpoint(f"{folder}/final")
     for k, v in whole[1].items():
         np.testing.assert_array_equal(final.state_dict()[k], v, err_msg=k)

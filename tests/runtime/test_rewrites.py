@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from runtime_helpers import golden_batches, golden_bundle
 
-from stepbundle.runtime import CacheOutcome, load
+from stepbundle.runtime import CacheOutcome, CompileOptions, LoadOptions, load
 from stepbundle.runtime.compile import rewrites
 from stepbundle.runtime.compile.compile_cache import CompileCache
 from stepbundle.runtime.compile.rewrites import REWRITES, RewriteContext, Stage
@@ -50,7 +50,7 @@ def test_an_added_rewrite_runs_on_every_program_before_packing(
         return stage
 
     monkeypatch.setattr(rewrites, "REWRITES", _with(("spy", spy)))
-    t = load(golden_bundle(BUNDLE), cache_dir=False)
+    t = load(golden_bundle(BUNDLE), options=LoadOptions(compile=CompileOptions(cache_dir=False)))
     assert len(seen) == len(PROGRAMS)
     assert all(platform == "cpu" and not wrapped for platform, _, wrapped in seen)
     t.step(golden_batches(BUNDLE)[0])
@@ -60,7 +60,10 @@ def test_what_a_rewrite_changes_is_in_the_cache_key(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     cache = tmp_path / "cache"
-    first = load(golden_bundle(BUNDLE), cache_dir=cache, matmul_precision="default")
+    first = load(
+        golden_bundle(BUNDLE),
+        options=LoadOptions(compile=CompileOptions(cache_dir=cache, matmul_precision="default")),
+    )
     assert {e.outcome for e in first.load_info.cache.values()} == {CacheOutcome.MISS}
 
     def highest(stage: Stage, ctx: RewriteContext) -> Stage:
@@ -68,10 +71,16 @@ def test_what_a_rewrite_changes_is_in_the_cache_key(
         return stage
 
     monkeypatch.setattr(rewrites, "REWRITES", _with(("highest", highest)))
-    changed = load(golden_bundle(BUNDLE), cache_dir=cache, matmul_precision="default")
+    changed = load(
+        golden_bundle(BUNDLE),
+        options=LoadOptions(compile=CompileOptions(cache_dir=cache, matmul_precision="default")),
+    )
     assert {e.outcome for e in changed.load_info.cache.values()} == {CacheOutcome.MISS}
     monkeypatch.undo()
-    again = load(golden_bundle(BUNDLE), cache_dir=cache, matmul_precision="default")
+    again = load(
+        golden_bundle(BUNDLE),
+        options=LoadOptions(compile=CompileOptions(cache_dir=cache, matmul_precision="default")),
+    )
     assert {e.outcome for e in again.load_info.cache.values()} == {CacheOutcome.HIT}
     assert again.load_info.cache_hits == len(PROGRAMS) and again.load_info.compiled == 0
 
@@ -79,7 +88,10 @@ def test_what_a_rewrite_changes_is_in_the_cache_key(
 def test_the_cache_records_an_event_per_program(tmp_path: Path) -> None:
     off = CompileCache(None)
     assert off.events == {} and off.hits == 0 and off.compiled == 0
-    t = load(golden_bundle(BUNDLE), cache_dir=tmp_path / "c", steps_per_call=2)
+    t = load(
+        golden_bundle(BUNDLE),
+        options=LoadOptions(compile=CompileOptions(cache_dir=tmp_path / "c", steps_per_call=2)),
+    )
     assert set(t.load_info.cache) == PROGRAMS | {"train[0]x2", "train[1]x2"}
     assert t.load_info.compiled == 6 and t.load_info.cache_hits == 0
     assert all(e.path is not None and Path(e.path).is_file() for e in t.load_info.cache.values())

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 from runtime_helpers import GOLDEN_DIR, golden_bundle
 
+from stepbundle.runtime import CompileOptions, LoadOptions
 from stepbundle.runtime.state.checkpoint import read_checkpoint
 
 BUNDLE = golden_bundle("linear_adamw")
@@ -51,7 +52,7 @@ def make_inputs(tmp_path: Path) -> dict[str, Path]:
         rows = {k: z[k].reshape(-1, *z[k].shape[2:]) for k in z.files}
     dataset = tmp_path / "val"
     write_dataset(dataset, rows, rows_per_shard=10)
-    trainer = load(bundle, cache_dir=False)
+    trainer = load(bundle, options=LoadOptions(compile=CompileOptions(cache_dir=False)))
     with np.load(NPZ) as z:
         trainer.step({k: z[k][0] for k in z.files})
     ckpt = tmp_path / "ckpt.safetensors"

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from runtime_helpers import GOLDEN_DIR, golden_batches, golden_bundle
 
-from stepbundle.runtime import load
+from stepbundle.runtime import CompileOptions, LoadOptions, load
 from stepbundle.runtime.errors import BindingError
 from stepbundle.runtime.state.checkpoint import CheckpointError, read_checkpoint, write_checkpoint
 
@@ -36,7 +36,7 @@ def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
 # ------------------------------------------------------- 3: an lr that is 0 in float32
 def test_an_lr_that_is_zero_as_float32_is_refused_where_an_lr_enters(tmp_path: Path) -> None:
     assert np.float32(TINY) == 0 and TINY > 0
-    t = load(ADAM, cache_dir=False)
+    t = load(ADAM, options=LoadOptions(compile=CompileOptions(cache_dir=False)))
     with pytest.raises(BindingError, match=r"1e-46, which is 0 as float32"):
         t.set_hyperparameter("lr", TINY)
     with pytest.raises(BindingError, match=r"which is 0 as float32"):
@@ -51,7 +51,7 @@ def test_an_lr_that_is_zero_as_float32_is_refused_where_an_lr_enters(tmp_path: P
     good = tmp_path / "good.safetensors"
     t.save_checkpoint(good)
     values, meta = read_checkpoint(good)
-    fresh = load(ADAM, cache_dir=False)
+    fresh = load(ADAM, options=LoadOptions(compile=CompileOptions(cache_dir=False)))
     before = fresh.state_dict()
     for name, changed in {
         "lr": dataclasses.replace(meta, hyperparameters={"lr": TINY}),
@@ -82,7 +82,7 @@ def test_an_lr_that_is_a_float32_subnormal_is_refused(tmp_path: Path) -> None:
     """1e-44 is not 0 as float32, but it is subnormal, and a TPU flushes it to 0."""
     sub = 1e-44
     assert np.float32(sub) != 0 and abs(np.float32(sub)) < np.finfo(np.float32).tiny
-    t = load(ADAM, cache_dir=False)
+    t = load(ADAM, options=LoadOptions(compile=CompileOptions(cache_dir=False)))
     why = r"1e-44, which is a subnormal float32 .*flush subnormals to 0"
     with pytest.raises(BindingError, match=why):
         t.set_hyperparameter("lr", sub)
@@ -96,7 +96,9 @@ def test_an_lr_that_is_a_float32_subnormal_is_refused(tmp_path: Path) -> None:
     bad = tmp_path / "bad.safetensors"
     write_checkpoint(bad, values, dataclasses.replace(meta, hyperparameters={"lr": sub}))
     with pytest.raises(CheckpointError, match=r"subnormal float32"):
-        load(ADAM, cache_dir=False).load_checkpoint(bad)
+        load(ADAM, options=LoadOptions(compile=CompileOptions(cache_dir=False))).load_checkpoint(
+            bad
+        )
     r = cli(
         "run", str(ADAM), "--data", str(GOLDEN_DIR / "batchnorm_lr.inputs.npz"),
         "--steps", "2", "--json", "--no-cache", "--set", f"lr={sub}",

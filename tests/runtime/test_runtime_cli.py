@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from runtime_helpers import GOLDEN_DIR, golden_batches, golden_bundle
 
-from stepbundle.runtime import load
+from stepbundle.runtime import CompileOptions, LoadOptions, ParallelOptions, load
 from stepbundle.runtime.state.checkpoint import read_safetensors
 from stepbundle.schema import open_bundle
 
@@ -45,7 +45,9 @@ def test_run_json_lines_match_the_api(tmp_path: Path) -> None:
     lines = [json.loads(line) for line in out.stdout.splitlines()]
     assert [r["step"] for r in lines] == [0, 1, 2, 3]
     assert set(lines[0]) == {"step", "loss", "accuracy"}
-    t = load(golden_bundle("dropout_sgd"), cache_dir=False)
+    t = load(
+        golden_bundle("dropout_sgd"), options=LoadOptions(compile=CompileOptions(cache_dir=False))
+    )
     want = [float(m["loss"]) for m in t.run(golden_batches("dropout_sgd"), 4)]
     assert [r["loss"] for r in lines] == pytest.approx(want, rel=1e-6)
 
@@ -172,25 +174,36 @@ def test_compile_cache_skips_compilation_and_keys_on_jaxlib(
     from stepbundle.runtime import _compat
 
     cache = tmp_path / "cache"
-    cold = load(golden_bundle("linear_adamw"), cache_dir=cache)
+    cold = load(
+        golden_bundle("linear_adamw"), options=LoadOptions(compile=CompileOptions(cache_dir=cache))
+    )
     # train and eval, each with a full and a short-batch bucket: four programs.
     assert cold.load_info.compiled == 4 and cold.load_info.cache_hits == 0
-    warm = load(golden_bundle("linear_adamw"), cache_dir=cache)
+    warm = load(
+        golden_bundle("linear_adamw"), options=LoadOptions(compile=CompileOptions(cache_dir=cache))
+    )
     assert warm.load_info.compiled == 0 and warm.load_info.cache_hits == 4
     b = golden_batches("linear_adamw")[0]
     assert float(cold.step(b)["loss"]) == float(warm.step(b)["loss"])
     # A different jaxlib never hits an entry written by this one.
     monkeypatch.setattr(_compat, "JAXLIB_VERSION", "0.0.0-other")
-    other = load(golden_bundle("linear_adamw"), cache_dir=cache)
+    other = load(
+        golden_bundle("linear_adamw"), options=LoadOptions(compile=CompileOptions(cache_dir=cache))
+    )
     assert other.load_info.cache_hits == 0
     # A damaged cache entry is a miss, not a failure.
     for f in cache.iterdir():
         f.write_bytes(b"garbage")
     monkeypatch.undo()
-    again = load(golden_bundle("linear_adamw"), cache_dir=cache)
+    again = load(
+        golden_bundle("linear_adamw"), options=LoadOptions(compile=CompileOptions(cache_dir=cache))
+    )
     assert again.load_info.cache_hits == 0
     assert float(again.step(b)["loss"]) == float(
-        load(golden_bundle("linear_adamw"), cache_dir=False).step(b)["loss"]
+        load(
+            golden_bundle("linear_adamw"),
+            options=LoadOptions(compile=CompileOptions(cache_dir=False)),
+        ).step(b)["loss"]
     )
 
 
@@ -217,6 +230,15 @@ def test_unsupported_device_requests_are_clear_errors() -> None:
     from stepbundle.runtime import PlatformError
 
     with pytest.raises(PlatformError, match="needs 64 cpu devices, but the job has 4"):
-        load(golden_bundle("linear_adamw"), cache_dir=False, devices=64)
+        load(
+            golden_bundle("linear_adamw"),
+            options=LoadOptions(
+                compile=CompileOptions(cache_dir=False), parallel=ParallelOptions(devices=64)
+            ),
+        )
     with pytest.raises(PlatformError, match=r"Device cpu:7 does not exist"):
-        load(golden_bundle("linear_adamw"), cache_dir=False, device="cpu:7")
+        load(
+            golden_bundle("linear_adamw"),
+            device="cpu:7",
+            options=LoadOptions(compile=CompileOptions(cache_dir=False)),
+        )

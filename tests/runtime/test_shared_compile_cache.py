@@ -21,7 +21,14 @@ import pytest
 from remote_helpers import FakeObjectStore, fake_store
 from runtime_helpers import golden_batches, golden_bundle
 
-from stepbundle.runtime import CacheOutcome, CacheWarning, fallback, load
+from stepbundle.runtime import (
+    CacheOutcome,
+    CacheWarning,
+    CompileOptions,
+    LoadOptions,
+    fallback,
+    load,
+)
 
 NAME = "linear_adamw"
 BUNDLE = str(golden_bundle(NAME))
@@ -41,7 +48,9 @@ def _losses(trainer: object) -> list[float]:
 
 @pytest.fixture(scope="module")
 def want() -> list[float]:
-    return _losses(load(BUNDLE, cache_dir=False, entry="train"))
+    return _losses(
+        load(BUNDLE, options=LoadOptions(compile=CompileOptions(cache_dir=False, entries="train")))
+    )
 
 
 def test_a_second_process_compiles_nothing(tmp_path: Path) -> None:
@@ -80,7 +89,7 @@ def store_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path
 
 def test_a_cache_at_a_url_is_checked_like_a_folder(store_root: Path, want: list[float]) -> None:
     url = "fakestore://team/xla-cache"
-    cold = load(BUNDLE, cache_dir=url, entry="train")
+    cold = load(BUNDLE, options=LoadOptions(compile=CompileOptions(cache_dir=url, entries="train")))
     assert {(e.outcome, e.reason) for e in cold.load_info.cache.values()} == {
         (CacheOutcome.MISS, "no entry")
     }
@@ -89,7 +98,7 @@ def test_a_cache_at_a_url_is_checked_like_a_folder(store_root: Path, want: list[
     assert {str(e.path) for e in cold.load_info.cache.values()} == {
         f"{url}/{p.name}" for p in objects
     }
-    warm = load(BUNDLE, cache_dir=url, entry="train")
+    warm = load(BUNDLE, options=LoadOptions(compile=CompileOptions(cache_dir=url, entries="train")))
     assert (warm.load_info.compiled, warm.load_info.cache_hits) == (0, 2)
     assert _losses(warm) == want
 
@@ -99,7 +108,9 @@ def test_a_cache_at_a_url_is_checked_like_a_folder(store_root: Path, want: list[
     damaged[-1] ^= 0x40
     objects[0].write_bytes(bytes(damaged))
     with pytest.warns(CacheWarning, match=f"entry in {url} was not used: the entry is damaged"):
-        healed = load(BUNDLE, cache_dir=url, entry="train")
+        healed = load(
+            BUNDLE, options=LoadOptions(compile=CompileOptions(cache_dir=url, entries="train"))
+        )
     reasons = sorted(e.reason for e in healed.load_info.cache.values())
     assert reasons == ["the entry is damaged (its digest does not match)", "verified entry"]
     assert healed.load_info.compiled == 1 and _losses(healed) == want
@@ -107,7 +118,9 @@ def test_a_cache_at_a_url_is_checked_like_a_folder(store_root: Path, want: list[
     objects[1].write_bytes(objects[0].read_bytes())
     with pytest.warns(CacheWarning, match="another program"):
         fallback._WARNED.clear()
-        foreign = load(BUNDLE, cache_dir=url, entry="train")
+        foreign = load(
+            BUNDLE, options=LoadOptions(compile=CompileOptions(cache_dir=url, entries="train"))
+        )
     assert "the entry belongs to another program or device set" in {
         e.reason for e in foreign.load_info.cache.values()
     }
@@ -117,7 +130,12 @@ def test_a_cache_at_a_url_is_checked_like_a_folder(store_root: Path, want: list[
 def test_an_upload_that_breaks_off_leaves_no_entry(store_root: Path, want: list[float]) -> None:
     FakeObjectStore.fail_writes_after = 1000  # every entry is larger
     with pytest.warns(CacheWarning, match="cannot write the compile cache in fakestore://"):
-        t = load(BUNDLE, cache_dir="fakestore://team/xla-cache", entry="train")
+        t = load(
+            BUNDLE,
+            options=LoadOptions(
+                compile=CompileOptions(cache_dir="fakestore://team/xla-cache", entries="train")
+            ),
+        )
     for event in t.load_info.cache.values():
         assert event.outcome is CacheOutcome.MISS
         assert event.write_error is not None and "dropped the upload" in event.write_error

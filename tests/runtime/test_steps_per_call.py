@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from runtime_helpers import GOLDEN_DIR, GOLDEN_SCHEDULES, golden_batches, golden_bundle
 
-from stepbundle.runtime import BindingError, NonFiniteLossError, load
+from stepbundle.runtime import BindingError, CompileOptions, LoadOptions, NonFiniteLossError, load
 from stepbundle.runtime.errors import BatchStackError
 from stepbundle.runtime.state.checkpoint import read_safetensors
 from stepbundle.runtime.train.metrics import StepMetric
@@ -28,8 +28,11 @@ STEPS = 11  # two calls of 4, then three single steps
 
 
 def _pair(name: str, **kw: Any) -> tuple[Any, Any]:
-    one = load(golden_bundle(name), cache_dir=False, **kw)
-    many = load(golden_bundle(name), cache_dir=False, steps_per_call=K, **kw)
+    one = load(golden_bundle(name), options=LoadOptions.from_keywords(cache_dir=False, **kw))
+    many = load(
+        golden_bundle(name),
+        options=LoadOptions.from_keywords(cache_dir=False, steps_per_call=K, **kw),
+    )
     for t in (one, many):
         if name in GOLDEN_SCHEDULES:
             t.set_schedule("lr", GOLDEN_SCHEDULES[name])
@@ -107,7 +110,10 @@ def test_step_many_matches_k_steps_and_returns_stacked_metrics() -> None:
 
 def test_a_stack_of_the_wrong_shape_is_refused_before_anything_is_donated() -> None:
     name = "linear_adamw"
-    t = load(golden_bundle(name), cache_dir=False, steps_per_call=K)
+    t = load(
+        golden_bundle(name),
+        options=LoadOptions(compile=CompileOptions(cache_dir=False, steps_per_call=K)),
+    )
     batches = _first(name, K)
     before = t.state_dict()
     short = {k: np.stack([b[k] for b in batches[: K - 1]]) for k in batches[0]}
@@ -129,14 +135,19 @@ def test_a_stack_of_the_wrong_shape_is_refused_before_anything_is_donated() -> N
 
 
 def test_step_many_needs_steps_per_call_and_bad_values_are_refused() -> None:
-    t = load(golden_bundle("linear_adamw"), cache_dir=False)
+    t = load(
+        golden_bundle("linear_adamw"), options=LoadOptions(compile=CompileOptions(cache_dir=False))
+    )
     assert t.steps_per_call == 1
     b = golden_batches("linear_adamw")[0]
     with pytest.raises(BatchStackError, match="steps_per_call=1"):
         t.step_many({k: np.stack([v] * K) for k, v in b.items()})
     for bad in (0, -2, 2.5, True, "4"):
         with pytest.raises(BindingError, match="steps_per_call must be a whole number"):
-            load(golden_bundle("linear_adamw"), cache_dir=False, steps_per_call=bad)
+            load(
+                golden_bundle("linear_adamw"),
+                options=LoadOptions(compile=CompileOptions(cache_dir=False, steps_per_call=bad)),
+            )
 
 
 def test_a_nonfinite_step_inside_a_call_stops_at_that_step() -> None:
@@ -161,7 +172,10 @@ def test_a_nonfinite_step_inside_a_call_stops_at_that_step() -> None:
 
 
 def test_request_stop_ends_the_run_after_the_call() -> None:
-    t = load(golden_bundle("linear_adamw"), cache_dir=False, steps_per_call=K)
+    t = load(
+        golden_bundle("linear_adamw"),
+        options=LoadOptions(compile=CompileOptions(cache_dir=False, steps_per_call=K)),
+    )
     seen: list[int] = []
 
     def on_step(i: int, m: Any) -> None:
@@ -288,7 +302,7 @@ def _with_step_draws(tmp_path: Any, draws: int) -> Any:
 @pytest.mark.parametrize("k", [1, 3])
 def test_seed_advances_after_the_bundles_draws_per_step(tmp_path: Any, k: int) -> None:
     path = _with_step_draws(tmp_path, 2)
-    t = load(path, cache_dir=False, steps_per_call=k)
+    t = load(path, options=LoadOptions(compile=CompileOptions(cache_dir=False, steps_per_call=k)))
     assert t.seed == 12345
     t.run(golden_batches("dropout_sgd"), 3)
     # The oracle: two in-step draws, then the step rule, each step, one at a time.

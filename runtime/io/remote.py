@@ -36,6 +36,7 @@ import os
 import secrets
 import socket
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -51,6 +52,8 @@ from .remote_errors import (
     TransferPace,
     classify,
     max_download_bytes,
+    response_timeout_error,
+    response_timeout_s,
 )
 
 __all__ = [
@@ -216,10 +219,17 @@ class SequentialReader:
         self._pos = 0
         self._size: int | None = None
         self._streaming = False
-        # The first request (fsspec's HEAD for the size) is held to the session's limits
-        # only, 60 s without data per read: fsspec's sync() takes a timeout= of its own.
+        # The first request (fsspec's HEAD for the size, or its GET) must answer within
+        # the response timeout: a server dripping its headers a byte at a time restarts
+        # the session's 60 s per-read limit with every byte. (fsspec's sync() takes a
+        # timeout= of its own: the limit goes to the request, as aiohttp's total.)
         self._pace.check()
-        self._f = fs.open(path, "rb", block_size=CHUNK, cache_type="none")
+        first: dict[str, Any] = {}
+        if self._http:
+            size = _first_answer(fs, path, pace.url)
+            if size is not None:
+                first["size"] = size  # fsspec then asks no more
+        self._f = fs.open(path, "rb", block_size=CHUNK, cache_type="none", **first)
         self._size = getattr(self._f, "size", None)
 
     def _limits(self, n: int) -> dict[str, Any]:
@@ -287,6 +297,49 @@ class SequentialReader:
     def close(self) -> None:
         with contextlib.suppress(Exception):
             self._f.close()
+
+
+def _first_answer(fs: Any, path: str, url: str) -> int | None:
+    """The size of an HTTP object from fsspec's first request (a HEAD, or a GET where
+    that fails), which must answer within ``response_timeout_s()``.
+
+    fsspec's synchronous calls take ``timeout=`` as their own wait and never hand it to
+    the request, so the request runs here on fsspec's loop with aiohttp's total timeout.
+
+    Raises:
+      ResponseTimeoutError: no answer in time (a server dripping its headers).
+      The backend's own errors otherwise (wrapped by ``failures``).
+    """
+    import asyncio
+
+    import aiohttp
+
+    answer_s = response_timeout_s()
+    limit = aiohttp.ClientTimeout(total=answer_s, sock_read=READ_TIMEOUT_S)
+    t0 = time.monotonic()
+    future = asyncio.run_coroutine_threadsafe(fs._info(path, timeout=limit), fs.loop)
+    try:
+        info = future.result(timeout=2 * answer_s + 5)  # a HEAD, then a GET: each bounded
+    except Exception as e:
+        future.cancel()
+        if time.monotonic() - t0 >= answer_s and _timed_out(e):
+            raise response_timeout_error(url, answer_s, f"{type(e).__name__}: {e}") from None
+        raise
+    size = info.get("size")
+    return int(size) if size is not None and info.get("partial", True) else None
+
+
+def _timed_out(e: BaseException) -> bool:
+    """Whether a timeout is in ``e``'s chain (fsspec wraps a failed HEAD and GET in
+    ``FileNotFoundError``)."""
+    seen: set[int] = set()
+    cur: BaseException | None = e
+    while cur is not None and id(cur) not in seen:
+        if isinstance(cur, TimeoutError):  # asyncio's and aiohttp's are TimeoutErrors
+            return True
+        seen.add(id(cur))
+        cur = cur.__cause__ or cur.__context__
+    return False
 
 
 @contextlib.contextmanager

@@ -18,6 +18,10 @@ Limits bound every download, each with an environment variable to change it:
   a whole-transfer deadline of 3600 s (``STEPBUNDLE_TRANSFER_DEADLINE_S``, now ignored
   with a warning), which every download longer than an hour failed, however fast it went.
 - No data for 60 s on one read (aiohttp's ``sock_read``) stops an HTTP transfer at once.
+- ``STEPBUNDLE_RESPONSE_TIMEOUT_S`` (default 60): the most time an HTTP object's first
+  request (its status line and headers) may take. A server that drips its headers a
+  byte every few seconds restarted the per-read limit with each byte, and nothing
+  bounded the time to the first byte of the body (a pull ran past 240 s; issue #43).
 - ``STEPBUNDLE_MAX_DOWNLOAD_BYTES`` (default 64 GiB): the most bytes a download of a
   checkpoint (``--resume``, ``--init-from``) may write to the temporary folder, unless
   its caller knows a tighter bound.
@@ -44,9 +48,12 @@ __all__ = [
     "ServerError",
     "TooManyRedirectsError",
     "TransferPace",
+    "RedirectRefusedError",
+    "ResponseTimeoutError",
     "TransferTimeoutError",
     "classify",
     "max_download_bytes",
+    "response_timeout_s",
 ]
 
 MIN_RATE_ENV = "STEPBUNDLE_MIN_TRANSFER_RATE"
@@ -56,6 +63,8 @@ DEFAULT_GRACE_S = 60.0  # connection set-up and a slow start never count
 READ_TIMEOUT_S = 60.0  # no data for this long on one read stops an HTTP transfer
 # Replaced by the minimum rate; remove this name and its warning after 0.3.
 OLD_DEADLINE_ENV = "STEPBUNDLE_TRANSFER_DEADLINE_S"
+RESPONSE_TIMEOUT_ENV = "STEPBUNDLE_RESPONSE_TIMEOUT_S"
+DEFAULT_RESPONSE_TIMEOUT_S = 60.0
 MAX_BYTES_ENV = "STEPBUNDLE_MAX_DOWNLOAD_BYTES"
 DEFAULT_MAX_DOWNLOAD_BYTES = 64 << 30
 
@@ -102,6 +111,16 @@ class TooManyRedirectsError(RemoteError):
     """The server redirected again and again (a redirect loop)."""
 
 
+class ResponseTimeoutError(TransferTimeoutError):
+    """An HTTP server did not send its response (status line and headers) within
+    ``STEPBUNDLE_RESPONSE_TIMEOUT_S``."""
+
+
+class RedirectRefusedError(RemoteError):
+    """The server redirected to a URL that is not followed: another scheme than http(s)
+    (``file://``, which would read this machine's files), or no valid URL."""
+
+
 class DownloadTooLargeError(RemoteError):
     """A download declared or sent more bytes than its limit (or than it declared)."""
 
@@ -120,6 +139,24 @@ def _env_number(name: str, default: float) -> float:
             f"{default:g}, or unset it for the default ({default:g})."
         )
     return value
+
+
+def response_timeout_s() -> float:
+    """The most seconds an HTTP object's first request may take to answer
+    (``$STEPBUNDLE_RESPONSE_TIMEOUT_S``, default 60)."""
+    return _env_number(RESPONSE_TIMEOUT_ENV, DEFAULT_RESPONSE_TIMEOUT_S)
+
+
+def response_timeout_error(
+    url: str, seconds: float, cause: str | None = None
+) -> ResponseTimeoutError:
+    return ResponseTimeoutError(
+        f"{url!r} did not send its response within {seconds:g} s (its status line and "
+        "headers came too slowly, or not at all): the server is stalled or hostile. Retry "
+        f"when it answers; for a server really this slow, raise {RESPONSE_TIMEOUT_ENV}.",
+        url,
+        cause,
+    )
 
 
 def max_download_bytes() -> int:
@@ -245,6 +282,18 @@ def classify(url: str, e: BaseException, pace: TransferPace | None = None) -> Re
             )
         if aiohttp is None:
             continue
+        if isinstance(
+            cause, aiohttp.NonHttpUrlRedirectClientError | aiohttp.InvalidUrlRedirectClientError
+        ):
+            target = str(cause.args[0]) if cause.args else "?"
+            scheme = target.split("://", 1)[0] + "://" if "://" in target else target
+            return RedirectRefusedError(
+                f"{url!r} redirects to {target!r}, a {scheme} URL, and redirects are "
+                "followed only to http:// and https:// (a file:// redirect would read this "
+                "machine's files). Use the URL the object is really at.",
+                url,
+                f"{type(cause).__name__}: {cause}",
+            )
         if isinstance(cause, aiohttp.TooManyRedirects):
             return TooManyRedirectsError(
                 f"Too many redirects reading {url!r}: the server sends the request on in a "

@@ -23,6 +23,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 30.0
@@ -273,6 +274,37 @@ def steps_per_call_that_cannot_fit(folder: Path) -> None:
     assert ok.returncode == 0, f"a K that fits was refused: {ok.stderr[-800:]}"
 
 
+def _hostile_server(**kw: object) -> Any:
+    sys.path.insert(0, str(ROOT / "tests" / "runtime"))
+    from remote_helpers import HostileServer
+
+    return HostileServer(**kw)  # type: ignore[arg-type]
+
+
+def dripping_headers(folder: Path) -> None:
+    """Item 4: a server that sends its response headers a byte at a time (every 0.2 s)
+    is cut off once STEPBUNDLE_RESPONSE_TIMEOUT_S (2 s here) has passed without the
+    response: exit 1 with a typed message, not a pull that runs for ever (each byte
+    restarted the 60 s read limit, and nothing bounded the time to the first body byte)."""
+    env = {**os.environ, "STEPBUNDLE_CACHE_DIR": str(folder / "cache"), "TMPDIR": str(folder)}
+    env["STEPBUNDLE_RESPONSE_TIMEOUT_S"] = "2"
+    with _hostile_server(interval=0.2) as s:
+        url = f"{s.url}/drip/b"
+        r = _cli("pull", url, env=env)
+    _refused(r, 1, url, "STEPBUNDLE_RESPONSE_TIMEOUT_S")
+
+
+def redirect_to_a_file_url(folder: Path) -> None:
+    """Item 7: a 302 to file:// is refused as a redirect to a scheme that is not
+    followed, not as "no bundle at ... (not found)"."""
+    env = {**os.environ, "STEPBUNDLE_CACHE_DIR": str(folder / "cache"), "TMPDIR": str(folder)}
+    with _hostile_server() as s:
+        url = f"{s.url}/to-file/b"
+        r = _cli("pull", url, env=env)
+    line = _refused(r, 1, url, "redirect", "file://")
+    assert "not found" not in line, f"a redirect reported as not found: {line!r}"
+
+
 def attacks() -> list[tuple[str, Callable[[Path], None]]]:
     """Each attack of issue #43, by name."""
     return [
@@ -282,4 +314,6 @@ def attacks() -> list[tuple[str, Callable[[Path], None]]]:
         ("11: SIGTERM with --log-every 16 on a slow step", sigterm_with_sparse_logging),
         ("6: a full disk under a periodic checkpoint", full_disk_under_a_periodic_checkpoint),
         ("5: --steps-per-call 100000000", steps_per_call_that_cannot_fit),
+        ("4: a server that drips its response headers", dripping_headers),
+        ("7: a 302 redirect to file://", redirect_to_a_file_url),
     ]

@@ -181,7 +181,10 @@ class HostileServer:
     - ``/loop``: a redirect to itself, for ever;
     - ``/endless``: 200 with no Content-Length and bytes without end (up to ``cap``);
     - ``/huge``: a Content-Length of 100 GiB, then bytes without end (up to ``cap``);
-    - ``/ok/NAME``: the object whole (with ranges), as ``BundleServer`` serves it.
+    - ``/ok/NAME``: the object whole (with ranges), as ``BundleServer`` serves it;
+    - ``/drip``: a status line, then header bytes one every ``interval`` seconds, never
+      ending the headers (each byte restarts a per-read timeout);
+    - ``/to-file``: a 302 redirect to ``file:///etc/hostname``.
 
     It counts the body bytes it sent; ``stop`` ends every response in flight.
     """
@@ -251,10 +254,24 @@ class HostileServer:
                     sent += len(block)
                 self.close_connection = True
 
+            def _drip(self) -> None:
+                self.close_connection = True
+                if not self._send(b"HTTP/1.1 200 OK\r\nX-Drip: "):
+                    return
+                while not server._stopping.wait(server.interval) and self._send(b"a"):
+                    pass
+
             def _reply(self) -> None:
                 path = self.path.lstrip("/")
                 kind, _, rest = path.partition("/")
-                if kind == "status":
+                if kind == "drip":
+                    self._drip()
+                elif kind == "to-file":
+                    self.send_response(302)
+                    self.send_header("Location", "file:///etc/hostname")
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                elif kind == "status":
                     self.send_error(int(rest))
                 elif kind == "loop":
                     self.send_response(302)

@@ -54,6 +54,7 @@ import json
 import math
 import mmap
 import os
+import stat
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -252,12 +253,30 @@ def _open_shard(
 ) -> tuple[np.ndarray[Any, Any], ShardFile]:
     path = folder / shard_file_name(spec.name, shard)
     fix = "Rewrite the dataset with stepbundle.runtime.data.dataset_writer.write_dataset."
-    if not path.is_file():
+    try:
+        mode = os.stat(path).st_mode  # never opened here: a named pipe would block
+    except FileNotFoundError:
+        mode = None
+    except OSError as e:
+        raise data_error(
+            DataErrorKind.BAD_SHARD,
+            path,
+            f"The shard file {str(path)!r} cannot be read ({e.strerror or e}). {fix}",
+        ) from e
+    if mode is None:
         raise data_error(
             DataErrorKind.MISSING_SHARD,
             path,
             f"The dataset {str(folder)!r} lists shard {shard} of input {spec.name!r}, but "
             f"the file {path.name!r} is missing. Restore the file, or {fix[0].lower()}{fix[1:]}",
+        )
+    if not stat.S_ISREG(mode):  # once reported as "missing" too
+        raise data_error(
+            DataErrorKind.BAD_SHARD,
+            path,
+            f"The dataset {str(folder)!r} lists shard {shard} of input {spec.name!r}, and "
+            f"{path.name!r} is {kind_of(mode)}, not a .npy file. Put the shard's file "
+            f"there, or {fix[0].lower()}{fix[1:]}",
         )
     expected_shape = (rows, *spec.shape)
     try:

@@ -305,6 +305,28 @@ def redirect_to_a_file_url(folder: Path) -> None:
     assert "not found" not in line, f"a redirect reported as not found: {line!r}"
 
 
+def shard_that_is_not_a_file(folder: Path) -> None:
+    """Item 8: a dataset shard that is a folder or a named pipe is refused saying what it
+    is (never opened: a pipe would block), not reported as missing."""
+    import numpy as np
+
+    from stepbundle.runtime.data.dataset_writer import write_dataset
+
+    base = _base(folder)
+    for kind, make in (("a folder", os.mkdir), ("a named pipe", os.mkfifo)):
+        ds = folder / kind.split()[-1]
+        rng = np.random.default_rng(0)
+        rows = {"x": rng.standard_normal((16, 5), dtype=np.float32)}
+        rows["y"] = rng.standard_normal((16, 3), dtype=np.float32)
+        write_dataset(str(ds), rows, rows_per_shard=8)
+        shard = ds / "x-00001.npy"
+        shard.unlink()
+        make(shard)
+        r = _cli(*base[:3], str(ds), *base[4:], "--steps", "1")
+        line = _refused(r, 2, "x-00001.npy", kind)
+        assert "missing" not in line, f"{kind} reported as missing: {line!r}"
+
+
 def attacks() -> list[tuple[str, Callable[[Path], None]]]:
     """Each attack of issue #43, by name."""
     return [
@@ -316,4 +338,5 @@ def attacks() -> list[tuple[str, Callable[[Path], None]]]:
         ("5: --steps-per-call 100000000", steps_per_call_that_cannot_fit),
         ("4: a server that drips its response headers", dripping_headers),
         ("7: a 302 redirect to file://", redirect_to_a_file_url),
+        ("8: a dataset shard that is a folder or a named pipe", shard_that_is_not_a_file),
     ]

@@ -303,16 +303,6 @@ def _autocast_seen(model: torch.nn.Module) -> Iterator[list[bool]]:
         handle.remove()
 
 
-def _element(a: torch.Tensor, b: torch.Tensor) -> tuple[str, float, float]:
-    """Where ``a`` and ``b`` differ most: the index (as text) and both values."""
-    d = (a - b).abs()
-    if not bool(torch.isfinite(d).all()):
-        d = torch.where(torch.isfinite(d), d, torch.full_like(d, math.inf))
-    i = int(torch.argmax(d.reshape(-1)))
-    idx = tuple(int(x) for x in torch.unravel_index(torch.tensor(i), a.shape)) if a.dim() else ()
-    return (str(list(idx)) if idx else ""), float(a.reshape(-1)[i]), float(b.reshape(-1)[i])
-
-
 @dataclass(frozen=True)
 class _Verdict:
     name: str
@@ -323,37 +313,54 @@ class _Verdict:
     detail: str
 
 
+def _where(i: int, shape: tuple[int, ...]) -> str:
+    """Flat index ``i`` of a tensor of ``shape``, as text ("[2, 0]"; "" for a scalar)."""
+    idx = []
+    for n in reversed(shape):
+        idx.append(i % n)
+        i //= n
+    return str(idx[::-1]) if shape else ""
+
+
 def _compare_tensor(
     name: str, got: torch.Tensor, want: torch.Tensor, before: torch.Tensor | None, b: Bounds
 ) -> _Verdict:
-    if tuple(got.shape) != tuple(want.shape):
+    shape = tuple(want.shape)
+    if tuple(got.shape) != shape:
         return _Verdict(name, math.inf, "", math.nan, math.nan,
-                        f"shape {tuple(got.shape)} in the bundle, {tuple(want.shape)} eager")  # fmt: skip
+                        f"shape {tuple(got.shape)} in the bundle, {shape} eager")  # fmt: skip
     if got.numel() == 0:
         return _Verdict(name, 0.0, "", 0.0, 0.0, "")
+    a, w = got.double().reshape(-1), want.double().reshape(-1)
     if not (got.is_floating_point() or want.is_floating_point()):
-        equal = bool(torch.equal(got.to(torch.int64), want.to(torch.int64)))
-        where, x, y = _element(got.double(), want.double())
-        return _Verdict(name, 0.0 if equal else math.inf, where, x, y, "integers must be equal")
-    a, w = got.double(), want.double()
-    where, x, y = _element(a, w)
-    if not torch.equal(torch.isfinite(a), torch.isfinite(w)):
-        return _Verdict(name, math.inf, where, x, y, "non-finite values differ")
-    fin = torch.isfinite(w)
-    a, w = a[fin], w[fin]
-    b0 = before.double()[fin] if before is not None and before.shape == want.shape else None
-    update = float(torch.linalg.vector_norm(w - b0)) if b0 is not None else float("inf")
-    if b0 is None:  # no value before the step (state the step created): the value is the update
-        update = float(torch.linalg.vector_norm(w))
-    dist = float(torch.linalg.vector_norm(a - w))
+        i = int(torch.argmax((a - w).abs()))
+        equal = bool(torch.equal(a, w))
+        return _Verdict(name, 0.0 if equal else math.inf, _where(i, shape), float(a[i]),
+                        float(w[i]), "integers must be equal")  # fmt: skip
+    b0 = before.double().reshape(-1) if before is not None and before.shape == shape else None
+    fw = torch.isfinite(w)
+    if not bool(fw.all()) or not bool(torch.isfinite(a).all()):
+        d = (a - w).abs().nan_to_num(nan=math.inf)
+        i = int(torch.argmax(d))
+        if not torch.equal(torch.isfinite(a), fw):
+            return _Verdict(name, math.inf, _where(i, shape), float(a[i]), float(w[i]),
+                            "non-finite values differ")  # fmt: skip
+        a, w = a[fw], w[fw]
+        b0 = b0[fw] if b0 is not None else None
+    d = a - w
+    i = int(torch.argmax(d.abs()))
+    dist = float(torch.linalg.vector_norm(d))
+    # No value before the step (state the step created): the value is the update.
+    update = float(torch.linalg.vector_norm(w - b0 if b0 is not None else w))
     bound = (
         b.update * update
         + b.ulps * b.eps * float(torch.linalg.vector_norm(w))
         + b.atol * math.sqrt(w.numel())
     )
     detail = f"normwise distance {dist:.3g}, bound {bound:.3g} (update {update:.3g})"
+    where = _where(i, shape) if bool(fw.all()) else "a finite element"
     return _Verdict(name, dist / bound if bound > 0 else (0.0 if dist == 0 else math.inf),
-                    where, x, y, detail)  # fmt: skip
+                    where, float(a[i]), float(w[i]), detail)  # fmt: skip
 
 
 def _compare_metric(name: str, got: list[float], want: torch.Tensor, b: Bounds) -> _Verdict:
@@ -361,7 +368,8 @@ def _compare_metric(name: str, got: list[float], want: torch.Tensor, b: Bounds) 
     a = torch.tensor(got, dtype=torch.float64)
     if a.shape != w.shape:
         return _Verdict(name, math.inf, "", math.nan, math.nan, "shapes differ")
-    where, x, y = _element(a, w)
+    i = int(torch.argmax((a - w).abs().nan_to_num(nan=math.inf)))
+    where, x, y = _where(i, tuple(w.shape)) if w.numel() > 1 else "", float(a[i]), float(w[i])
     if not torch.equal(torch.isfinite(a), torch.isfinite(w)):
         return _Verdict(name, math.inf, where, x, y, "non-finite values differ")
     fin = torch.isfinite(w)
@@ -442,6 +450,24 @@ def _to_float64(
 
 
 def _verdicts(
+    metric_names: list[str],
+    state_names: list[str],
+    bundle: tuple[Mapping[str, Any], Mapping[str, torch.Tensor]],
+    eager: tuple[Mapping[str, Any], Mapping[str, torch.Tensor]],
+    before: Mapping[str, torch.Tensor],
+    bounds: Bounds,
+) -> list[_Verdict]:
+    # A few elementwise passes over every state tensor: one thread each (torch's pool
+    # churned on a busy machine, and the comparison of resnet18 took 44 s instead of 1).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _verdicts_of(metric_names, state_names, bundle, eager, before, bounds)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _verdicts_of(
     metric_names: list[str],
     state_names: list[str],
     bundle: tuple[Mapping[str, Any], Mapping[str, torch.Tensor]],

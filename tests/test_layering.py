@@ -7,6 +7,8 @@ The picture (an arrow reads "may import"):
      │  ├─▶ export_torch ──▶ stablehlo, schema, frontend
      │  └─▶ runtime  ──▶ stablehlo
      └────────────────────────────────▶ schema
+    cli ──▶ face (``stepbundle`` itself: load, export, Recipe, ...) ──▶ runtime, exporter,
+            export_torch, frontend (each on first use)
 
 The front-end core (``frontend``, folder ``frontend_core/``) is what both front-ends
 share; it and the torch front-end (``export_torch``, folder ``frontend_torch/``) never
@@ -45,8 +47,18 @@ ALLOWED: dict[str, frozenset[str]] = {
     "frontend": frozenset({"stepbundle", "schema"}),
     "exporter": frozenset({"stepbundle", "schema", "stablehlo", "frontend"}),
     "export_torch": frozenset({"stepbundle", "schema", "stablehlo", "frontend"}),
+    # The command is a shell over the library, the face included (choose_frontend).
     "cli": frozenset(
-        {"stepbundle", "schema", "stablehlo", "runtime", "exporter", "export_torch", "frontend"}
+        {
+            "stepbundle",
+            "face",
+            "schema",
+            "stablehlo",
+            "runtime",
+            "exporter",
+            "export_torch",
+            "frontend",
+        }
     ),
     # The package's own module (``package/__init__.py``): the face users import from
     # (``from stepbundle import load, export``), each name imported on first use.

@@ -10,14 +10,10 @@ whole activation map and whose *output* is the small filter: torch_xla writes it
 (jax writes the same computation in other orders, e.g. ``[f, 0, 1, b]x[i, 0, 1, o]->
 [0, 1, b, f]`` for NHWC). **This is what the TPU compiler is slow on**: it emits such a
 convolution with its map-sized window (32x32 here) unrolled, and takes far longer over
-that code than its size suggests (the CNN's train program: 53,788 bundles in 51 s with
-XLA's convolutions, 41,025 in 3 s with the loop below).
-On a TPU v5e with jax 0.10.2, examples/cifar_cnn.py's train program took 45-61 s to
-compile against 2.5-5.9 s for its eval program (``benchmarks/device/compile_bisect.py``,
-``benchmarks/results/device/tpu-v5e/bisect*.json``); compiled for a v5e without one
-(libtpu's compile-only client, ``benchmarks/device/compile_offline.py``) on the 2-core CPU
-machine, the same program takes 51 s, and 2.8 s with the three weight gradients zeroed
-(``benchmarks/results/compile_offline-v5e.json``).
+that code than its size suggests: examples/cifar_cnn.py's train program took over ten
+times its eval program's compile time on a TPU v5e, nearly all of it in these
+convolutions (docs/tpu.md, "Compile time: a CNN's train program", has the figures; found with
+``benchmarks/device/compile_bisect.py`` and ``compile_offline.py``).
 
 ``rewrite_weight_gradients`` writes each as a ``stablehlo.while`` loop over the first
 spatial dimension of its kernel operand (``dy``): for a stride-1, undilated, ungrouped
@@ -31,16 +27,12 @@ to the result: the same convolution, with a window of one row (several rows wher
 are short, up to ``ROW_WINDOW`` elements; a row longer than that stays whole, e.g. 64
 elements for a 64x64 map). A bf16 or f16 result is summed in float32 and rounded once,
 as XLA's convolution does (summed in its own type, the first CNN layer's bf16 weight
-gradient was 3x further from float64). Compiled offline, the CNN's train program then has
-41,025 machine-code bundles (eval: 9,147) and compiles in 3.05 s against the eval
-program's 0.81 s; on the TPU host, 1.92 s against 0.83 s
-(``tpu-v5e/compile_variants-rows-kept.json``).
+gradient was 3x further from float64). The CNN's train program then compiles in about
+twice its eval program's time (docs/tpu.md).
 
 Before this, the runtime wrote one ``dot_general`` per output position (``form=
-"positions"``, kept for ``compile_variants.py``): 69,880 bundles, 5.8-6.8 s offline, 2.13 s
-on the TPU host. XLA turns each product back into a convolution with the map-sized window
-(9 of them per layer, 74,000 LLO instructions each for the first layer: 56% of the
-program's code).
+"positions"``, kept for ``compile_variants.py``). XLA turns each product back into a
+convolution with the map-sized window, most of the program's code (docs/tpu.md).
 
 The sum is the same in another order (float rounding differs), so the rewrite runs
 only where it was measured to matter: the runtime applies it on TPUs. A convolution is

@@ -5,23 +5,17 @@ passes allocate and free a great deal: by default glibc gives freed memory back 
 operating system (``munmap`` of large blocks at once, trimming the heap's top past 128
 KB), one system call each time. Where a system call is expensive that dominates the
 compile. The TPU v5e host this project measures on runs under gVisor (``uname``:
-"runsc"): ``getppid`` costs 6.1 us there against 0.3 us on the CPU machine, a 1 MB
-``mmap``/``munmap`` 180 us against 24 us (``benchmarks/device/syscalls.py``). There,
-examples/cifar_cnn.py's train program spent 1.2-1.5 s in XLA's ``tpu_fusion`` pass and
-0.17 s in its dead-code pass (0.09-0.11 s in ``tpu_fusion`` for the same program
-compiled on the CPU machine), and compiled in 4.1-5.0 s; told to keep freed memory, 0.16 s and 1.9-2.0 s,
-the eval program 1.2-1.6 -> 0.9 s (``benchmarks/results/device/tpu-v5e/malloc-*.json``;
-docs/tpu.md).
-On the CPU machine the same settings change nothing measurable.
+"runsc"), where a system call costs about twenty times what it does on the CPU machine;
+there a CNN's train program compiled twice as fast with freed memory kept, and on the
+CPU machine the same settings change nothing measurable (docs/tpu.md,
+"Compile time: a CNN's train program", has the figures).
 
 ``keep_freed_memory`` sets, once per process, what ``MALLOC_MMAP_THRESHOLD_``,
 ``MALLOC_TRIM_THRESHOLD_`` and ``MALLOC_TOP_PAD_`` would: blocks up to 32 MB come from
 the heap, the heap is not trimmed until 2 GB of it are free, and it grows 512 MB at a time (address space; pages
 count only once touched). The cost: memory a compile freed stays in the process for
 later allocations instead of going back to the system. It must run **before the TPU
-runtime starts**: set through ``mallopt`` before libtpu initialised, the compile took
-1.95 s; set the same way after, nothing changed (4.2-4.4 s;
-``malloc-mallopt-early.json``, ``malloc-mallopt-late.json``). ``load`` calls it before
+runtime starts**: set through ``mallopt`` after libtpu initialised, it changed nothing. ``load`` calls it before
 it first asks jax for the TPU, unless ``CompileOptions.keep_freed_memory`` is False; it
 does nothing where jax's backends have already started (a script that touched the TPU
 before ``load``: call ``keep_freed_memory()`` first, or set the variables), where the
@@ -34,8 +28,7 @@ Whether ``load`` applies it is the user's choice or a measured rule, never silen
 ``CompileOptions.keep_freed_memory`` True applies it, False never does, and "auto" (the
 default; the environment variable ``STEPBUNDLE_KEEP_FREED_MEMORY`` set to 1, 0 or auto
 overrides an "auto") applies it only where a system call is slow: ``decide`` times
-``getppid`` (6.1 us on the gVisor host, 0.3 us on the CPU machine) and keeps freed memory
-when it costs at least ``SLOW_SYSCALL_US``. ``LoadInfo.allocator`` says what was decided
+``getppid`` and keeps freed memory when it costs at least ``SLOW_SYSCALL_US``. ``LoadInfo.allocator`` says what was decided
 and why, with the figure measured.
 
 Imports: the standard library (and, lazily, runtime._compat to ask jax whether its backends
@@ -53,10 +46,9 @@ __all__ = ["ENV", "SETTINGS", "SLOW_SYSCALL_US", "decide", "keep_freed_memory", 
 
 ENV = "STEPBUNDLE_KEEP_FREED_MEMORY"
 SLOW_SYSCALL_US = 3.0
-"""A ``getppid`` at least this slow (microseconds) makes "auto" keep freed memory: the
-gVisor TPU host measured 5.7-6.1 us, where keeping it halved a CNN's compile; the CPU
-machines (native Linux 0.3 us, a Firecracker VM 0.9 us) far less, where it changed
-nothing measurable."""
+"""A ``getppid`` at least this slow (microseconds) makes "auto" keep freed memory:
+between the CPU machines measured and the gVisor TPU host, where keeping it halved a
+CNN's compile (docs/tpu.md has the figures)."""
 
 # mallopt's parameter numbers (glibc's malloc.h) and the values set.
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
@@ -112,8 +104,8 @@ def _apply() -> bool:
 
 
 def syscall_us(calls: int = 200, rounds: int = 5) -> float:
-    """The median cost of one ``getppid`` system call here, in microseconds (about 1 ms
-    of timing on a native host, 6 ms under gVisor)."""
+    """The median cost of one ``getppid`` system call here, in microseconds (1,000 calls
+    timed)."""
     import statistics
     import time
 

@@ -55,21 +55,16 @@ data loader) was evaluated as the engine behind this API, in a scratch venv (Pyt
   JSON.
 - ``MapDataset.shuffle(seed).repeat().batch(32)`` gives a fresh order per epoch, and
   ``get_state``/``set_state`` resumes exactly across an epoch boundary (checked).
-- But it fetches and stacks row by row in Python. Batch 32 x 16 float32 from the same
-  warm memory maps, medians of 15 interleaved rounds: this loader 9-11 us/batch
-  (in-memory fancy indexing: 7-10 us; the current ``.npz`` list lookup: 0.2 us);
-  grain's ``MapDataset.source(rows).shuffle().repeat().batch(32)`` iterator 237 us;
-  grain as an index generator only (``range(n)...batch(32).map(gather)``) 592 us
-  (grain with ``ReadOptions(num_threads=0)``, in-memory rows: 676 us). The issue's
-  budget is the step within 1.10x of the ``.npz`` path at MLP depth 32, a 1.07 ms
-  step: ~100 us. grain alone spends 2-6x that per batch; this loader ~1%.
+- But it fetches and stacks row by row in Python: per batch it took 25-60 times this
+  loader's fancy indexing, several times the whole budget a batch has beside a small
+  step (docs/data.md has the figures).
 - Its multi-process sharding splits the dataset per process, not each global batch
   (the processes' batches are then not slices of the 1-process batch), and it has no
   padded last batch with a mask; both would be written here on top of it anyway.
 
 So the loader is hand-written (numpy only, ~200 lines with its state checks), and
 grain is not an extra: it would add 11 dependencies and a Python-object serialization
-path to the runtime, for a 20-60x slower batch. Its ideas are kept: a per-epoch seed, a JSON iterator state, and
+path to the runtime, for a slower batch. Its ideas are kept: a per-epoch seed, a JSON iterator state, and
 a pipeline that is a pure function of (seed, epoch, position).
 
 Imports: numpy, the standard library (and this package's dataset).

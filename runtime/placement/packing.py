@@ -147,12 +147,10 @@ def _opaque_offsets(packs: Sequence[Pack], lines: list[str]) -> dict[tuple[int, 
     Why: with static slices (``stablehlo.slice`` at constant offsets), XLA fuses each
     slice into the kernels that read the member, with its offset baked in, so kernels
     that compute the same thing for different members differ, and XLA's CPU backend
-    compiles every distinct kernel on its own. Measured here (jax 0.10 and 0.7.1, a
-    shared 2-core machine): the depth-4 MLP's program had 152 distinct fused kernels
-    packed against 35 unpacked, and the depth-32 program compiled in 79.7 s against
-    8.3 s unpacked. With ``dynamic_slice`` at an offset the kernel receives as an
-    operand, kernels that differ only in the offset are one kernel again (44 distinct
-    at depth 4) and the depth-32 program compiles in 7-10 s.
+    compiles every distinct kernel on its own: a deep MLP's program compiled ten times
+    slower packed than unpacked (docs/runtime.md, "State packing", has the figures).
+    With ``dynamic_slice`` at an offset the kernel receives as an operand, kernels that
+    differ only in the offset are one kernel again.
 
     A plain constant offset would be folded back into a static slice, so the offsets
     are laundered through a ``stablehlo.while`` that runs once, built so XLA can

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from stepbundle.frontend.recipe import Recipe
-from stepbundle.frontend.step_check import CPU_EAGER, Reference
+from stepbundle.frontend.step_check import CPU_EAGER, Bounds, Reference
 
 from . import xla
 from .workspace import move_to_device
@@ -73,14 +73,24 @@ def _xla_step(
 
 
 CPU = Reference(CPU_EAGER.name, _cpu_step, float64=True)
-XLA_EAGER = Reference("torch_xla eager (the bundle's seed and numerics)", _xla_step)
+XLA_EAGER = Reference("torch_xla eager (the bundle's seed)", _xla_step)
+# numerics="torch_xla": torch_xla compiles XLA's BatchNorm expansion with its XLA, the
+# runtime with jax's, and the cancellation in E[x^2] - E[x]^2 lands differently: a CI
+# machine measured torch_xla eager 5% of the parameters' movement away from such a bundle
+# (tests/equivalence/equiv_models.py). A quarter of the update still catches an update
+# dropped or doubled (a distance of the whole update).
+XLA_NUMERICS = Reference(
+    "torch_xla eager (numerics='torch_xla')",
+    _xla_step,
+    bounds=Bounds(update=0.25, eps=float(torch.finfo(torch.bfloat16).eps), atol=1e-5, metric=3e-2),
+)
 
 
 def references(numerics: str, numerics_rewrites: int) -> tuple[Reference, Reference | str]:
     """The check's reference for a step without random numbers, and for one with them
     (or why none reproduces it)."""
     if numerics == "torch_xla":
-        return XLA_EAGER, XLA_EAGER
+        return XLA_NUMERICS, XLA_NUMERICS
     if numerics_rewrites:
         return CPU, (
             "the step draws random numbers (dropout, ...) and computes training BatchNorm: "

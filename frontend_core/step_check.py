@@ -100,6 +100,9 @@ class Reference:
     float64: bool = False
     """The same step in float64 is the arbiter of a tensor beyond ``Bounds`` (PyTorch on
     the CPU; not torch_xla eager, whose random numbers float64 does not draw)."""
+    bounds: Bounds | None = None
+    """Bounds of its own; None: ``FLOAT32``, or ``LOW_PRECISION`` for a step that computes
+    in bfloat16 or float16."""
 
 
 class CheckFailed(ExportError):
@@ -555,7 +558,7 @@ def check_bundle(
         after = load_file(str(work / "after.safetensors"))
         metrics = json.loads((work / "metrics.json").read_text())
         del model, opt
-        bounds = LOW_PRECISION if _low_precision(manifest, autocast) else FLOAT32
+        bounds = ref.bounds or (LOW_PRECISION if _low_precision(manifest, autocast) else FLOAT32)
         metric_names = [
             o.name
             for o in program.outputs

@@ -234,3 +234,27 @@ def test_the_cli_says_the_check_ran_and_skips_it_with_no_check(
                          env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
     assert off.returncode == 0, off.stderr[-2000:]
     assert "checked:" not in off.stderr and (tmp_path / "b.stepbundle").exists()
+
+
+def test_numerics_torch_xla_is_checked_against_torch_xla_eager(
+    frontend: Any, tmp_path: Path
+) -> None:
+    """A bundle that keeps XLA's BatchNorm is compared with what computes it: torch_xla
+    eager (the torch front-end computes PyTorch's numerics only and refuses the setting)."""
+    if frontend.name != "torch_xla":
+        pytest.skip("numerics='torch_xla' is the torch_xla front-end's setting")
+    recipe = _cnn(frontend.adam)
+    recipe.numerics = "torch_xla"
+    report = frontend.export(recipe, tmp_path / "b.stepbundle", check=True)
+    assert report.check is not None and report.check.ran
+    assert report.check.reference == "torch_xla eager (numerics='torch_xla')"
+    bad = _dropping(report.path, tmp_path / "bad.stepbundle", "1.running_var")
+    with open_bundle(bad) as b:
+        manifest = b.manifest
+    recipe = _cnn(frontend.adam)
+    recipe.numerics = "torch_xla"
+    from stepbundle.exporter.check import references
+
+    plain, _ = references("torch_xla", 0)
+    with pytest.raises(CheckFailed, match="1.running_var"):
+        check_bundle(recipe, bad, manifest, reference=plain, random_reference="none")

@@ -30,7 +30,7 @@ import numpy as np  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from models import Case, GPTConfig, make_batches, recipe  # noqa: E402
 
-from stepbundle.runtime import CompileOptions, LoadOptions  # noqa: E402
+from stepbundle.runtime import LoadOptions  # noqa: E402
 
 CONFIGS = (
     ("1 device", {"devices": 1}),

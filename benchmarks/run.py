@@ -79,7 +79,7 @@ QUICK = {
 
 
 STEPS_PER_CALL = (8, 32)
-"""The K of the ``stepbundle_k<K>`` methods (``load(steps_per_call=K)``); K = 1 is
+"""The K of the ``stepbundle_k<K>`` methods (``CompileOptions(steps_per_call=K)``); K = 1 is
 ``stepbundle``."""
 
 

@@ -163,7 +163,7 @@ def _refuse_spmd() -> None:
             "torch_xla is in SPMD mode (xr.use_spmd() was called), which the exporter does "
             "not support: bundles keep no xs.mark_sharding annotations. Export the step "
             "without SPMD mode, on one device, and run the bundle data-parallel instead: "
-            "load(path, devices=N) or `stepbundle run --devices N` splits the batch over "
+            "load(path, options=LoadOptions(parallel=ParallelOptions(devices=N))) or `stepbundle run --devices N` splits the batch over "
             "N devices with no re-export."
         )
 

@@ -6,7 +6,7 @@ export --no-state``) stores no weights (format 1.1, ``state_initializers``):
 
 - parameters and persistent buffers (what ``state_dict()`` and therefore every PyTorch or
   Hugging Face checkpoint holds) are ``external``: a run takes them from a checkpoint
-  (``load(init_from=...)``, ``stepbundle run --init-from``);
+  (``StateOptions(init_from=...)``, ``stepbundle run --init-from``);
 - every other tensor whose elements are all the same bits is a ``fill`` of that one
   element: the state a fresh optimizer starts from, which the exporter materializes
   (``workspace.py``): Adam/AdamW ``step``, ``exp_avg``, ``exp_avg_sq``,

@@ -46,7 +46,7 @@ class Recipe:
         ``description`` and ``source_commit``, plus any labels (``{"team": "vision"}``).
       include_state: False writes a bundle without weights: parameters and persistent
         buffers have no stored value (a run takes them from a checkpoint,
-        ``load(init_from=...)``), a fresh optimizer's state is described by rule (zeros),
+        ``StateOptions(init_from=...)``), a fresh optimizer's state is described by rule (zeros),
         and the bundle is its programs and tables (``frontend_core/initial_state.py``).
       numerics: ``"pytorch"`` (the default) writes training BatchNorm as PyTorch's
         kernels compute it (the mean first, then the mean of squared deviations), in

@@ -4,7 +4,7 @@
 
 Issue #28 asks for the CNN's train program to compile in at most 3x its eval program's
 time. This measures, one compile at a time and in alternating rounds, the bundle's train
-and eval entries as the runtime loads them (``load(..., cache_dir=False)``) next to the
+and eval entries as the runtime loads them (``CompileOptions(cache_dir=False)``) next to the
 same model and step written by hand in JAX (``jax.jit(...).lower(...).compile()`` of a
 freshly made function each round, so that nothing is cached): three blocks of 3x3
 convolution without bias, BatchNorm (batch statistics, running ones updated), ReLU and

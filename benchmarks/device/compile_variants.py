@@ -2,7 +2,7 @@
 
     python benchmarks/device/compile_variants.py BUNDLE --platform tpu --out variants.json
 
-Every variant is a ``load(..., cache_dir=False)`` of one entry, with a load option or the
+Every variant is a ``CompileOptions(cache_dir=False)`` of one entry, with a load option or the
 runtime's rewrite pipeline (``runtime/compile/rewrites.py``) changed in one way: a rewrite
 dropped, or a family of operations zeroed before the rewrites that follow (its
 operands then feed nothing and XLA drops them, so the time it leaves is what that family

@@ -11,7 +11,7 @@ computes the same function with no RNG in the way), head tied to the token embed
 the step runs under bf16 autocast, clips the gradient norm to 1 and takes an AdamW step
 (capturable). ``bench`` writes one initial state (numpy, fixed seed: normal(0, 0.02)
 weights, zero biases, unit LayerNorm scales), starts the bundle from it
-(``load(init_from=...)``) and the hand-written step from the same arrays, checks that
+(``StateOptions(init_from=...)``) and the hand-written step from the same arrays, checks that
 their first losses agree, then times both in alternating rounds. The JAX peer is what a
 JAX user writes: f32 master weights cast to bf16 at each matmul (autocast's rule),
 LayerNorm, softmax and the loss in f32, optax AdamW with PyTorch's constants and

@@ -34,7 +34,7 @@ class LoadInfo:
         (the bundle), ``rule`` (the bundle's fill) or ``file`` (``init_from``).
       ignored_tensors: tensors of ``init_from`` no state entry names (``init_strict=False``).
       matmul_precision: the precision set on every matmul and convolution before
-        compiling (``load(matmul_precision=...)``, or the manifest's); None for a
+        compiling (``CompileOptions(matmul_precision=...)``, or the manifest's); None for a
         bundle older than format 1.2 loaded without one: its programs keep their own.
       fused_attention: per compiled program (``"entry[i]"``), how many attentions run as
         fused kernels (on a TPU; ``CompileOptions.fused_attention``); empty for none.

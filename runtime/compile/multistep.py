@@ -1,7 +1,7 @@
 """K training steps per dispatch: the train program behind a loop over K stacked batches.
 
 For small models most of a step is the host's call into PJRT, not the arithmetic; as
-Keras's ``steps_per_execution`` and TPU training loops do, ``load(steps_per_call=K)``
+Keras's ``steps_per_execution`` and TPU training loops do, ``CompileOptions(steps_per_call=K)``
 runs K steps per call. At load, each train program is compiled a second time behind a
 wrapper ``@main`` holding a ``stablehlo.while`` loop of K iterations; iteration ``i``
 

@@ -3,7 +3,7 @@
 A data-parallel run over devices on several hosts starts the same command on every
 host. Each process calls ``initialize`` before ``load``; ``jax.distributed`` then
 connects them through a coordinator (process 0's address), every process sees the
-devices of the whole job, and ``load(devices=...)`` compiles one SPMD program across
+devices of the whole job, and ``ParallelOptions(devices=...)`` compiles one SPMD program across
 them. XLA's collectives go over the platform's own links (NCCL on GPUs, ICI on TPUs,
 gloo over TCP on CPUs).
 

@@ -12,7 +12,7 @@ would cost more than it saves.
 
 The bundle's programs are not changed: the wrapper is built at load, from the manifest's
 tables. The exporter records whether a bundle should be packed (``StatePacking``), and
-``load(pack_state=...)`` can override it.
+``StateOptions(pack_state=...)`` can override it.
 
 Imports: stepbundle.schema, stepbundle.stablehlo.
 """

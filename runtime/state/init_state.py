@@ -3,7 +3,7 @@
 Each state entry's section says what the bundle holds for it (format 1.1): its value
 (``tensor``: stored), one element repeated over its shape (``fill``: by rule, such as a
 fresh optimizer's zero moments) or nothing (``external``: it must come from a file).
-``load(path, init_from=CKPT)`` takes the tensors ``CKPT`` holds (``init_source.py``) in
+``StateOptions(init_from=CKPT)`` takes the tensors ``CKPT`` holds (``init_source.py``) in
 place of the bundle's, by state name or alias.
 
 ``plan_initial_state`` decides, for every entry, where its value comes from, and checks
@@ -192,7 +192,7 @@ def plan_initial_state(
             message = (
                 f"The bundle holds no value for {len(missing)} state tensor(s) "
                 f"({_listed(missing)}): it was exported without state. Give the checkpoint "
-                "to start from: load(path, init_from=CHECKPOINT) or stepbundle run "
+                "to start from: load(path, LoadOptions(state=StateOptions(init_from=CHECKPOINT))) or stepbundle run "
                 "--init-from CHECKPOINT (a .safetensors file, a model.safetensors.index.json "
                 "or a save_pretrained folder)."
             )

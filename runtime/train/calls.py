@@ -1,6 +1,6 @@
 """K steps per call: the part of ``Trainer`` that runs a stack of K batches in one call.
 
-``load(..., steps_per_call=K)`` compiles each train bucket a second time behind a loop
+``CompileOptions(steps_per_call=K)`` compiles each train bucket a second time behind a loop
 over K stacked batches (``multistep.py``); ``StackedCalls`` owns those programs, stacks
 batches, dispatches them, and falls back to single steps (``Dispatcher.step``) where a
 call cannot run (a group that does not fill one bucket, a non-finite value under

@@ -108,7 +108,7 @@ class Trainer:
 
     @property
     def steps_per_call(self) -> int:
-        """Steps ``run`` dispatches per call (``load(steps_per_call=K)``); 1 by default."""
+        """Steps ``run`` dispatches per call (``CompileOptions(steps_per_call=K)``); 1 by default."""
         return self._calls.k
 
     @property
@@ -208,7 +208,7 @@ class Trainer:
         Returns every step's metrics; for long runs pass ``keep_metrics=False`` (and read
         them in ``on_step``), which returns only the last step's, so memory stays flat.
 
-        With ``steps_per_call`` K > 1 (``load(steps_per_call=K)``), every K batches of
+        With ``steps_per_call`` K > 1 (``CompileOptions(steps_per_call=K)``), every K batches of
         one shape bucket run as one call; the steps and their metrics are the same,
         but the state moves K steps at a time: ``on_step`` is called for each of a
         call's K steps after the call, and sees ``step_count``, the state (and

@@ -12,7 +12,7 @@ import torch
 
 import stepbundle.schema as codec
 from stepbundle.export_torch import NO_TORCH_XLA
-from stepbundle.runtime import CompileOptions, LoadOptions
+from stepbundle.runtime import LoadOptions
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -6,7 +6,7 @@
 - A flipped manifest byte is refused by the header's digest before the manifest is
   decoded: no field of a damaged manifest is ever read.
 - ``Bundle.digest`` is FORMAT.md's definition, changes with any section, and is what
-  ``inspect --json`` prints, what ``load(expect_digest=...)`` and ``stepbundle run
+  ``inspect --json`` prints, what ``SafetyOptions(expect_digest=...)`` and ``stepbundle run
   --expect-digest`` compare.
 """
 

@@ -1,4 +1,4 @@
-"""Starting a run from a checkpoint file: ``load(bundle, init_from=...)``.
+"""Starting a run from a checkpoint file: ``StateOptions(init_from=...)``.
 
 A bundle without weights is made here from a golden bundle with the schema's own writer
 (parameters and buffers ``external``, the fresh optimizer's zeros ``fill``), and its

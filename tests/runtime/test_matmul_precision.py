@@ -1,4 +1,4 @@
-"""``load(matmul_precision=...)``: the setting reaches every matmul, keys the cache, and
+"""``CompileOptions(matmul_precision=...)``: the setting reaches every matmul, keys the cache, and
 changes nothing on the CPU.
 
 The oracle for the attribute is MLIR's own printed text of the rewritten module; for the

@@ -210,8 +210,9 @@ def test_compile_cache_skips_compilation_and_keys_on_jaxlib(
 def test_runtime_never_imports_torch(tmp_path: Path) -> None:
     code = (
         "import sys\n"
-        "from stepbundle.runtime import load\n"
-        f"t = load({str(golden_bundle('dropout_sgd'))!r}, cache_dir=False)\n"
+        "from stepbundle.runtime import LoadOptions, load\n"
+        f"t = load({str(golden_bundle('dropout_sgd'))!r}, "
+        "options=LoadOptions.from_keywords(cache_dir=False))\n"
         "import numpy as np\n"
         f"z = np.load({str(GOLDEN_DIR / 'dropout_sgd.inputs.npz')!r})\n"
         "t.step({k: z[k][0] for k in z.files})\n"

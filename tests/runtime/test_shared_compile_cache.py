@@ -35,8 +35,8 @@ BUNDLE = str(golden_bundle(NAME))
 
 _CHILD = """
 import json, sys
-from stepbundle.runtime import load
-t = load(sys.argv[1], cache_dir=sys.argv[2], entry="train")
+from stepbundle.runtime import LoadOptions, load
+t = load(sys.argv[1], options=LoadOptions.from_keywords(cache_dir=sys.argv[2], entry="train"))
 print(json.dumps({"compiled": t.load_info.compiled, "hits": t.load_info.cache_hits,
                   "events": {k: [e.outcome.value, e.reason] for k, e in t.load_info.cache.items()}}))
 """

@@ -1,4 +1,4 @@
-"""K steps per dispatch (``load(steps_per_call=K)``) are bit for bit K single steps.
+"""K steps per dispatch (``CompileOptions(steps_per_call=K)``) are bit for bit K single steps.
 
 The golden bundles cover the cases that could go wrong in the loop: AdamW state carried
 through it (linear_adamw), a seed advanced per step for dropout (dropout_sgd), and a

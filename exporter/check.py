@@ -67,7 +67,7 @@ def _xla_step(
         out = {
             k: v.detach().cpu() if isinstance(v, torch.Tensor) else v for k, v in metrics.items()
         }
-        return out, state_by_name(model, opt)
+        return out, state_by_name(model, opt, copy=False)
     finally:
         xla.set_rng_state(saved)
 

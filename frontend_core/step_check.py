@@ -197,26 +197,54 @@ class CheckReport:
 _NO_CHECK = "export with check=False (stepbundle export --no-check) to skip the check"
 
 
-def state_by_name(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    """Every state tensor under the bundle's names, as CPU copies: ``state_dict()`` keys
-    (every name of a tied tensor), ``optimizer.state.<param>.<key>``, ``<param>.grad``."""
+def state_by_name(
+    model: torch.nn.Module, opt: torch.optim.Optimizer, *, copy: bool = True
+) -> dict[str, torch.Tensor]:
+    """Every state tensor under the bundle's names, on the CPU: ``state_dict()`` keys
+    (every name of a tied tensor), ``optimizer.state.<param>.<key>``, ``<param>.grad``.
+    ``copy=False`` returns the CPU tensors themselves (read them before they change)."""
+
+    def cpu(t: torch.Tensor) -> torch.Tensor:
+        t = t.detach().cpu()
+        return t.clone() if copy else t
+
     out: dict[str, torch.Tensor] = {}
     first: dict[int, str] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         first.setdefault(id(p), name)
-        out[name] = p.detach().cpu().clone()
+        out[name] = cpu(p)
         if p.grad is not None:
-            out[f"{name}.grad"] = p.grad.detach().cpu().clone()
+            out[f"{name}.grad"] = cpu(p.grad)
     for name, b in model.named_buffers(remove_duplicate=False):
         if b is not None:
-            out[name] = b.detach().cpu().clone()
+            out[name] = cpu(b)
     for group in opt.param_groups:
         for p in group["params"]:
             pname = first.get(id(p))
             for key, v in opt.state.get(p, {}).items():
                 if pname is not None and isinstance(v, torch.Tensor):
-                    out[f"optimizer.state.{pname}.{key}"] = v.detach().cpu().clone()
+                    out[f"optimizer.state.{pname}.{key}"] = cpu(v)
     return out
+
+
+class _Lazy(Mapping[str, torch.Tensor]):
+    """A safetensors file's tensors, each read when asked for (a model's state is not held
+    in memory twice over)."""
+
+    def __init__(self, handle: Any) -> None:
+        self._f = handle
+        self._keys = list(handle.keys())
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self._keys:
+            raise KeyError(name)
+        return self._f.get_tensor(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
 
 
 def _cpu_step(
@@ -230,7 +258,7 @@ def _cpu_step(
         if group.get("capturable", False):
             group["capturable"] = False  # same update; torch refuses capturable on the CPU
     metrics = recipe.step(model, opt, {k: v.cpu() for k, v in batch.items()})
-    return metrics, state_by_name(model, opt)
+    return metrics, state_by_name(model, opt, copy=False)  # the copies are the check's own
 
 
 CPU_EAGER = Reference("PyTorch eager on the CPU", _cpu_step, float64=True)
@@ -545,17 +573,19 @@ def check_bundle(
         runtime = _Runtime(path, batch, work, init)
         try:
             t_eager = time.perf_counter()
+            # The state before the step: the user's own tensors, which nothing changes.
+            before = state_by_name(recipe.model, recipe.optimizer, copy=False)
             model, opt = _copies(recipe)
-            before = state_by_name(model, opt)
             eager_metrics, eager_state, autocast = _eager(ref, recipe, model, opt, batch, seed)
             eager_seconds = time.perf_counter() - t_eager
         except BaseException:
             runtime.stop()
             raise
         runtime_seconds = runtime.wait()
-        from safetensors.torch import load_file
+        from safetensors import safe_open
 
-        after = load_file(str(work / "after.safetensors"))
+        after_file = safe_open(str(work / "after.safetensors"), framework="pt")
+        after = _Lazy(after_file)
         metrics = json.loads((work / "metrics.json").read_text())
         del model, opt
         bounds = ref.bounds or (LOW_PRECISION if _low_precision(manifest, autocast) else FLOAT32)

@@ -4,7 +4,7 @@
     .venv/bin/python benchmarks/device/sdpa_forms.py export -o build/tpu/sdpa --frontend torch_xla
     .venv-torch/bin/python benchmarks/device/sdpa_forms.py export -o build/tpu/sdpa --frontend torch
     # on the device machine (no torch): every bundle of the folder, side by side
-    python benchmarks/device/sdpa_forms.py bench build/tpu/sdpa --out sdpa_forms.json
+    python benchmarks/device/sdpa_forms.py bench build/tpu/sdpa --out sdpa_forms.json [--unfused]
 
 Forms (``Block.forward`` of benchmarks/models.py, everything else as gpt.py):
 
@@ -72,7 +72,7 @@ def _forward(form: str) -> Any:
     return forward
 
 
-def export_all(out: Path, frontend: str) -> None:
+def export_all(out: Path, frontend: str, forms: tuple[str, ...] = FORMS) -> None:
     import models
     import torch
 
@@ -97,7 +97,7 @@ def export_all(out: Path, frontend: str) -> None:
 
     out.mkdir(parents=True, exist_ok=True)
     original = models.Block.forward
-    for form in FORMS:
+    for form in forms:
         models.Block.forward = _forward(form)  # type: ignore[method-assign]
         try:
             torch.manual_seed(0)
@@ -144,8 +144,10 @@ def bench(args: argparse.Namespace) -> int:
     bundles = sorted(Path(args.folder).glob("*.stepbundle"))
     out: dict[str, Any] = {"jax": jax.__version__, "device": str(jax.devices(platform)[0])}
     trainers: dict[str, Any] = {}
-    for path in bundles:
-        name = path.name.removesuffix(".stepbundle")
+    runs = [(p, p.name.removesuffix(".stepbundle"), True) for p in bundles]
+    if args.unfused:  # each bundle also as traced (--no-fused-attention)
+        runs += [(p, p.name.removesuffix(".stepbundle") + "+unfused", False) for p in bundles]
+    for path, name, fused in runs:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             t0 = time.perf_counter()
@@ -154,7 +156,11 @@ def bench(args: argparse.Namespace) -> int:
                     path,
                     device=platform,
                     options=LoadOptions(
-                        compile=CompileOptions(cache_dir=False, matmul_precision=args.precision),
+                        compile=CompileOptions(
+                            cache_dir=False,
+                            matmul_precision=args.precision,
+                            fused_attention=fused,
+                        ),
                         state=StateOptions(init_from=init),
                     ),
                 )
@@ -203,6 +209,7 @@ def main() -> int:
     e = sub.add_parser("export")
     e.add_argument("-o", "--output", required=True, help="a folder")
     e.add_argument("--frontend", choices=("torch_xla", "torch"), required=True)
+    e.add_argument("--forms", default=",".join(FORMS), help="a comma-separated subset")
     b = sub.add_parser("bench")
     b.add_argument("folder")
     b.add_argument("--platform", default=None)
@@ -213,9 +220,10 @@ def main() -> int:
     b.add_argument("--rounds", type=int, default=5)
     b.add_argument("--peak-tflops", type=float, default=197.0)
     b.add_argument("--out", default=None)
+    b.add_argument("--unfused", action="store_true", help="also each bundle unfused")
     a = p.parse_args()
     if a.cmd == "export":
-        export_all(Path(a.output), a.frontend)
+        export_all(Path(a.output), a.frontend, tuple(a.forms.split(",")))
         return 0
     return bench(a)
 

@@ -60,10 +60,15 @@ def _two_layer(make_opt: Any, *, x: torch.Tensor | None = None, **kw: Any) -> Re
 # ------------------------------------------------------------------ fixed here
 
 
+class _UsersAdamW(torch.optim.AdamW):
+    """A user's subclass: torch's own non-capturable AdamW is traced with capturable=True
+    (#39 item 4), a subclass keeps the user's setting and so its host step count."""
+
+
 def test_host_step_count_is_refused_not_crashed() -> None:
     """trace.py: a non-capturable AdamW keeps `step` on the CPU; the tracer read a
     torch_xla id from it and crashed. Now the changing bias correction is refused."""
-    r = _two_layer(lambda m: torch.optim.AdamW(m.parameters(), lr=0.01, foreach=False))
+    r = _two_layer(lambda m: _UsersAdamW(m.parameters(), lr=0.01, foreach=False))
     with pytest.raises(ExportError, match=r"capturable=True \(foreach either way\)"):
         export(r, "/nonexistent/never-written.stepbundle")
 

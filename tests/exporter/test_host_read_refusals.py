@@ -126,13 +126,18 @@ def test_hugging_face_bert_with_eager_attention_exports(tmp_path: Path) -> None:
     assert report.manifest.entries["train"].programs[0].inputs
 
 
+class _UsersAdamW(torch.optim.AdamW):
+    """A user's subclass: the exporter does not take capturable=True for it (torch's own
+    non-capturable Adam and AdamW it traces capturable, #39 item 4)."""
+
+
 def test_a_read_inside_the_optimizer_names_torch_and_the_fix() -> None:
     """A non-capturable AdamW with a declared lr: torch reads the lr tensor as a number."""
     torch.manual_seed(0)
     model = torch.nn.Linear(5, 3)
     r = linear_sgd_recipe(mse_step)
     r.model = model
-    r.optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, foreach=False)
+    r.optimizer = _UsersAdamW(model.parameters(), lr=0.01, foreach=False)
     r.hyperparameters = ("lr",)
     with pytest.raises(HostReadError) as err:
         export(r, "/nonexistent/x.stepbundle")

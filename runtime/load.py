@@ -129,6 +129,12 @@ def load(
             for i, p in enumerate(progs)
             if isinstance(p, CompiledProgram) and p.fused_attention
         }
+        info.attention_kept = {
+            f"{name}[{i}]": list(p.attention_kept)
+            for name, progs in compiled.items()
+            for i, p in enumerate(progs)
+            if isinstance(p, CompiledProgram) and p.attention_kept
+        }
         info.seconds["compile"] = time.perf_counter() - t1
 
         t2 = time.perf_counter()

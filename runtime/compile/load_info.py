@@ -38,6 +38,8 @@ class LoadInfo:
         bundle older than format 1.2 loaded without one: its programs keep their own.
       fused_attention: per compiled program (``"entry[i]"``), how many attentions run as
         fused kernels (on a TPU; ``CompileOptions.fused_attention``); empty for none.
+      attention_kept: per compiled program, the attention composites (SDPA) a TPU kept
+        as their decomposition, each with why in words (``fused_attention``'s others).
       kept_freed_memory: whether glibc's allocator was told to keep freed memory
         before compiling (on a TPU; ``CompileOptions.keep_freed_memory``,
         ``runtime/compile/allocator.py``).
@@ -59,6 +61,7 @@ class LoadInfo:
     ignored_tensors: tuple[str, ...] = ()
     matmul_precision: str | None = "default"
     fused_attention: dict[str, int] = field(default_factory=dict)
+    attention_kept: dict[str, list[str]] = field(default_factory=dict)
     kept_freed_memory: bool = False
     allocator: str = ""
     cpu_numerics: str = ""

@@ -37,6 +37,7 @@ class CompiledProgram:
     donating: bool
     cache: CacheEvent
     fused_attention: int = 0
+    attention_kept: tuple[str, ...] = ()
 
     @property
     def cache_hit(self) -> bool:
@@ -104,4 +105,11 @@ def compile_program(
         overrides, _ = _compat.cpu_numerics_overrides(os.environ.get("XLA_FLAGS", ""))
     options = _compat.compile_options(len(devices), [d.id for d in devices], overrides)
     exe, event = cache.compile(label, client, stage.module.bytecode(), devices, options)
-    return CompiledProgram(stage.program, exe, donate, event, ctx.notes.get("fused_attention", 0))
+    return CompiledProgram(
+        stage.program,
+        exe,
+        donate,
+        event,
+        ctx.notes.get("fused_attention", 0),
+        tuple(ctx.kept_attention),
+    )

@@ -72,6 +72,8 @@ class RewriteContext:
         from the bundle's constant sections): an attention mask's fill value is one.
       notes: what rewrites report back to the load (``"fused_attention"``: how many
         attentions were fused); filled in by the rewrites, not part of the key.
+      kept_attention: attention composites kept as their decomposition on a platform
+        that fuses, each with why (``fused-attention``); filled in like ``notes``.
     """
 
     platform: str
@@ -83,6 +85,7 @@ class RewriteContext:
     fused_attention: bool = True
     scalar_constants: Mapping[int, float] = field(default_factory=dict)
     notes: dict[str, int] = field(default_factory=dict)
+    kept_attention: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -204,7 +207,7 @@ def fuse_attention(
     skipped: list[str] = []
     copy = mlir.Module.parse_text(stage.module, stage.module.text())
     scalars = dict(ctx.scalar_constants)
-    composites = _fuse_composites(copy, platform, interpret)
+    composites = _fuse_composites(copy, platform, interpret, ctx.kept_attention)
     if composites is None:  # a failure: the program is as it was
         return stage
     try:
@@ -214,7 +217,7 @@ def fuse_attention(
         if not composites:
             return stage
         copy, n = mlir.Module.parse_text(stage.module, stage.module.text()), 0
-        composites = _fuse_composites(copy, platform, interpret) or 0
+        composites = _fuse_composites(copy, platform, interpret, []) or 0
     n += composites
     if skipped:
         warn_once("fused-attention-skipped", "stepbundle kept traced attention: " + skipped[0])
@@ -229,12 +232,14 @@ def fuse_attention(
     return Stage(copy, stage.program) if n else stage
 
 
-def _fuse_composites(module: mlir.Module, platform: str, interpret: bool) -> int | None:
+def _fuse_composites(
+    module: mlir.Module, platform: str, interpret: bool, kept_out: list[str]
+) -> int | None:
     """Attention composites (``stablehlo/attention_composite.py``: what a front-end
     writes for ``F.scaled_dot_product_attention``) as the kernels, in place where their
     attributes allow; each kept says where and why (a warning, once per reason). The
     number of forward attentions fused, or None when the rewrite failed (``module`` may
-    then be partly rewritten)."""
+    then be partly rewritten); the sites kept, in words, are added to ``kept_out``."""
     from .fused_attention import composite_kernels_for, composite_supported
 
     if not count_composites(module):
@@ -248,6 +253,7 @@ def _fuse_composites(module: mlir.Module, platform: str, interpret: bool) -> int
             "fused-attention-composite", f"stepbundle kept attention as its decomposition: {e}"
         )
         return None
+    kept_out.extend(kept)
     for why in dict.fromkeys(kept):
         warn_once(
             f"fused-attention-kept:{why}",

@@ -340,12 +340,17 @@ def test_a_mask_from_the_batch_keeps_the_decomposition_and_says_why(
     rewrites.REWRITES = tuple((n, tap if n == "fused-attention" else r) for n, r in original)
     try:
         with pytest.warns(fallback.StepbundleFallbackWarning, match="additive attn_mask") as w:
-            load(path, device="cpu", options=LoadOptions(compile=CompileOptions(cache_dir=False)))
+            trainer = load(
+                path, device="cpu", options=LoadOptions(compile=CompileOptions(cache_dir=False))
+            )
     finally:
         rewrites.REWRITES = original
     assert kept == [True]
     # the message names the site: its shape, and what to change
     assert any("Tq 128" in str(x.message) and "is_causal=True" in str(x.message) for x in w)
+    # and load_info keeps them: every layer's forward and backward, with why
+    (reasons,) = trainer.load_info.attention_kept.values()
+    assert len(reasons) == 2 * LAYERS and all("additive attn_mask" in r for r in reasons)
 
 
 def test_the_tpu_program_is_built_on_a_cpu_machine(tmp_path: Path) -> None:

@@ -238,7 +238,8 @@ class _Lazy(Mapping[str, torch.Tensor]):
     def __getitem__(self, name: str) -> torch.Tensor:
         if name not in self._keys:
             raise KeyError(name)
-        return self._f.get_tensor(name)
+        tensor: torch.Tensor = self._f.get_tensor(name)
+        return tensor
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._keys)

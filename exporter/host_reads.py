@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils import _python_dispatch
 
 from stepbundle.frontend.errors import ExportError
 
@@ -188,19 +189,19 @@ class _ReadsInTorch:
         raise self.refuse(_SCALAR_READ)
 
     def __enter__(self) -> _ReadsInTorch:
-        lib = torch.library.Library("aten", "IMPL")
+        lib = torch.library.Library("aten", "IMPL")  # type: ignore[no-untyped-call]
         with warnings.catch_warnings():
             # "Overriding a previously registered kernel": that is the point, and it ends
             # at __exit__.
             warnings.simplefilter("ignore", UserWarning)
-            lib.impl("_local_scalar_dense", self._kernel, "XLA")
+            lib.impl("_local_scalar_dense", self._kernel, "XLA")  # type: ignore[no-untyped-call]
         self._lib = lib
         return self
 
     def __exit__(self, *exc: Any) -> None:
         lib, self._lib = self._lib, None
         if lib is not None:
-            lib._destroy()
+            lib._destroy()  # type: ignore[no-untyped-call]
 
 
 class guard_host_reads(TorchFunctionMode):  # noqa: N801 - a context manager, used like a function
@@ -222,11 +223,11 @@ class guard_host_reads(TorchFunctionMode):  # noqa: N801 - a context manager, us
         # Whether torch_xla wraps the tensors it makes for functionalization (it does
         # unless XLA_DISABLE_FUNCTIONALIZATION is set): asked before any mode is active.
         self._functionalized = torch._is_functional_tensor(torch.empty(0, device=xla.device()))
-        super().__enter__()
+        super().__enter__()  # type: ignore[no-untyped-call]
         try:
             self._dispatch.__enter__()
         except BaseException:
-            super().__exit__(None, None, None)
+            super().__exit__(None, None, None)  # type: ignore[no-untyped-call]
             raise
         return self
 
@@ -234,7 +235,7 @@ class guard_host_reads(TorchFunctionMode):  # noqa: N801 - a context manager, us
         try:
             self._dispatch.__exit__(*exc)
         finally:
-            super().__exit__(*exc)
+            super().__exit__(*exc)  # type: ignore[no-untyped-call]
 
     def __torch_function__(
         self,
@@ -253,6 +254,10 @@ class guard_host_reads(TorchFunctionMode):  # noqa: N801 - a context manager, us
             and isinstance(out, torch.Tensor)
             and out.device.type == "xla"
             and not torch._is_functional_tensor(out)
+            # Only while a dispatch mode is active: functorch's transforms (torch.vmap, as
+            # Hugging Face's mask functions use) also return tensors that are not
+            # functional wrappers, and torch_xla tracks what they make.
+            and _python_dispatch._get_current_dispatch_mode() is not None
         ):
             raise self._untracked(func)
         return out

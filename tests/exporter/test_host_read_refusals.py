@@ -126,6 +126,35 @@ def test_hugging_face_bert_with_eager_attention_exports(tmp_path: Path) -> None:
     assert report.manifest.entries["train"].programs[0].inputs
 
 
+def test_hugging_face_gpt2_with_eager_attention_exports_and_checks(tmp_path: Path) -> None:
+    """Its causal mask is made under torch.vmap (transformers/masking_utils.py), whose
+    tensors are not functional wrappers either: no dispatch mode is active, so nothing is
+    refused, and the export's own check steps the bundle against eager PyTorch."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(
+        n_layer=1, n_head=2, n_embd=16, vocab_size=64, n_positions=8,
+        attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0,
+    )  # fmt: skip
+    config._attn_implementation = "eager"
+    model = GPT2LMHeadModel(config)
+
+    def step(model, optimizer, batch):
+        optimizer.zero_grad()
+        out = model(input_ids=batch["ids"], labels=batch["ids"])
+        out.loss.backward()
+        optimizer.step()
+        return {"loss": out.loss}
+
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    recipe = Recipe(model=model, optimizer=opt, step=step, example_batch={"ids": ids})
+    report = export(recipe, tmp_path / "gpt2.stepbundle", check=True)
+    assert report.manifest.entries["train"].programs[0].inputs
+    assert report.check is not None and report.check.ran, report.check
+
+
 class _UsersAdamW(torch.optim.AdamW):
     """A user's subclass: the exporter does not take capturable=True for it (torch's own
     non-capturable Adam and AdamW it traces capturable, #39 item 4)."""

@@ -209,7 +209,7 @@ def bind(
         # The program keeps one seed input; the derived ones are computed from it
         # (rng_seeds.derive_seeds), so later inputs move up.
         gone = {i for i, _ in derived}
-        new_index = {}
+        new_index: dict[int, int] = {}
         for i in range(len(inputs)):
             if i not in gone:
                 new_index[i] = len(new_index)

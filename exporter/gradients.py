@@ -42,7 +42,9 @@ def gradients_reached(model: torch.nn.Module, *, watch: bool) -> Iterator[set[st
         for name, p in model.named_parameters():
             if p.requires_grad:
                 handles.append(
-                    p.register_post_accumulate_grad_hook(lambda _p, n=name: reached.add(n))
+                    p.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
+                        lambda _p, n=name: reached.add(n)
+                    )
                 )
     try:
         yield reached

@@ -39,8 +39,9 @@ class Declared:
         for name, (i, key, index) in self.places.items():
             held = optimizer.param_groups[i].get(key)
             if index is not None:
-                ok = isinstance(held, (tuple, list)) and len(held) > index
-                held = held[index] if ok else None
+                held = (
+                    held[index] if isinstance(held, (tuple, list)) and len(held) > index else None
+                )
             if held is not self.tensors[name]:
                 out.append(name)
         return out

@@ -202,7 +202,8 @@ def _max_pool2d(
     ceil_mode: bool = False,
 ) -> Any:
     k, s, p, d = _pool_args(x, kernel, stride, padding, dilation)
-    out_hw = tuple(int(n) for n in ctx.out_at(0).shape[-2:])
+    shape = ctx.out_at(0).shape
+    out_hw = (int(shape[-2]), int(shape[-1]))
     values, where = _windows(x, k, s, p, d, out_hw, -jnp.inf)
     which = jnp.argmax(values, axis=-3)  # the first maximum, as torch
     best = jnp.max(values, axis=-3)

@@ -366,6 +366,8 @@ def _empty(ctx: OpContext, *args: Any, **kwargs: Any) -> Any:
 @lowers(aten.arange.start_step, aten.arange.start, aten.arange.default)
 def _arange(ctx: OpContext, *args: Any, **kwargs: Any) -> Any:
     numbers = [a for a in args if isinstance(a, (int, float))]
+    start: int | float
+    step: int | float
     if len(numbers) == 1:
         start, step = 0, 1
     else:

@@ -96,7 +96,7 @@ def fold_causal_masks(gm: fx.GraphModule) -> int:
         if mask not in known:
             q = node.args[1 if at == 7 else 0]
             k = node.args[2 if at == 7 else 1]
-            tq, tk = (int(a.meta["val"].shape[-2]) for a in (q, k))  # type: ignore[union-attr]
+            tq, tk = (int(a.meta["val"].shape[-2]) for a in (q, k))
             numel = mask.meta["val"].numel() if "val" in mask.meta else _MAX_ELEMENTS + 1
             value = _constant_value(mask, gm) if numel <= _MAX_ELEMENTS else None
             known[mask] = value is not None and _is_causal(value, tq, tk)

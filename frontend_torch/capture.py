@@ -228,9 +228,9 @@ def capture(
         )
         outs = [*metrics.values()]
         for name in finals:
-            t = after[name]
-            assert t is not None
-            outs.append(t.detach())
+            final = after[name]
+            assert final is not None
+            outs.append(final.detach())
         return outs
 
     flat = [s.value for s in slots]

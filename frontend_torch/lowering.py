@@ -84,7 +84,7 @@ def _conform(value: Any, meta: Any, node: fx.Node) -> Any:
         if tuple(value.shape) != shape:
             raise LoweringError(
                 f"{node.target} gave shape {tuple(value.shape)}, torch computes {shape} "
-                f"({node.format_node()[:300]})"
+                f"({(node.format_node() or '')[:300]})"
             )
         want = jax_dtype(meta.dtype)
         return value if value.dtype == want else value.astype(want)
@@ -171,9 +171,10 @@ def lower(graph: ProgramGraph) -> bytes:
     avals = []
     for i in graph.inputs:
         meta = _meta_of(placeholders[i])
-        avals.append(jax.ShapeDtypeStruct(tuple(int(d) for d in meta.shape), jax_dtype(meta.dtype)))
+        shape = tuple(int(d) for d in meta.shape)
+        avals.append(jax.ShapeDtypeStruct(shape, jax_dtype(meta.dtype)))  # type: ignore[no-untyped-call]
     if graph.seeded:
-        avals.append(jax.ShapeDtypeStruct((), jnp.int64))
+        avals.append(jax.ShapeDtypeStruct((), jnp.int64))  # type: ignore[no-untyped-call]
     with jax.enable_x64(True):
         exported = jax.export.export(
             jax.jit(program_function(graph), keep_unused=True), platforms=("cpu",)

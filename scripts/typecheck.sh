@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# mypy over the installed layout: strict on schema, stablehlo, runtime and the CLI;
-# the exporter is checked too, with torch's own (partial) types.
+# mypy over the installed layout, strict on every package: the face, schema, stablehlo,
+# runtime, the CLI, the front-end core and the torch_xla front-end against .venv (torch 2.9,
+# jax 0.7.1); the torch front-end, written for current torch and jax, against .venv-torch's
+# packages (its imports of the other packages are followed but judged in the first run).
 #
 # mypy cannot follow setuptools' package-dir mapping (an editable install resolves
 # `stepbundle.*` through an import hook mypy does not run), so the installed layout is
@@ -16,5 +18,8 @@ for pkg in schema stablehlo runtime exporter cli; do ln -s "$PWD/$pkg" "$t/$pkg"
 ln -s "$PWD/frontend_torch" "$t/export_torch"
 ln -s "$PWD/frontend_core" "$t/frontend"
 cd build/typecheck
-../../.venv/bin/mypy --config-file ../../pyproject.toml \
-  -p stepbundle.schema -p stepbundle.stablehlo -p stepbundle.runtime -p stepbundle.cli
+../../.venv/bin/mypy --config-file ../../pyproject.toml -m stepbundle -m stepbundle._version \
+  -p stepbundle.schema -p stepbundle.stablehlo -p stepbundle.runtime -p stepbundle.cli \
+  -p stepbundle.frontend -p stepbundle.exporter
+../../.venv/bin/mypy --config-file ../../pyproject.toml --follow-imports=silent \
+  --python-executable ../../.venv-torch/bin/python -p stepbundle.export_torch

@@ -210,8 +210,11 @@ def fuse_attention(
     composites = _fuse_composites(copy, platform, interpret, ctx.kept_attention)
     if composites is None:  # a failure: the program is as it was
         return stage
+    misses: list[str] = []  # attention seen and not taken, and why
     try:
-        n = rewrite_attention(copy, kernels, scalars, accept=lambda s: _accept(s, skipped))
+        n = rewrite_attention(
+            copy, kernels, scalars, accept=lambda s: _accept(s, skipped), misses=misses
+        )
     except Exception as e:  # lowering or verification: keep the traced attention
         warn_once("fused-attention", f"stepbundle kept traced attention as it is: {e}")
         if not composites:
@@ -221,7 +224,12 @@ def fuse_attention(
     n += composites
     if skipped:
         warn_once("fused-attention-skipped", "stepbundle kept traced attention: " + skipped[0])
-    elif count_score_products(stage.module) > 2 * n:
+    for miss in dict.fromkeys(misses):
+        warn_once(
+            f"fused-attention-missed:{miss}",
+            f"stepbundle kept traced attention it did not recognize: {miss}",
+        )
+    if not skipped and not misses and count_score_products(stage.module) > 2 * n:
         warn_once(
             "fused-attention-unmatched",
             "stepbundle kept traced attention it did not recognize (batched products of a "

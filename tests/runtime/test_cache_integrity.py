@@ -103,12 +103,12 @@ sys.path.insert(0, sys.argv[3])
 import pytest
 from runtime_helpers import golden_batches, golden_bundle
 from test_cache_integrity import _damage
-from stepbundle.runtime import load
+from stepbundle.runtime import LoadOptions, load
 
 cache, rounds = Path(sys.argv[1]), int(sys.argv[2])
 batch = golden_batches("linear_adamw")[0]
-want = float(load(golden_bundle("linear_adamw"), cache_dir=False, entry="train").step(batch)["loss"])
-load(golden_bundle("linear_adamw"), cache_dir=cache, entry="train")
+want = float(load(golden_bundle("linear_adamw"), options=LoadOptions.from_keywords(cache_dir=False, entry="train")).step(batch)["loss"])
+load(golden_bundle("linear_adamw"), options=LoadOptions.from_keywords(cache_dir=cache, entry="train"))
 pristine = {p: p.read_bytes() for p in cache.glob("*.xla")}
 rng = random.Random(20261201)
 wrong = hits = 0
@@ -116,7 +116,7 @@ for r in range(rounds):
     for p, data in pristine.items():
         damaged = _damage(data, rng)
         p.write_bytes(damaged)
-    t = load(golden_bundle("linear_adamw"), cache_dir=cache, entry="train")
+    t = load(golden_bundle("linear_adamw"), options=LoadOptions.from_keywords(cache_dir=cache, entry="train"))
     hits += t.load_info.cache_hits
     wrong += float(t.step(batch)["loss"]) != want
 print(f"rounds={rounds} entries={rounds * len(pristine)} wrong={wrong} hits={hits}")
@@ -213,8 +213,8 @@ import sys, warnings
 warnings.simplefilter("ignore")
 sys.path.insert(0, sys.argv[2])
 from runtime_helpers import golden_bundle
-from stepbundle.runtime import load
-t = load(golden_bundle("linear_adamw"), cache_dir=sys.argv[1], entry="eval")
+from stepbundle.runtime import LoadOptions, load
+t = load(golden_bundle("linear_adamw"), options=LoadOptions.from_keywords(cache_dir=sys.argv[1], entry="eval"))
 print(" ".join(sorted(e.outcome.value for e in t.load_info.cache.values())))
 """
 

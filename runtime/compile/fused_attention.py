@@ -9,12 +9,11 @@ is a pytree whose leaves are exactly those); the backward function rebuilds the 
 from them and applies it to the output's gradient. Both are lowered with ``jax.jit`` for
 the program's platform and handed over as MLIR text.
 
-Block sizes: one block of up to 512 along each sequence, measured on a TPU v5e on the
-55M GPT of ``benchmarks/device/gpt.py`` (context 512) written in JAX: 33.5 ms per step
-with blocks of 512, 37.0 with 256, 48.3 with 128 (gpt-splash.json); the kernels alone under
-other block sizes and layouts: ``benchmarks/device/splash_sweep.py`` (splash_sweep.json,
-where nothing beat blocks of 512). The fused backward kernel (one kernel for dq, dk and
-dv) is used, and k and v are held sequence-minor (``block_sizes``).
+Block sizes: one block of up to 512 along each sequence, the fastest measured on a TPU
+v5e (the 55M GPT of ``benchmarks/device/gpt.py`` and the kernels alone,
+``benchmarks/device/splash_sweep.py``; docs/tpu.md has the figures). The fused backward
+kernel (one kernel for dq, dk and dv) is used, and k and v are held sequence-minor
+(``block_sizes``).
 
 ``interpret=True`` runs the same kernels through Pallas's interpreter: the CPU tests
 check the whole rewrite with it; it is never used to train.
@@ -61,8 +60,8 @@ def block_sizes(length: int, tuning: dict[str, Any] | None = None) -> dict[str, 
         "block_kv_dkv": blk,
         "use_fused_bwd_kernel": True,
         # k and v held sequence-minor, (d, t), inside the kernels: the program holds k
-        # so already (kt); on the GPT, 30.24 ms/step against 30.86 with both (t, d)
-        # (gpt-kv-layout.json), and each alone 30.73 (k) and 30.68 (v) (gpt-tuning.json).
+        # so already (kt), and the GPT stepped faster so than with either in (t, d)
+        # (docs/tpu.md).
         "k_layout": "SEQ_MINOR",
         "v_layout": "SEQ_MINOR",
     }

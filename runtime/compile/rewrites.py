@@ -142,9 +142,10 @@ def power_precision(stage: Stage, ctx: RewriteContext) -> Stage:
 
 def onehot_sums(stage: Stage, ctx: RewriteContext) -> Stage:
     """On every platform, sums over a one-hot of the targets (torch_xla's cross-entropy
-    loss) as the values at the targets: each was a pass over (tokens x vocabulary), 0.2-0.36
-    ms apiece of a 55M GPT's 30.3 ms step on a TPU v5e (``stablehlo/onehot.py``). The
-    per-token values are exact; the loss adds them in another order."""
+    loss) as the values at the targets: each was a pass over (tokens x vocabulary), a few
+    percent of a 55M GPT's step on a TPU v5e apiece (``stablehlo/onehot.py``; docs/tpu.md
+    has the figures). The per-token values are exact; the loss adds them in another
+    order."""
     try:
         if not count_onehot_reductions(stage.module):
             return stage
@@ -179,7 +180,7 @@ def weight_gradients(stage: Stage, ctx: RewriteContext) -> Stage:
 def fused_attention(stage: Stage, ctx: RewriteContext) -> Stage:
     """On one TPU at the default precision, traced attention (bf16, causal or unmasked)
     as jax's splash-attention kernels, forward and backward: the (T, T) score matrices
-    took about 12 of a 55M GPT's 37.5 ms per step on a v5e (``stablehlo/attention.py``,
+    took about a third of a 55M GPT's step on a v5e (docs/tpu.md; ``stablehlo/attention.py``,
     ``runtime/compile/fused_attention.py``). Not under "high"/"highest" (the kernels' products
     are bf16) nor over several devices (a Pallas call is not partitioned)."""
     if (

@@ -257,7 +257,7 @@ class guard_host_reads(TorchFunctionMode):  # noqa: N801 - a context manager, us
             # Only while a dispatch mode is active: functorch's transforms (torch.vmap, as
             # Hugging Face's mask functions use) also return tensors that are not
             # functional wrappers, and torch_xla tracks what they make.
-            and _python_dispatch._get_current_dispatch_mode() is not None
+            and _python_dispatch._get_current_dispatch_mode() is not None  # type: ignore[no-untyped-call]
         ):
             raise self._untracked(func)
         return out

@@ -141,19 +141,6 @@ def kernels_for(platform: str, interpret: bool = False) -> Any:
     import jax
     import jax.numpy as jnp
 
-    def lower(fn: Any, *avals: Any) -> str:
-        # keep_unused: the program calls with every argument. No traceback in the
-        # locations: the kernels' bytes (part of the compile cache's key) would
-        # otherwise name the calling script's file and line.
-        config: Any = jax.config
-        limit = config.jax_traceback_in_locations_limit
-        config.update("jax_traceback_in_locations_limit", 0)
-        try:
-            traced = jax.jit(fn, keep_unused=True).trace(*avals)
-            return str(traced.lower(lowering_platforms=(platform,)).as_text())
-        finally:
-            config.update("jax_traceback_in_locations_limit", limit)
-
     def make(site: Site) -> tuple[str, str | None]:
         b, h, t, d = site.batch, site.heads, site.length, site.head_dim
         dt, st = (jnp.dtype(_NAMES[x]) for x in (site.dtype, site.scale_dtype))
@@ -161,7 +148,7 @@ def kernels_for(platform: str, interpret: bool = False) -> Any:
         aval: Any = jax.ShapeDtypeStruct
         qs, kts, ss = aval((b * h, t, d), dt), aval((b * h, d, t), dt), aval((), st)
         if site.do is None:
-            return lower(attention, qs, kts, qs, ss), None
+            return _lower(attention, platform, qs, kts, qs, ss), None
         trees: list[Any] = []
 
         def forward(q: Any, kt: Any, v: Any, scale: Any) -> Any:
@@ -175,7 +162,9 @@ def kernels_for(platform: str, interpret: bool = False) -> Any:
         def backward(residuals: Any, do: Any) -> Any:
             return jax.tree_util.tree_unflatten(trees[0], residuals)(do)
 
-        return lower(forward, qs, kts, qs, ss), lower(backward, leaves, out_aval)
+        return _lower(forward, platform, qs, kts, qs, ss), _lower(
+            backward, platform, leaves, out_aval
+        )
 
     return make
 

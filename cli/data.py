@@ -4,7 +4,9 @@
 ``(S, *batch shape)`` array per batch input (small data, held in memory; step ``i`` uses
 batch ``i % S``), or a dataset folder (``dataset.json`` and sharded ``.npy`` files,
 ``stepbundle.runtime.data.dataset``), read through a ``Loader``: memory-mapped, never loaded
-whole, shuffled by seed per epoch, its position stored in checkpoints.
+whole, shuffled by seed per epoch, its position stored in checkpoints; or, for a language
+model, a ``.npy`` of token ids (one 1-D integer array), read as a ``TokenStream``: windows
+of the bundle's context at seeded random offsets, its position stored in checkpoints.
 
 Imports: numpy, the runtime's dataset and loader (lazily).
 """
@@ -24,6 +26,7 @@ __all__ = [
     "default_batch_size",
     "eval_batches",
     "is_dataset",
+    "is_tokens",
     "open_data",
     "read_npz",
     "training_batches",
@@ -36,6 +39,51 @@ DATA_ERRORS = (OSError, ValueError, EOFError, zipfile.BadZipFile)
 def is_dataset(path: str) -> bool:
     """Whether ``path`` is a dataset folder (rather than an ``.npz``)."""
     return Path(path).is_dir()
+
+
+def is_tokens(path: str) -> bool:
+    """Whether ``path`` is a token stream: a ``.npy`` file (one 1-D array of token ids)."""
+    return Path(path).suffix == ".npy" and not Path(path).is_dir()
+
+
+def token_stream(args: argparse.Namespace, trainer: Any, processes: tuple[int, int]) -> Any:
+    """A ``TokenStream`` over ``--data`` for the bundle's train batch: one integer input
+    of shape (B, T) (the window) or two (the window and its targets, shifted by one).
+
+    Raises:
+      ValueError: the bundle's batch is not token windows; the message says what it is.
+    """
+    from stepbundle.runtime.data.tokens import TokenStream, open_tokens
+    from stepbundle.runtime.dtypes import to_numpy
+
+    batch = trainer.manifest.entries["train"].programs[0].batch
+    shapes = {tuple(b.spec.shape) for b in batch}
+    kinds = {to_numpy(b.spec.dtype).kind for b in batch}
+    if len(batch) not in (1, 2) or len(shapes) != 1 or kinds - {"i", "u"}:
+        described = ", ".join(f"{b.name}: {b.spec.dtype.value}{list(b.spec.shape)}" for b in batch)
+        raise ValueError(
+            f"--data {args.data} is a token stream (a .npy of token ids), which feeds a "
+            "batch of one or two integer (batch, context) inputs (the window, and its "
+            f"targets shifted by one token); this bundle's train batch is {described}. "
+            "Pass an .npz of batches or a dataset folder instead."
+        )
+    (shape,) = shapes
+    if len(shape) != 2:
+        raise ValueError(
+            f"--data {args.data} is a token stream, whose windows are (batch, context); "
+            f"this bundle's token inputs have the shape {list(shape)}."
+        )
+    return TokenStream(
+        open_tokens(args.data),
+        args.batch_size or shape[0],
+        shape[1],
+        inputs=[b.name for b in batch],
+        dtype=to_numpy(batch[0].spec.dtype),
+        seed=args.shuffle_seed,
+        process_index=processes[0],
+        process_count=processes[1],
+        state=trainer.data_position,
+    )
 
 
 _NPY_HEADER_READERS: dict[tuple[int, int], Any] = {}
@@ -115,6 +163,8 @@ def training_batches(
     # Each process of a job reads only its own slice of every global batch.
     processes = sorted({d.process_index for d in trainer.placement.devices})
     me = jax.process_index()
+    if is_tokens(args.data):
+        return token_stream(args, trainer, (processes.index(me), len(processes))), 0
     loader = Loader(
         open_dataset(args.data),
         args.batch_size or default_batch_size(trainer, "train"),
@@ -176,6 +226,10 @@ def open_data(args: argparse.Namespace) -> Any:
                 from stepbundle.runtime.data.dataset import open_dataset
 
                 open_dataset(path)
+            elif flag == "--data" and is_tokens(path):
+                from stepbundle.runtime.data.tokens import open_tokens
+
+                open_tokens(path)
             elif flag == "--data":
                 npz = read_npz(path)
             else:

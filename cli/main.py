@@ -140,7 +140,9 @@ def _add_run(sub: Any) -> None:
         required=True,
         help="an .npz with one (S, *shape) array per batch input (step i uses batch i %% S), "
         "or a dataset folder (dataset.json + .npy shards; see examples/write_dataset.py), "
-        "read from disk, shuffled per epoch",
+        "read from disk, shuffled per epoch, or a .npy of token ids (one 1-D integer array) "
+        "for a language model: windows of the bundle's context at random offsets drawn "
+        "from --shuffle-seed",
     )
     _add_data_options(r)
     r.add_argument("--json", action="store_true", help="one JSON object per step on stdout")
@@ -305,7 +307,8 @@ def _add_data_options(r: Any) -> None:
         type=types.at_least(0),
         default=0,
         metavar="S",
-        help="a dataset folder's shuffling seed (default 0); every epoch has its own order",
+        help="a dataset folder's shuffling seed (default 0; every epoch has its own order), "
+        "or a token stream's sampling seed",
     )
     r.add_argument("--no-shuffle", action="store_true", help="read a dataset folder in order")
     r.add_argument(

@@ -65,8 +65,9 @@ def open_tokens(path: str | Path) -> np.ndarray[Any, Any]:
     if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
         raise _refuse(
             DataErrorKind.BAD_SHARD,
-            f"The token file {str(p)!r} holds {tokens.dtype}{list(tokens.shape)}; a token "
-            "stream is one 1-D array of integer token ids (numpy.save(path, ids)).",
+            f"The token file {str(p)!r} holds {tokens.dtype}{list(tokens.shape)}; a .npy is "
+            "read as a token stream, one 1-D array of integer token ids (numpy.save(path, "
+            "ids)). Stacked batches go in an .npz (numpy.savez(path, x=xs, y=ys)).",
             p,
         )
     return tokens

@@ -90,7 +90,7 @@ def test_bad_data_files_are_refused_in_one_line(tmp_path: Path) -> None:
     zero = _npz(tmp_path / "zero.npz", x=good["x"][:0], y=good["y"][:0])
     cases = {
         str(tmp_path / "missing.npz"): "No such file",
-        str(npy): "it is not an .npz archive",
+        str(npy): "Stacked batches go in an .npz",
         str(empty): "it is not an .npz archive",
         str(truncated): "cannot read --data",
         zero: "it holds 0 batches",

@@ -23,6 +23,7 @@ import torch
 
 from stepbundle.frontend.recipe import Recipe
 from stepbundle.frontend.step_check import CPU_EAGER, Bounds, Reference
+from stepbundle.schema.version import NUMERICS_TORCH_XLA
 
 from . import xla
 from .workspace import move_to_device
@@ -89,7 +90,7 @@ XLA_NUMERICS = Reference(
 def references(numerics: str, numerics_rewrites: int) -> tuple[Reference, Reference | str]:
     """The check's reference for a step without random numbers, and for one with them
     (or why none reproduces it)."""
-    if numerics == "torch_xla":
+    if numerics == NUMERICS_TORCH_XLA:
         return XLA_NUMERICS, XLA_NUMERICS
     if numerics_rewrites:
         return CPU, (

@@ -116,7 +116,7 @@ def write_new_checkpoint(target: Path, point: str, cache: str) -> None:
     from runtime_helpers import golden_batches, golden_bundle
 
     from stepbundle.runtime import load
-    from stepbundle.runtime.state.named import checkpoint
+    from stepbundle.runtime.state import checkpoint
 
     trainer = load(
         golden_bundle("linear_adamw"),

@@ -37,6 +37,6 @@ def test_no_runtime_class_declares_attributes_it_does_not_set() -> None:
 
 
 def test_trainer_inherits_from_nothing() -> None:
-    tree = ast.parse((RUNTIME / "trainer.py").read_text())
+    tree = ast.parse((RUNTIME / "train" / "trainer.py").read_text())
     (trainer,) = [c for c in ast.walk(tree) if isinstance(c, ast.ClassDef) and c.name == "Trainer"]
     assert trainer.bases == []

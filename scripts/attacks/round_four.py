@@ -140,7 +140,9 @@ def ctrl_c_while_loading(folder: Path) -> None:
     K probe (an empty compile cache) ends every run with exit 130: never a segfault
     (139), never a KeyboardInterrupt lost in a jax callback and the run going on."""
     base = _base(folder)
-    cmd = [sys.executable, "-m", "stepbundle", *base, "--steps", "20000"]
+    # Long enough that no try ends before its signal, however fast the machine is (20,000
+    # steps once finished in 0.2 s after a 1.3 s load, before a SIGINT at 3.1 s).
+    cmd = [sys.executable, "-m", "stepbundle", *base, "--steps", "20000000"]
     cmd += ["--steps-per-call", "auto"]
     problems = []
     for i, delay in enumerate([1.0 + 0.3 * n for n in range(10)]):  # after the imports

@@ -34,7 +34,6 @@ import contextlib
 import copy
 import dataclasses
 import json
-import math
 import os
 import subprocess
 import sys
@@ -51,6 +50,8 @@ from stepbundle.schema.manifest import InputKind, Manifest, MetricOutput, StateK
 
 from .errors import ExportError
 from .recipe import Recipe
+from .step_compare import FLOAT32, LOW_PRECISION, Bounds, describe
+from .step_compare import verdicts as judge
 
 __all__ = [
     "CPU_EAGER",
@@ -123,36 +124,6 @@ class CheckFailed(ExportError):
 class CheckCouldNotRun(ExportError):
     """The check itself could not run (the runtime's process failed, or the eager step
     raised); the message says what happened and how to export without the check."""
-
-
-@dataclass(frozen=True)
-class Bounds:
-    """How far the bundle may be from the eager step, from float32 rounding.
-
-    A state tensor ``a`` (bundle) against ``b`` (eager), which were ``b0`` before the
-    step, passes when ``||a - b|| <= update * ||b - b0|| + ulps * eps * ||b|| + atol *
-    sqrt(n)`` (2-norms): the step's *update* must agree to ``update`` (relative), and
-    the new value to a few roundings of its own size. Comparing the update, not only the
-    new value, keeps the check sensitive to an update that is small beside the value it
-    changes (a parameter at a small learning rate). A metric passes when ``|a - b| <=
-    metric * |b| + atol``. Integer tensors must be equal.
-
-    The defaults hold with a wide margin on the equivalence suite's models (one step
-    differs from PyTorch float32 by about 1e-6 of the update; resnet18's BatchNorm
-    gradients 1e-5): ``docs/frontends.md`` has the figures. ``LOW_PRECISION`` is for steps
-    that compute in bfloat16 or float16 (autocast, or such state or batches).
-    """
-
-    update: float = 1e-3
-    ulps: float = 4.0
-    eps: float = float(torch.finfo(torch.float32).eps)
-    atol: float = 1e-7
-    metric: float = 1e-4
-
-
-FLOAT32 = Bounds()
-LOW_PRECISION = Bounds(update=5e-2, ulps=4.0, eps=float(torch.finfo(torch.bfloat16).eps),
-                       atol=1e-5, metric=3e-2)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -335,87 +306,6 @@ def _autocast_seen(model: torch.nn.Module) -> Iterator[list[bool]]:
         handle.remove()
 
 
-@dataclass(frozen=True)
-class _Verdict:
-    name: str
-    ratio: float  # distance / bound: above 1 fails
-    where: str
-    bundle: float
-    eager: float
-    detail: str
-
-
-def _where(i: int, shape: tuple[int, ...]) -> str:
-    """Flat index ``i`` of a tensor of ``shape``, as text ("[2, 0]"; "" for a scalar)."""
-    idx = []
-    for n in reversed(shape):
-        idx.append(i % n)
-        i //= n
-    return str(idx[::-1]) if shape else ""
-
-
-def _compare_tensor(
-    name: str, got: torch.Tensor, want: torch.Tensor, before: torch.Tensor | None, b: Bounds
-) -> _Verdict:
-    shape = tuple(want.shape)
-    if tuple(got.shape) != shape:
-        return _Verdict(name, math.inf, "", math.nan, math.nan,
-                        f"shape {tuple(got.shape)} in the bundle, {shape} eager")  # fmt: skip
-    if got.numel() == 0:
-        return _Verdict(name, 0.0, "", 0.0, 0.0, "")
-    a, w = got.double().reshape(-1), want.double().reshape(-1)
-    if not (got.is_floating_point() or want.is_floating_point()):
-        i = int(torch.argmax((a - w).abs()))
-        equal = bool(torch.equal(a, w))
-        return _Verdict(name, 0.0 if equal else math.inf, _where(i, shape), float(a[i]),
-                        float(w[i]), "integers must be equal")  # fmt: skip
-    b0 = before.double().reshape(-1) if before is not None and before.shape == shape else None
-    fw = torch.isfinite(w)
-    if not bool(fw.all()) or not bool(torch.isfinite(a).all()):
-        d = (a - w).abs().nan_to_num(nan=math.inf)
-        i = int(torch.argmax(d))
-        if not torch.equal(torch.isfinite(a), fw):
-            return _Verdict(name, math.inf, _where(i, shape), float(a[i]), float(w[i]),
-                            "non-finite values differ")  # fmt: skip
-        a, w = a[fw], w[fw]
-        b0 = b0[fw] if b0 is not None else None
-    d = a - w
-    i = int(torch.argmax(d.abs()))
-    dist = float(torch.linalg.vector_norm(d))
-    # No value before the step (state the step created): the value is the update.
-    update = float(torch.linalg.vector_norm(w - b0 if b0 is not None else w))
-    bound = (
-        b.update * update
-        + b.ulps * b.eps * float(torch.linalg.vector_norm(w))
-        + b.atol * math.sqrt(w.numel())
-    )
-    detail = f"normwise distance {dist:.3g}, bound {bound:.3g} (update {update:.3g})"
-    where = _where(i, shape) if bool(fw.all()) else "a finite element"
-    return _Verdict(name, dist / bound if bound > 0 else (0.0 if dist == 0 else math.inf),
-                    where, float(a[i]), float(w[i]), detail)  # fmt: skip
-
-
-def _compare_metric(name: str, got: list[float], want: torch.Tensor, b: Bounds) -> _Verdict:
-    w = want.detach().cpu().double().reshape(-1)
-    a = torch.tensor(got, dtype=torch.float64)
-    if a.shape != w.shape:
-        return _Verdict(name, math.inf, "", math.nan, math.nan, "shapes differ")
-    i = int(torch.argmax((a - w).abs().nan_to_num(nan=math.inf)))
-    where, x, y = _where(i, tuple(w.shape)) if w.numel() > 1 else "", float(a[i]), float(w[i])
-    if not torch.equal(torch.isfinite(a), torch.isfinite(w)):
-        return _Verdict(name, math.inf, where, x, y, "non-finite values differ")
-    fin = torch.isfinite(w)
-    d = (a[fin] - w[fin]).abs()
-    bound = b.metric * w[fin].abs() + b.atol
-    ratio = float((d / bound).max()) if d.numel() else 0.0
-    return _Verdict(name, ratio, where, x, y, f"bound {b.metric:g} relative")
-
-
-def _describe(v: _Verdict) -> str:
-    at = f"[{v.where}]" if v.where else ""
-    return f"{v.name}{at}: bundle {v.bundle!r}, eager {v.eager!r}"
-
-
 def _low_precision(manifest: Manifest, autocast: bool) -> bool:
     low = {"bfloat16", "float16", "bf16", "f16"}
     specs = [s.spec for s in manifest.state]
@@ -479,45 +369,6 @@ def _to_float64(
             if isinstance(v, torch.Tensor) and v.is_floating_point() and k != "step":
                 st[k] = v.double()
     return {k: v.double() if v.is_floating_point() else v for k, v in batch.items()}
-
-
-def _verdicts(
-    metric_names: list[str],
-    state_names: list[str],
-    bundle: tuple[Mapping[str, Any], Mapping[str, torch.Tensor]],
-    eager: tuple[Mapping[str, Any], Mapping[str, torch.Tensor]],
-    before: Mapping[str, torch.Tensor],
-    bounds: Bounds,
-) -> list[_Verdict]:
-    # A few elementwise passes over every state tensor: one thread each (torch's pool
-    # churned on a busy machine, and the comparison of resnet18 took 44 s instead of 1).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return _verdicts_of(metric_names, state_names, bundle, eager, before, bounds)
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _verdicts_of(
-    metric_names: list[str],
-    state_names: list[str],
-    bundle: tuple[Mapping[str, Any], Mapping[str, torch.Tensor]],
-    eager: tuple[Mapping[str, Any], Mapping[str, torch.Tensor]],
-    before: Mapping[str, torch.Tensor],
-    bounds: Bounds,
-) -> list[_Verdict]:
-    out = []
-    for name in metric_names:
-        want = eager[0][name]
-        want = want if isinstance(want, torch.Tensor) else torch.tensor(float(want))
-        out.append(_compare_metric(name, bundle[0][name]["values"], want, bounds))
-    for name in state_names:
-        b0 = before.get(name)
-        if b0 is None and name.endswith(".grad"):
-            b0 = torch.zeros_like(eager[1][name])
-        out.append(_compare_tensor(name, bundle[1][name], eager[1][name], b0, bounds))
-    return out
 
 
 def check_bundle(
@@ -598,10 +449,10 @@ def check_bundle(
         # State eager never made (a parameter no gradient reached) is not compared.
         state_names = [e.name for e in manifest.state if e.name in after and e.name in eager_state]
         bundle = (metrics, after)
-        verdicts = _verdicts(
+        found = judge(
             metric_names, state_names, bundle, (eager_metrics, eager_state), before, bounds
         )
-        failing = {v.name for v in verdicts if v.ratio > 1.0}
+        failing = {v.name for v in found if v.ratio > 1.0}
         arbitrated = 0
         if failing and ref.float64 and bounds is FLOAT32:
             t64 = time.perf_counter()
@@ -610,13 +461,13 @@ def check_bundle(
             m64, s64, _ = _eager(ref, recipe, model, opt, batch64, seed)
             del model, opt
             eager_seconds += time.perf_counter() - t64
-            e32 = {v.name: v for v in _verdicts(metric_names, state_names, (
+            e32 = {v.name: v for v in judge(metric_names, state_names, (
                 {k: {"values": torch.as_tensor(v).double().reshape(-1).tolist()}
                  for k, v in eager_metrics.items() if k in metric_names}, eager_state),
                 (m64, s64), before, bounds) if v.name in failing}  # fmt: skip
-            b64 = _verdicts(metric_names, state_names, bundle, (m64, s64), before, bounds)
+            b64 = judge(metric_names, state_names, bundle, (m64, s64), before, bounds)
             kept = []
-            for v in verdicts:
+            for v in found:
                 if v.name in failing:
                     v64 = next(x for x in b64 if x.name == v.name)
                     own = e32[v.name].ratio  # PyTorch float32's own distance, in bounds
@@ -624,17 +475,17 @@ def check_bundle(
                         arbitrated += 1
                         v = dataclasses.replace(v, ratio=v64.ratio / max(1.0, 2.0 * own))
                 kept.append(v)
-            verdicts = kept
+            found = kept
     seconds = time.perf_counter() - t0
-    if not verdicts:  # pragma: no cover - every train program has a loss metric
+    if not found:  # pragma: no cover - every train program has a loss metric
         return CheckReport(False, reason="nothing to compare")
-    worst = max(verdicts, key=lambda v: v.ratio)
+    worst = max(found, key=lambda v: v.ratio)
     if worst.ratio > 1.0:
         with contextlib.suppress(OSError):
             path.unlink()
         raise CheckFailed(
             f"The exported step does not compute what the recipe's step computes: after one "
-            f"step from the same state and batch, {_describe(worst)} ({worst.detail}; "
+            f"step from the same state and batch, {describe(worst)} ({worst.detail}; "
             f"{worst.ratio:.3g}x the bound float32 rounding explains). Compared against "
             f"{ref.name}. The bundle at {os.fspath(path)!r} was removed. This is a bug of "
             f"stepbundle or an unsupported pattern in the step: please report it with the "
@@ -650,7 +501,7 @@ def check_bundle(
         runtime_seconds=runtime_seconds,
         eager_seconds=eager_seconds,
         cpu_seconds=_cpu_time() - cpu0,
-        compared=len(verdicts),
+        compared=len(found),
         closest=f"{worst.name} at {worst.ratio:.2g} of it"
         + (
             f"; {arbitrated} within PyTorch float32's own distance from float64"

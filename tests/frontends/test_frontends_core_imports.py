@@ -19,6 +19,7 @@ CORE = [
     "stepbundle.frontend.recipe",
     "stepbundle.frontend.schedulers",
     "stepbundle.frontend.step_check",
+    "stepbundle.frontend.step_compare",
     "stepbundle.frontend.step_io",
     "stepbundle.frontend.tables",
     "stepbundle.frontend.user_objects",

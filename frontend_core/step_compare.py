@@ -1,0 +1,167 @@
+"""The export check's comparison: how far a bundle's step may be from the eager one
+(``Bounds``), and each metric's and state tensor's distance against its bound
+(``verdicts``). ``step_check.py`` runs the two steps; this module only compares.
+
+Imports: torch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["FLOAT32", "LOW_PRECISION", "Bounds", "Verdict", "describe", "verdicts"]
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """How far the bundle may be from the eager step, from float32 rounding.
+
+    A state tensor ``a`` (bundle) against ``b`` (eager), which were ``b0`` before the
+    step, passes when ``||a - b|| <= update * ||b - b0|| + ulps * eps * ||b|| + atol *
+    sqrt(n)`` (2-norms): the step's *update* must agree to ``update`` (relative), and
+    the new value to a few roundings of its own size. Comparing the update, not only the
+    new value, keeps the check sensitive to an update that is small beside the value it
+    changes (a parameter at a small learning rate). A metric passes when ``|a - b| <=
+    metric * |b| + atol``. Integer tensors must be equal.
+
+    The defaults hold with a wide margin on the equivalence suite's models (one step
+    differs from PyTorch float32 by about 1e-6 of the update; resnet18's BatchNorm
+    gradients 1e-5): ``docs/frontends.md`` has the figures. ``LOW_PRECISION`` is for steps
+    that compute in bfloat16 or float16 (autocast, or such state or batches).
+    """
+
+    update: float = 1e-3
+    ulps: float = 4.0
+    eps: float = float(torch.finfo(torch.float32).eps)
+    atol: float = 1e-7
+    metric: float = 1e-4
+
+
+FLOAT32 = Bounds()
+LOW_PRECISION = Bounds(update=5e-2, ulps=4.0, eps=float(torch.finfo(torch.bfloat16).eps),
+                       atol=1e-5, metric=3e-2)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Verdict:
+    name: str
+    ratio: float  # distance / bound: above 1 fails
+    where: str
+    bundle: float
+    eager: float
+    detail: str
+
+
+def _where(i: int, shape: tuple[int, ...]) -> str:
+    """Flat index ``i`` of a tensor of ``shape``, as text ("[2, 0]"; "" for a scalar)."""
+    idx = []
+    for n in reversed(shape):
+        idx.append(i % n)
+        i //= n
+    return str(idx[::-1]) if shape else ""
+
+
+def _compare_tensor(
+    name: str, got: torch.Tensor, want: torch.Tensor, before: torch.Tensor | None, b: Bounds
+) -> Verdict:
+    shape = tuple(want.shape)
+    if tuple(got.shape) != shape:
+        return Verdict(name, math.inf, "", math.nan, math.nan,
+                        f"shape {tuple(got.shape)} in the bundle, {shape} eager")  # fmt: skip
+    if got.numel() == 0:
+        return Verdict(name, 0.0, "", 0.0, 0.0, "")
+    a, w = got.double().reshape(-1), want.double().reshape(-1)
+    if not (got.is_floating_point() or want.is_floating_point()):
+        i = int(torch.argmax((a - w).abs()))
+        equal = bool(torch.equal(a, w))
+        return Verdict(name, 0.0 if equal else math.inf, _where(i, shape), float(a[i]),
+                        float(w[i]), "integers must be equal")  # fmt: skip
+    b0 = before.double().reshape(-1) if before is not None and before.shape == shape else None
+    fw = torch.isfinite(w)
+    if not bool(fw.all()) or not bool(torch.isfinite(a).all()):
+        d = (a - w).abs().nan_to_num(nan=math.inf)
+        i = int(torch.argmax(d))
+        if not torch.equal(torch.isfinite(a), fw):
+            return Verdict(name, math.inf, _where(i, shape), float(a[i]), float(w[i]),
+                            "non-finite values differ")  # fmt: skip
+        a, w = a[fw], w[fw]
+        b0 = b0[fw] if b0 is not None else None
+    d = a - w
+    i = int(torch.argmax(d.abs()))
+    dist = float(torch.linalg.vector_norm(d))
+    # No value before the step (state the step created): the value is the update.
+    update = float(torch.linalg.vector_norm(w - b0 if b0 is not None else w))
+    bound = (
+        b.update * update
+        + b.ulps * b.eps * float(torch.linalg.vector_norm(w))
+        + b.atol * math.sqrt(w.numel())
+    )
+    detail = f"normwise distance {dist:.3g}, bound {bound:.3g} (update {update:.3g})"
+    where = _where(i, shape) if bool(fw.all()) else "a finite element"
+    return Verdict(name, dist / bound if bound > 0 else (0.0 if dist == 0 else math.inf),
+                    where, float(a[i]), float(w[i]), detail)  # fmt: skip
+
+
+def _compare_metric(name: str, got: list[float], want: torch.Tensor, b: Bounds) -> Verdict:
+    w = want.detach().cpu().double().reshape(-1)
+    a = torch.tensor(got, dtype=torch.float64)
+    if a.shape != w.shape:
+        return Verdict(name, math.inf, "", math.nan, math.nan, "shapes differ")
+    i = int(torch.argmax((a - w).abs().nan_to_num(nan=math.inf)))
+    where, x, y = _where(i, tuple(w.shape)) if w.numel() > 1 else "", float(a[i]), float(w[i])
+    if not torch.equal(torch.isfinite(a), torch.isfinite(w)):
+        return Verdict(name, math.inf, where, x, y, "non-finite values differ")
+    fin = torch.isfinite(w)
+    d = (a[fin] - w[fin]).abs()
+    bound = b.metric * w[fin].abs() + b.atol
+    ratio = float((d / bound).max()) if d.numel() else 0.0
+    return Verdict(name, ratio, where, x, y, f"bound {b.metric:g} relative")
+
+
+def describe(v: Verdict) -> str:
+    at = f"[{v.where}]" if v.where else ""
+    return f"{v.name}{at}: bundle {v.bundle!r}, eager {v.eager!r}"
+
+
+def verdicts(
+    metric_names: list[str],
+    state_names: list[str],
+    bundle: tuple[Mapping[str, Any], Mapping[str, torch.Tensor]],
+    eager: tuple[Mapping[str, Any], Mapping[str, torch.Tensor]],
+    before: Mapping[str, torch.Tensor],
+    bounds: Bounds,
+) -> list[Verdict]:
+    # A few elementwise passes over every state tensor: one thread each (torch's pool
+    # churned on a busy machine, and the comparison of resnet18 took 44 s instead of 1).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _verdicts_of(metric_names, state_names, bundle, eager, before, bounds)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _verdicts_of(
+    metric_names: list[str],
+    state_names: list[str],
+    bundle: tuple[Mapping[str, Any], Mapping[str, torch.Tensor]],
+    eager: tuple[Mapping[str, Any], Mapping[str, torch.Tensor]],
+    before: Mapping[str, torch.Tensor],
+    bounds: Bounds,
+) -> list[Verdict]:
+    out = []
+    for name in metric_names:
+        want = eager[0][name]
+        want = want if isinstance(want, torch.Tensor) else torch.tensor(float(want))
+        out.append(_compare_metric(name, bundle[0][name]["values"], want, bounds))
+    for name in state_names:
+        b0 = before.get(name)
+        if b0 is None and name.endswith(".grad"):
+            b0 = torch.zeros_like(eager[1][name])
+        out.append(_compare_tensor(name, bundle[1][name], eager[1][name], b0, bounds))
+    return out

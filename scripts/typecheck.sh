@@ -11,15 +11,18 @@
 # folders move under one package directory.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-t=build/typecheck/stepbundle
-rm -rf build/typecheck && mkdir -p "$t"
+# TYPECHECK_DIR: where the mirror goes (default build/typecheck); give each concurrent run its own.
+d=${TYPECHECK_DIR:-build/typecheck}
+t=$d/stepbundle
+rm -rf "$d" && mkdir -p "$t"
 for f in package/*; do ln -s "$PWD/$f" "$t/$(basename "$f")"; done
 for pkg in schema stablehlo runtime exporter cli; do ln -s "$PWD/$pkg" "$t/$pkg"; done
 ln -s "$PWD/frontend_torch" "$t/export_torch"
 ln -s "$PWD/frontend_core" "$t/frontend"
-cd build/typecheck
-../../.venv/bin/mypy --config-file ../../pyproject.toml -m stepbundle -m stepbundle._version \
+root=$PWD
+cd "$d"
+"$root/.venv/bin/mypy" --config-file "$root/pyproject.toml" -m stepbundle -m stepbundle._version \
   -p stepbundle.schema -p stepbundle.stablehlo -p stepbundle.runtime -p stepbundle.cli \
   -p stepbundle.frontend -p stepbundle.exporter
-../../.venv/bin/mypy --config-file ../../pyproject.toml --follow-imports=silent \
-  --python-executable ../../.venv-torch/bin/python -p stepbundle.export_torch
+"$root/.venv/bin/mypy" --config-file "$root/pyproject.toml" --follow-imports=silent \
+  --python-executable "$root/.venv-torch/bin/python" -p stepbundle.export_torch

@@ -9,7 +9,7 @@ import torch
 
 from stepbundle.schema.errors import BundleError
 
-__all__ = ["ExportError", "not_a_parameter"]
+__all__ = ["ExportError", "MetaTensorError", "not_a_parameter"]
 
 
 class ExportError(BundleError):
@@ -17,6 +17,12 @@ class ExportError(BundleError):
 
     The exporter refuses rather than write a bundle that would replay the step wrong.
     """
+
+
+class MetaTensorError(ExportError):
+    """A state tensor is on the ``meta`` device (no values) where the bundle needs its values:
+    a weights-holding export (``include_state=True``) of a model built on meta, or a
+    non-persistent buffer (rotary tables, masks) on meta, which no checkpoint holds."""
 
 
 def not_a_parameter(optimizer: torch.optim.Optimizer, tensor: torch.Tensor) -> ExportError:

@@ -24,7 +24,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
-    from stepbundle.runtime import CompileOptions, LoadOptions, load
+    from stepbundle.runtime import CompileOptions, LoadOptions, ParallelOptions, load
     from stepbundle.runtime.io.file_kinds import NotARegularFileError
     from stepbundle.runtime.train.metrics import json_safe
     from stepbundle.schema.errors import BundleError
@@ -47,12 +47,17 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     except (*DATA_ERRORS, BundleError) as e:
         return _die(f"cannot read --data {args.data!r}: {e}", 2)
     try:
+        _cpu_devices(args)
         compiling = CompileOptions(
             entries=(args.entry,),
             cache_dir=False if args.no_cache else (args.cache_dir or True),
             fused_attention=not args.no_fused_attention,
         )
-        options = LoadOptions(compile=compiling, state=state_options(args))
+        options = LoadOptions(
+            compile=compiling,
+            state=state_options(args),
+            parallel=ParallelOptions(devices=args.devices, layout=args.layout),
+        )
         trainer = load(args.bundle, args.device, options=options)
         if args.resume:
             trainer.load_checkpoint(args.resume, allow_other_bundle=args.allow_other_bundle)
@@ -73,3 +78,16 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         print(f"{shown}  ({result.rows} rows, {result.batches} batches)")
         print(f"[eval] state at step {trainer.step_count}", file=sys.stderr)
     return 0
+
+
+def _cpu_devices(args: argparse.Namespace) -> None:
+    """``--devices N`` on the CPU: N virtual devices, as ``run`` makes them (before jax
+    starts; a count XLA_FLAGS already sets wins)."""
+    import os
+
+    from stepbundle.runtime.placement import distributed
+
+    platform = args.device.partition(":")[0].lower()
+    forced = "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", "")
+    if platform == "cpu" and isinstance(args.devices, int) and args.devices > 1 and not forced:
+        distributed.set_cpu_devices(args.devices)

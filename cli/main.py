@@ -223,6 +223,15 @@ def _add_run(sub: Any) -> None:
         help="with several devices, split optimizer state over them (ZeRO-1)",
     )
     r.add_argument(
+        "--layout",
+        default="dp",
+        metavar="SPEC",
+        help="what the devices split: dp (the state replicated), zero1 (optimizer state), "
+        "fsdp (parameters, gradients and optimizer state), each optionally +tp[:M] (a "
+        "data x model mesh, M devices on the model axis, large matmul weights split over it); "
+        "docs/parallel.md",
+    )
+    r.add_argument(
         "--coordinator",
         metavar="HOST:PORT",
         help="join a multi-process job whose process 0 listens here (jax.distributed)",
@@ -385,6 +394,8 @@ def _add_eval(sub: Any) -> None:
         help=argparse.SUPPRESS,
     )
     ev.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    ev.add_argument("--devices", type=types.devices, default=1, metavar="N|all", help="as for run")
+    ev.add_argument("--layout", default="dp", metavar="SPEC", help="as for run")
     _add_device_options(ev)
     ev.set_defaults(fn=cmd_eval)
 

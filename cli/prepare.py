@@ -90,6 +90,7 @@ def add_compile(sub: Any, add_device_options: Callable[[Any], None]) -> None:
     c.add_argument("--expect-digest", type=types.digest, metavar="sha256:...")
     c.add_argument("--devices", type=types.devices, default=1, metavar="N|all", help=same)
     c.add_argument("--shard-optimizer-state", action="store_true", help=same)
+    c.add_argument("--layout", default="dp", metavar="SPEC", help=same)
     c.add_argument("--stop-on-nonfinite", action="store_true", help=same)
     c.add_argument("--pack-state", type=types.at_least(0), default=65536, metavar="N", help=same)
     c.add_argument(
@@ -154,7 +155,9 @@ def _cmd_compile(args: argparse.Namespace) -> int:
                 expect_digest=args.expect_digest, stop_on_nonfinite=args.stop_on_nonfinite
             ),
             parallel=ParallelOptions(
-                devices=args.devices, shard_optimizer_state=args.shard_optimizer_state
+                devices=args.devices,
+                shard_optimizer_state=args.shard_optimizer_state,
+                layout=args.layout,
             ),
         )
         trainer = load(args.bundle, args.device, options=options)

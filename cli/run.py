@@ -235,7 +235,9 @@ def _open_trainer(args: argparse.Namespace) -> Any:
             check_state=args.check_state,
         ),
         parallel=ParallelOptions(
-            devices=args.devices, shard_optimizer_state=args.shard_optimizer_state
+            devices=args.devices,
+            shard_optimizer_state=args.shard_optimizer_state,
+            layout=args.layout,
         ),
     )
     # A sha256: bundle was found and verified in the store once (outputs._check_bundle);

@@ -32,6 +32,7 @@ from .fallback import PathChoice
 from .io import remote
 from .io.store import default_cache_dir, is_digest, resolve_bundle
 from .options import LoadOptions
+from .parallel_layout import DataSplit, LayoutError
 from .placement import packing
 from .placement.devices import client_for, parse_device, select_devices
 from .placement.sharding import Placement, zero1_split
@@ -294,7 +295,10 @@ def _layout_and_placement(
     pack = opts.state.pack_state
     limit = packing.DEFAULT_MAX_ELEMENTS if pack is True else int(pack)
     apart: frozenset[str] = frozenset()
-    if opts.parallel.shard_optimizer_state and len(run_devices) > 1:
+    wanted = opts.parallel.parsed_layout
+    if wanted.data is DataSplit.FSDP or wanted.model > 1:
+        raise LayoutError(f"The layout {wanted.spec!r} is not built yet; use dp or zero1.")
+    if wanted.data is DataSplit.ZERO1 and len(run_devices) > 1:
         apart = zero1_split(manifest, packing.unpacked(manifest), len(run_devices))
     layout = (
         packing.plan_layout(manifest, limit, apart) if limit > 0 else packing.unpacked(manifest)

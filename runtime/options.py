@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from stepbundle.stablehlo.precision import MATMUL_PRECISIONS
 
 from .errors import BindingError, PlatformError
+from .parallel_layout import DataSplit, LayoutError, ParallelLayout, ShardRule, parse_layout
 
 __all__ = [
     "CompileOptions",
@@ -248,11 +249,24 @@ class ParallelOptions:
         Only shape buckets whose batch splits evenly over N can run.
       shard_optimizer_state: with N > 1 devices, split optimizer state (tensors whose
         first dimension is a multiple of N) over the devices instead of replicating
-        it (ZeRO stage 1); each device then holds 1/N of it.
+        it (ZeRO stage 1); each device then holds 1/N of it. The same as
+        ``layout="zero1"``.
+      layout: what the devices split, as one spec string (``parallel_layout.py``):
+        ``"dp"`` (default: the state replicated), ``"zero1"`` (optimizer state split),
+        ``"fsdp"`` (parameters, kept gradients and optimizer state split), each
+        optionally with ``"+tp"`` or ``"+tp:M"``: a 2-D mesh of N/M x M devices whose
+        model axis splits the large matmul weights (``tp_rules``). Kept as the
+        normalized spec (``"fsdp+tp:2"``).
+      tp_rules: with ``+tp``, which parameters are split on which dimension over the
+        model axis (``ShardRule`` s, the first match wins); None: the default rules
+        for transformer names (``parallel_layout.DEFAULT_TP_RULES``). A rule that
+        matches a parameter whose dimension does not divide is refused at load.
     """
 
     devices: int | str = 1
     shard_optimizer_state: bool = False
+    layout: str = "dp"
+    tp_rules: tuple[ShardRule, ...] | None = None
 
     def __post_init__(self) -> None:
         d = self.devices
@@ -264,6 +278,28 @@ class ParallelOptions:
         elif d < 1:
             raise PlatformError(f"devices must be a whole number of at least 1, got {d!r}.")
         _flags(self, "shard_optimizer_state")
+        parsed = parse_layout(self.layout)  # LayoutError for a spec that does not parse
+        if self.shard_optimizer_state and parsed.data is DataSplit.DP:
+            parsed = ParallelLayout(DataSplit.ZERO1, parsed.model)
+        object.__setattr__(self, "layout", parsed.spec)
+        rules: object = self.tp_rules
+        if rules is not None:
+            if isinstance(rules, ShardRule) or not isinstance(rules, (tuple, list)):
+                raise LayoutError(
+                    f"tp_rules must be a sequence of ShardRule (or None for the defaults), "
+                    f"got {rules!r}."
+                )
+            for rule in rules:
+                if not isinstance(rule, ShardRule):
+                    raise LayoutError(
+                        f"tp_rules holds {rule!r}; each rule is a ShardRule(pattern, dim)."
+                    )
+            object.__setattr__(self, "tp_rules", tuple(rules))
+
+    @property
+    def parsed_layout(self) -> ParallelLayout:
+        """``layout`` as a ``ParallelLayout`` (data split and model axis)."""
+        return parse_layout(self.layout)
 
 
 @dataclass(frozen=True)
@@ -301,6 +337,8 @@ class LoadOptions:
         devices: int | str = 1,
         pack_state: bool | int = True,
         shard_optimizer_state: bool = False,
+        layout: str = "dp",
+        tp_rules: tuple[ShardRule, ...] | None = None,
         init_from: PathLike | None = None,
         init_strict: bool = True,
         compile_only: bool = False,
@@ -329,5 +367,10 @@ class LoadOptions:
                 stop_on_nonfinite=stop_on_nonfinite,
                 check_state=check_state,
             ),
-            parallel=ParallelOptions(devices=devices, shard_optimizer_state=shard_optimizer_state),
+            parallel=ParallelOptions(
+                devices=devices,
+                shard_optimizer_state=shard_optimizer_state,
+                layout=layout,
+                tp_rules=tp_rules,
+            ),
         )

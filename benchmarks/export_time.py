@@ -25,7 +25,8 @@ def child(name: str, execute: bool, out: str) -> None:
     import torch
     import torchvision
 
-    from stepbundle.exporter import Recipe, export
+    from stepbundle.exporter import Recipe
+    from stepbundle.exporter.export import export_running_traced_steps
 
     t0 = time.perf_counter()
     torch.manual_seed(0)
@@ -46,7 +47,7 @@ def child(name: str, execute: bool, out: str) -> None:
         example_batch=batch,
     )
     t1 = time.perf_counter()
-    rep = export(recipe, out, run_traced_steps=execute)
+    rep = export_running_traced_steps(recipe, out, run_traced_steps=execute)
     t2 = time.perf_counter()
     print(json.dumps({"build_s": t1 - t0, "export_s": t2 - t1, "stages_s": rep.stage_seconds}))
 

@@ -174,7 +174,6 @@ def export(
     *,
     mlir_dir: str | os.PathLike[str] | None = None,
     progress: Callable[[str], None] | None = None,
-    run_traced_steps: bool = False,
     check: bool | None = None,
 ) -> ExportReport:
     """Trace ``recipe``'s step with torch_xla and write a bundle to ``path``.
@@ -188,11 +187,6 @@ def export(
       path: where to write the bundle (atomically).
       mlir_dir: if given, each program is also written there as ``.mlir`` text.
       progress: called with a line per stage (the CLI prints them).
-      run_traced_steps: compile and run each traced training step, as torch_xla eager
-        would, instead of dropping it (the default, ``xla.skip_step``). The bundle is
-        the same either way; running costs the steps' compile time (most of an
-        export's), and is there to check that claim and to time it
-        (``benchmarks/export_time.py``).
       check: after writing, step the bundle once on the CPU through the runtime (in a
         child process) and the recipe once eagerly on a copy, and refuse when a metric
         or state tensor differs beyond float32 rounding (``stepbundle.frontend.step_check``;
@@ -205,6 +199,28 @@ def export(
       ExportError: the step cannot be replayed faithfully; the message says why.
       CheckFailed: the check found the bundle's step computing something else (the
         bundle is removed); an ``ExportError``.
+    """
+    return export_running_traced_steps(
+        recipe, path, mlir_dir=mlir_dir, progress=progress, check=check, run_traced_steps=False
+    )
+
+
+def export_running_traced_steps(
+    recipe: Recipe,
+    path: str | os.PathLike[str],
+    *,
+    run_traced_steps: bool,
+    mlir_dir: str | os.PathLike[str] | None = None,
+    progress: Callable[[str], None] | None = None,
+    check: bool | None = None,
+) -> ExportReport:
+    """``export``, with the internal knob ``run_traced_steps`` (not part of the public face).
+
+    ``run_traced_steps=True`` compiles and runs each traced training step, as torch_xla
+    eager would, instead of dropping it (``export``'s way, ``xla.skip_step``). The bundle
+    is the same either way; running costs the steps' compile time (most of an export's),
+    and is there to check that claim (``tests/exporter/test_export_skip_steps.py``) and to
+    time it (``benchmarks/export_time.py``). The other arguments are ``export``'s.
     """
     say = progress or (lambda _msg: None)
     times: dict[str, float] = {}

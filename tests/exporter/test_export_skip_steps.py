@@ -15,6 +15,7 @@ import torch
 from export_helpers import mse_step, regression_batch
 
 from stepbundle.exporter import ExportError, Recipe, export
+from stepbundle.exporter.export import export_running_traced_steps
 from stepbundle.schema import open_bundle
 from stepbundle.stablehlo.artifact import parse_artifact
 
@@ -45,7 +46,7 @@ def _dropout_sgd_seeded() -> Recipe:
 
 
 def _export(recipe: Recipe, path: Path, *, execute: bool) -> Path:
-    export(recipe, path, run_traced_steps=execute)
+    export_running_traced_steps(recipe, path, run_traced_steps=execute)
     return path
 
 

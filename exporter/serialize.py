@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from stepbundle.frontend.errors import ExportError
 from stepbundle.stablehlo import artifact as mlir
+from stepbundle.stablehlo.attention_composite import count_composites, stamp_version
 
 from . import xla
 from .bind import BoundProgram
@@ -17,6 +18,20 @@ from .numerics import apply_numerics
 from .rng_seeds import derive_seeds
 
 __all__ = ["lower_program"]
+
+COMPOSITE_SINCE = (0, 19, 0)
+"""The first StableHLO version with ``stablehlo.composite`` (``vhlo.composite_v1``): a
+program holding one is not tried at older targets (each failure prints MLIR's errors)."""
+
+
+def _targets(module: mlir.Module) -> list[str]:
+    if not count_composites(module):
+        return list(mlir.TARGET_CANDIDATES)
+    return [
+        t
+        for t in mlir.TARGET_CANDIDATES
+        if tuple(int(x) for x in t.split(".")[:3]) >= COMPOSITE_SINCE
+    ]
 
 
 def _parse(bound: BoundProgram, what: str, numerics: str) -> tuple[mlir.Module, int]:
@@ -33,6 +48,8 @@ def _parse(bound: BoundProgram, what: str, numerics: str) -> tuple[mlir.Module, 
         ) from e
     # Serializing converts the module to VHLO in place: every use starts from a fresh parse.
     module.strip_attributes()
+    # SDPA's composites (exporter/attention_composites.py): torch_xla writes no version
+    stamp_version(module)
     if bound.derived_seeds:
         assert bound.seed_input is not None
         derive_seeds(module, bound.seed_input, bound.derived_seeds)
@@ -60,7 +77,7 @@ def lower_program(
         )
     text = module.text()
     errors = []
-    for target in mlir.TARGET_CANDIDATES:
+    for target in _targets(module):
         attempt, _ = _parse(bound, what, numerics)
         try:
             return attempt.portable_artifact(target), target, text, rewrites

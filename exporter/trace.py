@@ -22,6 +22,7 @@ from stepbundle.frontend.step_io import checked_metrics, hyperparameter_values
 from stepbundle.schema.manifest import StateKind
 
 from . import xla
+from .attention_composites import sdpa_composites
 from .host_reads import guard_host_reads
 from .modes import eval_batchnorm
 from .optimizers import traced_optimizer
@@ -185,7 +186,7 @@ def trace_train(
     run: bool = False,
 ) -> StepTrace:
     """Trace one training step on the workspace (and run it, with ``run``:
-    ``export(run_traced_steps=True)``).
+    ``export_running_traced_steps(run_traced_steps=True)``).
 
     Running it leaves the workspace in the state after the step, as in eager training
     with one sync per step. Not running it (compiling the step was almost all of export
@@ -220,6 +221,7 @@ def trace_train(
     try:
         with (
             contextlib.nullcontext() if plain else eval_batchnorm(),
+            contextlib.nullcontext() if plain else sdpa_composites(),
             traced_optimizer(ws.optimizer),
             contextlib.nullcontext() if plain else guard_host_reads("training step"),
             counting_checkpoints(),
@@ -361,7 +363,11 @@ def trace_eval(
     ws.model.eval()
     try:
         plain = xla.ir_debugging()  # as in trace_train
-        with torch.no_grad(), contextlib.nullcontext() if plain else guard_host_reads(what):
+        with (
+            torch.no_grad(),
+            contextlib.nullcontext() if plain else sdpa_composites(),
+            contextlib.nullcontext() if plain else guard_host_reads(what),
+        ):
             result = eval_fn(ws.model, dict(batch))
         eval_modules = ws.eval_modules()
         _check_no_host_round_trip(counters, xla.counters(), what)

@@ -48,6 +48,8 @@ __all__ = [
     "ir_text",
     "is_spmd",
     "lower",
+    "mark_composite",
+    "numbers_as_constants",
     "package_dir",
     "round_trips",
     "seed_input_id",
@@ -195,6 +197,45 @@ def checkpoint_function() -> Any:
     """torch_xla's ``CheckpointFunction`` (``torch_xla.utils.checkpoint``), which
     ``exporter/segments.py`` watches while a step is traced."""
     return _module("torch_xla.utils.checkpoint").CheckpointFunction
+
+
+def mark_composite(
+    tensors: Sequence[torch.Tensor],
+    name: str,
+    instance: str,
+    is_input: bool,
+    attributes: Mapping[str, bool | int | float | str] | None = None,
+) -> list[torch.Tensor]:
+    """``tensors`` marked as the inputs (or outputs, which carry ``attributes``) of one
+    ``stablehlo.composite`` named ``name`` (torch_xla's ``StableHLOCompositeBuilder``,
+    whose random instance id would make two traces of one step differ: ``instance`` is
+    the caller's, stable across traces). torch_xla's lowering turns the ops between the
+    marks into the composite's decomposition; a marked tensor the graph never reaches is
+    not an operand or result."""
+    _module("torch_xla.experimental.xla_marker")  # defines torch.ops.xla.mark_tensor
+    attr = None if is_input or attributes is None else tuple(attributes.items())
+    mark = torch.ops.xla.mark_tensor
+    return [
+        mark(t, name=name, pos=i, id=instance, is_input=is_input, attr=attr)
+        for i, t in enumerate(tensors)
+    ]
+
+
+@contextlib.contextmanager
+def numbers_as_constants() -> Iterator[None]:
+    """Within it, Python numbers in lazy ops become constants of the graph, not graph
+    inputs (torch_xla's ``all_numbers_special_scalars``; by default only 0 and 1 are):
+    a composite's decomposition must not read @main's arguments other than its
+    operands. Restores the setting on exit."""
+    xlac = _xlac()
+    before = xlac._get_xla_all_numbers_special_scalars()
+    if not isinstance(before, bool):
+        raise _api_changed("_XLAC._get_xla_all_numbers_special_scalars", before, "a bool")
+    xlac._set_xla_all_numbers_special_scalars(True)
+    try:
+        yield
+    finally:
+        xlac._set_xla_all_numbers_special_scalars(before)
 
 
 def lower(roots: Sequence[torch.Tensor]) -> tuple[str, bytes]:

@@ -457,15 +457,41 @@ def _backward(site: Site) -> bool:
     return True
 
 
+def _in_composite_decompositions(module: Module) -> set[Any]:
+    """The operations of the functions that attention composites name as their
+    decomposition."""
+    from .attention_composite import find_composites
+
+    names = set()
+    for op, _ in find_composites(module):
+        names.add(str(op.attributes["decomposition"]).lstrip("@").strip('"'))
+    inside: set[Any] = set()
+    if not names:
+        return inside
+    for op in module._operations():
+        if op.name == "func.func" and str(op.attributes["sym_name"]).strip('"') in names:
+            stack = [op]
+            while stack:
+                o = stack.pop()
+                inside.add(o)
+                for region in o.regions:
+                    for block in region.blocks:
+                        stack.extend(child.operation for child in block.operations)
+    return inside
+
+
 def count_score_products(module: Module) -> int:
     """How many batched products make a (n, T, T) result with T >= 128 (attention's
     scores, and in a backward the probabilities' gradient): two per training attention,
-    what ``find_attention`` should account for."""
+    what ``find_attention`` should account for. Those of an attention composite's
+    decomposition (``attention_composite.py``, accounted for there) are not counted."""
     with module._ctx:
+        inside = _in_composite_decompositions(module)
         return sum(
             1
             for op in module._operations()
             if _batched_matmul(op)
+            and op not in inside
             and shape_of(op.result)[1] == shape_of(op.result)[2] >= 128
             and shape_of(op.operands[0])[2] < shape_of(op.result)[2]
         )

@@ -11,7 +11,9 @@ composite); a TPU runtime calls fused kernels instead where the attributes allow
     stepbundle.attention_grad  (dout, q, k, v, out, lse[, mask]) -> (dq, dk, dv)
 
 q is (B, H, Tq, D), k and v (B, H / groups, Tk, D) (v's last dim may differ), out is
-q's dtype, lse (B, H, Tq) float32: the rows' logsumexp of the scaled, masked scores.
+q's dtype, lse (B, H, Tq) float32: the rows' logsumexp of the scaled, masked scores. A
+forward whose lse nothing reads may return ``out`` alone (torch_xla drops a composite
+result its graph never reaches: an eval program's); a reader takes both forms.
 The mask operand is there when ``mask`` is ``boolean`` (True keeps a score) or
 ``additive`` (added to the scores); it broadcasts to (B, H, Tq, Tk). Attributes
 (``composite_attributes``): ``causal`` (bool: the upper triangle of (Tq, Tk), aligned
@@ -45,6 +47,7 @@ __all__ = [
     "count_composites",
     "find_composites",
     "rewrite_composites",
+    "stamp_version",
 ]
 
 NAME = "stepbundle.attention"
@@ -162,6 +165,20 @@ def find_composites(module: Module) -> list[tuple[Any, Attention | None]]:
         return found
 
 
+def stamp_version(module: Module) -> int:
+    """Give every attention composite without a version this format's (torch_xla's
+    composite builder writes none), in place; returns how many."""
+    stamped = 0
+    with module._ctx:
+        for op, _ in find_composites(module):
+            if "version" not in op.attributes:
+                op.attributes["version"] = ir.IntegerAttr.get(
+                    ir.IntegerType.get_signless(32), VERSION
+                )
+                stamped += 1
+    return stamped
+
+
 def count_composites(module: Module) -> int:
     """How many attention composites ``module`` holds (forward and backward)."""
     return len(find_composites(module))
@@ -204,18 +221,19 @@ def rewrite_composites(
                 made[att] = insert_functions(
                     module, kernels(att), f"stepbundle_sdpa{len(made)}_{kind}"
                 )
-                ft = function_type(module, made[att])
-                want_in = [str(v.type) for v in op.operands]
-                want_out = [str(r.type) for r in op.results]
-                got_in, got_out = [str(t) for t in ft.inputs], [str(t) for t in ft.results]
-                if got_in != want_in or got_out != want_out:
-                    raise ValueError(
-                        f"the fused {att.describe()} takes {got_in} -> {got_out}, the "
-                        f"composite {want_in} -> {want_out}"
-                    )
+            ft = function_type(module, made[att])
+            want_in = [str(v.type) for v in op.operands]
+            want_out = [str(r.type) for r in op.results]
+            got_in, got_out = [str(t) for t in ft.inputs], [str(t) for t in ft.results]
+            # A forward whose lse no one reads may give ``out`` alone (module docstring)
+            if got_in != want_in or got_out[: len(want_out)] != want_out or not want_out:
+                raise ValueError(
+                    f"the fused {att.describe()} takes {got_in} -> {got_out}, the "
+                    f"composite {want_in} -> {want_out}"
+                )
             new = call(module, made[att], list(op.operands), op)
-            for i, value in enumerate(new):
-                op.results[i].replace_all_uses_with(value)
+            for result, value in zip(op.results, new):
+                result.replace_all_uses_with(value)
             op.erase()
             replaced.append(att)
         if replaced:

@@ -15,6 +15,8 @@ import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
+from stepbundle.schema.errors import UsageError
+
 from .common import EXIT_PIPE_CLOSED
 from .common import die as _die
 from .stopping import Signals, Stopper, StopRequested
@@ -49,12 +51,12 @@ def _join_job(args: argparse.Namespace) -> bool:
 
     multi = args.distributed or args.coordinator is not None
     if not multi and (args.num_processes is not None or args.process_id is not None):
-        raise ValueError("--num-processes and --process-id need --coordinator HOST:PORT")
+        raise UsageError("--num-processes and --process-id need --coordinator HOST:PORT")
     cpu_devices = None
     platform = args.device.partition(":")[0].lower()
     forced = "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", "")
     if platform == "cpu" and isinstance(args.devices, int) and args.devices > _MAX_CPU_DEVICES:
-        raise ValueError(
+        raise UsageError(
             f"--devices {args.devices} on the CPU would create that many virtual devices; at "
             f"most {_MAX_CPU_DEVICES} are allowed (they share this machine's "
             f"{os.cpu_count()} cores). Use a smaller number."
@@ -63,7 +65,7 @@ def _join_job(args: argparse.Namespace) -> bool:
         processes = args.num_processes or 1
         cpu_devices = -(-args.devices // processes)
     if multi and args.devices == 1:
-        raise ValueError(
+        raise UsageError(
             "A multi-process job runs one data-parallel program over its devices: pass "
             "--devices all (or a number that covers every process's devices)."
         )
@@ -93,7 +95,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def _cmd_run(args: argparse.Namespace, signals: Signals) -> int:
     from stepbundle.runtime.placement import distributed
-    from stepbundle.schema.errors import BundleError
+    from stepbundle.schema.errors import StepbundleError
 
     from .data import NOT_READ, check_steps_per_call, open_data
     from .outputs import check_outputs
@@ -114,7 +116,7 @@ def _cmd_run(args: argparse.Namespace, signals: Signals) -> int:
         joined = _join_job(args)
     except ValueError as e:
         return _die(str(e), 2)
-    except BundleError as e:
+    except StepbundleError as e:
         return _die(str(e), 1)
     if joined:
         signals.in_job = True
@@ -124,7 +126,7 @@ def _cmd_run(args: argparse.Namespace, signals: Signals) -> int:
         # In a job, tell the other processes, which would otherwise wait for this one
         # in their first step.
         if joined:
-            with contextlib.suppress(BundleError):
+            with contextlib.suppress(StepbundleError):
                 distributed.agree(False, timeout_s=_SETUP_TIMEOUT_S)
         return _die(message, code)
 
@@ -154,7 +156,7 @@ def _load_and_run(
     signals: Signals,
 ) -> int:
     from stepbundle.runtime.placement import distributed
-    from stepbundle.schema.errors import BundleError
+    from stepbundle.schema.errors import StepbundleError
 
     from .data import NOT_READ, open_data, training_batches
 
@@ -178,12 +180,12 @@ def _load_and_run(
                 2,
             )
         batches, offset = training_batches(args, trainer, npz)
-    except (BundleError, ValueError) as e:
+    except (StepbundleError, ValueError) as e:
         return fail(str(e), 1)
     try:
         if joined and not distributed.agree(True, timeout_s=_SETUP_TIMEOUT_S):
             return _die("another process of the job failed to start; its error says why", 1)
-    except BundleError as e:
+    except StepbundleError as e:
         return _die(str(e), 1)
     _report_load(args, trainer, load_s)
     try:
@@ -200,7 +202,7 @@ def _load_and_run(
                 _save_state(trainer, args.save_state)
             return 0
         return _run_train(args, trainer, batches, steps, offset, metrics, signals)
-    except BundleError as e:
+    except StepbundleError as e:
         return _die(str(e), 1)
 
 
@@ -259,7 +261,7 @@ def _open_trainer(args: argparse.Namespace) -> Any:
         }
         if clashes:
             full, old = next(iter(clashes.items()))
-            raise ValueError(
+            raise UsageError(
                 f"--lr-schedule {spec!r} conflicts with the checkpoint, whose {full!r} follows "
                 f"{old!r}. A resumed run continues the checkpoint's schedule: drop "
                 "--lr-schedule, or give the same spec."
@@ -277,6 +279,14 @@ def _fused_note(fused: dict[str, int]) -> str:
     return ", fused attention: " + ", ".join(f"{n} in {label}" for label, n in fused.items())
 
 
+def _layout_note(info: Any) -> str:
+    """``layout fsdp+tp:2, mesh data 2 x model 2, 1.5 MiB of state per device``."""
+    from .summary import nbytes
+
+    mesh = " x ".join(f"{axis} {size}" for axis, size in info.mesh.items())
+    return f"layout {info.layout}, mesh {mesh}, {nbytes(info.state_bytes_per_device)} of state per device"
+
+
 def _report_load(args: argparse.Namespace, trainer: Any, load_s: float) -> None:
     from .init_from import report_origins
 
@@ -284,7 +294,7 @@ def _report_load(args: argparse.Namespace, trainer: Any, load_s: float) -> None:
     print(
         f"[run] loaded {args.bundle} in {load_s:.2f}s ({trainer.load_info.compiled} compiled, "
         f"{trainer.load_info.cache_hits} from cache) on {args.device}"
-        + (f" x{n_dev} (data parallel)" if n_dev > 1 else "")
+        + (f" x{n_dev} ({_layout_note(trainer.load_info)})" if n_dev > 1 else "")
         + (f", {trainer.steps_per_call} steps per call" if trainer.steps_per_call > 1 else "")
         + _fused_note(trainer.load_info.fused_attention)
         + (f", glibc {trainer.load_info.allocator}" if trainer.load_info.allocator else ""),

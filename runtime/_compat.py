@@ -105,6 +105,15 @@ def _slow_put(x: np.ndarray[Any, Any], sharding: Any) -> Array:
         return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
 
 
+def _partly_replicated(sharding: Any, where: list[tuple[Device, Any]]) -> bool:
+    """Whether some piece of ``sharding`` sits on several devices, but not every piece
+    on every device (neither split nor replicated)."""
+    if sharding.is_fully_replicated:
+        return False
+    seen = {repr(idx) for _, idx in where}
+    return len(seen) < len(where)
+
+
 _WIDE = frozenset({np.dtype(np.float64), np.dtype(np.int64), np.dtype(np.uint64)})
 
 
@@ -144,6 +153,11 @@ def _make_fast_put() -> tuple[_Put | None, str]:
                 pieces.clear()
             where = list(sharding.addressable_devices_indices_map(x.shape).items())
             pieces[(sharding, x.shape)] = where
+        if len(where) > 1 and _partly_replicated(sharding, where):
+            # jaxlib's batched transfer fails ("bad_function_call") on a sharding that
+            # repeats some pieces but not all (a 2-D mesh's tensor split over one axis);
+            # jax.device_put handles it. Remove when the fast call accepts them.
+            return _slow_put(x, sharding)
         if len(where) == 1 and isinstance(sharding, SingleDeviceSharding):
             xs, devs = [x], [where[0][0]]
         else:

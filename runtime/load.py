@@ -32,10 +32,10 @@ from .fallback import PathChoice
 from .io import remote
 from .io.store import default_cache_dir, is_digest, resolve_bundle
 from .options import LoadOptions
-from .parallel_layout import DataSplit, LayoutError
 from .placement import packing
 from .placement.devices import client_for, parse_device, select_devices
-from .placement.sharding import Placement, zero1_split
+from .placement.shard_plan import plan_shards
+from .placement.sharding import Placement
 from .state.init_source import InitSource, open_source
 from .state.init_state import InitPlan, place_state, plan_initial_state
 from .train.plan import CompiledPlan, Plan, RefusedPlan, batch_text, build_plan, refused_plan
@@ -104,6 +104,8 @@ def load(
                 "steps_per_call=1 (--steps-per-call 1)."
             )
         layout, placement = _layout_and_placement(manifest, opts, run_devices)
+        info.layout, info.mesh = placement.layout, dict(placement.mesh_axes)
+        info.layout_notes = placement.plan.notes if placement.plan is not None else ()
 
         t1 = time.perf_counter()
         cache = CompileCache(_cache_folder(opts.compile.cache_dir), writer=placement.writes_files)
@@ -146,6 +148,7 @@ def load(
             assert init_plan is not None
             state = place_state(manifest, layout, init_plan, bundle.section, placement.put_state)
             constants = _place_constants(bundle, wanted, placement)
+            info.state_bytes_per_device = max(placement.bytes_per_device(state).values(), default=0)
         info.seconds["state"] = time.perf_counter() - t2
         info.transfer = _compat.transfer_path()
         plans: dict[str, list[Plan]] = {name: [] for name in compiled}
@@ -291,19 +294,18 @@ def _cache_folder(cache_dir: str | os.PathLike[str] | bool | None) -> Path | str
 def _layout_and_placement(
     manifest: Manifest, opts: LoadOptions, run_devices: list[Any]
 ) -> tuple[packing.Layout, Placement]:
-    """How the state is held (packs, ZeRO-1 split) and where it lives."""
+    """How the state is held (packs; tensors the parallel layout splits stay apart) and
+    where it lives."""
     pack = opts.state.pack_state
     limit = packing.DEFAULT_MAX_ELEMENTS if pack is True else int(pack)
-    apart: frozenset[str] = frozenset()
-    wanted = opts.parallel.parsed_layout
-    if wanted.data is DataSplit.FSDP or wanted.model > 1:
-        raise LayoutError(f"The layout {wanted.spec!r} is not built yet; use dp or zero1.")
-    if wanted.data is DataSplit.ZERO1 and len(run_devices) > 1:
-        apart = zero1_split(manifest, packing.unpacked(manifest), len(run_devices))
+    plan = plan_shards(
+        manifest, opts.parallel.parsed_layout, len(run_devices), opts.parallel.tp_rules
+    )
+    apart = frozenset(plan.dims)
     layout = (
         packing.plan_layout(manifest, limit, apart) if limit > 0 else packing.unpacked(manifest)
     )
-    return layout, Placement(run_devices, apart)
+    return layout, Placement(run_devices, plan)
 
 
 @dataclass(frozen=True)

@@ -49,6 +49,14 @@ class LoadInfo:
         as PyTorch's CPU kernels, in words: YNNPACK's fusions off per compile, left to
         the user's ``XLA_FLAGS``, or nothing to set on this jaxlib
         (``_compat.cpu_numerics_overrides``); empty off the CPU.
+      layout: the parallel layout the state was placed in (``ParallelOptions.layout``,
+        normalized: ``"dp"``, ``"zero1"``, ``"fsdp"``, ``"fsdp+tp:2"``, ...).
+      mesh: the device mesh's axes and sizes (``{"data": 4}``, ``{"data": 2, "model":
+        2}``).
+      state_bytes_per_device: the most bytes of state any one device of this process
+        holds (0 with ``compile_only``, which places nothing).
+      layout_notes: parameters a default tensor-parallel rule named but kept whole (the
+        dimension does not divide by the model axis), each in words.
     """
 
     seconds: dict[str, float] = field(default_factory=dict)
@@ -65,3 +73,7 @@ class LoadInfo:
     kept_freed_memory: bool = False
     allocator: str = ""
     cpu_numerics: str = ""
+    layout: str = "dp"
+    mesh: dict[str, int] = field(default_factory=dict)
+    state_bytes_per_device: int = 0
+    layout_notes: tuple[str, ...] = ()

@@ -49,7 +49,7 @@ from stepbundle.stablehlo.rng_algorithm import pin_rng_algorithm
 
 from ..fallback import warn_once
 from ..placement import packing
-from ..placement.sharding import AXIS, MESH, Placement
+from ..placement.sharding import MESH, Placement
 from . import multistep
 
 __all__ = ["REWRITES", "Rewrite", "RewriteContext", "Stage", "apply_rewrites"]
@@ -313,7 +313,7 @@ def aliasing_and_sharding(stage: Stage, ctx: RewriteContext) -> Stage:
                 aliases[out.donates] = j
     placement = ctx.placement
     if placement.partitioned:
-        module.set_mesh(MESH, [(AXIS, placement.n)])
+        module.set_mesh(MESH, placement.mesh_axes)
         args, results = placement.annotations(program, stacked=ctx.steps_per_call > 1)
         module.set_arg_attributes(aliases, args)
         module.set_result_shardings(results)

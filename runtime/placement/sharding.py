@@ -1,24 +1,23 @@
-"""Where the trainer's arrays live: one device, or a data-parallel mesh of several.
+"""Where the trainer's arrays live: one device, or a mesh of several.
 
 Data parallelism needs no re-export. The single-device step is compiled for N devices
 with Shardy annotations on ``@main``: every batch input of rank >= 1 is split on its
-first dimension over a one-axis mesh (``data``), everything else is replicated, and
-every result is replicated. XLA's SPMD partitioner then runs each device on its slice
-of the global batch and inserts the collectives (the gradient all-reduce, and the
-reductions of the loss and of BatchNorm statistics over the whole batch) itself. The
-computation is the one-device step on the global batch, up to the order of floating
-point sums.
-
-With ``shard_optimizer_state`` (ZeRO stage 1), optimizer-state tensors whose first
-dimension divides evenly are split over the mesh as well: each device keeps and
-updates 1/N of them, and the partitioner gathers the parameter updates.
+first dimension over the mesh's ``data`` axis, every metric is replicated, and each
+state tensor is split as the layout's ``ShardPlan`` says (``shard_plan.py``: nothing for
+``dp``, optimizer state for ZeRO-1, parameters and optimizer state for FSDP, large
+matmul weights over a ``model`` axis with ``+tp``), its update the same way. XLA's SPMD
+partitioner then runs each device on its slice of the global batch and of the state and
+inserts the collectives (the gradient all-reduce or reduce-scatter, the gathers of split
+parameters, the reductions of the loss and of BatchNorm statistics over the whole
+batch) itself. The computation is the one-device step on the global batch, up to the
+order of floating point sums.
 
 Imports: numpy, jax, stepbundle.schema.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -26,54 +25,58 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as _PartitionSpec
 
-from stepbundle.schema.manifest import (
-    BatchInput,
-    Manifest,
-    Program,
-    StateInput,
-    StateKind,
-    StateUpdateOutput,
-)
+from stepbundle.schema.manifest import BatchInput, Program, StateInput, StateUpdateOutput
 
 from .. import _compat
-from .packing import Layout
+from .shard_plan import DATA, MODEL, ShardPlan
 
-__all__ = ["AXIS", "MESH", "Placement"]
+__all__ = ["AXIS", "MESH", "MODEL", "Placement"]
 
 PartitionSpec: Any = _PartitionSpec  # untyped in jax's stubs
 
-AXIS = "data"
+AXIS = DATA
 MESH = "stepbundle_mesh"
 
 
-def _sdy(rank: int, split: bool, dim: int = 0) -> str:
-    dims = ["{}"] * rank
-    if split:
-        dims[dim] = '{"' + AXIS + '"}'
-    return f"#sdy.sharding<@{MESH}, [{', '.join(dims)}]>"
+def _sdy(dims: Sequence[str | None]) -> str:
+    """A Shardy sharding on the mesh: one axis (or none) per dimension, as MLIR text."""
+    text = ", ".join("{}" if a is None else '{"' + a + '"}' for a in dims)
+    return f"#sdy.sharding<@{MESH}, [{text}]>"
 
 
 class Placement:
     """The devices a trainer runs on, and the sharding of every array it passes.
 
-    ``split_state`` names the state buffers (layout buffer names) that are split on
-    their first dimension rather than replicated (ZeRO-1 optimizer state).
+    ``plan`` says which state buffers (layout buffer names) are split, on which
+    dimension, over which mesh axis (``ShardPlan``); None: all replicated over a 1-D
+    ``data`` mesh.
     """
 
-    def __init__(self, devices: Sequence[Any], split_state: frozenset[str] = frozenset()) -> None:
+    def __init__(self, devices: Sequence[Any], plan: ShardPlan | None = None) -> None:
         self.devices = tuple(devices)
         self.n = len(self.devices)
-        self.split_state = split_state
+        self.plan = plan
+        self.state_dims: Mapping[str, tuple[str | None, ...]] = plan.dims if plan else {}
+        self.split_state = frozenset(self.state_dims)
+        self.model = plan.model if plan is not None else 1
+        self.data = self.n // self.model  # devices on the data axis: the batch's split
+        self.layout = plan.layout.spec if plan is not None else "dp"
+        self._state_shardings: dict[tuple[str | None, ...], Any] = {}
         if self.n == 1:
+            self.mesh: Any = None
             self.replicated: Any = _compat.single_device_sharding(self.devices[0])
             self.split: Any = self.replicated
             self.split_stacked: Any = self.replicated
         else:
-            mesh = Mesh(np.array(self.devices, dtype=object), (AXIS,))
-            self.replicated = NamedSharding(mesh, PartitionSpec())
-            self.split = NamedSharding(mesh, PartitionSpec(AXIS))
+            if self.model > 1:
+                grid = np.array(self.devices, dtype=object).reshape(self.data, self.model)
+                self.mesh = Mesh(grid, (AXIS, MODEL))
+            else:
+                self.mesh = Mesh(np.array(self.devices, dtype=object), (AXIS,))
+            self.replicated = NamedSharding(self.mesh, PartitionSpec())
+            self.split = NamedSharding(self.mesh, PartitionSpec(AXIS))
             # A stack of K batches (steps_per_call): the rows are its second dimension.
-            self.split_stacked = NamedSharding(mesh, PartitionSpec(None, AXIS))
+            self.split_stacked = NamedSharding(self.mesh, PartitionSpec(None, AXIS))
         me = jax.process_index()
         # This process's own devices (all of them, outside a multi-process job).
         self.local_devices = tuple(d for d in self.devices if d.process_index == me)
@@ -83,17 +86,40 @@ class Placement:
         self.writes_files = me == min(processes)
 
     @property
+    def mesh_axes(self) -> list[tuple[str, int]]:
+        """The mesh's axes and sizes, as the module declares them."""
+        return [(AXIS, self.data)] + ([(MODEL, self.model)] if self.model > 1 else [])
+
+    def state_sharding(self, name: str) -> Any:
+        """The sharding of state buffer ``name`` (replicated unless the plan splits it)."""
+        dims = self.state_dims.get(name)
+        if dims is None or self.mesh is None:
+            return self.replicated
+        sharding = self._state_shardings.get(dims)
+        if sharding is None:
+            sharding = NamedSharding(self.mesh, PartitionSpec(*dims))
+            self._state_shardings[dims] = sharding
+        return sharding
+
+    @property
     def partitioned(self) -> bool:
         return self.n > 1
 
     # ---------------------------------------------------------- annotations
-    def _splits_input(self, row: Any, stacked: bool = False) -> bool:
+    def _input_dims(self, row: Any, stacked: bool = False) -> list[str | None]:
+        rank = len(row.spec.shape)
+        dims: list[str | None] = [None] * rank
         if isinstance(row, BatchInput):
-            return len(row.spec.shape) >= (2 if stacked else 1)
-        return isinstance(row, StateInput) and row.name in self.split_state
+            if rank >= (2 if stacked else 1):
+                dims[1 if stacked else 0] = AXIS
+        elif isinstance(row, StateInput) and row.name in self.state_dims:
+            dims = list(self.state_dims[row.name])
+        return dims
 
-    def _splits_output(self, row: Any) -> bool:
-        return isinstance(row, StateUpdateOutput) and row.state in self.split_state
+    def _output_dims(self, row: Any) -> list[str | None]:
+        if isinstance(row, StateUpdateOutput) and row.state in self.state_dims:
+            return list(self.state_dims[row.state])
+        return [None] * len(row.spec.shape)
 
     def annotations(self, program: Program, stacked: bool = False) -> tuple[list[str], list[str]]:
         """Shardy shardings of the program's arguments and results, as MLIR text.
@@ -101,19 +127,15 @@ class Placement:
         ``stacked``: the program takes stacks of K batches (``multistep.py``), whose
         rows are their second dimension.
         """
-        args = [
-            _sdy(
-                len(r.spec.shape),
-                self._splits_input(r, stacked),
-                1 if stacked and isinstance(r, BatchInput) else 0,
-            )
-            for r in program.inputs
-        ]
-        results = [_sdy(len(r.spec.shape), self._splits_output(r)) for r in program.outputs]
+        args = [_sdy(self._input_dims(r, stacked)) for r in program.inputs]
+        results = [_sdy(self._output_dims(r)) for r in program.outputs]
         return args, results
 
     def output_shardings(self, program: Program) -> list[Any]:
-        return [self.split if self._splits_output(r) else self.replicated for r in program.outputs]
+        return [
+            self.state_sharding(r.state) if isinstance(r, StateUpdateOutput) else self.replicated
+            for r in program.outputs
+        ]
 
     def usable_buckets(self, programs: Sequence[Program]) -> list[Program]:
         """The shape buckets whose batches split evenly over the devices."""
@@ -121,13 +143,18 @@ class Placement:
 
     def indivisible(self, program: Program) -> str | None:
         """Why this shape bucket cannot run on the mesh, or None when it can."""
-        if self.n == 1:
+        if self.data == 1:
             return None
         for b in program.batch:
-            if b.spec.shape and b.spec.shape[0] % self.n:
+            if b.spec.shape and b.spec.shape[0] % self.data:
+                where = (
+                    f"the {self.data} devices of the data axis"
+                    if self.model > 1
+                    else f"{self.n} devices"
+                )
                 return (
                     f"batch input {b.name!r} has {b.spec.shape[0]} rows in this bucket, "
-                    f"which do not split evenly over {self.n} devices"
+                    f"which do not split evenly over {where}"
                 )
         return None
 
@@ -152,9 +179,7 @@ class Placement:
         return _compat.from_process_local(self.split, x, shape)
 
     def put_state(self, name: str, x: np.ndarray[Any, Any]) -> Any:
-        if name in self.split_state:
-            return _compat.put_sharded(x, self.split)
-        return _compat.put_sharded(x, self.replicated)
+        return _compat.put_sharded(x, self.state_sharding(name))
 
     def holds(self, a: Any, split: bool) -> bool:
         """Whether device array ``a`` already has the sharding a batch input needs."""
@@ -186,18 +211,3 @@ class Placement:
                 key = f"{shard.device.platform}:{shard.device.id}"
                 out[key] = out.get(key, 0) + int(shard.data.nbytes)
         return out
-
-
-def zero1_split(manifest: Manifest, layout: Layout, n: int) -> frozenset[str]:
-    """The state buffers ZeRO-1 splits over ``n`` devices: optimizer state held on its
-    own (not packed) whose first dimension is a multiple of ``n``."""
-    kinds = {s.name: s for s in manifest.state}
-    out = set()
-    for buf in layout.buffers:
-        if not isinstance(buf, str):
-            continue
-        entry = kinds[buf]
-        shape = entry.spec.shape
-        if entry.kind == StateKind.OPTIMIZER_STATE and shape and shape[0] % n == 0:
-            out.add(buf)
-    return frozenset(out)

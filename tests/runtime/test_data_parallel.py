@@ -556,7 +556,7 @@ def test_cli_runs_data_parallel_on_virtual_cpu_devices(
         )
         assert r.returncode == 0, r.stderr
         if n == "4":
-            assert "x4 (data parallel)" in r.stderr
+            assert "x4 (layout dp, mesh data 4, " in r.stderr
         outs[n] = [float(line.split('"loss": ')[1].split(",")[0]) for line in r.stdout.splitlines()]
     assert len(outs["4"]) == 5
     assert rel(np.array(outs["4"]), np.array(outs["1"])) <= TOL

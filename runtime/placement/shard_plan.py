@@ -1,0 +1,193 @@
+"""Which state tensor is split on which dimension over which mesh axis, for a layout.
+
+``plan_shards`` reads the manifest's state table and a ``ParallelLayout``
+(``runtime/parallel_layout.py``) and gives every state tensor a mesh axis per dimension
+(``None``: that dimension is whole on every device):
+
+- tensor parallelism (``+tp``): each parameter the first matching ``ShardRule`` names is
+  split on the rule's dimension over ``model``; its kept gradient and its optimizer
+  state of the same shape follow it;
+- ZeRO-1 (``zero1``): each optimizer-state tensor is split over ``data`` on its first
+  dimension that divides by the data axis and is not split over ``model``;
+- FSDP (``fsdp``): the same for parameters, kept gradients and optimizer state.
+
+Buffers (BatchNorm's statistics) and scalars stay replicated; so does a tensor none of
+whose dimensions divides. The plan is what the partitioner is told; the program is
+the bundle's own.
+
+Imports: stepbundle.schema and the runtime's base modules.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from stepbundle.schema.manifest import Manifest, StateEntry, StateKind
+
+from ..parallel_layout import (
+    DEFAULT_TP_RULES,
+    DataSplit,
+    LayoutError,
+    ParallelLayout,
+    ShardRule,
+    rule_for,
+)
+
+__all__ = ["DATA", "MODEL", "ShardPlan", "plan_shards"]
+
+DATA = "data"
+MODEL = "model"
+
+Dims = tuple[str | None, ...]
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """Every split state tensor's mesh axis per dimension.
+
+    Attributes:
+      layout: the layout planned for.
+      data: devices on the data axis.
+      model: devices on the model axis (1: a 1-D mesh).
+      dims: state name -> one entry per dimension: ``"data"``, ``"model"`` or None
+        (whole). Replicated tensors are left out.
+      notes: parameters a default tensor-parallel rule named but could not split (the
+        dimension does not divide), each in words.
+    """
+
+    layout: ParallelLayout
+    data: int
+    model: int
+    dims: Mapping[str, Dims]
+    notes: tuple[str, ...] = ()
+
+    @property
+    def axes(self) -> tuple[tuple[str, int], ...]:
+        """The mesh's axes and sizes: ``(("data", 4),)`` or ``(("data", 2), ("model", 2))``."""
+        return ((DATA, self.data),) + (((MODEL, self.model),) if self.model > 1 else ())
+
+
+def _owner(entry: StateEntry, params: Mapping[str, StateEntry]) -> StateEntry | None:
+    """The parameter an optimizer-state tensor or kept gradient belongs to, if any.
+
+    Names are ``optimizer.state.<param name>.<key>`` and ``<param name>.grad``.
+    """
+    name = entry.name
+    if entry.kind == StateKind.GRADIENT and name.endswith(".grad"):
+        return params.get(name.removesuffix(".grad"))
+    if entry.kind == StateKind.OPTIMIZER_STATE and name.startswith("optimizer.state."):
+        return params.get(name.removeprefix("optimizer.state.").rpartition(".")[0])
+    return None
+
+
+def _tp_dim(
+    param: StateEntry, rules: tuple[ShardRule, ...], model: int, held: bool, notes: list[str]
+) -> int | None:
+    """The dimension of ``param`` split over the model axis, or None.
+
+    ``held``: the rules are the user's, so one that cannot be applied is refused.
+    """
+    rule = rule_for(param.name, rules)
+    if rule is None:
+        return None
+    shape = param.spec.shape
+    rank = len(shape)
+    if not -rank <= rule.dim < rank:
+        if held:
+            raise LayoutError(
+                f"The tensor-parallel rule {str(rule)!r} splits dimension {rule.dim} of "
+                f"{param.name!r}, which has shape {list(shape)} ({rank} dimensions). Fix "
+                "the rule's dimension or narrow its pattern."
+            )
+        notes.append(f"{param.name} {list(shape)}: no dimension {rule.dim} (rule {rule})")
+        return None
+    dim = rule.dim % rank
+    if shape[dim] % model:
+        if held:
+            raise LayoutError(
+                f"The tensor-parallel rule {str(rule)!r} splits dimension {dim} of "
+                f"{param.name!r} (shape {list(shape)}) over a model axis of {model} "
+                f"devices, but {shape[dim]} does not divide by {model}. Use a model axis "
+                f"that divides it (--layout ...+tp:M), another dimension, or a rule that "
+                "leaves this parameter out."
+            )
+        notes.append(
+            f"{param.name} {list(shape)} kept whole on the model axis: dimension {dim} "
+            f"({shape[dim]}) does not divide by {model} (rule {rule})"
+        )
+        return None
+    return dim
+
+
+def _data_dim(shape: tuple[int, ...], data: int, taken: int | None) -> int | None:
+    """The first dimension of ``shape`` that divides by ``data`` and is not ``taken``."""
+    for d, size in enumerate(shape):
+        if d != taken and size % data == 0:
+            return d
+    return None
+
+
+def plan_shards(
+    manifest: Manifest,
+    layout: ParallelLayout,
+    n_devices: int,
+    rules: tuple[ShardRule, ...] | None = None,
+) -> ShardPlan:
+    """The split of every state tensor of ``manifest`` over ``n_devices`` in ``layout``.
+
+    Raises ``LayoutError`` when the model axis does not divide the device count, or when
+    a rule of ``rules`` (the user's: None means ``DEFAULT_TP_RULES``) cannot be applied.
+    """
+    model = layout.model
+    if n_devices % model:
+        raise LayoutError(
+            f"The layout {layout.spec!r} puts {model} devices on the model axis, which does "
+            f"not divide the {n_devices} device(s) of this run. Run on a multiple of "
+            f"{model} devices or choose a model axis that divides {n_devices}."
+        )
+    data = n_devices // model
+    held = rules is not None
+    use = rules if rules is not None else DEFAULT_TP_RULES
+    notes: list[str] = []
+    params = {s.name: s for s in manifest.state if s.kind == StateKind.PARAMETER}
+    tp: dict[str, int] = {}
+    if model > 1:
+        for p in params.values():
+            dim = _tp_dim(p, use, model, held, notes)
+            if dim is not None:
+                tp[p.name] = dim
+        if held:
+            for rule in use:
+                if not any(rule.matches(name) for name in params):
+                    raise LayoutError(
+                        f"The tensor-parallel rule {str(rule)!r} matches no parameter of "
+                        f"this bundle (its parameters: {', '.join(list(params)[:8])}"
+                        f"{', ...' if len(params) > 8 else ''}). Fix its pattern or drop it."
+                    )
+    split_kinds = {
+        DataSplit.DP: frozenset[StateKind](),
+        DataSplit.ZERO1: frozenset({StateKind.OPTIMIZER_STATE}),
+        DataSplit.FSDP: frozenset(
+            {StateKind.PARAMETER, StateKind.GRADIENT, StateKind.OPTIMIZER_STATE}
+        ),
+    }[layout.data]
+    dims: dict[str, Dims] = {}
+    for entry in manifest.state:
+        shape = entry.spec.shape
+        if not shape:
+            continue
+        owner = entry if entry.kind == StateKind.PARAMETER else _owner(entry, params)
+        taken = None
+        if owner is not None and owner.name in tp and owner.spec.shape == shape:
+            taken = tp[owner.name]
+        plan: list[str | None] = [None] * len(shape)
+        if taken is not None:
+            plan[taken] = MODEL
+        if data > 1 and entry.kind in split_kinds:
+            d = _data_dim(shape, data, taken)
+            if d is not None:
+                plan[d] = DATA
+        if any(a is not None for a in plan):
+            dims[entry.name] = tuple(plan)
+    return ShardPlan(layout, data, model, dims, tuple(notes))

@@ -31,6 +31,7 @@ import torch
 from stepbundle.schema.manifest import SectionKind, StateKind
 
 from .dtypes import tensor_bytes
+from .errors import MetaTensorError
 
 
 class StateRow(Protocol):
@@ -63,6 +64,10 @@ def non_persistent_buffers(model: torch.nn.Module) -> set[str]:
 
 def _fill_element(value: torch.Tensor) -> bytes | None:
     """The bytes of the one element every position of ``value`` holds, or None."""
+    if value.numel() and all(st == 0 for st in value.stride()):
+        # one element expanded (the made state of a weights-free torch export): never
+        # materialized, which for a big model would cost the tensor's full size
+        return tensor_bytes(value.detach().cpu().reshape(-1)[0].reshape(1).clone())
     flat = value.detach().cpu().contiguous().reshape(-1)
     if flat.dtype == torch.bool:
         flat = flat.to(torch.uint8)
@@ -85,6 +90,16 @@ def initial_section(
     )
     if model_state:
         return SectionKind.EXTERNAL, b""
+    if value.is_meta:
+        if s.kind is StateKind.BUFFER:
+            raise MetaTensorError(
+                f"The buffer {s.name!r} is on the meta device and registered with "
+                "persistent=False: no checkpoint holds it, so the bundle must store its "
+                "values, and a meta tensor has none. Compute it on the CPU after building "
+                "the model on meta (for rotary tables: model.<buffer> = <cos/sin made with "
+                "device='cpu'>), then export."
+            )
+        return SectionKind.EXTERNAL, b""  # optimizer state with no values: a checkpoint's
     element = _fill_element(value)
     if element is not None:
         return SectionKind.FILL, element

@@ -132,6 +132,41 @@ class Capture:
     eval_modules: tuple[str, ...] = ()
 
 
+def _needs_fake(t: torch.Tensor) -> bool:
+    # A meta tensor (a model built on meta) or one element expanded (made state of a
+    # weights-free export, state.described): the step writes such inputs in place, so
+    # the tracer gets a dense fake tensor of the same shape, on the CPU.
+    return t.is_meta or (t.numel() > 1 and 0 in t.stride())
+
+
+def traceable(values: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``values`` as ``make_fx`` inputs: each meta or expanded tensor replaced by a dense
+    fake CPU tensor of its shape and dtype (one ``FakeTensorMode`` for all, made as
+    ``make_fx(tracing_mode="fake")`` makes its own, which then traces in it); the others
+    as they are, so that an export with weights traces exactly as before."""
+    if not any(_needs_fake(v) for v in values):
+        return values
+    import torch._functorch.config as functorch_config
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    with functorch_config.patch(fake_tensor_allow_unsafe_data_ptr_access=False):
+        mode = FakeTensorMode(
+            allow_fallback_kernels=True,
+            allow_non_fake_inputs=True,
+            shape_env=ShapeEnv(),
+            static_shapes=True,
+        )
+    out = []
+    for v in values:
+        if _needs_fake(v):
+            with mode:
+                out.append(torch.empty(tuple(v.shape), dtype=v.dtype, device="cpu"))
+        else:
+            out.append(mode.from_tensor(v))
+    return out
+
+
 @contextmanager
 def _as_if_compiling() -> Any:
     with mock.patch.object(torch.compiler, "is_compiling", lambda: True):
@@ -233,7 +268,7 @@ def capture(
             outs.append(final.detach())
         return outs
 
-    flat = [s.value for s in slots]
+    flat = traceable([s.value for s in slots])
     flat += [torch.tensor(h.value, dtype=torch.float32) for h in hypers]
     flat += [batch[k] for k in batch_keys]
     hyper_values = hyperparameter_values(recipe.optimizer)

@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 
 from stepbundle.frontend.dtypes import HYPERPARAMETER_DTYPE
-from stepbundle.frontend.errors import ExportError
+from stepbundle.frontend.errors import ExportError, MetaTensorError
 from stepbundle.frontend.fresh_state import take_capturable
 from stepbundle.frontend.hyperparameters import declared_values
 from stepbundle.frontend.recipe import Recipe, checked_metadata, read_only_entries, step_label
@@ -226,10 +226,19 @@ def export(
         child process) and the recipe once eagerly on a copy, and refuse when a metric
         or state tensor differs beyond float32 rounding (``stepbundle.frontend.step_check``).
         False skips it (a model too big to step on this machine's CPU); None (the
-        default): on, unless the environment sets ``STEPBUNDLE_EXPORT_CHECK=0``.
+        default): on, unless the environment sets ``STEPBUNDLE_EXPORT_CHECK=0`` or the
+        model is on the meta device (a weights-free export of a model built there: the
+        export line says the check was skipped and why).
+
+    A weights-free export (``include_state=False``) copies no state and traces on fake
+    tensors: the recipe may build its model on the meta device (``with
+    torch.device("meta"): model = ...``), computing its non-persistent buffers (rotary
+    tables) on the CPU after; docs/exporting.md says how.
 
     Raises:
       ExportError: the step cannot be replayed faithfully; the message says why.
+      MetaTensorError: the model is on the meta device and the bundle would need its
+        values (``include_state=True``, a non-persistent buffer on meta, ``check=True``).
       CheckFailed: the check found the bundle's step computing something else (the
         bundle is removed); an ``ExportError``.
     """
@@ -250,6 +259,13 @@ def export(
             'PyTorch\'s numerics only ("pytorch"): without torch_xla there are no '
             "torch_xla BatchNorm ops to keep. Leave numerics at its default, or export "
             'with stepbundle.exporter.export for numerics="torch_xla".'
+        )
+    on_meta = any(t.is_meta for t in recipe.model.state_dict(keep_vars=True).values())
+    if on_meta and check:
+        raise MetaTensorError(
+            "check=True steps the recipe's model once eagerly, and its tensors are on the "
+            "meta device (no values). Pass check=False (stepbundle export --no-check), or "
+            "export a materialized model."
         )
     base_seed = torch.initial_seed() if recipe.seed is None else int(recipe.seed)
     if not 0 <= base_seed < 2**64:
@@ -300,7 +316,12 @@ def export(
         say=say,
         times=times,
     )
-    if check_wanted(check):
+    if on_meta and check is None:
+        say(
+            "check skipped: the model is on the meta device (no values to step eagerly); "
+            "step the bundle from a checkpoint (stepbundle run --init-from) to try it"
+        )
+    elif not on_meta and check_wanted(check):
         t1 = time.perf_counter()
         report.check = check_bundle(
             recipe, report.path, report.manifest, random_reference=_NO_RANDOM_REFERENCE, say=say

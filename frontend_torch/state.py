@@ -6,6 +6,13 @@ both front-ends write the same state table: parameters (``state_dict()`` keys; a
 parameter under its first name, the others as aliases), buffers, optimizer state
 (``optimizer.state.<param name>.<key>``), gradients (``<param name>.grad``).
 
+A weights-free export (``Recipe(include_state=False)``) copies nothing: a slot's value is
+the user's own tensor (which nothing writes; on the ``meta`` device when the recipe built
+its model there), and the state the front-end makes (a fresh optimizer's, zero gradients)
+is one element expanded to its shape (``described``), so that a model of billions of
+parameters costs its shapes only; the tracer feeds fake tensors in their place
+(``capture.py``).
+
 ``Sandbox`` lets the tracer run the user's own step on the user's own objects, with
 tracer tensors in place of every state tensor, and puts the original objects back
 afterwards: the user's model and optimizer are never written to.
@@ -23,13 +30,14 @@ from typing import Any
 
 import torch
 
-from stepbundle.frontend.errors import ExportError, not_a_parameter
+from stepbundle.frontend.errors import ExportError, MetaTensorError, not_a_parameter
 from stepbundle.frontend.fresh_state import adam_first_state, fresh_state, sgd_first_state
+from stepbundle.frontend.initial_state import non_persistent_buffers
 from stepbundle.frontend.recipe import Recipe
 from stepbundle.frontend.user_objects import UserObjects
 from stepbundle.schema.manifest import StateKind
 
-__all__ = ["Sandbox", "Slot", "state_slots"]
+__all__ = ["Sandbox", "Slot", "described", "state_slots"]
 
 
 @dataclass(frozen=True)
@@ -40,7 +48,9 @@ class Slot:
       name: its primary name; aliases: its other names (tied parameters).
       kind: parameter, buffer, optimizer state or gradient.
       value: its value at export (a CPU tensor; a fresh optimizer's first-step state and
-        the zero gradients are made here, never in the user's objects).
+        the zero gradients are made here, never in the user's objects). In a weights-free
+        export: the user's tensor itself (perhaps on ``meta``), or a made tensor as one
+        element expanded to its shape (``described``).
       trainable: a parameter the optimizer updates.
       param: for optimizer state and gradients, the id of the user's parameter they
         belong to; for parameters, the parameter's own id.
@@ -80,14 +90,72 @@ def _fresh_state(
     return {} if fresh is None else fresh
 
 
+def described(
+    made: Mapping[str, torch.Tensor], one: Mapping[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """Made state without its memory: each tensor of ``made`` (shapes and dtypes, made on
+    ``meta``) as the one element the same rule made in ``one`` (made for a one-element
+    parameter), expanded to its shape. Every rule fills its tensors with one value that
+    depends on the optimizer's settings, never on the parameter's values."""
+    out: dict[str, torch.Tensor] = {}
+    for key, m in made.items():
+        e = one[key].detach().reshape(-1)[:1].to(m.dtype).cpu()
+        out[key] = e.reshape(()).expand(m.shape) if m.dim() else e.reshape(()).clone()
+    return out
+
+
+def _zero(p: torch.Tensor) -> torch.Tensor:
+    return torch.zeros((), dtype=p.dtype).expand(p.shape)
+
+
+def _meta_refusal(recipe: Recipe) -> MetaTensorError | None:
+    on_meta = [n for n, t in recipe.model.state_dict(keep_vars=True).items() if t.is_meta]
+    if not on_meta:
+        return None
+    shown = ", ".join(repr(n) for n in on_meta[:3]) + (", ..." if len(on_meta) > 3 else "")
+    return MetaTensorError(
+        f"{len(on_meta)} of the model's tensors are on the meta device ({shown}): they have "
+        "shapes but no values, and a bundle with its weights stores values. Export without "
+        "weights (Recipe(include_state=False), stepbundle export --no-state; a run then takes "
+        "them from a checkpoint with --init-from), or materialize the model first "
+        "(model.to_empty(device='cpu') and initialize, or load a checkpoint)."
+    )
+
+
+def _refuse_meta_code_buffers(model: torch.nn.Module) -> None:
+    """Refuse a non-persistent buffer on meta before tracing: the bundle must store it."""
+    non_persistent = non_persistent_buffers(model)
+    for name, b in model.named_buffers(remove_duplicate=False):
+        if name in non_persistent and b is not None and b.is_meta:
+            raise MetaTensorError(
+                f"The buffer {name!r} is on the meta device and registered with "
+                "persistent=False: no checkpoint holds it, so the bundle must store its "
+                "values, and a meta tensor has none. Compute it on the CPU after building "
+                "the model on meta (for rotary tables: model.<buffer> = <cos/sin made with "
+                "device='cpu'>), then export."
+            )
+
+
 def state_slots(recipe: Recipe, *, zero_grads: bool) -> list[Slot]:
     """Every state tensor of the recipe, in the bundle's order.
 
     With ``zero_grads``, every trainable parameter without a gradient gets a zero one
     (what a first backward accumulates into), so that the traced step is the steady-state
     step; a step that drops its gradients is traced again without.
+
+    Raises:
+      MetaTensorError: a weights-holding export of a model on the meta device.
     """
     model, opt = recipe.model, recipe.optimizer
+    light = not recipe.include_state
+    if not light and (refusal := _meta_refusal(recipe)) is not None:
+        raise refusal
+    if light:
+        _refuse_meta_code_buffers(model)
+
+    def keep(t: torch.Tensor) -> torch.Tensor:
+        return t.detach() if light else t.detach().clone()
+
     out: list[Slot] = []
     trainable = {id(p) for g in opt.param_groups for p in g["params"] if p.requires_grad}
     params: dict[int, torch.Tensor] = {id(p): p for p in model.parameters()}
@@ -95,26 +163,34 @@ def state_slots(recipe: Recipe, *, zero_grads: bool) -> list[Slot]:
     name_of: dict[int, str] = {}
     for pid, names in param_names.items():
         name_of[pid] = names[0]
-        value = params[pid].detach().clone()
+        value = keep(params[pid])
         out.append(
             Slot(names[0], StateKind.PARAMETER, value, pid in trainable, tuple(names[1:]), pid)
         )
     buffers = {id(b): b for _, b in model.named_buffers(remove_duplicate=False) if b is not None}
     for bid, names in _group_names(model.named_buffers(remove_duplicate=False)).items():
-        value = buffers[bid].detach().clone()
+        value = keep(buffers[bid])
         out.append(Slot(names[0], StateKind.BUFFER, value, False, tuple(names[1:])))
     for group in opt.param_groups:
         for p in group["params"]:
             if id(p) not in name_of:
                 raise not_a_parameter(opt, p)
-            st = opt.state.get(p) or (_fresh_state(opt, group, p) if p.requires_grad else {})
-            for key, v in st.items():
+            st = opt.state.get(p)
+            if not st and p.requires_grad:
+                if light:  # shapes from a meta parameter, values from a one-element one
+                    st = described(
+                        _fresh_state(opt, group, torch.empty_like(p, device="meta")),
+                        _fresh_state(opt, group, torch.zeros((1,) * p.dim(), dtype=p.dtype)),
+                    )
+                else:
+                    st = _fresh_state(opt, group, p)
+            for key, v in (st or {}).items():
                 if isinstance(v, torch.Tensor):
                     out.append(
                         Slot(
                             f"optimizer.state.{name_of[id(p)]}.{key}",
                             StateKind.OPTIMIZER_STATE,
-                            v.detach().clone(),
+                            keep(v),
                             param=id(p),
                             key=key,
                         )
@@ -123,9 +199,9 @@ def state_slots(recipe: Recipe, *, zero_grads: bool) -> list[Slot]:
         p = params[pid]
         g = p.grad
         if g is None and zero_grads and p.requires_grad:
-            g = torch.zeros_like(p)
+            g = _zero(p) if light else torch.zeros_like(p)
         if g is not None:
-            out.append(Slot(f"{names[0]}.grad", StateKind.GRADIENT, g.detach().clone(), param=pid))
+            out.append(Slot(f"{names[0]}.grad", StateKind.GRADIENT, keep(g), param=pid))
     return out
 
 

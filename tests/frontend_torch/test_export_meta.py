@@ -1,0 +1,106 @@
+"""Weights-free exports without the model's memory (issue #40): a model built on the meta
+device exports to the same bundle as the same model built on the CPU; what needs values
+is refused with ``MetaTensorError`` before any tracing; a weights-free export copies no
+state tensor.
+
+The model is ``benchmarks/llama.py`` at its ``tiny`` size: rotary tables as non-persistent
+buffers, grouped-query SDPA, RMSNorm, SwiGLU, AdamW, bf16 autocast (the 1.1B and 8B of
+``benchmarks/export_scale.py`` at toy width).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from stepbundle.export_torch import export
+from stepbundle.export_torch.state import state_slots
+from stepbundle.frontend.errors import MetaTensorError
+from stepbundle.schema import open_bundle
+from stepbundle.schema.manifest import SectionKind, StateKind
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import llama  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def bundles(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The tiny Llama exported weights-free twice: built on meta, and on the CPU."""
+    folder = tmp_path_factory.mktemp("meta")
+    out: dict[str, Any] = {}
+    for device in ("meta", "cpu"):
+        lines: list[str] = []
+        report = export(
+            llama.recipe("tiny", device=device), folder / f"{device}.stepbundle",
+            progress=lines.append, check=False if device == "cpu" else None,
+        )  # fmt: skip
+        out[device] = (report, lines)
+    return out
+
+
+def test_meta_model_exports_the_same_bundle_as_the_cpu_model(bundles: dict[str, Any]) -> None:
+    meta, cpu = bundles["meta"][0], bundles["cpu"][0]
+    assert meta.digest == cpu.digest
+    with open_bundle(meta.path) as b:
+        kinds = {e.name: b.manifest.section(e.section).kind for e in b.manifest.state}
+        cos = bytes(b.section("state/cos"))
+    # weights come from a checkpoint, the rotary tables (code, in no checkpoint) are stored
+    assert kinds["embed.weight"] is SectionKind.EXTERNAL
+    assert kinds["cos"] is SectionKind.TENSOR
+    assert kinds["optimizer.state.embed.weight.exp_avg"] is SectionKind.FILL
+    want = llama.rotary_tables(llama.SIZES["tiny"], "cpu")[0]
+    assert cos == want.numpy().tobytes()
+
+
+def test_meta_model_check_is_skipped_and_says_why(bundles: dict[str, Any]) -> None:
+    report, lines = bundles["meta"]
+    assert report.check is None
+    assert any("check skipped: the model is on the meta device" in s for s in lines), lines
+
+
+def test_meta_model_with_weights_is_refused(tmp_path: Path) -> None:
+    r = llama.recipe("tiny", device="meta")
+    r.include_state = True
+    with pytest.raises(MetaTensorError, match="include_state=False"):
+        export(r, tmp_path / "x.stepbundle")
+    assert not (tmp_path / "x.stepbundle").exists()
+
+
+def test_meta_rotary_tables_are_refused_naming_the_buffer(tmp_path: Path) -> None:
+    cfg = llama.SIZES["tiny"]
+    r = llama.recipe(cfg, device="meta")
+    r.model.cos = torch.empty_like(r.model.cos, device="meta")  # as torch.device("meta") left it
+    with pytest.raises(MetaTensorError, match="'cos'.*persistent=False.*device='cpu'"):
+        export(r, tmp_path / "x.stepbundle")
+
+
+def test_meta_model_check_true_is_refused(tmp_path: Path) -> None:
+    # refused before tracing
+    with pytest.raises(MetaTensorError, match="check=False"):
+        export(llama.recipe("tiny", device="meta"), tmp_path / "x.stepbundle", check=True)
+
+
+def test_weights_free_slots_copy_nothing() -> None:
+    r = llama.recipe("tiny", device="cpu")
+    slots = {s.name: s for s in state_slots(r, zero_grads=True)}
+    params = dict(r.model.named_parameters())
+    for name, p in params.items():
+        assert slots[name].value.data_ptr() == p.data_ptr(), name  # the user's own tensor
+    made = [s for s in slots.values() if s.kind in (StateKind.OPTIMIZER_STATE, StateKind.GRADIENT)]
+    assert made
+    for s in made:
+        if s.value.dim():  # one element expanded: no memory of its size
+            assert all(st == 0 for st in s.value.stride()), s.name
+            assert s.value.untyped_storage().nbytes() == s.value.element_size(), s.name
+        assert bool((s.value == 0).all()), s.name
+    with_weights = llama.recipe("tiny", device="cpu")
+    with_weights.include_state = True
+    copied = {s.name: s for s in state_slots(with_weights, zero_grads=True)}
+    p = dict(with_weights.model.named_parameters())["embed.weight"]
+    assert copied["embed.weight"].value.data_ptr() != p.data_ptr()

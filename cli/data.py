@@ -19,6 +19,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from stepbundle.schema.errors import UsageError
+
 __all__ = [
     "DATA_ERRORS",
     "NOT_READ",
@@ -61,7 +63,7 @@ def token_stream(args: argparse.Namespace, trainer: Any, processes: tuple[int, i
     kinds = {to_numpy(b.spec.dtype).kind for b in batch}
     if len(batch) not in (1, 2) or len(shapes) != 1 or kinds - {"i", "u"}:
         described = ", ".join(f"{b.name}: {b.spec.dtype.value}{list(b.spec.shape)}" for b in batch)
-        raise ValueError(
+        raise UsageError(
             f"--data {args.data} is a token stream (a .npy of token ids), which feeds a "
             "batch of one or two integer (batch, context) inputs (the window, and its "
             f"targets shifted by one token); this bundle's train batch is {described}. "
@@ -69,7 +71,7 @@ def token_stream(args: argparse.Namespace, trainer: Any, processes: tuple[int, i
         )
     (shape,) = shapes
     if len(shape) != 2:
-        raise ValueError(
+        raise UsageError(
             f"--data {args.data} is a token stream, whose windows are (batch, context); "
             f"this bundle's token inputs have the shape {list(shape)}."
         )
@@ -101,7 +103,7 @@ def read_npz(path: str) -> dict[str, Any]:
     _NPY_HEADER_READERS.setdefault((1, 0), np.lib.format.read_array_header_1_0)
     _NPY_HEADER_READERS.setdefault((2, 0), np.lib.format.read_array_header_2_0)
     if not zipfile.is_zipfile(path):
-        raise ValueError(
+        raise UsageError(
             "it is not an .npz archive (write one with numpy.savez(path, x=xs, y=ys), one "
             "(S, *batch shape) array per batch input)"
         )
@@ -114,19 +116,19 @@ def read_npz(path: str) -> dict[str, Any]:
                     continue
                 shape, _, dtype = read_header(member)
                 if dtype.hasobject:
-                    raise ValueError(f"{info.filename} holds Python objects, not numbers")
+                    raise UsageError(f"{info.filename} holds Python objects, not numbers")
                 declared = int(np.prod(shape, dtype=object)) * dtype.itemsize
                 if declared > info.file_size:
-                    raise ValueError(
+                    raise UsageError(
                         f"{info.filename} declares {shape} {dtype} ({declared} bytes) but the "
                         f"archive holds {info.file_size} bytes for it: the file is damaged"
                     )
     with np.load(path, allow_pickle=False) as npz:
         data = {k: npz[k] for k in npz.files}
     if not data:
-        raise ValueError("it holds no arrays")
+        raise UsageError("it holds no arrays")
     if any(a.ndim >= 1 and a.shape[0] == 0 for a in data.values()):
-        raise ValueError("it holds 0 batches (every array's first dimension is the batch count)")
+        raise UsageError("it holds 0 batches (every array's first dimension is the batch count)")
     return data
 
 
@@ -135,7 +137,7 @@ def default_batch_size(trainer: Any, entry: str) -> int:
     program = trainer.manifest.entries[entry].programs[0]
     sizes = {b.spec.shape[0] for b in program.batch if b.spec.shape}
     if len(sizes) != 1:
-        raise ValueError(
+        raise UsageError(
             f"The bundle's {entry!r} batches have no single batch size ({sorted(sizes)}); "
             f"pass {'--batch-size' if entry == 'train' else '--eval-batch-size'}."
         )
@@ -215,7 +217,7 @@ def open_data(args: argparse.Namespace) -> Any:
     Raises:
       ValueError: a data set cannot be read; the message names its flag.
     """
-    from stepbundle.schema.errors import BundleError
+    from stepbundle.schema.errors import StepbundleError
 
     npz = None
     for flag, path in (("--data", args.data), ("--eval-data", args.eval_data)):
@@ -234,8 +236,8 @@ def open_data(args: argparse.Namespace) -> Any:
                 npz = read_npz(path)
             else:
                 read_npz(path)
-        except (*DATA_ERRORS, BundleError) as e:
-            raise ValueError(f"cannot read {flag} {path!r}: {e}") from None
+        except (*DATA_ERRORS, StepbundleError) as e:
+            raise UsageError(f"cannot read {flag} {path!r}: {e}") from None
     return npz
 
 
@@ -279,7 +281,7 @@ def check_steps_per_call(args: argparse.Namespace, npz: Any) -> None:
     need = held * (2 * per_batch + _STEP_OVERHEAD)
     avail = available_bytes()
     if avail is not None and need > avail:
-        raise ValueError(
+        raise UsageError(
             f"--steps-per-call {k} stacks {held} batches of --data ({format_bytes(per_batch)} "
             f"each) in host memory for every call, {format_bytes(need)} with the copies a "
             f"call makes, and this process can allocate {format_bytes(avail)}. Use a much "

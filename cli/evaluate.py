@@ -27,7 +27,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     from stepbundle.runtime import CompileOptions, LoadOptions, ParallelOptions, load
     from stepbundle.runtime.io.file_kinds import NotARegularFileError
     from stepbundle.runtime.train.metrics import json_safe
-    from stepbundle.schema.errors import BundleError
+    from stepbundle.schema.errors import StepbundleError
 
     from .data import DATA_ERRORS, eval_batches, is_dataset, read_npz
     from .init_from import state_options
@@ -44,7 +44,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
             read_npz(args.data)
     except NotARegularFileError as e:  # the message names the option
         return _die(str(e), 2)
-    except (*DATA_ERRORS, BundleError) as e:
+    except (*DATA_ERRORS, StepbundleError) as e:
         return _die(f"cannot read --data {args.data!r}: {e}", 2)
     try:
         _cpu_devices(args)
@@ -65,7 +65,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         result = trainer.evaluate_dataset(batches, args.entry, mask_key=mask)
     except OSError as e:
         return _die(f"cannot open {e.filename!r}: {e.strerror}.", 2)
-    except (BundleError, ValueError) as e:
+    except (StepbundleError, ValueError) as e:
         return _die(str(e), 1)
     if args.json:
         print(

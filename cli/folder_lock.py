@@ -19,7 +19,7 @@ is done only under the lock: a run that is refused removes nothing (a process id
 tell a live writer across PID namespaces, and a refused run once removed the temp file
 of the live run's checkpoint in flight). Without a lock, only temp files a day old go.
 
-A lock that cannot be taken refuses the run (``FolderLockError``, exit 2): a lock file
+A lock that cannot be taken refuses the run (a ``UsageError``, exit 2): a lock file
 the run may not open (another user's, in a shared folder), a folder or anything else in
 its place, a file system that cannot lock. These once gave a one-line warning and the
 run went on without a lock, so two runs wrote the same ``step-N`` files (issue #43).
@@ -42,16 +42,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["LOCK_NAME", "FolderLockError", "holding", "held_by_another_run", "lock_for_run"]
+from stepbundle.schema.errors import UsageError
+
+__all__ = ["LOCK_NAME", "holding", "held_by_another_run", "lock_for_run"]
 
 LOCK_NAME = ".stepbundle-run.lock"
 # Without a lock, a temp file this old is dead: a writer changes its file as it writes.
 UNLOCKED_SWEEP_AGE_S = 24 * 3600.0
-
-
-class FolderLockError(ValueError):
-    """The run lock of a checkpoint folder cannot be taken: another live run holds it,
-    or the lock file cannot be opened or locked. The message says which and what to do."""
 
 
 @contextlib.contextmanager
@@ -59,7 +56,7 @@ def holding(folder: Path, given: str) -> Iterator[None]:
     """Hold the run lock of ``folder`` (an existing folder) until the block ends.
 
     Raises:
-      FolderLockError: another live process holds it; the lock file is a symbolic link,
+      UsageError: another live process holds it; the lock file is a symbolic link,
         a hard link or not a regular file (the run would write into what it names); it
         cannot be opened (permission denied: another user's); or the file system cannot
         lock.
@@ -79,28 +76,28 @@ def holding(folder: Path, given: str) -> Iterator[None]:
             )
         except OSError as e:
             if e.errno == errno.ELOOP:  # O_NOFOLLOW met a symbolic link
-                raise FolderLockError(_not_a_lock_file(path, given, "a symbolic link")) from None
+                raise UsageError(_not_a_lock_file(path, given, "a symbolic link")) from None
             if e.errno == errno.EISDIR:
-                raise FolderLockError(_not_a_lock_file(path, given, "a folder")) from None
-            raise FolderLockError(_cannot_open(path, given, e)) from None
+                raise UsageError(_not_a_lock_file(path, given, "a folder")) from None
+            raise UsageError(_cannot_open(path, given, e)) from None
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_nlink > 1:
             os.close(fd)
             what = "a hard link to another file" if stat.S_ISREG(st.st_mode) else "not a file"
-            raise FolderLockError(_not_a_lock_file(path, given, what))
+            raise UsageError(_not_a_lock_file(path, given, what))
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = os.read(fd, 200).decode("utf-8", "replace").strip() or "another process"
             os.close(fd)
-            raise FolderLockError(
+            raise UsageError(
                 f"--checkpoint-dir {given!r} is in use by another run ({holder}), which holds "
                 f"{path}; two runs in one folder would mix their checkpoints. Wait for that "
                 "run to end, or give this run a folder of its own."
             ) from None
         except OSError as e:  # a file system without locks
             os.close(fd)
-            raise FolderLockError(
+            raise UsageError(
                 f"--checkpoint-dir {given!r}: cannot lock {str(path)!r} "
                 f"({e.strerror or e}); the folder's file system does not take locks, so "
                 "this run cannot tell whether another run writes there, and two runs in one "

@@ -74,12 +74,12 @@ def _open(text: str) -> Any:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from stepbundle.schema.errors import BundleError
+    from stepbundle.schema.errors import StepbundleError
     from stepbundle.schema.manifest import StateUpdateOutput
 
     try:
         bundle = _open(args.bundle)
-    except BundleError as e:
+    except StepbundleError as e:
         return _die(str(e), 1)
     except OSError as e:
         return _die(f"cannot open the bundle {args.bundle!r}: {e.strerror}.", 2)
@@ -90,7 +90,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         if not args.full:
             try:
                 print("\n".join(summary_lines(bundle, args.bundle)))
-            except BundleError as e:  # a damaged constant section
+            except StepbundleError as e:  # a damaged constant section
                 return _die(str(e), 1)
             return 0
         m = bundle.manifest
@@ -171,11 +171,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from stepbundle.schema.errors import BundleError
+    from stepbundle.schema.errors import StepbundleError
 
     try:
         bundle = _open(args.bundle)
-    except BundleError as e:
+    except StepbundleError as e:
         print(f"FAILED {args.bundle}: {e}")
         return 1
     except OSError as e:

@@ -38,7 +38,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from stepbundle.runtime.train.metrics import json_float, json_safe
-from stepbundle.schema.errors import BundleError
+from stepbundle.schema.errors import UsageError
 
 from .record_file import RecordFile, SinkError, close_sink, sync_sink
 from .sinks import LogRecord
@@ -59,7 +59,7 @@ _MAX_LINE = 64 << 20
 _CHUNK = 1 << 20
 
 
-class MetricsFileRefusedError(BundleError):
+class MetricsFileRefusedError(UsageError):
     """``--metrics-file`` names a file this run may not write (exit status 2)."""
 
 

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from stepbundle.schema.errors import UsageError
+
 from .paths import sink_path
 
 __all__ = ["check_output_paths"]
@@ -115,7 +117,7 @@ def _refuse_process_local(flag: str, given: str) -> None:
     fs: Any = filesystem(given)[0]
     while fs is not None:  # chained URLs wrap their target in ``.fs``
         if isinstance(fs, MemoryFileSystem):
-            raise ValueError(
+            raise UsageError(
                 f"{flag} {given!r} is on fsspec's memory file system, which keeps files only "
                 "in this process's memory: they would be gone when the run ends. Give a "
                 "real folder or URL, e.g. runs/a/ or gs://bucket/runs/a/."
@@ -185,11 +187,11 @@ def check_output_paths(args: argparse.Namespace) -> None:
         for source in inputs:
             why = _clash(out, source)
             if why is not None:
-                raise ValueError(why)
+                raise UsageError(why)
     for i, out in enumerate(outputs):
         for other in outputs[i + 1 :]:
             if out.path == other.path:
-                raise ValueError(
+                raise UsageError(
                     f"{out.flag} {out.given!r} is also {other.flag}; two outputs cannot share "
                     f"one {'folder' if out.folder else 'file'}. Choose another path for one "
                     "of them."

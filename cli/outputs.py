@@ -16,6 +16,8 @@ import os
 import tempfile
 from pathlib import Path
 
+from stepbundle.schema.errors import UsageError
+
 __all__ = ["check_outputs"]
 
 
@@ -37,7 +39,7 @@ def _refuse_locked(folder: Path, flag: str, given: str) -> None:
 
     holder = held_by_another_run(folder)
     if holder is not None:
-        raise ValueError(
+        raise UsageError(
             f"{flag} {given!r} is in {str(folder)!r}, the checkpoint folder of a live run "
             f"({holder}, which holds {LOCK_NAME} there); what this run wrote there would "
             "be mixed with that run's checkpoints. Write it into another folder."
@@ -60,12 +62,12 @@ def _check_bundle(args: argparse.Namespace) -> None:
     bundle: str = args.bundle
     if bundle.startswith("sha256:"):
         from stepbundle.runtime.io.store import resolve_bundle
-        from stepbundle.schema.errors import BundleError
+        from stepbundle.schema.errors import StepbundleError
 
         try:
             found = resolve_bundle(bundle)  # a digest is only looked up: nothing is fetched
-        except BundleError as e:  # not a digest, or not in the store
-            raise ValueError(str(e)) from None
+        except StepbundleError as e:  # not a digest, or not in the store
+            raise UsageError(str(e)) from None
         args.bundle_file = os.fspath(found)
         args.bundle_digest = "sha256:" + bundle.removeprefix("sha256:").lower()
         return
@@ -75,7 +77,7 @@ def _check_bundle(args: argparse.Namespace) -> None:
     try:
         os.stat(local)
     except OSError as e:
-        raise ValueError(f"cannot open the bundle {bundle!r}: {e.strerror}.") from None
+        raise UsageError(f"cannot open the bundle {bundle!r}: {e.strerror}.") from None
 
 
 def _check_remote_folder(url: str, resume: str | None) -> None:
@@ -84,7 +86,7 @@ def _check_remote_folder(url: str, resume: str | None) -> None:
 
     earlier = list_names(url, "step-*.safetensors")
     if earlier and not resume:
-        raise ValueError(
+        raise UsageError(
             f"--checkpoint-dir {url!r} already holds checkpoints ({earlier[-1]} and "
             f"{len(earlier) - 1} more); a new run would overwrite them. Continue with "
             f"--resume {join(url, earlier[-1])}, or choose an empty folder."
@@ -118,7 +120,7 @@ def check_outputs(args: argparse.Namespace) -> None:
     if args.tensorboard:
         _refuse_locked(Path(args.tensorboard), "--tensorboard", args.tensorboard)
     if args.metrics_file:
-        from stepbundle.schema.errors import BundleError
+        from stepbundle.schema.errors import StepbundleError
 
         from .metrics_file import check_metrics_file
 
@@ -126,20 +128,20 @@ def check_outputs(args: argparse.Namespace) -> None:
             # Read only: rows of ours, or none; and none for a run that starts at step 0.
             fresh = args.entry == "train" and not args.resume
             check_metrics_file(args.metrics_file, fresh=fresh)
-        except BundleError as e:
-            raise ValueError(str(e)) from None
+        except StepbundleError as e:
+            raise UsageError(str(e)) from None
     if args.checkpoint_every and not args.checkpoint_dir:
-        raise ValueError(
+        raise UsageError(
             "--checkpoint-every writes checkpoints into --checkpoint-dir, which is missing: "
             "add --checkpoint-dir DIR."
         )
     if args.check_state and not args.stop_on_nonfinite:
-        raise ValueError(
+        raise UsageError(
             "--check-state works with --stop-on-nonfinite (the state can only be kept when "
             "steps do not donate it): add --stop-on-nonfinite."
         )
     if args.eval_every and not args.eval_data:
-        raise ValueError("--eval-every evaluates --eval-data, which is missing: add it.")
+        raise UsageError("--eval-every evaluates --eval-data, which is missing: add it.")
     k = getattr(args, "steps_per_call", 1)
     k = k if isinstance(k, int) else 1  # auto: cli/auto_steps.py keeps to the cadences
     for flag, every in (
@@ -148,18 +150,18 @@ def check_outputs(args: argparse.Namespace) -> None:
     ):
         if every and k > 1 and every % k:
             lower = max(k, every - every % k)
-            raise ValueError(
+            raise UsageError(
                 f"{flag} {every} is not a multiple of --steps-per-call {k}: the state moves {k} "
                 f"steps per call, so it is only there to save or evaluate between calls. Use "
                 f"{flag} {lower} or {lower + k}."
             )
     if args.entry != "train" and args.steps is None:
-        raise ValueError(f"--entry {args.entry} runs --steps batches: give --steps.")
+        raise UsageError(f"--entry {args.entry} runs --steps batches: give --steps.")
     dataset_only = ("batch_size", "epochs")
     if not Path(args.data).is_dir():
         given = [f"--{k.replace('_', '-')}" for k in dataset_only if getattr(args, k)]
         if given or args.no_shuffle or args.last_batch != "drop":
-            raise ValueError(
+            raise UsageError(
                 f"{', '.join(given) or 'the shuffling and last-batch options'} apply to a "
                 f"dataset folder, but --data {args.data!r} is an .npz."
             )
@@ -171,7 +173,7 @@ def check_outputs(args: argparse.Namespace) -> None:
     if save_state is not None:
         target = save_state
         if target.is_dir():
-            raise ValueError(f"--save-state {args.save_state!r} is a folder; give a file name.")
+            raise UsageError(f"--save-state {args.save_state!r} is a folder; give a file name.")
         parent = target.parent if str(target.parent) else Path(".")
         _refuse_locked(parent, "--save-state", args.save_state)
         _check_writable_folder(parent, "--save-state")
@@ -180,10 +182,10 @@ def check_outputs(args: argparse.Namespace) -> None:
         _check_remote_folder(args.checkpoint_dir, args.resume)
     if folder is not None:
         if folder.exists() and not folder.is_dir():
-            raise ValueError(f"--checkpoint-dir {args.checkpoint_dir!r} is a file, not a folder.")
+            raise UsageError(f"--checkpoint-dir {args.checkpoint_dir!r} is a file, not a folder.")
         earlier = sorted(folder.glob("step-*.safetensors")) if folder.is_dir() else []
         if earlier and not args.resume:
-            raise ValueError(
+            raise UsageError(
                 f"--checkpoint-dir {args.checkpoint_dir!r} already holds checkpoints "
                 f"({earlier[-1].name} and {len(earlier) - 1} more); a new run would overwrite "
                 f"them. Continue with --resume {args.checkpoint_dir} (its latest checkpoint), "

@@ -22,6 +22,8 @@ import re
 import sys
 from pathlib import Path
 
+from stepbundle.schema.errors import UsageError
+
 __all__ = ["check_path_kinds", "resume_from_folder", "sink_path"]
 
 # argument -> (its flag, a regular file taken, a folder taken)
@@ -56,7 +58,7 @@ def sink_path(flag: str, given: str) -> str:
 
     local = local_path(given)
     if local is None:
-        raise ValueError(
+        raise UsageError(
             f"{flag} {given!r} is a URL, but {flag} is written on the local disk, appended to "
             "and synced as the run goes (a file:// URL is taken as its path; no other URL "
             "is). Give a local path, and copy the output where it should go after the run."
@@ -97,7 +99,7 @@ def resume_from_folder(args: argparse.Namespace) -> None:
         return
     named = [p for p in folder.iterdir() if _CHECKPOINT_NAME.fullmatch(p.name) and p.is_file()]
     if not named:
-        raise ValueError(
+        raise UsageError(
             f"--resume {given!r} is a folder holding no checkpoint (step-N.safetensors); "
             "give a checkpoint file, or the --checkpoint-dir of an earlier run."
         )
@@ -117,7 +119,7 @@ def resume_from_folder(args: argparse.Namespace) -> None:
             )
         ranked.append((step, step == by_name, by_name, path))
     if not ranked:
-        raise ValueError(
+        raise UsageError(
             f"--resume {given!r}: no checkpoint in that folder can be read (each is named "
             "above). Give a checkpoint file, or the --checkpoint-dir of an earlier run."
         )
@@ -138,7 +140,7 @@ def _recorded_step(path: Path) -> int:
         with open_safetensors(path) as f:
             return parse_checkpoint_metadata(path, f.metadata).step
     except CheckpointError as e:
-        raise ValueError(str(e)) from None
+        raise UsageError(str(e)) from None
 
 
 def check_path_kinds(args: argparse.Namespace) -> None:
@@ -158,7 +160,7 @@ def check_path_kinds(args: argparse.Namespace) -> None:
             value = sink_path(flag, value)
         scheme = value.split("://", 1)[0].lower() if "://" in value else ""
         if name in _WRITTEN and scheme in ("http", "https"):
-            raise ValueError(
+            raise UsageError(
                 f"{flag} {value!r} is an {scheme}:// URL, which can only be read: checkpoints "
                 "need a writable local path or object-store URL (gs://, s3://, az://, ... with "
                 "its fsspec backend installed). Give a local folder or a bucket."

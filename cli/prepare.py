@@ -47,7 +47,7 @@ def add_pull(sub: Any) -> None:
 def cmd_pull(args: argparse.Namespace) -> int:
     from stepbundle.runtime.io.file_kinds import NotARegularFileError
     from stepbundle.runtime.io.store import pull
-    from stepbundle.schema.errors import BundleError
+    from stepbundle.schema.errors import StepbundleError
 
     from .paths import check_path_kinds
 
@@ -57,7 +57,7 @@ def cmd_pull(args: argparse.Namespace) -> int:
         got = pull(args.source, expect_digest=args.expect_digest)
     except NotARegularFileError as e:  # a path of the wrong kind
         return die(str(e), 2)
-    except BundleError as e:
+    except StepbundleError as e:
         return die(str(e), 1)
     except OSError as e:  # a local source that cannot be read
         return die(f"cannot read {args.source!r}: {e.strerror or e}.", 2)
@@ -127,7 +127,7 @@ def _cmd_compile(args: argparse.Namespace) -> int:
         StateOptions,
         load,
     )
-    from stepbundle.schema.errors import BundleError
+    from stepbundle.schema.errors import StepbundleError
 
     from .run import _join_job
 
@@ -137,7 +137,7 @@ def _cmd_compile(args: argparse.Namespace) -> int:
         _join_job(args)
     except ValueError as e:
         return die(str(e), 2)
-    except BundleError as e:
+    except StepbundleError as e:
         return die(str(e), 1)
     t0 = time.perf_counter()
     try:
@@ -161,7 +161,7 @@ def _cmd_compile(args: argparse.Namespace) -> int:
             ),
         )
         trainer = load(args.bundle, args.device, options=options)
-    except (BundleError, ValueError) as e:
+    except (StepbundleError, ValueError) as e:
         return die(str(e), 1)
     except OSError as e:  # a local bundle that is missing or cannot be read
         return die(f"cannot read {args.bundle!r}: {e.strerror or e}", 2)

@@ -3,7 +3,7 @@ record when a write fails: what ``--metrics-file`` and ``--tensorboard`` write t
 so a full disk leaves valid files and a typed ``SinkError``, and a SIGKILL loses nothing
 already written.
 
-Imports: the standard library; ``stepbundle.schema.errors``.
+Imports: the standard library; ``stepbundle.schema.errors``, the runtime's data kinds.
 """
 
 from __future__ import annotations
@@ -12,31 +12,34 @@ import contextlib
 import errno
 import os
 
-from stepbundle.schema.errors import BundleError
+from stepbundle.runtime.data.dataset_index import DataErrorKind
+from stepbundle.schema.errors import DataError
 
 __all__ = ["RecordFile", "SinkError", "close_sink", "sync_sink"]
 
 
-class SinkError(BundleError):
+class SinkError(DataError):
     """Writing a ``--metrics-file`` or ``--tensorboard`` sink failed (a full disk, a lost
     mount, a file removed under the run).
 
     The file was cut back to its last whole record before this was raised, so it stays
-    valid. ``sink`` is the option (``"--metrics-file"``, ``"--tensorboard"``), ``path``
-    the file, ``error`` the ``OSError``.
+    valid. A ``DataError`` of kind ``WRITE_FAILED``: ``sink`` is the option
+    (``"--metrics-file"``, ``"--tensorboard"``), ``path`` the file, ``error`` the
+    ``OSError``.
     """
 
     def __init__(self, sink: str, path: str, error: OSError, doing: str) -> None:
         reason = f"{error.strerror or error} (errno {error.errno})" if error.errno else str(error)
         super().__init__(
+            DataErrorKind.WRITE_FAILED,
             f"{sink}: cannot {doing} {path!r}: {reason}. The file was cut back to its last "
             "whole record and closed, and the run stops at the next step boundary, with a "
             "final checkpoint if it has a --checkpoint-dir. Free space (or fix the folder), "
             "then --resume from that checkpoint with the same options; the logs continue "
-            "from there."
+            "from there.",
+            path=path,
         )
         self.sink = sink
-        self.path = path
         self.error = error
 
 

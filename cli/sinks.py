@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from stepbundle.schema.errors import UsageError
+
 from .record_file import RecordFile, SinkError, close_sink, sync_sink
 
 __all__ = [
@@ -186,7 +188,7 @@ def check_sink_outputs(metrics_file: str | None, tensorboard: str | None) -> Non
     if metrics_file is not None:
         target = Path(metrics_file)
         if target.is_dir():
-            raise ValueError(
+            raise UsageError(
                 f"--metrics-file {metrics_file!r} is a folder; give a file name, e.g. "
                 f"{str(target / 'metrics.jsonl')!r}."
             )
@@ -202,10 +204,10 @@ def check_sink_outputs(metrics_file: str | None, tensorboard: str | None) -> Non
         try:
             import tensorboardX  # noqa: F401
         except ImportError:
-            raise ValueError(TENSORBOARD_MISSING) from None
+            raise UsageError(TENSORBOARD_MISSING) from None
         folder = Path(tensorboard)
         if folder.exists() and not folder.is_dir():
-            raise ValueError(f"--tensorboard {tensorboard!r} is a file, not a folder.")
+            raise UsageError(f"--tensorboard {tensorboard!r} is a file, not a folder.")
         try:
             folder.mkdir(parents=True, exist_ok=True)
             probe = folder / f".stepbundle-probe-{os.getpid()}"

@@ -50,7 +50,7 @@ def load_into(
 
     Raises:
       CheckpointError: the file has no stepbundle metadata, malformed metadata
-        (``CheckpointFormatError``: a format this version does not read), or bytes that
+        (a ``CheckpointError`` naming a format this version does not read), or bytes that
         do not match its digest (a damaged file).
       ExportError: with ``strict``, when names in the checkpoint and the model (or a
         hyperparameter and the optimizer's ``param_groups``) differ.

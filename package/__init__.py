@@ -4,12 +4,15 @@ The face::
 
     from stepbundle import Recipe, export          # where torch is installed
     from stepbundle import LoadOptions, Trainer, load
+    from stepbundle import BundleError, CheckpointError, DataError, DeviceError, UsageError
 
 ``export(recipe, path)`` writes a bundle with the torch_xla front-end where torch_xla is
 installed and with the torch front-end otherwise (``frontend=`` chooses); ``load(path,
 device, LoadOptions(...))`` returns the ``Trainer`` that runs it, with no torch. Each
 name is imported on first use, so ``import stepbundle.runtime`` never pulls in torch and
-``import stepbundle.schema`` pulls in neither torch nor jax.
+``import stepbundle.schema`` pulls in neither torch nor jax. Every error stepbundle raises
+is a ``StepbundleError`` under one of the five roots imported above
+(``stepbundle.schema.errors`` says what each covers).
 
 Subpackages: ``stepbundle.schema`` (the format), ``stepbundle.stablehlo`` (StableHLO
 shared by both sides), ``stepbundle.frontend`` (what both front-ends share),
@@ -24,6 +27,15 @@ import importlib.util
 import os
 from typing import TYPE_CHECKING, Any
 
+from stepbundle.schema.errors import (
+    BundleError,
+    CheckpointError,
+    DataError,
+    DeviceError,
+    StepbundleError,
+    UsageError,
+)
+
 from ._version import __version__
 
 if TYPE_CHECKING:
@@ -34,10 +46,16 @@ if TYPE_CHECKING:
 
 __all__ = [
     "FRONTENDS",
+    "BundleError",
+    "CheckpointError",
+    "DataError",
+    "DeviceError",
     "FrontendMissingError",
     "LoadOptions",
     "Recipe",
+    "StepbundleError",
     "Trainer",
+    "UsageError",
     "__version__",
     "choose_frontend",
     "export",
@@ -48,9 +66,9 @@ FRONTENDS = ("auto", "torch_xla", "torch")
 """The front-ends ``export`` takes: ``auto`` is torch_xla where it is installed, else torch."""
 
 
-class FrontendMissingError(ImportError):
+class FrontendMissingError(UsageError, ImportError):
     """The front-end asked for (or any, for ``auto``) is not installed; the message says
-    which extra installs it."""
+    which extra installs it. A ``UsageError``, and an ``ImportError`` as before."""
 
 
 def _installed(name: str) -> bool:
@@ -65,7 +83,7 @@ def choose_frontend(asked: str = "auto") -> tuple[str, str]:
       FrontendMissingError: it needs a package that is not installed.
     """
     if asked not in FRONTENDS:
-        raise ValueError(f"frontend must be one of {', '.join(FRONTENDS)}, got {asked!r}.")
+        raise UsageError(f"frontend must be one of {', '.join(FRONTENDS)}, got {asked!r}.")
     if asked == "auto":
         if _installed("torch_xla"):
             return "torch_xla", "torch_xla is installed"

@@ -32,36 +32,40 @@ from stepbundle.stablehlo.artifact import ALLOWED_CUSTOM_CALLS
 from .compile.compile_cache import CacheEvent, CacheOutcome, CacheWarning
 from .compile.load_info import LoadInfo
 from .data.dataset_writer import write_dataset
-from .errors import BindingError, CheckpointError, DeviceError, NonFiniteLossError, PlatformError
+from .errors import (
+    BindingError,
+    BundleError,
+    CheckpointError,
+    DataError,
+    DeviceError,
+    NonFiniteLossError,
+    PlatformError,
+    StepbundleError,
+    UsageError,
+)
 from .fallback import PathChoice, PathKind, StepbundleFallbackWarning
 from .load import load
 from .options import CompileOptions, LoadOptions, ParallelOptions, SafetyOptions, StateOptions
 from .placement.distributed import set_cpu_devices
-from .state.checkpoint import CheckpointFormatError, OtherBundleError
-from .state.init_state import (
-    InitStateError,
-    MissingStateError,
-    StateDtypeError,
-    StateShapeError,
-    UnexpectedStateError,
-)
+from .state.checkpoint import OtherBundleError
+from .state.init_state import InitStateError
 from .train.metrics import to_floats
 from .train.trainer import Trainer
 
 __all__ = [
     "ALLOWED_CUSTOM_CALLS",
     "BindingError",
+    "BundleError",
     "CacheEvent",
     "CacheOutcome",
     "CacheWarning",
     "CheckpointError",
-    "CheckpointFormatError",
     "CompileOptions",
+    "DataError",
     "DeviceError",
     "InitStateError",
     "LoadInfo",
     "LoadOptions",
-    "MissingStateError",
     "NonFiniteLossError",
     "OtherBundleError",
     "ParallelOptions",
@@ -69,12 +73,11 @@ __all__ = [
     "PathKind",
     "PlatformError",
     "SafetyOptions",
-    "StateDtypeError",
     "StateOptions",
-    "StateShapeError",
+    "StepbundleError",
     "StepbundleFallbackWarning",
     "Trainer",
-    "UnexpectedStateError",
+    "UsageError",
     "load",
     "set_cpu_devices",
     "to_floats",

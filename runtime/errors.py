@@ -1,21 +1,31 @@
-"""The runtime's error types.
+"""The runtime's error types: the roots (``stepbundle.schema.errors``), named here because
+the runtime's users catch them from here, and the few subclasses a caller handles apart.
 
 Imports: stepbundle.schema only.
 """
 
 from __future__ import annotations
 
-# CheckpointError is the schema's (schema/checkpoint_meta.py raises it, for the runtime and
-# for load_into alike), named here too because the runtime's users catch it from here.
-from stepbundle.schema.errors import BundleError, CheckpointError
+from stepbundle.schema.errors import (
+    BundleError,
+    CheckpointError,
+    DataError,
+    DeviceError,
+    StepbundleError,
+    UsageError,
+)
 
 __all__ = [
     "BatchStackError",
     "BindingError",
+    "BundleError",
     "CheckpointError",
+    "DataError",
     "DeviceError",
     "NonFiniteLossError",
     "PlatformError",
+    "StepbundleError",
+    "UsageError",
 ]
 
 
@@ -34,22 +44,17 @@ class BatchStackError(BindingError):
     """
 
 
-class PlatformError(BundleError):
-    """The bundle cannot run on the requested device or platform."""
+class PlatformError(DeviceError):
+    """The bundle cannot run on the requested device or platform (refused at load,
+    before anything ran: nothing to recover, unlike a step's ``DeviceError``)."""
 
 
-class DeviceError(BundleError):
-    """The device runtime failed while running a step (out of memory, a lost device).
-
-    If the step donated its state, the trainer refuses further use until a checkpoint
-    or the bundle is loaded again; the message says which.
-    """
-
-
-class NonFiniteLossError(BundleError):
+class NonFiniteLossError(DeviceError):
     """A step produced a non-finite loss and the trainer was told to stop on it.
 
-    The trainer's state is the state from before that step.
+    The trainer's state is the state from before that step (``step`` and ``metrics``
+    say which step and what it produced): a caller saves it, unlike after a
+    ``DeviceError`` of a failed device.
     """
 
     def __init__(self, message: str, *, step: int, metrics: dict[str, float]) -> None:

@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import CheckpointError, CheckpointFormatError
+from .errors import CheckpointError
 
 __all__ = [
     "CHECKPOINT_FORMAT",
@@ -39,7 +39,7 @@ __all__ = [
 
 # Changelog of the checkpoint format (the ``format`` field of the stepbundle metadata).
 # The reader accepts exactly the formats in SUPPORTED_FORMATS and refuses any other with
-# CheckpointFormatError; a new format keeps the old numbers there for as long as files
+# a CheckpointError naming both; a new format keeps the old numbers there for as long as files
 # written with them must load.
 # 2026-11-30: 1, first version: safetensors, the state under PyTorch's names, metadata
 #   "stepbundle" = JSON {format, step, seed, hyperparameters, bundle_digest}.
@@ -157,7 +157,7 @@ class CheckpointMeta:
         """Parse and check the metadata of the checkpoint at ``path``.
 
         Raises:
-          CheckpointFormatError: the format is not one this reader supports.
+          CheckpointError: also when the format is not one this reader supports.
           CheckpointError: the metadata is malformed.
         """
 
@@ -176,7 +176,7 @@ class CheckpointMeta:
             raise bad("missing format")
         fmt = info["format"]
         if type(fmt) is not int or fmt not in SUPPORTED_FORMATS:
-            raise CheckpointFormatError(
+            raise CheckpointError(
                 f"The checkpoint {os.fspath(path)} has format {fmt!r}, but this version of "
                 "stepbundle reads checkpoint formats "
                 f"{', '.join(map(str, sorted(SUPPORTED_FORMATS)))} only. Load it with "
@@ -231,7 +231,7 @@ def parse_checkpoint_metadata(
     """The checked ``CheckpointMeta`` of a safetensors file's ``__metadata__``.
 
     Raises:
-      CheckpointFormatError: the format is not one this reader supports.
+      CheckpointError: also when the format is not one this reader supports.
       CheckpointError: no stepbundle entry (plain safetensors), or a malformed one.
     """
     raw = metadata.get(META_KEY)

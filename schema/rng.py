@@ -15,7 +15,7 @@ Imports: standard library only (and this package's ``errors``).
 
 from __future__ import annotations
 
-from .errors import BundleError
+from .errors import BundleError, UsageError
 
 __all__ = [
     "SEED_RULES",
@@ -56,7 +56,7 @@ def _power(mul: int, add: int, n: int) -> tuple[int, int]:
 def draw_affine(draws: int) -> tuple[int, int]:
     """``(mul, add)`` with ``draw_seed(seed, draws) == (add + mul * seed) mod 2**64``."""
     if draws < 0:
-        raise ValueError(f"The number of draws must be 0 or more, got {draws}.")
+        raise UsageError(f"The number of draws must be 0 or more, got {draws}.")
     return _power(_DRAW_MUL, _DRAW_ADD, draws)
 
 
@@ -67,7 +67,7 @@ def draw_seed(seed: int, draws: int) -> int:
       ValueError: ``seed`` or ``draws`` is out of range.
     """
     if not 0 <= seed < _U64:
-        raise ValueError(f"The seed must be an integer in [0, 2**64), got {seed}.")
+        raise UsageError(f"The seed must be an integer in [0, 2**64), got {seed}.")
     mul, add = draw_affine(draws)
     return (add + mul * seed) % _U64
 
@@ -98,9 +98,9 @@ def advance_seed(rule: str, seed: int, steps: int = 1, draws: int = 0) -> int:
     if rule != TORCH_XLA_MARK_STEP:
         raise UnknownSeedRuleError(rule)
     if not 0 <= seed < _U64:
-        raise ValueError(f"The seed must be an integer in [0, 2**64), got {seed}.")
+        raise UsageError(f"The seed must be an integer in [0, 2**64), got {seed}.")
     if steps < 0:
-        raise ValueError(f"A seed can only be advanced by 0 or more steps, got {steps}.")
+        raise UsageError(f"A seed can only be advanced by 0 or more steps, got {steps}.")
     dm, da = draw_affine(draws)
     # One step: x -> ADD + MUL * (da + dm * x), itself affine.
     step_mul = _MARK_STEP_MUL * dm % _U64

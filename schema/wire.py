@@ -22,7 +22,7 @@ from typing import Any, Literal
 
 import msgpack
 
-from .errors import BundleError, BundleFormatError, SchemaValidationError
+from .errors import BundleFormatError, SchemaValidationError, StepbundleError
 from .manifest import Manifest
 from .records import (
     UNIONS,
@@ -204,7 +204,7 @@ def unpack(data: bytes) -> object:
             ext_hook=_reject_ext,
             object_pairs_hook=_pairs_to_dict,
         )
-    except BundleError:
+    except StepbundleError:
         raise
     except Exception as e:
         # ValueError (malformed, truncated, extra data, too deep), UnicodeDecodeError,
@@ -356,10 +356,10 @@ _T = typing.TypeVar("_T")
 
 
 def guarded(fn: Callable[[], _T]) -> _T:
-    """Run a parsing step; anything but a BundleError becomes a BundleFormatError."""
+    """Run a parsing step; anything but stepbundle's own error becomes a BundleFormatError."""
     try:
         return fn()
-    except BundleError:
+    except StepbundleError:
         raise
     except Exception as e:
         raise BundleFormatError(

@@ -18,12 +18,15 @@ from typing import Any
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import stablehlo as _stablehlo
 
+from stepbundle.schema.errors import BundleError
+
 # jaxlib's stubs do not cover the StableHLO dialect's serialization helpers.
 stablehlo: Any = _stablehlo
 
 __all__ = [
     "ALLOWED_CUSTOM_CALLS",
     "ArtifactError",
+    "ProgramError",
     "MainSignature",
     "Module",
     "TARGET_CANDIDATES",
@@ -155,7 +158,7 @@ class Module:
     def main(self) -> Any:
         op = self._find_main()
         if op is None:
-            raise ValueError("the module has no @main function")
+            raise ProgramError("the module has no @main function")
         return op
 
     def replace_main(self, inner: str, wrapper: str) -> None:
@@ -179,7 +182,7 @@ class Module:
                 if "sym_name" in op.attributes
             }
             if inner in taken:
-                raise ValueError(f"the module already has a symbol @{inner}")
+                raise ProgramError(f"the module already has a symbol @{inner}")
             main = self.main
             parsed = ir.Module.parse(wrapper)
             new = [
@@ -189,13 +192,13 @@ class Module:
                 and ir.StringAttr(op.attributes["sym_name"]).value == "main"
             ]
             if len(new) != 1:
-                raise ValueError("the wrapper must define exactly one @main")
+                raise ProgramError("the wrapper must define exactly one @main")
             main.attributes["sym_name"] = ir.StringAttr.get(inner)
             main.attributes["sym_visibility"] = ir.StringAttr.get("private")
             new[0].detach_from_parent()
             self._module.body.append(new[0])
             if not self._module.operation.verify():
-                raise ValueError("the wrapped module does not verify")
+                raise ProgramError("the wrapped module does not verify")
 
     @staticmethod
     def parse_text(like: Module, text: str) -> Module:
@@ -353,7 +356,13 @@ class Module:
         return data
 
 
-class ArtifactError(ValueError):
+class ProgramError(BundleError, ValueError):
+    """A program cannot be built, wrapped or rewritten as asked (an operand of dynamic
+    shape, a module that does not verify afterwards). Also a ``ValueError``: a rewrite
+    that cannot handle a program is caught as one, and the program kept as it was."""
+
+
+class ArtifactError(ProgramError):
     """The bytes are not a StableHLO portable artifact this jaxlib can read.
 
     The message says what was found instead (plain MLIR bytecode, MLIR text, something

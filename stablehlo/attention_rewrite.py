@@ -15,8 +15,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from .artifact import Module
-from .attention import Site, find_attention
+from .artifact import Module, ProgramError
+from .attention import Site, StateValues, find_attention
 from .build import verify
 from .graph import call, function_type, insert_functions
 
@@ -39,14 +39,14 @@ def _check_signatures(module: Module, site: Site, fwd: str, bwd: str | None) -> 
     want = _types([site.q, site.kt, site.v, site.scale])
     got_in, got_out = [str(t) for t in f.inputs], [str(t) for t in f.results]
     if got_in != want or not got_out or got_out[0] != str(site.out.result.type):
-        raise ValueError(f"the fused forward takes {got_in} -> {got_out}, the site {want}")
+        raise ProgramError(f"the fused forward takes {got_in} -> {got_out}, the site {want}")
     if bwd is None or site.do is None:
         return
     b = function_type(module, bwd)
     want = got_out[1:] + [str(site.do.type)]
     grads = _types([site.dq.result, site.dkt.result, site.dv.result])
     if [str(t) for t in b.inputs] != want or [str(t) for t in b.results] != grads:
-        raise ValueError(
+        raise ProgramError(
             f"the fused backward takes {[str(t) for t in b.inputs]} -> "
             f"{[str(t) for t in b.results]}, the site {want} -> {grads}"
         )
@@ -58,18 +58,25 @@ def rewrite_attention(
     scalars: dict[int, float] | None = None,
     accept: Callable[[Site], bool] = lambda site: True,
     misses: list[str] | None = None,
+    state: StateValues | None = None,
+    state_reads: set[int] | None = None,
 ) -> int:
     """Replace every attention ``find_attention`` finds by calls of the fused functions
     ``kernels`` gives, in place (those ``accept`` takes). Returns the number replaced.
     ``misses`` gets ``find_attention``'s reasons for the attentions it did not take.
+    ``state``: the state arguments a mask may be read from, as loaded; ``state_reads``
+    gets those the replaced sites' masks were computed from (the program now assumes
+    them: the caller must hold the state to them).
 
     Raises:
       ValueError: the module does not verify afterwards (it may be partly rewritten:
         the runtime rewrites a copy).
     """
-    sites = [s for s in find_attention(module, scalars, misses) if accept(s)]
+    sites = [s for s in find_attention(module, scalars, misses, state) if accept(s)]
     if not sites:
         return 0
+    if state_reads is not None:
+        state_reads.update(n for s in sites for n in s.state_reads)
     with module._ctx:
         made: dict[Any, tuple[str, str | None]] = {}
         for site in sites:
@@ -90,7 +97,7 @@ def rewrite_attention(
             if site.do is None:
                 continue
             if bwd is None:
-                raise ValueError("a training attention needs a backward function")
+                raise ProgramError("a training attention needs a backward function")
             grads = [site.dq, site.dkt, site.dv]
             first = site.first_grad
             dq, dkt, dv = call(module, bwd, [*out[1:], site.do], first)

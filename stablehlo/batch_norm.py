@@ -39,7 +39,7 @@ from typing import Any
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import stablehlo as _stablehlo
 
-from .artifact import Module
+from .artifact import Module, ProgramError
 
 # jaxlib's stubs do not cover the StableHLO dialect's op builders.
 hlo: Any = _stablehlo
@@ -211,7 +211,7 @@ def decompose_batch_norm(module: Module) -> int:
         for op in targets:
             t = ir.RankedTensorType(op.operands[0].type)
             if any(ir.ShapedType.is_dynamic_size(d) for d in t.shape):
-                raise ValueError(
+                raise ProgramError(
                     f"{op.name} has an operand of dynamic shape {t}; only static shapes "
                     "can be decomposed"
                 )
@@ -223,5 +223,5 @@ def decompose_batch_norm(module: Module) -> int:
                 old.replace_all_uses_with(value)
             op.erase()
         if targets and not module._module.operation.verify():
-            raise ValueError("the module does not verify after decomposing its BatchNorm ops")
+            raise ProgramError("the module does not verify after decomposing its BatchNorm ops")
     return len(targets)

@@ -15,6 +15,8 @@ from typing import Any
 
 from jaxlib.mlir import ir
 
+from .artifact import ProgramError
+
 __all__ = ["i64s", "op", "splat", "verify"]
 
 
@@ -52,6 +54,6 @@ def verify(module: Any, after: str) -> None:
     try:
         ok = module.operation.verify()
     except Exception as e:
-        raise ValueError(f"the module does not verify after {after}: {e}") from e
+        raise ProgramError(f"the module does not verify after {after}: {e}") from e
     if not ok:
-        raise ValueError(f"the module does not verify after {after}")
+        raise ProgramError(f"the module does not verify after {after}")

@@ -31,7 +31,7 @@ from typing import Any
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import stablehlo as _stablehlo
 
-from .artifact import Module
+from .artifact import Module, ProgramError
 
 hlo: Any = _stablehlo  # jaxlib's stubs do not cover the dialect's attribute classes
 
@@ -85,7 +85,7 @@ def canonicalize_convolutions(module: Module) -> int:
             out_t = ir.RankedTensorType(op.results[0].type)
             for v in (*op.operands, op.results[0]):
                 if any(ir.ShapedType.is_dynamic_size(d) for d in ir.RankedTensorType(v.type).shape):
-                    raise ValueError(f"a convolution has an operand of dynamic shape {v.type}")
+                    raise ProgramError(f"a convolution has an operand of dynamic shape {v.type}")
             canonical = hlo.ConvDimensionNumbers.get(
                 input_batch_dimension=0,
                 input_feature_dimension=rank - 1,
@@ -115,5 +115,5 @@ def canonicalize_convolutions(module: Module) -> int:
             op.erase()
             done += 1
         if done and not module._module.operation.verify():
-            raise ValueError("the module does not verify after reordering its convolutions")
+            raise ProgramError("the module does not verify after reordering its convolutions")
     return done

@@ -61,7 +61,9 @@ from typing import Any
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import stablehlo as _stablehlo
 
-from .artifact import Module
+from stepbundle.schema.errors import UsageError
+
+from .artifact import Module, ProgramError
 from .build import i64s, splat
 from .build import op as build_op
 
@@ -167,13 +169,13 @@ def rewrite_weight_gradients(module: Module, form: str = "rows") -> int:
       ValueError: the module does not verify after the rewrite, or an unknown ``form``.
     """
     if form not in ("rows", "positions"):
-        raise ValueError(f"form must be 'rows' or 'positions', not {form!r}")
+        raise UsageError(f"form must be 'rows' or 'positions', not {form!r}")
     targets = _targets(module)
     with module._ctx:
         for op, dn, padding in targets:
             (_rewrite_rows if form == "rows" else _rewrite_positions)(op, dn, padding)
         if targets and not module._module.operation.verify():
-            raise ValueError("the module does not verify after rewriting weight gradients")
+            raise ProgramError("the module does not verify after rewriting weight gradients")
     return len(targets)
 
 

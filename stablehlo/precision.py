@@ -20,6 +20,7 @@ from typing import Any
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import stablehlo as _stablehlo
 
+from stepbundle.schema.errors import UsageError
 from stepbundle.schema.version import MATMUL_PRECISIONS
 
 from .artifact import Module
@@ -48,7 +49,7 @@ def set_matmul_precision(module: Module, precision: str) -> int:
       ValueError: ``precision`` is not one of ``MATMUL_PRECISIONS``.
     """
     if precision not in MATMUL_PRECISIONS:
-        raise ValueError(
+        raise UsageError(
             f"matmul precision must be one of {', '.join(MATMUL_PRECISIONS)}, got {precision!r}"
         )
     targets = [op for op in module._operations() if op.name in PRECISION_OPS]

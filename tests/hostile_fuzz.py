@@ -7,7 +7,7 @@ A mutation draws its choices from a ``Draw`` (hypothesis's ``st.data()`` in the 
 a seeded ``random.Random`` in the long fuzzer) and returns the damaged file's bytes with a
 one-line description of what it did. ``exercise`` then opens the damaged file, reads
 every section, verifies it and, if it opened, loads it with the runtime and runs one step.
-The property: every outcome is a clean load or a ``BundleError``; never another
+The property: every outcome is a clean load or a ``StepbundleError``; never another
 exception, never a hang (``time_limit``), never an allocation the file does not justify
 (``exercise`` measures the reader's peak with tracemalloc).
 
@@ -32,6 +32,7 @@ from runtime_helpers import GOLDEN_DIR
 
 from stepbundle.runtime import CompileOptions, LoadOptions, SafetyOptions
 from stepbundle.schema import BundleError, IntegrityError, open_bundle
+from stepbundle.schema.errors import StepbundleError
 from stepbundle.schema.layout import HEADER_FORMAT, HEADER_SIZE, align, pack_header
 from stepbundle.schema.wire import manifest_to_wire
 
@@ -477,7 +478,8 @@ def exercise(
 ) -> Outcome:
     """Open ``path``, read every section, verify, then load it and run ``batch``.
 
-    Returns where a ``BundleError`` stopped it (or "ok"); any other exception escapes.
+    Returns where a ``BundleError`` (opening) or another ``StepbundleError`` (loading,
+    stepping) stopped it (or "ok"); any other exception escapes.
     """
     tracemalloc.start()
     try:
@@ -510,13 +512,13 @@ def exercise(
                 safety=SafetyOptions(stop_on_nonfinite=stop_on_nonfinite),
             ),
         )
-    except BundleError as e:
+    except StepbundleError as e:  # a bundle, state, device or usage refusal
         return Outcome("load", type(e).__name__, peak)
     if batch is not None:
         try:
             for value in trainer.step(batch).values():  # whatever the metrics are called
                 value.block_until_ready()
             trainer.state_dict()
-        except BundleError as e:
+        except StepbundleError as e:
             return Outcome("step", type(e).__name__, peak)
     return Outcome("ok", None, peak)

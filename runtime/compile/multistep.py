@@ -39,6 +39,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 
+from stepbundle.schema.errors import UsageError
 from stepbundle.schema.manifest import (
     BatchInput,
     DType,
@@ -106,7 +107,7 @@ def wrap_steps(module: mlir.Module, program: Program, k: int) -> tuple[mlir.Modu
     the right argument.
     """
     if k < 2:
-        raise ValueError(f"wrap_steps needs at least 2 steps per call, got {k}")
+        raise UsageError(f"wrap_steps needs at least 2 steps per call, got {k}")
     inputs = program.inputs
     outputs = program.outputs
     n_in = len(inputs)

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import BindingError
+from ..errors import DataError
 
 __all__ = [
     "DATASET_FORMAT",
@@ -110,19 +110,8 @@ class DataErrorKind(enum.Enum):
     """A loader's arguments do not fit the dataset (batch size, processes, ...)."""
     BAD_STATE = "bad_state"
     """A saved loader state is malformed or belongs to another configuration."""
-
-
-class DataError(BindingError):
-    """A dataset, a loader's arguments or a loader state was refused.
-
-    A ``BindingError`` (so a ``BundleError``): raised before anything is dispatched.
-    ``kind`` says which failure; ``path`` is the file concerned, when there is one.
-    """
-
-    def __init__(self, kind: DataErrorKind, message: str, *, path: str | None = None) -> None:
-        super().__init__(message)
-        self.kind = kind
-        self.path = path
+    WRITE_FAILED = "write_failed"
+    """A run's metrics output (``--metrics-file``, ``--tensorboard``) could not be written."""
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from stepbundle.schema.atomic import atomic_write
+from stepbundle.schema.errors import UsageError
 
 from .dataset import (
     DATASET_FORMAT,
@@ -49,7 +50,7 @@ class DatasetWriter:
 
     def __init__(self, path: str | os.PathLike[str], *, rows_per_shard: int | None = None):
         if rows_per_shard is not None and (type(rows_per_shard) is not int or rows_per_shard < 1):
-            raise ValueError(f"rows_per_shard must be a positive integer, got {rows_per_shard!r}.")
+            raise UsageError(f"rows_per_shard must be a positive integer, got {rows_per_shard!r}.")
         self.folder = Path(path)
         if self.folder.exists():
             if not self.folder.is_dir() or any(self.folder.iterdir()):

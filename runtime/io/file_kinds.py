@@ -15,12 +15,12 @@ from __future__ import annotations
 import os
 import stat
 
-from stepbundle.schema.errors import BundleError
+from stepbundle.schema.errors import UsageError
 
 __all__ = ["NotARegularFileError", "check_kind", "kind_of"]
 
 
-class NotARegularFileError(BundleError, ValueError):
+class NotARegularFileError(UsageError):
     """A path given as an input or output is a named pipe, a device or a socket."""
 
 

@@ -6,7 +6,7 @@ with its fsyncs, memory maps). Every other URL goes through fsspec, the Python d
 ecosystem's file-system layer: the base install reads ``https://`` (fsspec's HTTP
 backend, on aiohttp), and ``gs://``, ``s3://``, ``az://``, ... work once the user has
 installed fsspec's backend for them (gcsfs, s3fs, adlfs); a missing one is a
-``BackendMissingError`` that names the package.
+``RemoteRefusedError`` that names the package.
 
 Writes are atomic for the reader (``write_object``): the content goes to a temporary
 object beside the target, which is then moved onto the target's name. On an object
@@ -17,11 +17,11 @@ upload under the final name, whatever the backend promises about a plain write.
 Every failure of a backend (aiohttp's, botocore's, google-auth's and OSError among
 them: each backend raises its own types) becomes a ``RemoteError`` naming the URL and
 the cause (``remote_errors.py``: HTTP 401/403, 5xx, redirect loops and timeouts each
-have their own type and words); a missing object stays ``FileNotFoundError``, which
-callers treat as "none there". Every download is held to a minimum average rate after a
-grace period (``TransferPace``: ``$STEPBUNDLE_MIN_TRANSFER_RATE``,
-``$STEPBUNDLE_TRANSFER_GRACE_S``) and, on HTTP, to 60 s at most without data per read,
-and a download into the temporary folder to a size limit
+have their own words, in a ``RemoteRefusedError``); a missing object stays
+``FileNotFoundError``, which callers treat as "none there". Every download is held to a
+minimum average rate after a grace period (``TransferPace``:
+``$STEPBUNDLE_MIN_TRANSFER_RATE``, ``$STEPBUNDLE_TRANSFER_GRACE_S``) and, on HTTP, to 60 s
+at most without data per read, and a download into the temporary folder to a size limit
 (``$STEPBUNDLE_MAX_DOWNLOAD_BYTES``). ``RemoteError`` is an ``OSError`` as well
 as a ``BundleError``, so code that handles a failed local write (a checkpoint, a
 compile-cache entry) handles a failed upload the same way.
@@ -42,13 +42,12 @@ from pathlib import Path
 from typing import Any
 
 from stepbundle.schema.atomic import Chunks, WriteFn
-from stepbundle.schema.errors import BundleError
+from stepbundle.schema.errors import StepbundleError
 
 from .remote_errors import (
     READ_TIMEOUT_S,
-    BackendMissingError,
-    DownloadTooLargeError,
     RemoteError,
+    RemoteRefusedError,
     TransferPace,
     classify,
     max_download_bytes,
@@ -57,9 +56,8 @@ from .remote_errors import (
 )
 
 __all__ = [
-    "BackendMissingError",
-    "DownloadTooLargeError",
     "RemoteError",
+    "RemoteRefusedError",
     "SequentialReader",
     "TransferPace",
     "downloaded",
@@ -106,14 +104,14 @@ def filesystem(url: str) -> tuple[Any, str]:
     """fsspec's file system for ``url`` and the path within it.
 
     Raises:
-      BackendMissingError: fsspec, or the backend for the URL's scheme, is not installed.
+      RemoteRefusedError: fsspec, or the backend for the URL's scheme, is not installed.
       RemoteError: fsspec knows no such scheme.
     """
     scheme = url.split("://", 1)[0]
     try:
         import fsspec
     except ImportError:  # pragma: no cover - fsspec is a base dependency
-        raise BackendMissingError(
+        raise RemoteRefusedError(
             f"Reading {url!r} needs fsspec, which is not installed: pip install fsspec.", url
         ) from None
     try:
@@ -135,7 +133,7 @@ def filesystem(url: str) -> tuple[Any, str]:
 
         known = known_implementations.get(scheme.split("::")[-1], {})
         package = str(known.get("class", "")).split(".")[0] or f"an fsspec backend for {scheme}"
-        raise BackendMissingError(
+        raise RemoteRefusedError(
             f"{url!r} needs fsspec's {scheme}:// backend, which is not installed ({e}). "
             f"Install it where stepbundle runs (pip install {package}), or copy the file "
             "somewhere the base install reads: a local path, file:// or https://.",
@@ -169,7 +167,7 @@ def failures(url: str, doing: str, pace: TransferPace | None = None) -> Iterator
     """
     try:
         yield
-    except BundleError:
+    except StepbundleError:
         raise
     except FileNotFoundError as e:
         typed = classify(url, e, pace)
@@ -210,7 +208,7 @@ class SequentialReader:
     The whole read is held to ``pace``'s minimum average rate: on HTTP every request is
     given the time its bytes may take (``TransferPace.time_for``) as aiohttp's total
     timeout, so a server that trickles bytes is cut off on time; on other backends the
-    rate is checked between reads. Too slow, a read raises ``TransferTimeoutError``.
+    rate is checked between reads. Too slow, a read raises ``RemoteRefusedError``.
     """
 
     def __init__(self, fs: Any, path: str, pace: TransferPace) -> None:
@@ -264,7 +262,7 @@ class SequentialReader:
                     raise
                 self._stream()
                 data = bytes(self._f.read(n))
-        except BundleError:
+        except StepbundleError:
             raise
         except Exception:
             if self._pace.too_slow():
@@ -307,7 +305,7 @@ def _first_answer(fs: Any, path: str, url: str) -> int | None:
     the request, so the request runs here on fsspec's loop with aiohttp's total timeout.
 
     Raises:
-      ResponseTimeoutError: no answer in time (a server dripping its headers).
+      RemoteRefusedError: no answer in time (a server dripping its headers).
       The backend's own errors otherwise (wrapped by ``failures``).
     """
     import asyncio
@@ -348,7 +346,7 @@ def reading(url: str, pace: TransferPace | None = None) -> Iterator[SequentialRe
     held to ``pace`` (default: the minimum rate of ``$STEPBUNDLE_MIN_TRANSFER_RATE``
     after ``$STEPBUNDLE_TRANSFER_GRACE_S``, from now).
 
-    Reads raise the backend's own errors (or ``TransferTimeoutError``); wrap them in
+    Reads raise the backend's own errors (or ``RemoteRefusedError``); wrap them in
     ``failures``.
     """
     pace = pace or TransferPace(url)
@@ -415,9 +413,9 @@ def downloaded(url: str, suffix: str = "", max_bytes: int | None = None) -> Iter
 
     Raises:
       FileNotFoundError: there is no object at ``url``.
-      DownloadTooLargeError: the object is (or claims to be) larger than ``max_bytes``,
-        or sent more than it declared.
-      RemoteError: it could not be read (``TransferTimeoutError``: too slow).
+      RemoteRefusedError: it is (or claims to be) larger than ``max_bytes``, or sent more
+        than it declared, or the transfer went too slowly.
+      RemoteError: it could not be read.
     """
     limit = max_download_bytes() if max_bytes is None else max_bytes
     fd, name = tempfile.mkstemp(prefix=".stepbundle-download-", suffix=suffix)
@@ -436,7 +434,7 @@ def downloaded(url: str, suffix: str = "", max_bytes: int | None = None) -> Iter
                 if got > limit:
                     raise _too_large(url, "kept sending past the limit", limit)
                 if declared is not None and got > declared:
-                    raise DownloadTooLargeError(
+                    raise RemoteRefusedError(
                         f"{url!r} sent more than the {declared} bytes it declared (its "
                         "Content-Length): the server is broken or hostile. The download was "
                         "stopped and removed; fix the server or copy the file another way.",
@@ -449,8 +447,8 @@ def downloaded(url: str, suffix: str = "", max_bytes: int | None = None) -> Iter
             os.unlink(name)
 
 
-def _too_large(url: str, what: str, limit: int) -> DownloadTooLargeError:
-    return DownloadTooLargeError(
+def _too_large(url: str, what: str, limit: int) -> RemoteRefusedError:
+    return RemoteRefusedError(
         f"{url!r} {what}: a download may take at most {limit} bytes here, so this is not "
         "the checkpoint expected (or the server is hostile). The download was stopped and "
         "removed. Check the URL; for a checkpoint really this large, raise the limit with "

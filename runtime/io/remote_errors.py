@@ -1,11 +1,13 @@
-"""What went wrong with a URL, in words: the typed errors of ``remote.py`` and the limits
+"""What went wrong with a URL, in words: ``remote.py``'s two errors and the limits
 every transfer is held to.
 
 fsspec's HTTP backend reports nearly every failure of its first request as
 ``FileNotFoundError(url)`` with the real cause chained behind it (an HTTP 403, a 500, a
 redirect loop, a refused connection, a timeout), so "not found" used to be all a user
-saw. ``classify`` walks that chain and names the real cause; only a 404 (or a missing
-object on a backend that says so) stays "not found".
+saw. ``classify`` walks that chain and names the real cause in the message of a
+``RemoteRefusedError`` (no caller handles a 403 otherwise than a 500 or a redirect loop,
+so one type holds them all); only a 404 (or a missing object on a backend that says so)
+stays "not found".
 
 Limits bound every download, each with an environment variable to change it:
 
@@ -40,17 +42,9 @@ from collections.abc import Callable
 from stepbundle.schema.errors import BundleError
 
 __all__ = [
-    "AccessDeniedError",
-    "BackendMissingError",
-    "DownloadTooLargeError",
-    "HttpStatusError",
     "RemoteError",
-    "ServerError",
-    "TooManyRedirectsError",
+    "RemoteRefusedError",
     "TransferPace",
-    "RedirectRefusedError",
-    "ResponseTimeoutError",
-    "TransferTimeoutError",
     "classify",
     "max_download_bytes",
     "response_timeout_s",
@@ -84,45 +78,12 @@ class RemoteError(BundleError, OSError):
         return str(self.args[0])
 
 
-class BackendMissingError(RemoteError):
-    """The URL's scheme needs an fsspec backend that is not installed (gcsfs for gs://...)."""
-
-
-class TransferTimeoutError(RemoteError):
-    """A transfer went too slowly: its average rate fell below the minimum after the
-    grace period (``TransferPace``)."""
-
-
-class HttpStatusError(RemoteError):
-    """The server answered with an HTTP error status other than 404 (``status``)."""
-
-    status: int = 0
-
-
-class AccessDeniedError(HttpStatusError):
-    """HTTP 401 or 403: the request lacks the credentials the server wants."""
-
-
-class ServerError(HttpStatusError):
-    """HTTP 5xx: the server failed."""
-
-
-class TooManyRedirectsError(RemoteError):
-    """The server redirected again and again (a redirect loop)."""
-
-
-class ResponseTimeoutError(TransferTimeoutError):
-    """An HTTP server did not send its response (status line and headers) within
-    ``STEPBUNDLE_RESPONSE_TIMEOUT_S``."""
-
-
-class RedirectRefusedError(RemoteError):
-    """The server redirected to a URL that is not followed: another scheme than http(s)
-    (``file://``, which would read this machine's files), or no valid URL."""
-
-
-class DownloadTooLargeError(RemoteError):
-    """A download declared or sent more bytes than its limit (or than it declared)."""
+class RemoteRefusedError(RemoteError):
+    """A URL failed for a cause the message names: an HTTP status (401/403, 5xx, ...), a
+    transfer too slow or a response too late, a redirect loop or a redirect to a scheme
+    that is not followed, a size limit, an fsspec backend that is not installed. A
+    caller passes it on as it is, where a plain ``RemoteError`` (a connection that broke)
+    in the middle of a download becomes a ``DownloadError`` (``store.py``)."""
 
 
 def _env_number(name: str, default: float) -> float:
@@ -149,8 +110,8 @@ def response_timeout_s() -> float:
 
 def response_timeout_error(
     url: str, seconds: float, cause: str | None = None
-) -> ResponseTimeoutError:
-    return ResponseTimeoutError(
+) -> RemoteRefusedError:
+    return RemoteRefusedError(
         f"{url!r} did not send its response within {seconds:g} s (its status line and "
         "headers came too slowly, or not at all): the server is stalled or hostile. Retry "
         f"when it answers; for a server really this slow, raise {RESPONSE_TIMEOUT_ENV}.",
@@ -173,7 +134,7 @@ class TransferPace:
 
     The transfer counts its bytes (``count``); ``too_slow()`` says whether, past the
     grace period, the average since the start is below the minimum, and ``check()``
-    raises ``TransferTimeoutError`` then. ``time_for(n)`` is how long a request for
+    raises ``RemoteRefusedError`` then. ``time_for(n)`` is how long a request for
     ``n`` more bytes may take: until the moment the average, those bytes included,
     would fall below the minimum (never before the grace period ends). On HTTP each
     request gets that as aiohttp's total timeout, so a trickle inside one request is cut
@@ -225,20 +186,20 @@ class TransferPace:
         return t > self.grace_s and self.done < self.min_rate * t
 
     def check(self) -> None:
-        """Raise ``TransferTimeoutError`` if the transfer is too slow (``too_slow``)."""
+        """Raise ``RemoteRefusedError`` if the transfer is too slow (``too_slow``)."""
         if self.too_slow():
             raise self.error()
 
     def time_for(self, n: int) -> float:
         """Seconds a request for ``n`` more bytes may take from now (at least one: a
-        request needs time to start). Raises ``TransferTimeoutError`` if the transfer
+        request needs time to start). Raises ``RemoteRefusedError`` if the transfer
         is too slow already."""
         self.check()
         return max(1.0, max(self.grace_s, (self.done + n) / self.min_rate) - self.elapsed())
 
-    def error(self) -> TransferTimeoutError:
+    def error(self) -> RemoteRefusedError:
         t = self.elapsed()
-        return TransferTimeoutError(
+        return RemoteRefusedError(
             f"The transfer of {self.url!r} went too slowly: {self.done} bytes in {t:.1f} s, "
             f"below the minimum average of {self.min_rate:g} bytes/s that a transfer must "
             f"keep after its first {self.grace_s:g} s (the server is too slow or stalled). "
@@ -287,7 +248,7 @@ def classify(url: str, e: BaseException, pace: TransferPace | None = None) -> Re
         ):
             target = str(cause.args[0]) if cause.args else "?"
             scheme = target.split("://", 1)[0] + "://" if "://" in target else target
-            return RedirectRefusedError(
+            return RemoteRefusedError(
                 f"{url!r} redirects to {target!r}, a {scheme} URL, and redirects are "
                 "followed only to http:// and https:// (a file:// redirect would read this "
                 "machine's files). Use the URL the object is really at.",
@@ -295,7 +256,7 @@ def classify(url: str, e: BaseException, pace: TransferPace | None = None) -> Re
                 f"{type(cause).__name__}: {cause}",
             )
         if isinstance(cause, aiohttp.TooManyRedirects):
-            return TooManyRedirectsError(
+            return RemoteRefusedError(
                 f"Too many redirects reading {url!r}: the server sends the request on in a "
                 "loop (or a very long chain). Fix the URL (use where it ends up) or the "
                 "server's redirects.",
@@ -307,7 +268,7 @@ def classify(url: str, e: BaseException, pace: TransferPace | None = None) -> Re
             if status in (404, 410):
                 return None
             if status in (401, 403):
-                error: HttpStatusError = AccessDeniedError(
+                error = RemoteRefusedError(
                     f"Access denied (HTTP {status}) to {url!r}: check credentials. The "
                     "server wants credentials this request lacks (a signed URL or token "
                     "that expired, or an object that is not public).",
@@ -315,20 +276,19 @@ def classify(url: str, e: BaseException, pace: TransferPace | None = None) -> Re
                     f"HTTP {status}",
                 )
             elif 500 <= status < 600:
-                error = ServerError(
+                error = RemoteRefusedError(
                     f"Server error (HTTP {status}) reading {url!r}: the server failed, not "
                     "the request. Retry later, or tell the server's owner.",
                     url,
                     f"HTTP {status}",
                 )
             else:
-                error = HttpStatusError(
+                error = RemoteRefusedError(
                     f"The server refused {url!r} with HTTP {status} ({cause.message}). "
                     "Check the URL.",
                     url,
                     f"HTTP {status}",
                 )
-            error.status = status
             return error
         if isinstance(cause, aiohttp.ClientConnectorError):
             return RemoteError(

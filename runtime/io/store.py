@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import BinaryIO, Protocol
 
 from stepbundle.schema.atomic import atomic_write
-from stepbundle.schema.errors import BundleError, BundleFormatError, IntegrityError
+from stepbundle.schema.errors import BundleFormatError, IntegrityError, StepbundleError
 from stepbundle.schema.layout import HEADER_SIZE, MAGIC, align, unpack_header
 from stepbundle.schema.limits import MAX_MANIFEST_BYTES
 from stepbundle.schema.reader import open_bundle
@@ -268,7 +268,7 @@ def _intact(path: Path, digest: str) -> bool:
         with open_bundle(path) as bundle:
             if bundle.digest == digest and not bundle.verify():
                 return True
-    except (BundleError, OSError):
+    except (StepbundleError, OSError):
         pass
     with contextlib.suppress(OSError):
         path.unlink()
@@ -382,7 +382,7 @@ def _pull_from(f: _Reader, source: str, expect_digest: str | None, root: Path) -
     try:
         root.mkdir(parents=True, exist_ok=True)
         atomic_write(target, write, check=check)
-    except BundleError:
+    except StepbundleError:
         raise
     except OSError as e:  # the store's own folder or disk, not the source
         raise _store_write_error(e, root, size) from None

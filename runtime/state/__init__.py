@@ -7,11 +7,10 @@ May import: the base modules, ``io`` and ``placement``.
 
 from __future__ import annotations
 
-from .checkpoint import CheckpointFormatError, OtherBundleError, read_checkpoint, write_checkpoint
+from .checkpoint import OtherBundleError, read_checkpoint, write_checkpoint
 from .init_state import InitPlan, InitStateError, place_state, plan_initial_state
 
 __all__ = [
-    "CheckpointFormatError",
     "InitPlan",
     "InitStateError",
     "OtherBundleError",

@@ -26,8 +26,8 @@ accepts the layouts the safetensors library accepts and no others, and tests cro
 files with it.
 
 Imports: numpy, stepbundle.schema, this package's ``remote`` (fsspec, for URLs).
-``CheckpointMeta``, ``CHECKPOINT_FORMAT``, ``SUPPORTED_FORMATS`` and ``CheckpointFormatError``
-are the schema's, named here as before.
+``CheckpointMeta``, ``CHECKPOINT_FORMAT`` and ``SUPPORTED_FORMATS`` are the schema's,
+named here as before.
 """
 
 from __future__ import annotations
@@ -50,7 +50,6 @@ from stepbundle.schema.checkpoint_meta import (
     CheckpointMeta,
     parse_checkpoint_metadata,
 )
-from stepbundle.schema.errors import CheckpointFormatError
 
 from ..dtypes import NUMPY_DTYPES, SAFETENSORS_CODES, from_numpy
 from ..errors import CheckpointError
@@ -60,7 +59,6 @@ from ..io.tensor_file import open_safetensors
 __all__ = [
     "CHECKPOINT_FORMAT",
     "SUPPORTED_FORMATS",
-    "CheckpointFormatError",
     "CheckpointMeta",
     "OtherBundleError",
     "check_bundle",
@@ -213,7 +211,7 @@ def read_checkpoint(
     """Read a checkpoint's state (under the names it was saved with) and metadata.
 
     Raises:
-      CheckpointFormatError: the checkpoint's format is not one this reader supports.
+      CheckpointError: also when the checkpoint's format is not one this reader supports.
       CheckpointError: the file is malformed, or is plain safetensors without metadata.
     """
     values, meta = read_safetensors(path)

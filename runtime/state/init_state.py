@@ -43,11 +43,7 @@ from .init_source import InitSource
 __all__ = [
     "InitPlan",
     "InitStateError",
-    "MissingStateError",
     "Origin",
-    "StateDtypeError",
-    "StateShapeError",
-    "UnexpectedStateError",
     "place_state",
     "plan_initial_state",
 ]
@@ -65,22 +61,6 @@ class InitStateError(CheckpointError):
     def __init__(self, message: str, names: tuple[str, ...]) -> None:
         super().__init__(message)
         self.names = names
-
-
-class MissingStateError(InitStateError):
-    """A state entry has no value: neither the bundle nor the checkpoint holds it."""
-
-
-class UnexpectedStateError(InitStateError):
-    """The checkpoint holds tensors the bundle's state table does not name (strict)."""
-
-
-class StateShapeError(InitStateError):
-    """A checkpoint tensor has another shape than its state entry."""
-
-
-class StateDtypeError(InitStateError):
-    """A checkpoint tensor has another dtype than its state entry."""
 
 
 class Origin(str, enum.Enum):
@@ -138,9 +118,9 @@ def plan_initial_state(
     way, and dtypes and shapes must always match exactly.
 
     Raises (before anything is read or placed):
-      StateDtypeError, StateShapeError: a tensor of ``source`` does not match its entry.
-      MissingStateError: an entry has no value, or (strict) a parameter is not in ``source``.
-      UnexpectedStateError: (strict) ``source`` holds tensors no entry names.
+      InitStateError: a tensor of ``source`` does not match its entry's dtype or shape;
+        an entry has no value, or (strict) a parameter is not in ``source``; (strict)
+        ``source`` holds tensors no entry names. ``names`` lists them.
     """
     kinds = {s.name: s.kind for s in manifest.sections}
     where = "" if source is None else f" {str(source.path)!r}"
@@ -172,7 +152,7 @@ def plan_initial_state(
     unexpected = sorted(set(tensors) - used)
     external = {e.name for e in manifest.state if _bundle_origin(e, kinds) is None}
     if wrong_dtype:
-        raise StateDtypeError(
+        raise InitStateError(
             f"The checkpoint{where} holds {len(wrong_dtype)} tensor(s) of another dtype "
             f"than the bundle's state: {'; '.join(wrong_dtype[:_SHOWN])}. Nothing was "
             "loaded. Cast them when saving (model.to(dtype) before save_pretrained), or "
@@ -180,7 +160,7 @@ def plan_initial_state(
             tuple(wrong_dtype),
         )
     if wrong_shape:
-        raise StateShapeError(
+        raise InitStateError(
             f"The checkpoint{where} holds {len(wrong_shape)} tensor(s) of another shape "
             f"than the bundle's state: {'; '.join(wrong_shape[:_SHOWN])}. Nothing was "
             "loaded. The checkpoint is of another model configuration: export the bundle "
@@ -214,9 +194,9 @@ def plan_initial_state(
                 f"needs ({_listed(missing)}), under their names or aliases.{hint} Nothing "
                 f"was loaded. Give a checkpoint of this model.{relax}"
             )
-        raise MissingStateError(message, tuple(missing))
+        raise InitStateError(message, tuple(missing))
     if unexpected and strict:
-        raise UnexpectedStateError(
+        raise InitStateError(
             f"The checkpoint{where} holds {len(unexpected)} tensor(s) the bundle's state "
             f"table does not name: {_listed(unexpected)}. Nothing was loaded. Give a "
             "checkpoint of this model, or pass strict=False (--no-init-strict) to ignore "

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
-from ..errors import BindingError
+from ..errors import BindingError, DataError
 from .calls import Group, StackedCalls
 from .dispatch import Dispatcher
 from .metrics import StepMetric
@@ -72,7 +72,7 @@ class Runner:
         if first is _END:
             return out
         nxt = self._d.pick("train", first, local)
-        failed: BindingError | None = None
+        failed: BindingError | DataError | None = None
         for i in range(steps):
             plan, dev = nxt
             metrics = self._d.step(plan, dev)
@@ -86,7 +86,7 @@ class Runner:
                     more = following is not _END
                     if more:
                         nxt = self._d.pick("train", following, local)
-                except BindingError as e:
+                except (BindingError, DataError) as e:
                     # A batch the data cannot give (a shard truncated under the run) or
                     # no bucket takes: this step ran, so it is reported before the error.
                     failed, more = e, False
@@ -125,7 +125,7 @@ class Runner:
                     plan, arrays = self._d.match(
                         "train", self._d.router.plans_for("train"), b, local
                     )
-                except BindingError as e:
+                except (BindingError, DataError) as e:
                     return group, e  # the steps before it run first
                 group.append((plan, arrays, position() if position is not None else None))
             return group, None

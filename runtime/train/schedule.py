@@ -7,15 +7,28 @@ torch's capturable Adam write NaN where a second moment is 0), then a half cosin
 ``constant:value=1e-3``. ``linear:start=1e-3,end=0,total=1000``.
 Step ``k`` is the number of steps taken before the one the value is used for.
 
+A schedule may name its hyperparameter, ``[NAME=]SPEC`` (``named_schedule``; NAME
+defaults to ``lr``), and a resumed run continues the schedules its checkpoint stores:
+asking it for another spec of the same hyperparameter is a clash (``schedule_clash``),
+which ``stepbundle run --lr-schedule`` refuses.
+
 Imports: standard library only.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
-__all__ = ["parse_schedule", "schedule_extremes", "warmup_cosine"]
+from stepbundle.schema.errors import UsageError
+
+__all__ = [
+    "named_schedule",
+    "parse_schedule",
+    "schedule_clash",
+    "schedule_extremes",
+    "warmup_cosine",
+]
 
 
 def warmup_cosine(
@@ -56,7 +69,7 @@ def parse_schedule(spec: str) -> Callable[[int], float]:
     kind, _, rest = spec.partition(":")
     kind = kind.strip()
     if kind not in _KINDS:
-        raise ValueError(
+        raise UsageError(
             f"Unknown schedule {kind!r} in {spec!r}; use one of {', '.join(_KINDS)}, e.g. "
             "warmup_cosine:peak=1e-3,warmup=100,total=10000."
         )
@@ -65,24 +78,24 @@ def parse_schedule(spec: str) -> Callable[[int], float]:
     for item in filter(None, (p.strip() for p in rest.split(","))):
         key, eq, value = item.partition("=")
         if not eq or key not in required + optional:
-            raise ValueError(
+            raise UsageError(
                 f"Bad schedule parameter {item!r} in {spec!r}; {kind} takes "
                 f"{', '.join(required + optional)} as key=value."
             )
         try:
             params[key] = float(value)
         except ValueError:
-            raise ValueError(f"Schedule parameter {key}={value!r} is not a number.") from None
+            raise UsageError(f"Schedule parameter {key}={value!r} is not a number.") from None
         if not math.isfinite(params[key]):
-            raise ValueError(f"Schedule parameter {key}={value!r} in {spec!r} must be finite.")
+            raise UsageError(f"Schedule parameter {key}={value!r} in {spec!r} must be finite.")
         if key in _STEP_COUNTS and (params[key] < 0 or params[key] != int(params[key])):
-            raise ValueError(
+            raise UsageError(
                 f"Schedule parameter {key}={value!r} in {spec!r} is a step count: a whole "
                 "number >= 0."
             )
     missing = [k for k in required if k not in params]
     if missing:
-        raise ValueError(f"Schedule {spec!r} is missing {', '.join(missing)}.")
+        raise UsageError(f"Schedule {spec!r} is missing {', '.join(missing)}.")
     if kind == "warmup_cosine":
         return warmup_cosine(
             params["peak"], int(params["warmup"]), int(params["total"]), params.get("min", 0.0)
@@ -105,3 +118,29 @@ def schedule_extremes(spec: str) -> list[float]:
         "constant": (("value", "0"),),
     }.get(kind.strip(), ())
     return [float(params.get(k, default)) for k, default in keys]
+
+
+def named_schedule(text: str) -> tuple[str, str]:
+    """``[NAME=]SPEC`` as (NAME, SPEC): ``betas.0=linear:...`` names ``betas.0``; a
+    spec alone (``warmup_cosine:peak=1e-3,...``) schedules ``lr``."""
+    if "=" in text.split(":", 1)[0]:
+        name, _, spec = text.partition("=")
+        return name, spec
+    return "lr", text
+
+
+def schedule_clash(
+    restored: Mapping[str, str | None], name: str, spec: str
+) -> tuple[str, str] | None:
+    """The schedule a resumed trainer continues that ``spec`` for ``name`` would replace.
+
+    ``restored`` is the trainer's schedules after a resume (``Trainer.schedules``): a
+    resumed run continues them, so a different spec for the same hyperparameter (its
+    full name, or one ending in ``.NAME``) clashes; the same spec, or a hyperparameter
+    the checkpoint schedules by a Python function (None), does not. Returns the first
+    clash as (its full name, the spec it follows), or None.
+    """
+    for full, old in restored.items():
+        if (full == name or full.endswith(f".{name}")) and old is not None and old != spec:
+            return full, old
+    return None

@@ -23,6 +23,7 @@ import numpy as np
 from stepbundle.schema.manifest import Manifest
 
 from ..compile.load_info import LoadInfo
+from ..compile.state_masks import MaskPins
 from ..data.evaluation import Evaluation, evaluate_dataset
 from ..errors import BindingError
 from ..placement.packing import Layout
@@ -64,8 +65,10 @@ class Trainer:
         steps_per_call: int = 1,
         stacked_plans: Mapping[int, CompiledPlan] | None = None,
         refusal: str | None = None,
+        pins: MaskPins | None = None,
     ) -> None:
-        """``refusal``: why this trainer cannot step at all (``compile_only``), or None."""
+        """``refusal``: why this trainer cannot step at all (``compile_only``), or None.
+        ``pins``: the mask buffers fused programs assume (``compile/state_masks.py``)."""
         self.manifest = manifest
         self.digest = digest
         self.placement = placement
@@ -74,6 +77,7 @@ class Trainer:
         self.load_info = load_info
         self._store = StateStore(manifest, layout, placement, state)
         self._store.broken = refusal
+        self._store.pins = pins if pins is not None else MaskPins({})
         self._progress = Progress(manifest, seed)
         self._hp = Hyperparameters(manifest, hyperparameters, placement.put_replicated)
         self._router = BatchRouter(plans, placement)
@@ -318,7 +322,7 @@ class Trainer:
             model re-exported.
 
         Raises:
-          CheckpointFormatError: the checkpoint's format is unknown to this version.
+          CheckpointError: also when the checkpoint's format is unknown to this version.
           OtherBundleError: another bundle wrote it and ``allow_other_bundle`` is False.
           CheckpointError: the file is damaged, or its state does not match.
         """

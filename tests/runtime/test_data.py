@@ -27,8 +27,7 @@ from stepbundle.runtime.data.dataset import (
 )
 from stepbundle.runtime.data.dataset_writer import DatasetWriter, write_dataset
 from stepbundle.runtime.data.loader import LastBatch, Loader, LoaderState
-from stepbundle.runtime.errors import BindingError
-from stepbundle.schema.errors import BundleError
+from stepbundle.schema.errors import BundleError, StepbundleError
 
 Batch = dict[str, np.ndarray[Any, Any]]
 
@@ -159,7 +158,7 @@ def refused(folder: Path, kind: DataErrorKind, *phrases: str) -> DataError:
     assert e.value.kind is kind, str(e.value)
     for p in phrases:
         assert p in str(e.value), str(e.value)
-    assert isinstance(e.value, BindingError) and isinstance(e.value, BundleError)
+    assert isinstance(e.value, StepbundleError) and not isinstance(e.value, BundleError)
     return e.value
 
 

@@ -20,7 +20,14 @@ import numpy as np
 import pytest
 from runtime_helpers import golden_batches, golden_bundle
 
-from stepbundle.runtime import BindingError, LoadOptions, NonFiniteLossError, SafetyOptions, load
+from stepbundle.runtime import (
+    BindingError,
+    DeviceError,
+    LoadOptions,
+    NonFiniteLossError,
+    SafetyOptions,
+    load,
+)
 from stepbundle.schema import (
     BundleError,
     DType,
@@ -58,7 +65,7 @@ def test_a_nonfinite_loss_stops_the_step_and_keeps_the_state(tmp_path: Path, val
 
     with pytest.raises(NonFiniteLossError) as info:
         trainer.step(_poisoned(batches[2], value))
-    assert isinstance(info.value, BundleError)
+    assert isinstance(info.value, DeviceError) and not isinstance(info.value, BundleError)
     assert info.value.step == 2
     assert not math.isfinite(info.value.metrics["loss"])
     assert "non-finite metrics (loss = " in str(info.value) and "save_checkpoint" in str(info.value)

@@ -18,7 +18,14 @@ import pytest
 from jaxlib.mlir import ir
 from runtime_helpers import golden_batches, golden_bundle
 
-from stepbundle.runtime import CompileOptions, LoadOptions, PlatformError, StateOptions, load
+from stepbundle.runtime import (
+    CompileOptions,
+    DeviceError,
+    LoadOptions,
+    PlatformError,
+    StateOptions,
+    load,
+)
 from stepbundle.schema import (
     BundleError,
     Entry,
@@ -167,7 +174,7 @@ def test_a_program_for_another_platform_is_refused_on_cpu(
     assert " or ".join(platforms) in message
     assert "on cpu" in message
     assert f"--device {platforms[0]}" in message
-    assert isinstance(info.value, BundleError)
+    assert isinstance(info.value, DeviceError) and not isinstance(info.value, BundleError)
 
 
 @pytest.mark.parametrize("platforms", [("cpu",), ("cpu", "tpu"), ()])

@@ -214,7 +214,7 @@ def test_missing_objects_and_backends_say_what_to_do(server: BundleServer, store
         if s in ("gs", "s3", "az", "oci", "ocilake")
         and importlib.util.find_spec(str(v["class"]).split(".")[0]) is None
     )
-    with pytest.raises(remote.BackendMissingError, match=f"pip install {package}"):
+    with pytest.raises(remote.RemoteRefusedError, match=f"pip install {package}"):
         load(
             f"{scheme}://bucket/b.stepbundle",
             options=LoadOptions(compile=CompileOptions(cache_dir=False)),

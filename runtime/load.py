@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 import stepbundle.schema as codec
 from stepbundle.schema.manifest import ConstantInput, Manifest, MetricOutput, Program
@@ -26,6 +29,7 @@ from .compile import allocator
 from .compile.compile_cache import CompileCache
 from .compile.load_info import LoadInfo
 from .compile.program import CompiledProgram, compile_program
+from .compile.state_masks import MaskPins, digest_of, unwritten_state
 from .dtypes import array_from_section
 from .errors import BindingError, PlatformError
 from .fallback import PathChoice
@@ -37,7 +41,7 @@ from .placement.devices import client_for, parse_device, select_devices
 from .placement.shard_plan import plan_shards
 from .placement.sharding import Placement
 from .state.init_source import InitSource, open_source
-from .state.init_state import InitPlan, place_state, plan_initial_state
+from .state.init_state import InitPlan, Origin, place_state, plan_initial_state
 from .train.plan import CompiledPlan, Plan, RefusedPlan, batch_text, build_plan, refused_plan
 from .train.trainer import Trainer
 
@@ -110,6 +114,7 @@ def load(
         t1 = time.perf_counter()
         cache = CompileCache(_cache_folder(opts.compile.cache_dir), writer=placement.writes_files)
         compiler = _Compiler(
+            initial=_initial_values(manifest, init_plan, bundle),
             client=client,
             placement=placement,
             layout=layout,
@@ -138,6 +143,7 @@ def load(
             for i, p in enumerate(progs)
             if isinstance(p, CompiledProgram) and p.attention_kept
         }
+        pins = _mask_pins(compiled, compiler.initial)
         info.seconds["compile"] = time.perf_counter() - t1
 
         t2 = time.perf_counter()
@@ -181,7 +187,54 @@ def load(
         steps_per_call=k if stacked_entry is not None else 1,
         stacked_plans=stacked_plans,
         refusal=refusal if compile_only else None,
+        pins=pins,
     )
+
+
+def _initial_values(
+    manifest: Manifest, plan: InitPlan | None, bundle: codec.Bundle
+) -> Callable[[str], np.ndarray[Any, Any] | None] | None:
+    """A state entry's value as the load places it (the bundle's, or ``init_from``'s),
+    for the rewrites that read a mask buffer; None for a fill rule, or without a plan
+    (``compile_only``). Each value is read when asked for, and kept for the pins."""
+    if plan is None:
+        return None
+    entries = {s.name: s for s in manifest.state}
+    read: dict[str, np.ndarray[Any, Any] | None] = {}
+
+    def initial(name: str) -> np.ndarray[Any, Any] | None:
+        if name not in read:
+            origin = plan.origins[name]
+            if origin is Origin.FILE:
+                f, key = plan.from_file[name]
+                read[name] = np.array(f.array(key))
+            elif origin is Origin.STORED:
+                entry = entries[name]
+                read[name] = np.array(array_from_section(bundle.section(entry.section), entry.spec))
+            else:
+                read[name] = None
+        return read[name]
+
+    return initial
+
+
+def _mask_pins(
+    compiled: dict[str, list[CompiledProgram | RefusedPlan]],
+    initial: Callable[[str], np.ndarray[Any, Any] | None] | None,
+) -> MaskPins:
+    """The mask buffers the compiled programs assume, each with its loaded value's digest."""
+    programs: dict[str, list[str]] = {}
+    for name, progs in compiled.items():
+        for i, p in enumerate(progs):
+            if isinstance(p, CompiledProgram):
+                for state in p.pinned_state:
+                    programs.setdefault(state, []).append(f"{name}[{i}]")
+    pins: dict[str, tuple[str, tuple[str, ...]]] = {}
+    for state, labels in programs.items():
+        value = initial(state) if initial is not None else None
+        assert value is not None  # a pinned mask was read from this value
+        pins[state] = (digest_of(value), tuple(labels))
+    return MaskPins(pins)
 
 
 def _plans(
@@ -320,6 +373,7 @@ class _Compiler:
     matmul_precision: str | None
     donate: bool  # False under stop_on_nonfinite: a refused step keeps the old state
     fused_attention: bool
+    initial: Callable[[str], np.ndarray[Any, Any] | None] | None  # state values as loaded
 
     def entry(
         self, bundle: codec.Bundle, name: str, k: int, stacked: dict[int, CompiledProgram]
@@ -368,6 +422,7 @@ class _Compiler:
             steps_per_call=k,
             fused_attention=self.fused_attention,
             scalar_constants=scalars,
+            state_values=unwritten_state(program, self.initial),
         )
 
 

@@ -16,7 +16,10 @@ intermediate's uses accounted for, so nothing else reads a value that would disa
     s = reshape(s) to (B, H, T, T); [convert]; multiply(s, broadcast(scale)); [convert]
     s = select(broadcast(mask), s, broadcast(fill))   optional; mask causal (checked by
                                                       evaluating it, in its element
-                                                      types), fill <= -1e30
+                                                      types), fill <= -1e30; or
+                                                      select(upper, fill, s) (nanoGPT's
+                                                      masked_fill(bias == 0, -inf)),
+                                                      a state buffer read as loaded
     p = softmax over the last dim   reduce max, subtract, exp, reduce add, divide
     o = dot_general(reshape([convert] p), v)
 
@@ -29,6 +32,7 @@ Imports: jaxlib's MLIR bindings.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,7 +51,14 @@ from .graph import (
     uses_of,
 )
 
-__all__ = ["NOT_CAUSAL", "Site", "count_score_products", "find_attention"]
+__all__ = ["NOT_CAUSAL", "Site", "StateValues", "count_score_products", "find_attention"]
+
+StateValues = Mapping[int, tuple[str, Callable[[], Sequence[Any] | None]]]
+"""@main arguments that are state the step never writes, known when the program is
+compiled: argument number -> (state name, a function giving its elements in row-major
+order, or None when unknown). A mask read from one (nanoGPT's ``bias`` buffer) is
+computed from the value loaded; the caller must see that the state keeps that value
+while the program runs (``Site.state_reads`` says which it read)."""
 
 FILL_AT_MOST = -1e30
 """A masked score at or below this gives exactly zero probability in float32 (with the
@@ -69,6 +80,9 @@ class Site:
       dq, dkt, dv: the backward's products (replaced), or None.
       divides: the scores were divided by ``scale`` (``/ math.sqrt(d)``), not
         multiplied by it.
+      fills_where_true: the mask ``select`` takes the fill where its predicate is true
+        (``masked_fill(bias == 0, -inf)``), not the score.
+      state_reads: the state arguments (``StateValues``) the mask was computed from.
       probs, probs_product, mask_select, first_grad: what matching the backward reads
         (the float32 probabilities, their reshape the output product reads, the
         forward's mask ``select``) and where the backward call goes (the first of the
@@ -92,6 +106,8 @@ class Site:
     dkt: Any = None
     dv: Any = None
     divides: bool = False
+    fills_where_true: bool = False
+    state_reads: tuple[int, ...] = ()
     probs: Any = field(default=None, repr=False)
     probs_product: Any = field(default=None, repr=False)
     mask_select: Any = field(default=None, repr=False)
@@ -232,37 +248,66 @@ NOT_CAUSAL = "a mask over the scores that is not provably causal"
 """The start of every reason ``_mask_miss`` gives."""
 
 
-def _mask_miss(select: Any, t: int, scalars: dict[int, float], seen: dict[Any, str]) -> str:
-    """Why ``select``'s predicate is not the lower triangle of a (T, T) mask broadcast
-    over the batch and heads (the last two dims exactly), or "" when it is; checked once
-    per mask (the layers of a model share one), by its form or else by computing it with
-    each value held as its element type holds it (``graph.evaluate``)."""
+def _mask_miss(
+    select: Any,
+    t: int,
+    scalars: dict[int, float],
+    seen: dict[Any, tuple[str, tuple[int, ...]]],
+    state: StateValues,
+    fills_where_true: bool,
+) -> tuple[str, tuple[int, ...]]:
+    """Why ``select``'s predicate is not the causal mask of a (T, T) score broadcast over
+    the batch and heads (the last two dims exactly), or "" when it is, and the state
+    arguments it was computed from. The predicate keeps the scores where it is true (the
+    lower triangle), or with ``fills_where_true`` fills them (the strict upper one).
+    Checked once per mask (the layers of a model share one), by its form or else by
+    computing it with each value held as its element type holds it (``graph.evaluate``),
+    state read as loaded (``state``)."""
     bcast = producer(select.operands[0])
+    whole = f"{NOT_CAUSAL} (not one (T, T) mask broadcast over the batch and heads)"
     if bcast is None or bcast.name != "stablehlo.broadcast_in_dim":
-        return f"{NOT_CAUSAL} (not one (T, T) mask broadcast over the batch and heads)"
+        return whole, ()
     rank = len(shape_of(bcast.result))
     mask = bcast.operands[0]
     if ints(bcast, "broadcast_dimensions") != [rank - 2, rank - 1]:
-        return f"{NOT_CAUSAL} (not one (T, T) mask broadcast over the batch and heads)"
+        return whole, ()
     if shape_of(mask) != [t, t] or element_type(mask) != "i1":
-        return f"{NOT_CAUSAL} (not one (T, T) mask broadcast over the batch and heads)"
-    key = producer(mask)
-    if key is not None and key in seen:
+        return whole, ()
+    key = (producer(mask), fills_where_true)
+    if key[0] is not None and key in seen:
         return seen[key]
-    miss = ""
-    if not _iota_rows_ge_columns(mask, t):
-        values = evaluate(mask, scalars)
+    miss, reads = "", ()
+    if fills_where_true or not _iota_rows_ge_columns(mask, t):
+        read: list[int] = []
+
+        def reader(num: int) -> Callable[[], Sequence[Any] | None]:
+            def values() -> Sequence[Any] | None:
+                read.append(num)
+                return state[num][1]()
+
+            return values
+
+        values = evaluate(mask, scalars, arrays={num: reader(num) for num in state})
+        reads = tuple(sorted(set(read)))
+        names = ", ".join(state[n][0] for n in reads)
+        causal = [(i < j) if fills_where_true else (i >= j) for i in range(t) for j in range(t)]
         if values is None:
             miss = (
                 f"{NOT_CAUSAL} (not computable when the program is compiled: read from "
-                "state or an input, too large, or built from positions its element type "
-                "does not hold exactly, such as positions rounded to bf16 or wrapped in int8)"
+                "an input the step gives it or state the step writes, too large, or built "
+                "from positions its element type does not hold exactly, such as positions "
+                "rounded to bf16 or wrapped in int8)"
             )
-        elif [bool(x) for x in values] != [i >= j for i in range(t) for j in range(t)]:
+        elif [bool(x) for x in values] != causal and names:
+            miss = (
+                f"{NOT_CAUSAL} (computed from the loaded value of {names}, it is not the "
+                "causal triangle)"
+            )
+        elif [bool(x) for x in values] != causal:
             miss = f"{NOT_CAUSAL} (computed, it is not the lower triangle)"
-    if key is not None:
-        seen[key] = miss
-    return miss
+    if key[0] is not None:
+        seen[key] = (miss, reads)
+    return miss, reads
 
 
 def _row_max_of(value: Any, depth: int = 0) -> bool:
@@ -292,7 +337,11 @@ _SCORE_PATH = frozenset(
 
 
 def _forward(
-    dot1: Any, scalars: dict[int, float], seen: dict[Any, str], misses: list[str]
+    dot1: Any,
+    scalars: dict[int, float],
+    seen: dict[Any, tuple[str, tuple[int, ...]]],
+    misses: list[str],
+    state: StateValues,
 ) -> Site | None:
     """The forward pattern from the scores' product ``dot1``, or None; why, in ``misses``,
     where the product is attention's scores that the kernels cannot take."""
@@ -320,13 +369,15 @@ def _forward(
     x = skip_converts(mul.result)
     causal = False
     sel = only_user(x, "stablehlo.select")
+    inverted, reads = False, ()
     if sel is not None:
-        if sel.operands[1] != x:
+        if sel.operands[1] != x and sel.operands[2] != x:
             return None
-        fill = splat_value(sel.operands[2], scalars)
+        inverted = sel.operands[2] == x  # masked_fill(cond, -inf): the fill where true
+        fill = splat_value(sel.operands[1 if inverted else 2], scalars)
         if fill is None or not fill <= FILL_AT_MOST:
             return None
-        miss = _mask_miss(sel, t, scalars, seen)
+        miss, reads = _mask_miss(sel, t, scalars, seen, state, inverted)
         if miss:
             misses.append(miss)
             return None
@@ -369,6 +420,7 @@ def _forward(
     v = dot2.operands[1]
     site = Site(b, h, t, d, element_type(q), element_type(scale), causal, q, kt, v, scale, dot2)
     site.divides = mul.name == "stablehlo.divide"
+    site.fills_where_true, site.state_reads = inverted, reads
     site.probs, site.probs_product, site.mask_select = p32, rs2.result, sel
     return site
 
@@ -423,9 +475,10 @@ def _backward(site: Site) -> bool:
     if site.causal:
         sel = only_user(x, "stablehlo.select")
         fwd_sel = site.mask_select
-        if sel is None or sel.operands[0] != fwd_sel.operands[0] or sel.operands[1] != x:
+        x_at, zero_at = (2, 1) if site.fills_where_true else (1, 2)
+        if sel is None or sel.operands[0] != fwd_sel.operands[0] or sel.operands[x_at] != x:
             return False
-        if splat_value(sel.operands[2], {}) != 0.0:
+        if splat_value(sel.operands[zero_at], {}) != 0.0:
             return False
         x = skip_converts(sel.result)
     mul = _scaling(x)
@@ -498,21 +551,25 @@ def count_score_products(module: Module) -> int:
 
 
 def find_attention(
-    module: Module, scalars: dict[int, float] | None = None, misses: list[str] | None = None
+    module: Module,
+    scalars: dict[int, float] | None = None,
+    misses: list[str] | None = None,
+    state: StateValues | None = None,
 ) -> list[Site]:
     """Every attention of ``module``'s functions that matches the pattern (module
     docstring) with its backward complete or absent. ``scalars`` gives @main's scalar
     constant arguments (argument number -> value), where the mask's fill may come from.
     ``misses``, when given, gets a reason for each attention seen and not taken that
-    has one: a cross-attention, a mask not provably causal."""
+    has one: a cross-attention, a mask not provably causal. ``state``: the state
+    arguments a mask may be computed from (``StateValues``)."""
     found = []
-    seen: dict[Any, str] = {}
+    seen: dict[Any, tuple[str, tuple[int, ...]]] = {}
     why: list[str] = [] if misses is None else misses
     with module._ctx:
         for op in module._operations():
             if not _batched_matmul(op):
                 continue
-            site = _forward(op, scalars or {}, seen, why)
+            site = _forward(op, scalars or {}, seen, why, state or {})
             if site is not None and _backward(site):
                 found.append(site)
     return found

@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from jaxlib.mlir import ir
@@ -178,12 +178,20 @@ def _index(shape: list[int]) -> list[tuple[int, ...]]:
     return list(itertools.product(*(range(n) for n in shape)))
 
 
-def evaluate(value: Any, scalars: dict[int, float], depth: int = 0) -> list[Any] | None:
+def evaluate(
+    value: Any,
+    scalars: Mapping[int, float],
+    depth: int = 0,
+    arrays: Mapping[int, Callable[[], Sequence[Any] | None]] | None = None,
+) -> list[Any] | None:
     """``value``'s elements in row-major order, computed on the host from splat
     constants, iotas and known scalar arguments (``scalars``: @main argument number ->
     value) through broadcasts, compares, selects, converts and logic; None for anything
-    else or anything larger than ``MAX_EVALUATED``. Plain Python: the StableHLO layer
-    stays free of numpy, and a mask is computed once per load.
+    else or anything larger than ``MAX_EVALUATED``. ``arrays`` gives @main arguments
+    whose values are known when the program is compiled (state the step never writes:
+    argument number -> its elements in row-major order, as the element type holds them,
+    or None when unknown), read through reshapes and slices too. Plain Python: the
+    StableHLO layer stays free of numpy, and a mask is computed once per load.
 
     Each value is held as its element type holds it: a convert to bf16 rounds as bf16
     does, and an iota or a convert whose values the type cannot hold exactly (positions
@@ -195,6 +203,9 @@ def evaluate(value: Any, scalars: dict[int, float], depth: int = 0) -> list[Any]
     op = producer(value)
     if op is None:
         num = main_argument(value)
+        if num is not None and arrays is not None and num in arrays:
+            known = arrays[num]()
+            return None if known is None or len(known) != math.prod(shape) else list(known)
         return [scalars[num]] if num in scalars and shape == [] else None
     if op.name == "stablehlo.constant":
         v = splat_constant(op)
@@ -208,11 +219,20 @@ def evaluate(value: Any, scalars: dict[int, float], depth: int = 0) -> list[Any]
         return [kind(ix[dim]) for ix in _index(shape)]
     if op.name not in _EVALUATED:
         return None
-    args = [evaluate(v, scalars, depth + 1) for v in op.operands]
+    args = [evaluate(v, scalars, depth + 1, arrays) for v in op.operands]
     if any(a is None for a in args):
         return None
     a = args[0]
     assert a is not None
+    if op.name == "stablehlo.reshape":  # row-major order is kept
+        return a
+    if op.name == "stablehlo.slice":
+        src = shape_of(op.operands[0])
+        starts, limits = ints(op, "start_indices"), ints(op, "limit_indices")
+        steps = ints(op, "strides")
+        strides = [math.prod(src[k + 1 :]) for k in range(len(src))]
+        ranges = [range(b, e, s) for b, e, s in zip(starts, limits, steps)]
+        return [a[sum(i * st for i, st in zip(ix, strides))] for ix in itertools.product(*ranges)]
     if op.name == "stablehlo.broadcast_in_dim":
         dims = ints(op, "broadcast_dimensions")
         src = shape_of(op.operands[0])
@@ -325,6 +345,8 @@ _EVALUATED = frozenset(
         "stablehlo.and",
         "stablehlo.or",
         "stablehlo.select",
+        "stablehlo.reshape",
+        "stablehlo.slice",
     }
 )
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from stepbundle.schema.manifest import Program
+from stepbundle.stablehlo.attention import StateValues
 
 from .. import _compat
 from ..placement import packing
@@ -38,6 +39,7 @@ class CompiledProgram:
     cache: CacheEvent
     fused_attention: int = 0
     attention_kept: tuple[str, ...] = ()
+    pinned_state: tuple[str, ...] = ()
 
     @property
     def cache_hit(self) -> bool:
@@ -59,6 +61,7 @@ def compile_program(
     matmul_precision: str | None = None,
     fused_attention: bool = True,
     scalar_constants: Mapping[int, float] | None = None,
+    state_values: StateValues | None = None,
 ) -> CompiledProgram:
     """Check, rewrite and compile ``program`` for ``placement``'s devices.
 
@@ -85,6 +88,9 @@ def compile_program(
       fused_attention: let a TPU run traced attention as fused kernels
         (``rewrites.fused_attention``).
       scalar_constants: the program's scalar constant arguments (number -> value).
+      state_values: the state arguments it never writes, as loaded
+        (``state_masks.unwritten_state``); ``CompiledProgram.pinned_state`` names those
+        the compiled program assumes.
     """
     platform = str(client.platform)
     module = check_program(artifact, program, where, platform)
@@ -97,6 +103,7 @@ def compile_program(
         matmul_precision=matmul_precision,
         fused_attention=fused_attention,
         scalar_constants=dict(scalar_constants or {}),
+        state_values=dict(state_values or {}),
     )
     stage = apply_rewrites(Stage(module, program), ctx)
     devices = list(placement.devices)
@@ -112,4 +119,5 @@ def compile_program(
         event,
         ctx.notes.get("fused_attention", 0),
         tuple(ctx.kept_attention),
+        tuple(dict.fromkeys(ctx.pinned_state)),
     )

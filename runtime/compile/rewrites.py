@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 from stepbundle.schema.manifest import Program, StateUpdateOutput
 from stepbundle.stablehlo import artifact as mlir
-from stepbundle.stablehlo.attention import Site, count_score_products
+from stepbundle.stablehlo.attention import Site, StateValues, count_score_products
 from stepbundle.stablehlo.attention_composite import count_composites, rewrite_composites
 from stepbundle.stablehlo.attention_rewrite import rewrite_attention
 from stepbundle.stablehlo.conv_layout import canonicalize_convolutions
@@ -70,10 +70,15 @@ class RewriteContext:
       fused_attention: whether a TPU runs traced attention as fused kernels.
       scalar_constants: @main's scalar constant arguments (argument number -> value,
         from the bundle's constant sections): an attention mask's fill value is one.
+      state_values: the state arguments the step never writes, as loaded
+        (``stablehlo.attention.StateValues``): a causal mask held in a buffer is one.
+        A rewrite that depends on one names it in ``pinned_state``.
       notes: what rewrites report back to the load (``"fused_attention"``: how many
         attentions were fused); filled in by the rewrites, not part of the key.
       kept_attention: attention composites kept as their decomposition on a platform
         that fuses, each with why (``fused-attention``); filled in like ``notes``.
+      pinned_state: the state (by name) whose loaded value the rewritten program
+        assumes (``runtime/compile/state_masks.py``); filled in like ``notes``.
     """
 
     platform: str
@@ -84,8 +89,10 @@ class RewriteContext:
     matmul_precision: str | None = None
     fused_attention: bool = True
     scalar_constants: Mapping[int, float] = field(default_factory=dict)
+    state_values: StateValues = field(default_factory=dict)
     notes: dict[str, int] = field(default_factory=dict)
     kept_attention: list[str] = field(default_factory=list)
+    pinned_state: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -212,9 +219,16 @@ def fuse_attention(
     if composites is None:  # a failure: the program is as it was
         return stage
     misses: list[str] = []  # attention seen and not taken, and why
+    reads: set[int] = set()  # state arguments a fused mask was computed from
     try:
         n = rewrite_attention(
-            copy, kernels, scalars, accept=lambda s: _accept(s, skipped), misses=misses
+            copy,
+            kernels,
+            scalars,
+            accept=lambda s: _accept(s, skipped),
+            misses=misses,
+            state=ctx.state_values,
+            state_reads=reads,
         )
     except Exception as e:  # lowering or verification: keep the traced attention
         warn_once("fused-attention", f"stepbundle kept traced attention as it is: {e}")
@@ -222,7 +236,10 @@ def fuse_attention(
             return stage
         copy, n = mlir.Module.parse_text(stage.module, stage.module.text()), 0
         composites = _fuse_composites(copy, platform, interpret, []) or 0
+        reads = set()
     n += composites
+    ctx.kept_attention.extend(dict.fromkeys(misses))
+    ctx.pinned_state.extend(ctx.state_values[i][0] for i in sorted(reads))
     if skipped:
         warn_once("fused-attention-skipped", "stepbundle kept traced attention: " + skipped[0])
     for miss in dict.fromkeys(misses):

@@ -20,6 +20,7 @@ import numpy as np
 from stepbundle.schema.manifest import Manifest
 
 from .. import _compat
+from ..compile.state_masks import MaskPins
 from ..errors import BindingError
 from ..placement.packing import Layout
 from ..placement.sharding import Placement
@@ -39,6 +40,8 @@ class StateStore:
       names: the state names, in the state table's order (PyTorch's names).
       broken: why the state cannot be used (its buffers were donated to a failed step,
         or none were placed), or None.
+      pins: the mask buffers fused programs assume keep their loaded value; new state
+        that changes one is refused (``compile/state_masks.py``).
     """
 
     def __init__(
@@ -51,6 +54,7 @@ class StateStore:
         self.broken: str | None = None
         self._manifest = manifest
         self._aliases = {e.name: e.aliases for e in manifest.state}
+        self.pins = MaskPins({})
 
     def check_usable(self) -> None:
         """Raise ``BindingError`` with the reason when the state cannot be used."""
@@ -76,7 +80,12 @@ class StateStore:
         self.put(check_state_values(self._manifest, values))
 
     def put(self, arrays: Mapping[str, np.ndarray[Any, Any]]) -> None:
-        """Replace the state with ``arrays``, already checked against the state table."""
+        """Replace the state with ``arrays``, already checked against the state table.
+
+        Raises:
+          FusedMaskError: ``arrays`` changes a mask buffer a fused program assumes.
+        """
+        self.pins.check(arrays)
         self.buffers = [
             self.placement.put_state(name, a)
             for name, a in zip(self.layout.buffer_names, host_buffers(self.layout, arrays))

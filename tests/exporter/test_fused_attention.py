@@ -376,26 +376,31 @@ def test_the_kernels_do_not_depend_on_who_lowers_them(tmp_path: Path) -> None:
     assert "first.py" not in texts[0][0] and "second.py" not in texts[1][0]
 
 
-def test_an_attention_it_does_not_recognize_is_kept_with_a_warning(
+def test_a_mask_in_a_state_buffer_is_read_as_loaded(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # A mask held in a state buffer may change with a checkpoint: the rewrite cannot
-    # prove it causal when it compiles, so the program keeps its attention, and says so.
+    # A mask held in a state buffer is not known from the program alone; the runtime's
+    # rewrite reads it as the load placed it, fuses it when it is causal, and pins it
+    # (tests/exporter/test_attention_state_masks.py has the rest).
+    import warnings
+
     from stepbundle.runtime import fallback
 
     monkeypatch.setattr(fallback, "_WARNED", set())
     path, _ = _export(tmp_path, buffer_mask=True)
     module, fills = _module_and_fills(path)
-    assert find_attention(module, fills) == []
-    kept = []
+    assert find_attention(module, fills) == []  # the program alone: not provably causal
+    kept, pinned = [], []
 
     def tap(stage: rewrites.Stage, ctx: rewrites.RewriteContext) -> rewrites.Stage:
         kept.append(rewrites.fuse_attention(stage, ctx, "tpu") is stage)
+        pinned.extend(ctx.pinned_state)
         return stage
 
-    with pytest.warns(fallback.StepbundleFallbackWarning, match="did not recognize"):
-        trainer = _load_with(path, tap)
-    assert kept == [True] and trainer.load_info.fused_attention == {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", fallback.StepbundleFallbackWarning)
+        _load_with(path, tap)
+    assert kept == [False] and sorted(pinned) == [f"blocks.{i}.bias" for i in range(LAYERS)]
 
 
 def test_an_eval_program_fuses_its_forward(tmp_path: Path) -> None:

@@ -292,11 +292,27 @@ def _gather(ctx: OpContext, x: Any, dim: int, index: Any, *, sparse_grad: bool =
     return x[_grid(index, _dim(dim, x.ndim))]
 
 
+def _one_per_row(x: Any, index: Any, d: int) -> bool:
+    """Whether ``index`` names one position along ``d`` for every row of ``x`` (its size
+    there is 1 and it matches ``x`` in every other dimension)."""
+    return index.shape[d] == 1 and all(
+        index.shape[i] == x.shape[i] for i in range(x.ndim) if i != d
+    )
+
+
 @lowers(aten.scatter.value, aten.scatter.src)
 def _scatter(ctx: OpContext, x: Any, dim: int, index: Any, src: Any) -> Any:
     d = _dim(dim, x.ndim)
     if hasattr(src, "shape") and src.ndim:
         src = src[tuple(slice(0, n) for n in index.shape)]
+    if x.ndim and _one_per_row(x, index, d):
+        # One position per row, as in nll_loss's backward (a zero (tokens, classes) tensor
+        # with -1 at each target): a comparison with the positions along d, the same
+        # values as the scatter, which XLA fuses into the tensor's consumers. The scatter
+        # wrote the whole tensor instead; on a TPU as a flat array then relaid out
+        # (docs/tpu.md, "The torch front-end on a TPU").
+        hit = lax.broadcasted_iota(index.dtype, x.shape, d) == index
+        return jnp.where(hit, jnp.asarray(src, x.dtype), x)
     return x.at[_grid(index, d)].set(jnp.asarray(src, x.dtype))
 
 

@@ -84,7 +84,9 @@ class CompileOptions:
         ``Trainer.step_many`` takes a stack of K batches. The results are bit for bit
         those of K single steps; callbacks see the state at the end of each call (see
         ``Trainer.run``). The single-step programs are compiled too (for ``step`` and
-        for a run's last steps when they do not fill a call).
+        for a run's last steps when they do not fill a call). "auto": ``load`` first
+        times the training step at one step per call and takes 32, 8 or 1
+        (``runtime/auto_steps.py``); ``LoadInfo.auto_steps`` says what it chose and why.
       matmul_precision: "default", "high" or "highest": set on every matmul and
         convolution of every program before it is compiled (``stablehlo/precision.py``;
         part of the compile-cache key). On the CPU all three compute the same. On an
@@ -110,7 +112,7 @@ class CompileOptions:
 
     entries: tuple[str, ...] | None = None
     cache_dir: PathLike | bool | None = True
-    steps_per_call: int = 1
+    steps_per_call: int | str = 1
     matmul_precision: str | None = None
     compile_only: bool = False
     fused_attention: bool = True
@@ -141,19 +143,19 @@ class CompileOptions:
                     "the compiled programs would be gone when it ends. Give a folder or a "
                     "shared URL, or cache_dir=False for no cache."
                 )
-        if not _whole(self.steps_per_call):
-            raise BindingError(
-                f"steps_per_call must be a whole number of at least 1, got {self.steps_per_call!r}."
-            )
-        if self.steps_per_call < 1:
-            raise BindingError(
-                f"steps_per_call must be a whole number of at least 1, got {self.steps_per_call}."
-            )
-        if self.steps_per_call > MAX_STEPS_PER_CALL:
-            raise BindingError(
-                f"steps_per_call={self.steps_per_call} is more than {MAX_STEPS_PER_CALL}: a "
-                "call stacks its K batches in memory at once. 8 or 32 take most of the gain."
-            )
+        k = self.steps_per_call
+        if k != "auto":  # "auto" is measured at load (runtime/auto_steps.py)
+            if not isinstance(k, int) or isinstance(k, bool):
+                raise BindingError(
+                    f'steps_per_call must be a whole number of at least 1 or "auto", got {k!r}.'
+                )
+            if k < 1:
+                raise BindingError(f"steps_per_call must be a whole number of at least 1, got {k}.")
+            if k > MAX_STEPS_PER_CALL:
+                raise BindingError(
+                    f"steps_per_call={k} is more than {MAX_STEPS_PER_CALL}: a call stacks its "
+                    "K batches in memory at once. 8 or 32 take most of the gain."
+                )
         _flags(self, "compile_only", "fused_attention")
         if not (isinstance(self.keep_freed_memory, bool) or self.keep_freed_memory == "auto"):
             raise BindingError(
@@ -247,9 +249,9 @@ class ParallelOptions:
         on its first dimension, and the state is replicated. The programs are the
         bundle's own, compiled with XLA's SPMD partitioner; nothing is re-exported.
         Only shape buckets whose batch splits evenly over N can run.
-      shard_optimizer_state: with N > 1 devices, split optimizer state (tensors whose
-        first dimension is a multiple of N) over the devices instead of replicating
-        it (ZeRO stage 1); each device then holds 1/N of it. The same as
+      shard_optimizer_state: with N > 1 devices, split optimizer state (each tensor on
+        its first dimension that is a multiple of N) over the devices instead of
+        replicating it (ZeRO stage 1); each device then holds 1/N of it. The same as
         ``layout="zero1"``.
       layout: what the devices split, as one spec string (``parallel_layout.py``):
         ``"dp"`` (default: the state replicated), ``"zero1"`` (optimizer state split),
@@ -342,7 +344,7 @@ class LoadOptions:
         init_from: PathLike | None = None,
         init_strict: bool = True,
         compile_only: bool = False,
-        steps_per_call: int = 1,
+        steps_per_call: int | str = 1,
         matmul_precision: str | None = None,
         fused_attention: bool = True,
         keep_freed_memory: bool | str = "auto",

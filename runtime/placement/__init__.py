@@ -1,6 +1,7 @@
 """Where arrays live: the device string and client (``devices``), multi-process jobs
-(``distributed``), the data-parallel and ZeRO-1 shardings (``sharding``) and small state
-tensors packed into one buffer per dtype (``packing``).
+(``distributed``), which state tensor each parallel layout splits over which mesh axis
+(``shard_plan``), the shardings of every array a step passes (``sharding``) and small
+state tensors packed into one buffer per dtype (``packing``).
 
 May import: the base modules and ``io``.
 """

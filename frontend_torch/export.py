@@ -59,6 +59,52 @@ _TORCH_MATMUL_PRECISION: dict[str, str] = {
     "medium": "default",
 }
 
+_aten = torch.ops.aten
+
+# The operators this front-end lowers to matrix products (aten_math._dot, aten_nn._conv,
+# aten_nn._attention), each with the position of an operand whose dtype is the product's.
+_PRODUCTS: dict[object, int] = {
+    _aten.mm.default: 0,
+    _aten.bmm.default: 0,
+    _aten.addmm.default: 1,
+    _aten.convolution.default: 0,
+    _aten.convolution_backward.default: 0,
+    _aten._scaled_dot_product_flash_attention_for_cpu.default: 0,
+    _aten._scaled_dot_product_flash_attention_for_cpu_backward.default: 0,
+}
+
+
+def _has_float32_products(programs: list[BoundProgram]) -> bool:
+    """Whether any matrix product of ``programs`` takes float32 (or float64) operands:
+    the only products torch's float32 matmul precision governs. Under bf16 autocast a
+    step's products all take bf16 operands, computed alike at every setting."""
+    for program in programs:
+        for node in program.graph.gm.graph.nodes:
+            at = _PRODUCTS.get(node.target) if node.op == "call_function" else None
+            if at is None:
+                continue
+            operand = node.args[at]
+            val = getattr(operand, "meta", {}).get("val")
+            if isinstance(val, torch.Tensor) and val.dtype in (torch.float32, torch.float64):
+                return True
+    return False
+
+
+def _matmul_precision(programs: list[BoundProgram], say: Callable[[str], None]) -> str:
+    """The precision the bundle records: torch's float32 matmul precision where the
+    programs have float32 products, else "default" (docs/tpu.md, "What torch's float32
+    matmul precision means here"): with no float32 product, "highest" would change no
+    value and would only keep a TPU from its fused attention kernels."""
+    setting = torch.get_float32_matmul_precision()
+    recorded = _TORCH_MATMUL_PRECISION[setting]
+    if recorded != "default" and not _has_float32_products(programs):
+        say(
+            f'matmul precision: default (torch\'s float32 matmul precision "{setting}" '
+            "governs no product of this step: every one takes bf16 or fp16 operands)"
+        )
+        return "default"
+    return recorded
+
 
 def _hyperparameters(recipe: Recipe) -> list[Hyper]:
     # The value the program input holds (float32), as the torch_xla front-end records it.
@@ -310,7 +356,9 @@ def export(
         rng=lambda: (Rng(seed=base_seed), ()),
         metadata=metadata,
         numerics="pytorch",
-        matmul_precision=_TORCH_MATMUL_PRECISION[torch.get_float32_matmul_precision()],
+        matmul_precision=_matmul_precision(
+            [b for progs in (train_bound, *eval_bound.values()) for b, _ in progs], say
+        ),
         notes=notes,
         mlir_dir=mlir_dir,
         say=say,

@@ -264,3 +264,33 @@ def test_torch_matmul_precision_is_recorded(
         torch.set_float32_matmul_precision(before)
     with open_bundle(path) as b:
         assert b.manifest.matmul_precision == recorded
+
+
+@pytest.mark.parametrize(("eval_entry", "recorded"), [(False, "default"), (True, "highest")])
+def test_a_bf16_autocast_step_records_the_default_precision(
+    tmp_path: Path, eval_entry: bool, recorded: str
+) -> None:
+    """torch's float32 matmul precision governs float32 products only. Under bf16
+    autocast every product of the training step takes bf16 operands, so the bundle
+    records "default" (docs/tpu.md); an eval entry outside autocast has float32
+    products, and torch's "highest" is recorded as before."""
+    import dataclasses
+
+    import torch_cases
+
+    from stepbundle.schema import open_bundle
+
+    def step(model: Any, optimizer: Any, batch: dict[str, Any]) -> Any:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return torch_cases.mlp_step(model, optimizer, batch)
+
+    base = torch_cases.mlp()
+    recipe = dataclasses.replace(base, step=step, eval_step=base.eval_step if eval_entry else None)
+    assert torch.get_float32_matmul_precision() == "highest"  # torch's default
+    lines: list[str] = []
+    path = tmp_path / "mlp.stepbundle"
+    export(recipe, path, progress=lines.append)
+    with open_bundle(path) as b:
+        assert b.manifest.matmul_precision == recorded
+    said = [line for line in lines if line.startswith("matmul precision: default")]
+    assert len(said) == (recorded == "default")

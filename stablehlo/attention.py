@@ -276,7 +276,8 @@ def _mask_miss(
     key = (producer(mask), fills_where_true)
     if key[0] is not None and key in seen:
         return seen[key]
-    miss, reads = "", ()
+    miss = ""
+    reads: tuple[int, ...] = ()
     if fills_where_true or not _iota_rows_ge_columns(mask, t):
         read: list[int] = []
 
@@ -289,7 +290,7 @@ def _mask_miss(
 
         values = evaluate(mask, scalars, arrays={num: reader(num) for num in state})
         reads = tuple(sorted(set(read)))
-        names = ", ".join(state[n][0] for n in reads)
+        names = ", ".join(state[num][0] for num in reads)
         causal = [(i < j) if fills_where_true else (i >= j) for i in range(t) for j in range(t)]
         if values is None:
             miss = (
@@ -369,7 +370,8 @@ def _forward(
     x = skip_converts(mul.result)
     causal = False
     sel = only_user(x, "stablehlo.select")
-    inverted, reads = False, ()
+    inverted = False
+    reads: tuple[int, ...] = ()
     if sel is not None:
         if sel.operands[1] != x and sel.operands[2] != x:
             return None

@@ -203,7 +203,9 @@ def evaluate(
     op = producer(value)
     if op is None:
         num = main_argument(value)
-        if num is not None and arrays is not None and num in arrays:
+        if num is None:
+            return None
+        if arrays is not None and num in arrays:
             known = arrays[num]()
             return None if known is None or len(known) != math.prod(shape) else list(known)
         return [scalars[num]] if num in scalars and shape == [] else None

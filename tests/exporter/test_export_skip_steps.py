@@ -91,6 +91,44 @@ def test_the_traced_steps_are_not_run(tmp_path: Path) -> None:
     assert counts[True] - counts[False] == 2, counts
 
 
+def _zero_grad_last(model, optimizer, batch):  # nanoGPT's train.py order
+    out = torch.nn.functional.mse_loss(model(batch["x"]), batch["y"])
+    out.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return {"loss": out}
+
+
+def test_gradients_set_to_none_at_the_end_do_not_make_the_export_run_a_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue #40: with zero_grad(set_to_none=True) after optimizer.step(), the first trace
+    (with zero gradients) finds the gradients dropped and the export traces again without
+    them; the dropped gradients, accumulated into in place, were left pending, so
+    ``skip_step`` refused to drop that traced step and it was compiled and run (5x the
+    export time of zero_grad() first). Now every traced step is dropped, and the bundle is
+    the zero_grad()-first one."""
+    from stepbundle.exporter import xla
+
+    kept: list[int] = []
+    real = xla.skip_step
+
+    def spy(state):  # the real skip_step, recording how many tensors made it run the step
+        pending = real(state)
+        kept.append(len(pending))
+        return pending
+
+    monkeypatch.setattr(xla, "skip_step", spy)
+    bundles = {}
+    for name, step in (("first", mse_step), ("last", _zero_grad_last)):
+        recipe = _bn_adam()
+        recipe.step = step
+        kept.clear()
+        bundles[name] = export(recipe, tmp_path / f"{name}.stepbundle", check=False)
+        assert kept and kept == [0] * len(kept), f"zero_grad {name}: traced steps run: {kept}"
+    assert bundles["first"].digest == bundles["last"].digest
+
+
 def _logging_recipe(log: torch.Tensor) -> Recipe:
     """A step that also writes a device tensor of the user's, outside the model and the
     optimizer, and never reads it."""

@@ -1,0 +1,674 @@
+"""Attention as people write it, through both front-ends, against hand-written JAX, on a TPU.
+
+    # here: weights-free bundles, one per model and front-end (export check off: a benchmark)
+    .venv/bin/python benchmarks/device/attention_table.py export -o build/tpu/table --frontend torch_xla
+    .venv-torch/bin/python benchmarks/device/attention_table.py export -o build/tpu/table --frontend torch
+    # on the device machine (no torch): every bundle of the folder and each model's JAX peer
+    python benchmarks/device/attention_table.py bench build/tpu/table --out attention_table.json
+
+Models (issue #38, item 4), each a training step under bf16 autocast with the loss in
+float32, the gradient norm clipped to 1 and a capturable AdamW step, no dropout (so the
+JAX peer computes the same function):
+
+- ``gpt55m_forward_mask``, ``gpt55m_buffer_mask``, ``gpt55m_sdpa``: gpt.py's 55M GPT
+  (6 layers, width 768, 12 heads of 64, context 512, batch 16) with its attention written
+  with the causal mask made in ``forward``; as nanoGPT writes it (a ``tril`` held in
+  ``register_buffer("bias", ...)``, ``masked_fill(bias[:, :, :t, :t] == 0, -inf)``); and
+  as ``F.scaled_dot_product_attention(q, k, v, is_causal=True)``;
+- ``llama120m_sdpa``: Hugging Face's ``LlamaForCausalLM`` at 123M parameters (8 layers,
+  width 1024, 8 heads of 128, 2 key/value heads, SwiGLU of 2816, vocabulary 16,384,
+  untied head, context 1024, batch 8), ``attn_implementation="sdpa"``;
+- ``gpt2_sdpa``, ``gpt2_eager``: Hugging Face's ``GPT2LMHeadModel`` at GPT-2 small's
+  config (124M, vocabulary 50,257, context 1024, batch 8, dropout 0) with
+  ``attn_implementation="sdpa"`` and ``"eager"``.
+
+Each family's JAX peer is the same model written by hand with jax's splash attention
+(blocks of 512, as the runtime's fused kernels use), f32 master weights cast to bf16 at each
+product, optax AdamW with PyTorch's constants and clipping, one ``jax.jit`` with the state
+donated (gpt.py's peer for the GPT). ``bench`` makes one initial state per family
+(normal(0, 0.02) weights, unit norm scales, zero biases; a mask buffer its lower
+triangle), starts every bundle of the family (``init_from``) and the peer from it, reports
+the first losses, then times them in alternating rounds, one family at a time (all of
+them at once do not fit in the chip's memory). Per row: ms per step, MFU (6 x matmul
+parameters x tokens plus 12 x layers x context x attention width x tokens, causal
+masking not discounted, against the v5e's 197 TFLOP/s bf16 peak), the attentions fused
+per program and the runtime's words for each one kept.
+
+Imports: numpy; jax and optax for ``bench``; torch, transformers and a front-end for
+``export``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import sys
+import time
+import warnings
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parent)]
+
+import gpt  # noqa: E402  (the 55M GPT's sizes, initial state, FLOP count and JAX peer)
+
+
+@dataclass(frozen=True)
+class Family:
+    """One model shape: its sizes, FLOP count and what a step reads."""
+
+    vocab: int
+    context: int
+    batch: int
+    layers: int
+    width: int  # the attention's width (heads x head size)
+    matmul_params: int  # parameters that take part in a product per token
+
+    def step_flops(self) -> float:
+        tokens = self.batch * self.context
+        return (
+            6.0 * self.matmul_params * tokens
+            + 12.0 * self.layers * self.context * self.width * tokens
+        )
+
+
+LLAMA = {
+    "vocab": 16384,
+    "width": 1024,
+    "layers": 8,
+    "heads": 8,
+    "kv_heads": 2,
+    "head_dim": 128,
+    "ffn": 2816,
+    "context": 1024,
+    "batch": 8,
+    "rope_theta": 10000.0,
+    "eps": 1e-6,
+}
+GPT2 = {"vocab": 50257, "width": 768, "layers": 12, "heads": 12, "context": 1024, "batch": 8}
+
+FAMILIES: dict[str, Family] = {
+    "gpt55m": Family(
+        gpt.VOCAB,
+        gpt.BLOCK,
+        gpt.BATCH,
+        gpt.LAYERS,
+        gpt.WIDTH,
+        gpt.LAYERS * 12 * gpt.WIDTH**2 + gpt.VOCAB * gpt.WIDTH,
+    ),
+    "llama120m": Family(
+        LLAMA["vocab"],
+        LLAMA["context"],
+        LLAMA["batch"],
+        LLAMA["layers"],
+        LLAMA["heads"] * LLAMA["head_dim"],
+        LLAMA["layers"]
+        * (
+            2 * LLAMA["width"] * LLAMA["heads"] * LLAMA["head_dim"]
+            + 2 * LLAMA["width"] * LLAMA["kv_heads"] * LLAMA["head_dim"]
+            + 3 * LLAMA["width"] * LLAMA["ffn"]
+        )
+        + LLAMA["vocab"] * LLAMA["width"],
+    ),
+    "gpt2": Family(
+        GPT2["vocab"],
+        GPT2["context"],
+        GPT2["batch"],
+        GPT2["layers"],
+        GPT2["width"],
+        GPT2["layers"] * 12 * GPT2["width"] ** 2 + GPT2["vocab"] * GPT2["width"],
+    ),
+}
+
+MODELS: dict[str, tuple[str, str]] = {  # model -> (family, attention form)
+    "gpt55m_forward_mask": ("gpt55m", "forward_mask"),
+    "gpt55m_buffer_mask": ("gpt55m", "buffer_mask"),
+    "gpt55m_sdpa": ("gpt55m", "sdpa"),
+    "llama120m_sdpa": ("llama120m", "sdpa"),
+    "gpt2_sdpa": ("gpt2", "sdpa"),
+    "gpt2_eager": ("gpt2", "eager"),
+}
+
+
+# ------------------------------------------------------------------ export (torch)
+def _gpt55m(form: str) -> Any:
+    import models
+    import torch
+    import torch.nn.functional as F
+    from models import GELU
+
+    def forward(self: Any, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        h = self.heads
+        q, k, v = (
+            a.view(b, t, h, c // h).transpose(1, 2) for a in self.qkv(self.ln1(x)).split(c, 2)
+        )
+        if form == "sdpa":
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(c // h))
+            if form == "buffer_mask":  # nanoGPT's model.py
+                att = att.masked_fill(self.bias[:, :, :t, :t] == 0, float("-inf"))
+            else:
+                mask = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+                att = att.masked_fill(~mask, float("-inf"))
+            y = att.softmax(dim=-1) @ v
+        x = x + self.drop(self.proj(y.transpose(1, 2).reshape(b, t, c)))
+        return x + self.drop(self.out(F.gelu(self.fc(self.ln2(x)), approximate=GELU)))
+
+    torch.manual_seed(0)
+    cfg = models.GPTConfig(
+        vocab=gpt.VOCAB, block=gpt.BLOCK, layers=gpt.LAYERS, width=gpt.WIDTH,
+        heads=gpt.HEADS, dropout=0.0, batch=gpt.BATCH,
+    )  # fmt: skip
+    model = models.SmallGPT(cfg)
+    for block in model.blocks:
+        block.forward = forward.__get__(block)
+        if form == "buffer_mask":
+            tril = torch.tril(torch.ones(gpt.BLOCK, gpt.BLOCK))
+            block.register_buffer("bias", tril.view(1, 1, gpt.BLOCK, gpt.BLOCK))
+    return model
+
+
+def _llama() -> Any:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=LLAMA["vocab"],
+        hidden_size=LLAMA["width"],
+        intermediate_size=LLAMA["ffn"],
+        num_hidden_layers=LLAMA["layers"],
+        num_attention_heads=LLAMA["heads"],
+        num_key_value_heads=LLAMA["kv_heads"],
+        head_dim=LLAMA["head_dim"],
+        max_position_embeddings=LLAMA["context"],
+        rms_norm_eps=LLAMA["eps"],
+        rope_theta=LLAMA["rope_theta"],
+        tie_word_embeddings=False,
+        attention_dropout=0.0,
+        use_cache=False,
+    )
+    return LlamaForCausalLM._from_config(cfg, attn_implementation="sdpa")
+
+
+def _gpt2(form: str) -> Any:
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(
+        n_positions=GPT2["context"],
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        use_cache=False,
+    )
+    return GPT2LMHeadModel._from_config(cfg, attn_implementation=form)
+
+
+def build_model(model_name: str) -> Any:
+    family, form = MODELS[model_name]
+    if family == "gpt55m":
+        return _gpt55m(form)
+    if family == "llama120m":
+        return _llama()
+    return _gpt2(form)
+
+
+def export_all(out: Path, frontend: str, names: list[str]) -> None:
+    import torch
+
+    if frontend == "torch_xla":
+        from stepbundle.exporter import export
+    else:
+        from stepbundle.export_torch import export
+    from stepbundle.frontend.recipe import Recipe
+
+    out.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        family = FAMILIES[MODELS[name][0]]
+        hf = not name.startswith("gpt55m")
+
+        def step(model: Any, optimizer: Any, batch: dict[str, Any], hf: bool = hf) -> Any:
+            optimizer.zero_grad()
+            with torch.autocast(device_type=batch["idx"].device.type, dtype=torch.bfloat16):
+                logits = model(batch["idx"]).logits if hf else model(batch["idx"])
+            loss = torch.nn.functional.cross_entropy(
+                logits.float().reshape(-1, logits.shape[-1]), batch["target"].reshape(-1)
+            )
+            loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), gpt.CLIP)
+            optimizer.step()
+            return {"loss": loss, "grad_norm": grad_norm}
+
+        model = build_model(name)
+        opt = torch.optim.AdamW(
+            model.parameters(), lr=gpt.LR, weight_decay=gpt.WEIGHT_DECAY,
+            capturable=True, foreach=False,
+        )  # fmt: skip
+        tokens = torch.randint(0, family.vocab, (family.batch, family.context + 1))
+        recipe = Recipe(
+            model=model,
+            optimizer=opt,
+            step=step,
+            include_state=False,
+            example_batch={
+                "idx": tokens[:, :-1].contiguous(),
+                "target": tokens[:, 1:].contiguous(),
+            },
+        )
+        path = out / f"{name}-{frontend}.stepbundle"
+        t0 = time.perf_counter()
+        report = export(recipe, path, check=False)
+        print(f"{path}: {report.size} bytes, {time.perf_counter() - t0:.0f} s", flush=True)
+        del model, opt, recipe
+        gc.collect()
+
+
+# ------------------------------------------------------------ initial state
+def _normal(name: str, shape: tuple[int, ...]) -> np.ndarray:
+    rng = np.random.default_rng(zlib.crc32(name.encode()))
+    return (rng.standard_normal(shape, dtype=np.float32) * 0.02).astype(np.float32)
+
+
+def family_state(bundles: list[Path]) -> dict[str, np.ndarray]:
+    """One initial state for every tensor the family's bundles need from a file, by rule:
+    a 2-D weight normal(0, 0.02) (seeded by its name), a 1-D weight (a norm's scale) ones,
+    a bias zeros, a 4-D buffer (a causal mask) its lower triangle. Tied weights once, under
+    the first bundle's name."""
+    from stepbundle.runtime.dtypes import NUMPY_DTYPES
+    from stepbundle.runtime.load import _open_bundle
+    from stepbundle.schema.manifest import SectionKind, StateKind
+
+    out: dict[str, np.ndarray] = {}
+    known: set[str] = set()
+    for path in bundles:
+        bundle = _open_bundle(path, None)
+        m = bundle.manifest
+        for s in m.state:
+            if m.section(s.section).kind is not SectionKind.EXTERNAL:
+                continue
+            if s.name in known or any(a in known for a in s.aliases):
+                continue
+            known.update((s.name, *s.aliases))
+            shape = tuple(s.spec.shape)
+            dtype = np.dtype(NUMPY_DTYPES[s.spec.dtype])
+            if s.kind is StateKind.BUFFER and len(shape) == 4:
+                v = np.tril(np.ones(shape[-2:], dtype)).reshape(shape)
+            elif s.name.endswith("bias"):
+                v = np.zeros(shape, dtype)
+            elif len(shape) == 1:
+                v = np.ones(shape, dtype)
+            else:
+                v = _normal(s.name, shape).astype(dtype)
+            out[s.name] = v
+        bundle.close()
+    return out
+
+
+def family_batches(family: Family, n: int, seed: int = 1) -> list[dict[str, np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        t = rng.integers(0, family.vocab, size=(family.batch, family.context + 1))
+        out.append({"idx": t[:, :-1].astype(np.int64), "target": t[:, 1:].astype(np.int64)})
+    return out
+
+
+# ------------------------------------------------------------ the JAX peers
+def _splash(q: Any, k: Any, v: Any, scale: float) -> Any:
+    """Causal attention by jax's splash kernels, (b, h, t, d) in bf16; k and v of fewer
+    heads (grouped queries) repeated first, as the runtime does."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
+
+    if k.shape[1] != q.shape[1]:
+        k = jnp.repeat(k, q.shape[1] // k.shape[1], axis=1)
+        v = jnp.repeat(v, q.shape[1] // v.shape[1], axis=1)
+    t, blk = q.shape[2], min(512, q.shape[2])
+    kernel = sk.make_splash_mha(
+        mask=sm.MultiHeadMask([sm.CausalMask((t, t)) for _ in range(q.shape[1])]),
+        block_sizes=sk.BlockSizes(
+            block_q=blk,
+            block_kv=blk,
+            block_q_dkv=blk,
+            block_kv_dkv=blk,
+            use_fused_bwd_kernel=True,
+        ),
+        head_shards=1,
+        q_seq_shards=1,
+    )
+    return jax.vmap(kernel)(q * jnp.asarray(scale, q.dtype), k, v)
+
+
+def _jit_step(loss_fn: Callable[..., Any], params: dict[str, Any]) -> tuple[Any, Any]:
+    import jax
+    import optax
+
+    tx = optax.chain(
+        optax.clip_by_global_norm(gpt.CLIP),
+        optax.adamw(gpt.LR, b1=0.9, b2=0.999, eps=1e-8, weight_decay=gpt.WEIGHT_DECAY),
+    )
+
+    def step(carry: Any, idx: Any, target: Any) -> Any:
+        p, o = carry
+        loss, g = jax.value_and_grad(loss_fn)(p, idx, target)
+        u, o = tx.update(g, o, p)
+        return (optax.apply_updates(p, u), o), loss
+
+    return jax.jit(step, donate_argnums=0), (params, tx.init(params))
+
+
+def _xent(logits: Any, target: Any) -> Any:
+    import jax
+    import jax.numpy as jnp
+
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    return -jnp.mean(jnp.take_along_axis(logp, target[..., None], axis=-1))
+
+
+def llama_peer(state: dict[str, np.ndarray]) -> tuple[Any, Any]:
+    import jax
+    import jax.numpy as jnp
+
+    bf16, f32 = jnp.bfloat16, jnp.float32
+    c = LLAMA
+    hd, nh, nkv = c["head_dim"], c["heads"], c["kv_heads"]
+    params = {k: jnp.asarray(v) for k, v in state.items()}
+
+    def lin(p: Any, name: str, x: Any) -> Any:
+        return jnp.einsum("...i,oi->...o", x.astype(bf16), p[name].astype(bf16))
+
+    def rms(p: Any, name: str, x: Any) -> Any:  # HF's LlamaRMSNorm: float32, scale after
+        x = x.astype(f32)
+        x = x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + c["eps"])
+        return p[name] * x
+
+    def rotate(x: Any, cos: Any, sin: Any) -> Any:
+        x1, x2 = jnp.split(x, 2, axis=-1)
+        return x * cos + jnp.concatenate([-x2, x1], -1) * sin
+
+    def loss_fn(p: Any, idx: Any, target: Any) -> Any:
+        b, t = idx.shape
+        inv = 1.0 / (c["rope_theta"] ** (jnp.arange(0, hd, 2, dtype=f32) / hd))
+        freqs = jnp.arange(t, dtype=f32)[:, None] * inv[None, :]
+        emb = jnp.concatenate([freqs, freqs], -1)
+        cos, sin = jnp.cos(emb).astype(bf16), jnp.sin(emb).astype(bf16)
+        x = p["model.embed_tokens.weight"][idx]
+        for i in range(c["layers"]):
+            pre = f"model.layers.{i}."
+            h = rms(p, pre + "input_layernorm.weight", x)
+            q = lin(p, pre + "self_attn.q_proj.weight", h).reshape(b, t, nh, hd)
+            k = lin(p, pre + "self_attn.k_proj.weight", h).reshape(b, t, nkv, hd)
+            v = lin(p, pre + "self_attn.v_proj.weight", h).reshape(b, t, nkv, hd)
+            q, k, v = (a.transpose(0, 2, 1, 3) for a in (q, k, v))
+            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+            y = _splash(q, k, v, 1.0 / math.sqrt(hd)).transpose(0, 2, 1, 3)
+            x = x + lin(p, pre + "self_attn.o_proj.weight", y.reshape(b, t, nh * hd)).astype(f32)
+            h = rms(p, pre + "post_attention_layernorm.weight", x)
+            g = jax.nn.silu(lin(p, pre + "mlp.gate_proj.weight", h))
+            u = lin(p, pre + "mlp.up_proj.weight", h)
+            x = x + lin(p, pre + "mlp.down_proj.weight", g * u).astype(f32)
+        x = rms(p, "model.norm.weight", x)
+        return _xent(lin(p, "lm_head.weight", x), target)
+
+    return _jit_step(loss_fn, params)
+
+
+def gpt2_peer(state: dict[str, np.ndarray]) -> tuple[Any, Any]:
+    import jax
+    import jax.numpy as jnp
+
+    bf16, f32 = jnp.bfloat16, jnp.float32
+    c = GPT2
+    nh, hd = c["heads"], c["width"] // c["heads"]
+    params = {k: jnp.asarray(v) for k, v in state.items()}
+    wte = "transformer.wte.weight" if "transformer.wte.weight" in params else "lm_head.weight"
+
+    def conv1d(p: Any, name: str, x: Any) -> Any:  # HF's Conv1D: x @ W + b, W is (in, out)
+        y = jnp.einsum("...i,io->...o", x.astype(bf16), p[name + ".weight"].astype(bf16))
+        return y + p[name + ".bias"].astype(bf16)
+
+    def ln(p: Any, name: str, x: Any) -> Any:
+        x = x.astype(f32)
+        m = x.mean(-1, keepdims=True)
+        var = ((x - m) ** 2).mean(-1, keepdims=True)
+        return (x - m) * jax.lax.rsqrt(var + 1e-5) * p[name + ".weight"] + p[name + ".bias"]
+
+    def loss_fn(p: Any, idx: Any, target: Any) -> Any:
+        b, t = idx.shape
+        x = p[wte][idx] + p["transformer.wpe.weight"][:t]
+        for i in range(c["layers"]):
+            pre = f"transformer.h.{i}."
+            qkv = conv1d(p, pre + "attn.c_attn", ln(p, pre + "ln_1", x))
+            q, k, v = (a.reshape(b, t, nh, hd).transpose(0, 2, 1, 3) for a in jnp.split(qkv, 3, -1))
+            y = _splash(q, k, v, 1.0 / math.sqrt(hd)).transpose(0, 2, 1, 3)
+            x = x + conv1d(p, pre + "attn.c_proj", y.reshape(b, t, c["width"])).astype(f32)
+            h = jax.nn.gelu(conv1d(p, pre + "mlp.c_fc", ln(p, pre + "ln_2", x)), approximate=True)
+            x = x + conv1d(p, pre + "mlp.c_proj", h).astype(f32)
+        h = ln(p, "transformer.ln_f", x).astype(bf16)
+        return _xent(jnp.einsum("bti,vi->btv", h, p[wte].astype(bf16)), target)
+
+    return _jit_step(loss_fn, params)
+
+
+def peer(family: str, state: dict[str, np.ndarray]) -> tuple[Any, Any]:
+    if family == "gpt55m":
+        return gpt.jax_step({k: v for k, v in state.items() if k in gpt_names()}, "splash", 512)
+    if family == "llama120m":
+        return llama_peer(state)
+    return gpt2_peer(state)
+
+
+def gpt_names() -> set[str]:
+    return set(gpt.initial_state())
+
+
+# ------------------------------------------------------------------ bench (device)
+def bench(args: argparse.Namespace) -> int:
+    import jax
+    import jax.profiler
+
+    from stepbundle.runtime import CompileOptions, LoadOptions, StateOptions, load
+    from stepbundle.runtime.state.checkpoint import write_safetensors
+
+    platform = args.platform or jax.default_backend()
+    dev = jax.devices(platform)[0]
+    out: dict[str, Any] = {
+        "jax": jax.__version__,
+        "device_kind": dev.device_kind,
+        "peak_tflops": args.peak_tflops,
+        "precision": args.precision,
+        "steps": args.steps,
+        "rounds": args.rounds,
+        "rows": {},
+    }
+    if args.out:  # what was measured so far survives a later failure or the time limit
+        Path(args.out).write_text(json.dumps(out, indent=1))
+    wanted = args.models.split(",") if args.models else list(MODELS)
+    folder = Path(args.folder)
+    for fam_name in dict.fromkeys(MODELS[m][0] for m in wanted):
+        family = FAMILIES[fam_name]
+        paths = [
+            p
+            for m in wanted
+            if MODELS[m][0] == fam_name
+            for p in sorted(folder.glob(f"{m}-*.stepbundle"))
+        ]
+        state = family_state(paths)
+        if fam_name == "gpt55m":  # gpt.py's own initial state for what it names
+            state.update(gpt.initial_state())
+        init = Path(args.workdir) / f"{fam_name}-init.safetensors"
+        init.parent.mkdir(parents=True, exist_ok=True)
+        write_safetensors(init, state)
+        data = family_batches(family, args.batches)
+        runs: dict[str, Any] = {}
+        loads = [(p, p.name.removesuffix(".stepbundle"), True, args.precision) for p in paths]
+        if args.unfused:  # each bundle also with its traced attention (--no-fused-attention)
+            loads += [
+                (p, p.name.removesuffix(".stepbundle") + "+unfused", False, args.precision)
+                for p in paths
+            ]
+        for spec in args.extra:  # one bundle once more: STEM,fused|unfused,PRECISION
+            stem, how, precision = spec.split(",")
+            for p in paths:
+                if p.name == f"{stem}.stepbundle":
+                    loads.append((p, f"{stem}+{how}+{precision}", how == "fused", precision))
+        for path, name, fused, precision in loads:
+            row: dict[str, Any] = {"family": fam_name, "bundle": path.name}
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                t0 = time.perf_counter()
+                try:
+                    trainer = load(
+                        path,
+                        device=platform,
+                        options=LoadOptions(
+                            compile=CompileOptions(
+                                cache_dir=False,
+                                matmul_precision=precision,
+                                fused_attention=fused,
+                            ),
+                            state=StateOptions(init_from=init),
+                        ),
+                    )
+                    row["load_s"] = time.perf_counter() - t0
+                    info = trainer.load_info
+                    row["compile_s"] = info.seconds.get("compile")
+                    row["fused_attention"] = info.fused_attention
+                    row["attention_kept"] = {
+                        k: list(v) for k, v in (getattr(info, "attention_kept", {}) or {}).items()
+                    }
+                    row["first_loss"] = float(trainer.step(data[0])["loss"])
+                    runs[name] = ("bundle", trainer)
+                except Exception as e:  # recorded, not fatal
+                    row["error"] = f"{type(e).__name__}: {str(e)[:600]}"
+            row["warnings"] = [
+                str(w.message)[:400] for w in caught if "attention" in str(w.message)
+            ]
+            out["rows"][name] = row
+            print(f"{name}: {json.dumps(row)[:600]}", flush=True)
+        pname = f"{fam_name}-jax_splash"
+        prow: dict[str, Any] = {"family": fam_name, "peer": "jax, splash attention"}
+        try:
+            t0 = time.perf_counter()
+            f, carry = peer(fam_name, state)
+            dev32 = [
+                {k: jax.device_put(v.astype(np.int32), dev) for k, v in b.items()} for b in data
+            ]
+            carry = jax.device_put(carry, dev)
+            carry, loss = f(carry, dev32[0]["idx"], dev32[0]["target"])
+            prow["first_loss"] = float(loss)
+            prow["compile_s"] = time.perf_counter() - t0
+            runs[pname] = ("peer", [f, carry, dev32])
+        except Exception as e:  # recorded, not fatal
+            prow["error"] = f"{type(e).__name__}: {str(e)[:600]}"
+        out["rows"][pname] = prow
+        print(f"{pname}: {json.dumps(prow)[:600]}", flush=True)
+
+        def time_run(name: str, n: int, runs: Any = runs, data: Any = data) -> float:
+            kind, obj = runs[name]
+            t0 = time.perf_counter()
+            if kind == "bundle":
+                m = None
+                for i in range(n):
+                    m = obj.step(data[i % len(data)])
+                float(m["loss"])  # type: ignore[index]
+            else:
+                f, carry, dev32 = obj
+                for i in range(n):
+                    b = dev32[i % len(dev32)]
+                    carry, loss = f(carry, b["idx"], b["target"])
+                float(loss)
+                obj[1] = carry
+            return (time.perf_counter() - t0) / n * 1e3
+
+        for name in runs:
+            time_run(name, 3)
+        samples: dict[str, list[float]] = {name: [] for name in runs}
+        for _ in range(args.rounds):
+            for name in runs:
+                samples[name].append(time_run(name, args.steps))
+        for name, s in samples.items():
+            ms = float(np.median(s))
+            mfu = family.step_flops() / (ms / 1e3) / (args.peak_tflops * 1e12)
+            out["rows"][name].update(ms_per_step=ms, mfu=mfu, samples_ms=s)
+            fused = sum((out["rows"][name].get("fused_attention") or {}).values())
+            print(f"{name:36s} {ms:8.2f} ms/step  MFU {mfu:.1%}  fused {fused}", flush=True)
+        if args.profile:
+            # A device trace of 5 steps of each, summed by operation (trace_ops.py) into
+            # DIR/<name>-ops.json; XLA_FLAGS=--xla_dump_to says what each fusion holds.
+            from trace_ops import summarize
+
+            for name in runs:
+                where = Path(args.profile) / f"{name}-trace"
+                jax.profiler.start_trace(str(where))
+                time_run(name, 5)
+                jax.profiler.stop_trace()
+                rows = summarize(where, top=None)
+                (Path(args.profile) / f"{name}-ops.json").write_text(json.dumps(rows, indent=1))
+                device = [r for r in rows if r["line"] == "XLA Ops"]
+                out["rows"][name]["device_ms_per_step"] = sum(r["total_ms"] for r in device) / 5
+                print(
+                    f"profile of {name}: {out['rows'][name]['device_ms_per_step']:.2f} ms/step on the device",
+                    flush=True,
+                )
+        out.setdefault("families", {})[fam_name] = {
+            "step_tflop": family.step_flops() / 1e12,
+            "params": int(sum(v.size for v in state.values() if v.ndim < 4)),
+        }
+        if args.out:
+            Path(args.out).write_text(json.dumps(out, indent=1))
+        runs.clear()
+        gc.collect()
+    return 0
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    e = sub.add_parser("export")
+    e.add_argument("-o", "--output", required=True, help="a folder")
+    e.add_argument("--frontend", choices=("torch_xla", "torch"), required=True)
+    e.add_argument("--models", default=",".join(MODELS), help="a comma-separated subset")
+    b = sub.add_parser("bench")
+    b.add_argument("folder")
+    b.add_argument("--models", default=None, help="a comma-separated subset")
+    b.add_argument("--platform", default=None)
+    b.add_argument("--precision", default="default")
+    b.add_argument("--workdir", default="/tmp/attention_table")
+    b.add_argument("--batches", type=int, default=4)
+    b.add_argument("--steps", type=int, default=10)
+    b.add_argument("--rounds", type=int, default=3)
+    b.add_argument("--peak-tflops", type=float, default=197.0)
+    b.add_argument("--out", default=None)
+    b.add_argument("--unfused", action="store_true", help="also each bundle unfused")
+    b.add_argument(
+        "--extra",
+        action="append",
+        default=[],
+        metavar="STEM,fused|unfused,PRECISION",
+        help="also the bundle STEM.stepbundle loaded so",
+    )
+    b.add_argument("--profile", default=None, help="trace 5 steps of each, per-op sums here")
+    a = p.parse_args()
+    if a.cmd == "export":
+        export_all(Path(a.output), a.frontend, a.models.split(","))
+        return 0
+    return bench(a)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -92,6 +92,11 @@ def cmd_export(args: argparse.Namespace) -> int:
     def progress(msg: str) -> None:
         print(f"[export] {msg}", file=sys.stderr)
 
+    extra: dict[str, Any] = {}
+    if frontend != "torch_xla":  # the torch front-end says how far each stage is
+        from stepbundle.frontend.progress import StageLine
+
+        extra["ticker"] = StageLine(sys.stderr)
     try:
         report = export(
             recipe,
@@ -99,6 +104,7 @@ def cmd_export(args: argparse.Namespace) -> int:
             mlir_dir=args.emit_mlir,
             progress=progress,
             check=False if getattr(args, "no_check", False) else None,
+            **extra,
         )
     except ExportError as e:
         return _die(str(e), 1)

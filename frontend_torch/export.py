@@ -23,6 +23,7 @@ from stepbundle.frontend.dtypes import HYPERPARAMETER_DTYPE
 from stepbundle.frontend.errors import ExportError, MetaTensorError
 from stepbundle.frontend.fresh_state import take_capturable
 from stepbundle.frontend.hyperparameters import declared_values
+from stepbundle.frontend.progress import Ticker, no_ticks
 from stepbundle.frontend.recipe import Recipe, checked_metadata, read_only_entries, step_label
 from stepbundle.frontend.schedulers import scheduler_notes
 from stepbundle.frontend.step_check import check_bundle, check_wanted
@@ -134,6 +135,7 @@ def _trace(
     *,
     zero_grads: bool,
     say: Callable[[str], None],
+    tick: Ticker = no_ticks,
 ) -> tuple[list[Slot], _Bound, dict[str, _Bound]]:
     slots = state_slots(recipe, zero_grads=zero_grads)
     with Sandbox(recipe) as sandbox:
@@ -141,7 +143,7 @@ def _trace(
         note = take_capturable(recipe.optimizer)
         if note and zero_grads:
             say(f"note: {note}")
-        return _trace_in(recipe, sandbox, slots, hypers, batches, zero_grads=zero_grads)
+        return _trace_in(recipe, sandbox, slots, hypers, batches, zero_grads=zero_grads, tick=tick)
 
 
 def _trace_in(
@@ -152,22 +154,26 @@ def _trace_in(
     batches: list[dict[str, torch.Tensor]],
     *,
     zero_grads: bool,
+    tick: Ticker = no_ticks,
 ) -> tuple[list[Slot], _Bound, dict[str, _Bound]]:
     grads = {s.name for s in slots if s.kind is StateKind.GRADIENT}
     train: _Bound = []
     for i, batch in enumerate(batches):
         what = step_label("training step", i, len(batches))
 
-        def once(batch: dict[str, torch.Tensor] = batch, what: str = what) -> Capture:
+        def once(k: int, batch: dict[str, torch.Tensor] = batch, what: str = what) -> Capture:
+            tick(f"capturing the {what} ({k} of 2)", 0, None)
             return capture(
                 recipe, sandbox, slots, hypers, batch, recipe.step, train=True, what=what
             )
 
-        first = once()
+        first = once(1)
         if zero_grads and first.dropped & grads:
             raise _GradientsDropped
+        second = once(2)
+        tick(f"comparing the captures, making the {what} functional", 0, None)
         bound = bind(
-            first, once(), slots=slots, hypers=hypers, batch_keys=list(batch), train=True,
+            first, second, slots=slots, hypers=hypers, batch_keys=list(batch), train=True,
             what=what,
         )  # fmt: skip
         train.append((bound, batch_signature(batch)))
@@ -177,6 +183,7 @@ def _trace_in(
         progs = []
         for i, batch in enumerate(batches):
             what = step_label(f"{name} step", i, len(batches))
+            tick(f"capturing the {what} (twice)", 0, None)
             a, b = (
                 capture(recipe, sandbox, slots, [], batch, fn, train=False, what=what)
                 for _ in range(2)
@@ -189,10 +196,12 @@ def _trace_in(
     return slots, train, evals
 
 
-def _serialize(bound: BoundProgram, what: str) -> Lowered:
+def _serialize(bound: BoundProgram, what: str, tick: Ticker = no_ticks) -> Lowered:
     """The program as a checked portable artifact."""
     try:
-        data = lower(bound.graph)
+        data = lower(
+            bound.graph, tick=lambda done, total: tick(f"lowering the {what}", done, total)
+        )
     except UnsupportedOperator as e:
         why = f": {e.why}" if e.why else ""
         raise ExportError(
@@ -253,6 +262,7 @@ def export(
     mlir_dir: str | os.PathLike[str] | None = None,
     progress: Callable[[str], None] | None = None,
     check: bool | None = None,
+    ticker: Ticker | None = None,
 ) -> ExportReport:
     """Capture ``recipe``'s step with torch (no torch_xla) and write a bundle to ``path``.
 
@@ -268,6 +278,8 @@ def export(
       path: where to write the bundle (atomically).
       mlir_dir: if given, each program is also written there as ``.mlir`` text.
       progress: called with a line per stage.
+      ticker: called as the export moves through its stages, with how far it is
+        (``stepbundle.frontend.progress``; the CLI draws it as a progress line).
       check: after writing, step the bundle once on the CPU through the runtime (in a
         child process) and the recipe once eagerly on a copy, and refuse when a metric
         or state tensor differs beyond float32 rounding (``stepbundle.frontend.step_check``).
@@ -289,6 +301,7 @@ def export(
         bundle is removed); an ``ExportError``.
     """
     say = progress or (lambda _msg: None)
+    tick = ticker or no_ticks
     times: dict[str, float] = {}
     t0 = time.perf_counter()
     if not isinstance(recipe, Recipe):
@@ -324,7 +337,7 @@ def export(
     for zero_grads in (True, False):
         try:
             slots, train_bound, eval_bound = _trace(
-                recipe, hypers, batches, zero_grads=zero_grads, say=say
+                recipe, hypers, batches, zero_grads=zero_grads, say=say, tick=tick
             )
             break
         except _GradientsDropped:
@@ -339,7 +352,7 @@ def export(
     entries = {
         name: [
             ProgramDraft(
-                b.inputs, b.outputs, sig, functools.partial(_serialize, b),
+                b.inputs, b.outputs, sig, functools.partial(_serialize, b, tick=tick),
                 eval_modules=b.eval_modules,
             )
             for b, sig in progs
@@ -364,6 +377,9 @@ def export(
         say=say,
         times=times,
     )
+    close = getattr(ticker, "close", None)
+    if callable(close):  # the last stage's line ends before the check's lines
+        close()
     if on_meta and check is None:
         say(
             "check skipped: the model is on the meta device (no values to step eagerly); "

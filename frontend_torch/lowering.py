@@ -41,6 +41,7 @@ aten = torch.ops.aten
 LOWERINGS[aten._local_scalar_dense.default] = lambda ctx, x: x
 
 SEED_IMPL = "threefry2x32"
+TICK_EVERY = 100  # operators between two progress ticks of a lowering
 
 
 class UnsupportedOperator(Exception):
@@ -95,9 +96,17 @@ def _conform(value: Any, meta: Any, node: fx.Node) -> Any:
     return value
 
 
-def evaluate(graph: ProgramGraph, args: Sequence[Any], seed: Any | None) -> list[Any]:
-    """The graph's results for the program inputs ``args`` (and the seed, if seeded)."""
+def evaluate(
+    graph: ProgramGraph,
+    args: Sequence[Any],
+    seed: Any | None,
+    tick: Callable[[int, int], None] | None = None,
+) -> list[Any]:
+    """The graph's results for the program inputs ``args`` (and the seed, if seeded);
+    ``tick(done, total)`` is called every ``TICK_EVERY`` operators lowered."""
     gm = graph.gm
+    total = sum(1 for n in gm.graph.nodes if n.op == "call_function")
+    done = 0
     env: dict[fx.Node, Any] = {}
     nodes = [n for n in gm.graph.nodes if n.op == "placeholder"]
     fed = dict(zip(graph.inputs, args, strict=True))
@@ -123,6 +132,9 @@ def evaluate(graph: ProgramGraph, args: Sequence[Any], seed: Any | None) -> list
             value = getattr(gm, node.target)
             env[node] = jnp.asarray(_numpy(value)) if isinstance(value, torch.Tensor) else value
         elif node.op == "call_function":
+            done += 1
+            if tick is not None and (done % TICK_EVERY == 0 or done == total):
+                tick(done, total)
             fn = LOWERINGS.get(node.target)
             if fn is None:
                 raise UnsupportedOperator(node.target)
@@ -148,19 +160,22 @@ def _numpy(t: torch.Tensor) -> np.ndarray:
     return t.numpy()
 
 
-def program_function(graph: ProgramGraph) -> Callable[..., list[Any]]:
+def program_function(
+    graph: ProgramGraph, tick: Callable[[int, int], None] | None = None
+) -> Callable[..., list[Any]]:
     """The program as a jax function of its inputs (the seed last, when seeded)."""
 
     def program(*args: Any) -> list[Any]:
         if graph.seeded:
-            return evaluate(graph, args[:-1], args[-1])
-        return evaluate(graph, args, None)
+            return evaluate(graph, args[:-1], args[-1], tick)
+        return evaluate(graph, args, None, tick)
 
     return program
 
 
-def lower(graph: ProgramGraph) -> bytes:
-    """The program as a StableHLO portable artifact (``jax.export``'s serialization).
+def lower(graph: ProgramGraph, tick: Callable[[int, int], None] | None = None) -> bytes:
+    """The program as a StableHLO portable artifact (``jax.export``'s serialization);
+    ``tick(done, total)``: how many of the graph's operators are lowered so far.
 
     Raises:
       UnsupportedOperator: an operator has no lowering.
@@ -177,7 +192,7 @@ def lower(graph: ProgramGraph) -> bytes:
         avals.append(jax.ShapeDtypeStruct((), jnp.int64))  # type: ignore[no-untyped-call]
     with jax.enable_x64(True):
         exported = jax.export.export(
-            jax.jit(program_function(graph), keep_unused=True), platforms=("cpu",)
+            jax.jit(program_function(graph, tick), keep_unused=True), platforms=("cpu",)
         )(*avals)
     data: bytes = bytes(exported.mlir_module_serialized)
     return data

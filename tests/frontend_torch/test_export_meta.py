@@ -36,12 +36,55 @@ def bundles(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for device in ("meta", "cpu"):
         lines: list[str] = []
+        ticks: list[tuple[str, int, int | None]] = []
         report = export(
             llama.recipe("tiny", device=device), folder / f"{device}.stepbundle",
             progress=lines.append, check=False if device == "cpu" else None,
+            ticker=lambda *a, ticks=ticks: ticks.append(a),
         )  # fmt: skip
         out[device] = (report, lines)
+        out[f"{device}-ticks"] = ticks
     return out
+
+
+def test_the_export_says_which_stage_it_is_in_and_how_far(bundles: dict[str, Any]) -> None:
+    ticks = bundles["meta-ticks"]
+    stages = list(dict.fromkeys(stage for stage, _, _ in ticks))
+    assert stages[:3] == [
+        "capturing the training step (1 of 2)",
+        "capturing the training step (2 of 2)",
+        "comparing the captures, making the training step functional",
+    ], stages
+    lowering = [(d, t) for stage, d, t in ticks if stage == "lowering the train program 0"]
+    assert lowering, stages
+    total = lowering[-1][1]
+    assert total and total > 100  # the tiny Llama's step: hundreds of operators
+    assert [d for d, _ in lowering] == sorted(d for d, _ in lowering)
+    assert lowering[-1] == (total, total)
+
+
+def test_stage_line_prints_each_stage_and_its_quarters() -> None:
+    import io
+
+    from stepbundle.frontend.progress import StageLine
+
+    out = io.StringIO()
+    line = StageLine(out)
+    line("capturing the training step (1 of 2)", 0, None)
+    for done in range(0, 401, 100):
+        line("lowering the train program 0", done, 400)
+    line.close()
+    got = [
+        s.split(" (", 1)[0] if "%" not in s else s.rsplit(",", 1)[0]
+        for s in out.getvalue().splitlines()
+    ]
+    assert got == [
+        "[export] capturing the training step",
+        "[export] lowering the train program 0",
+        "[export] lowering the train program 0: 25% (100/400",
+        "[export] lowering the train program 0: 50% (200/400",
+        "[export] lowering the train program 0: 75% (300/400",
+    ], out.getvalue()
 
 
 def test_meta_model_exports_the_same_bundle_as_the_cpu_model(bundles: dict[str, Any]) -> None:

@@ -636,6 +636,56 @@ def bench(args: argparse.Namespace) -> int:
     return 0
 
 
+# ------------------------------------------------------------------ the docs' table
+LABELS = {
+    "gpt55m_forward_mask": "55M GPT, mask made in `forward`",
+    "gpt55m_buffer_mask": "55M GPT, mask in a buffer (nanoGPT)",
+    "gpt55m_sdpa": "55M GPT, SDPA `is_causal=True`",
+    "llama120m_sdpa": "123M Llama (HF, head 128, 2 k-v heads), SDPA",
+    "gpt2_sdpa": 'GPT-2 small (HF), `attn_implementation="sdpa"`',
+    "gpt2_eager": 'GPT-2 small (HF), `attn_implementation="eager"`',
+}
+
+
+def table(results: dict[str, Any]) -> str:
+    """The markdown table docs/tpu.md shows, made from a results file of ``bench``: per
+    model and front-end, the attentions fused, ms per step, MFU and the ratio to the
+    family's JAX peer (below 1: faster than the peer), and why attention was kept."""
+    rows = results["rows"]
+    lines = [
+        "| model | front-end | fused | ms/step | MFU | vs JAX + splash | attention kept |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for model, label in LABELS.items():
+        family = MODELS[model][0]
+        peer = rows.get(f"{family}-jax_splash", {})
+        for frontend in ("torch_xla", "torch"):
+            row = rows.get(f"{model}-{frontend}")
+            if row is None:
+                continue
+            if "ms_per_step" not in row:
+                why = row.get("error", "not run")
+                lines.append(f"| {label} | {frontend} | - | - | - | - | {why[:120]} |")
+                continue
+            fused = sum((row.get("fused_attention") or {}).values())
+            ratio = (
+                f"{row['ms_per_step'] / peer['ms_per_step']:.2f}x" if "ms_per_step" in peer else "-"
+            )
+            kept = "; ".join(w for ws in row.get("attention_kept", {}).values() for w in ws)
+            kept = kept or "; ".join(row.get("warnings", []))
+            lines.append(
+                f"| {label} | {frontend} | {fused} | {row['ms_per_step']:.2f} | "
+                f"{row['mfu']:.1%} | {ratio} | {kept[:160]} |"
+            )
+        last = [m for m in LABELS if MODELS[m][0] == family][-1]
+        if model == last and "ms_per_step" in peer:  # once per family, after its models
+            lines.append(
+                f"| {label.split(',')[0]}: the JAX peer, splash attention | - | - | "
+                f"{peer['ms_per_step']:.2f} | {peer['mfu']:.1%} | 1.00x | |"
+            )
+    return "\n".join(lines) + "\n"
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -663,7 +713,12 @@ def main() -> int:
         help="also the bundle STEM.stepbundle loaded so",
     )
     b.add_argument("--profile", default=None, help="trace 5 steps of each, per-op sums here")
+    t = sub.add_parser("table", help="print the docs' markdown table of a results file")
+    t.add_argument("results")
     a = p.parse_args()
+    if a.cmd == "table":
+        print(table(json.loads(Path(a.results).read_text())), end="")
+        return 0
     if a.cmd == "export":
         export_all(Path(a.output), a.frontend, a.models.split(","))
         return 0

@@ -5,6 +5,14 @@
     .venv-torch/bin/python benchmarks/device/attention_table.py export -o build/tpu/table --frontend torch
     # on the device machine (no torch): every bundle of the folder and each model's JAX peer
     python benchmarks/device/attention_table.py bench build/tpu/table --out attention_table.json
+    # (or in two calls on the same warm machine, the second adding to the first's file:
+    #  --models gpt55m_forward_mask,gpt55m_buffer_mask,gpt55m_sdpa, then the rest with
+    #  --append attention_table.json: each family compiles 2-4 bundles and its peer)
+    python benchmarks/device/attention_table.py table attention_table.json   # the docs' table
+
+The torch_xla front-end's export of the Llama took 17.2 GB at its peak in the session that
+first measured it (240 s), more than a shared machine should give one process; the three
+55M GPT forms took at most 6.0 GB (torch_xla) and 1.1 GB (torch) of resident memory here.
 
 Models (issue #38, item 4), each a training step under bf16 autocast with the loss in
 float32, the gradient norm clipped to 1 and a capturable AdamW step, no dropout (so the
@@ -495,6 +503,12 @@ def bench(args: argparse.Namespace) -> int:
         "rounds": args.rounds,
         "rows": {},
     }
+    if args.append:  # a second run on the same machine adds its families to the file
+        before = json.loads(Path(args.append).read_text())
+        out["rows"] = before["rows"]
+        out["families"] = before.get("families", {})
+        out["runs"] = [*before.get("runs", [before.get("models")]), args.models]
+    out["models"] = args.models
     if args.out:  # what was measured so far survives a later failure or the time limit
         Path(args.out).write_text(json.dumps(out, indent=1))
     wanted = args.models.split(",") if args.models else list(MODELS)
@@ -705,6 +719,9 @@ def main() -> int:
     b.add_argument("--peak-tflops", type=float, default=197.0)
     b.add_argument("--out", default=None)
     b.add_argument("--unfused", action="store_true", help="also each bundle unfused")
+    b.add_argument(
+        "--append", default=None, metavar="JSON", help="start from an earlier run's results"
+    )
     b.add_argument(
         "--extra",
         action="append",

@@ -327,7 +327,8 @@ def _isinf(ctx: OpContext, x: Any) -> Any:
 
 
 def _dot(ctx: OpContext, a: Any, b: Any, dims: Any) -> Any:
-    """A dot_general in torch's precision: exact float32, half types accumulated in float32."""
+    """A dot_general in torch's precision: exact float32, half types accumulated in float32.
+    Every operator lowered through it is in ``export._PRODUCTS`` (the recorded precision)."""
     dt = ctx.out_dtype
     a, b = _c(a, dt), _c(b, dt)
     preferred = jnp.float32 if dt in (torch.float16, torch.bfloat16) else None

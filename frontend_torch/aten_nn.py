@@ -312,7 +312,8 @@ def _avg_pool2d_backward(
 
 
 def _attention(q: Any, k: Any, v: Any, is_causal: bool, mask: Any, scale: Any) -> tuple[Any, Any]:
-    """softmax(q k^T * scale + mask) v and the rows' logsumexp, in q's dtype."""
+    """softmax(q k^T * scale + mask) v and the rows' logsumexp, in q's dtype. Its
+    operators, like the convolutions', are in ``export._PRODUCTS`` (the recorded precision)."""
     if k.shape[-3] != q.shape[-3]:  # grouped-query attention: share each key/value head
         k = jnp.repeat(k, q.shape[-3] // k.shape[-3], axis=-3)
         v = jnp.repeat(v, q.shape[-3] // v.shape[-3], axis=-3)

@@ -294,3 +294,15 @@ def test_a_bf16_autocast_step_records_the_default_precision(
         assert b.manifest.matmul_precision == recorded
     said = [line for line in lines if line.startswith("matmul precision: default")]
     assert len(said) == (recorded == "default")
+
+
+def test_the_products_the_precision_looks_at_are_lowered() -> None:
+    """``export._PRODUCTS`` names the operators lowered to matrix products; each is one the
+    front-end lowers (a renamed operator would silently count as no product)."""
+    import importlib
+
+    from stepbundle.export_torch.registry import LOWERINGS
+
+    export_module = importlib.import_module("stepbundle.export_torch.export")
+    assert export_module._PRODUCTS
+    assert all(op in LOWERINGS for op in export_module._PRODUCTS)

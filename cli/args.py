@@ -57,7 +57,7 @@ def devices(text: str) -> int | str:
 
 
 def steps_per_call(text: str) -> int | str:
-    """``--steps-per-call``: a positive integer, or ``auto`` (cli/auto_steps.py)."""
+    """``--steps-per-call``: a positive integer, or ``auto`` (runtime/auto_steps.py)."""
     if text.strip().lower() == "auto":
         return "auto"
     return at_least(1)(text)

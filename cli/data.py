@@ -13,13 +13,15 @@ Imports: numpy, the runtime's dataset and loader (lazily).
 
 from __future__ import annotations
 
-import argparse
 import zipfile
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from stepbundle.schema.errors import UsageError
+
+if TYPE_CHECKING:
+    from .config import RunConfig
 
 __all__ = [
     "DATA_ERRORS",
@@ -48,7 +50,7 @@ def is_tokens(path: str) -> bool:
     return Path(path).suffix == ".npy" and not Path(path).is_dir()
 
 
-def token_stream(args: argparse.Namespace, trainer: Any, processes: tuple[int, int]) -> Any:
+def token_stream(args: RunConfig, trainer: Any, processes: tuple[int, int]) -> Any:
     """A ``TokenStream`` over ``--data`` for the bundle's train batch: one integer input
     of shape (B, T) (the window) or two (the window and its targets, shifted by one).
 
@@ -145,7 +147,7 @@ def default_batch_size(trainer: Any, entry: str) -> int:
 
 
 def training_batches(
-    args: argparse.Namespace, trainer: Any, npz: Mapping[str, Any] | None
+    args: RunConfig, trainer: Any, npz: Mapping[str, Any] | None
 ) -> tuple[Iterable[Mapping[str, Any]], int]:
     """The training batches and the step offset ``Trainer.run`` takes.
 
@@ -209,7 +211,7 @@ NOT_READ = object()
 """``open_data`` has not run yet (a multi-process job reads its data after joining)."""
 
 
-def open_data(args: argparse.Namespace) -> Any:
+def open_data(args: RunConfig) -> Any:
     """Open --data and --eval-data (a dataset folder's index, or an .npz file read whole)
     before the bundle is compiled: --eval-data is not first read at the first evaluation,
     maybe hours in. Returns the --data .npz's arrays, or None for a folder.
@@ -245,7 +247,7 @@ def open_data(args: argparse.Namespace) -> Any:
 _STEP_OVERHEAD = 1024
 
 
-def check_steps_per_call(args: argparse.Namespace, npz: Any) -> None:
+def check_steps_per_call(args: RunConfig, npz: Any) -> None:
     """Refuse, before anything is compiled, a ``--steps-per-call K`` whose K batches do
     not fit in this process's memory: a call stacks K batches on the host (and copies the
     stack to the device). ``--steps-per-call 100000000`` on a tiny bundle once ran 160 s
@@ -262,13 +264,13 @@ def check_steps_per_call(args: argparse.Namespace, npz: Any) -> None:
 
     from stepbundle.runtime.io.host_memory import available_bytes, format_bytes
 
-    k = getattr(args, "steps_per_call", None)
-    if not isinstance(k, int) or k <= 1 or getattr(args, "entry", "train") != "train":
+    k = args.steps_per_call
+    if not isinstance(k, int) or k <= 1 or args.entry != "train":
         return
     per_batch: int | None = None
     if isinstance(npz, Mapping) and npz:
         per_batch = sum(a.nbytes // max(1, a.shape[0]) for a in npz.values() if a.ndim)
-    elif is_dataset(args.data) and getattr(args, "batch_size", None):
+    elif is_dataset(args.data) and args.batch_size:
         from stepbundle.runtime.data.dataset import open_dataset
 
         specs = open_dataset(args.data).inputs
@@ -276,7 +278,7 @@ def check_steps_per_call(args: argparse.Namespace, npz: Any) -> None:
         per_batch = row * args.batch_size
     if per_batch is None:
         return
-    steps = getattr(args, "steps", None)
+    steps = args.steps
     held = min(k, steps) if isinstance(steps, int) else k  # a call takes at most --steps
     need = held * (2 * per_batch + _STEP_OVERHEAD)
     avail = available_bytes()

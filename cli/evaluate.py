@@ -10,6 +10,7 @@ import json
 import sys
 
 from .common import die as _die
+from .config import RunConfig
 
 __all__ = ["cmd_eval"]
 
@@ -20,10 +21,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
     # Ctrl-C ends the load and the evaluation at once, never as a KeyboardInterrupt
     # inside jax (stopping.Signals says why).
     with Signals().installed():
-        return _cmd_eval(args)
+        return _cmd_eval(RunConfig.from_args(args))
 
 
-def _cmd_eval(args: argparse.Namespace) -> int:
+def _cmd_eval(args: RunConfig) -> int:
     from stepbundle.runtime import CompileOptions, LoadOptions, ParallelOptions, load
     from stepbundle.runtime.io.file_kinds import NotARegularFileError
     from stepbundle.runtime.train.metrics import json_safe
@@ -34,7 +35,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     from .paths import check_path_kinds, resume_from_folder
 
     try:
-        resume_from_folder(args)  # --resume DIR: its latest checkpoint
+        args = resume_from_folder(args)  # --resume DIR: its latest checkpoint
         check_path_kinds(args)  # a FIFO or device would block the first open for ever
         if is_dataset(args.data):
             from stepbundle.runtime.data.dataset import open_dataset
@@ -80,7 +81,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cpu_devices(args: argparse.Namespace) -> None:
+def _cpu_devices(args: RunConfig) -> None:
     """``--devices N`` on the CPU: N virtual devices, as ``run`` makes them (before jax
     starts; a count XLA_FLAGS already sets wins)."""
     import os

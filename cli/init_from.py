@@ -1,4 +1,5 @@
-"""The initial-state options of ``stepbundle run`` and ``stepbundle eval``.
+"""The initial state of ``stepbundle run`` and ``stepbundle eval`` (its options are declared
+in ``options.py``).
 
 ``--init-from CKPT`` starts from a checkpoint's tensors instead of the bundle's state (a
 bundle exported with ``--no-state`` has no weights of its own), ``--no-init-strict``
@@ -10,34 +11,14 @@ Imports: the standard library, stepbundle.schema.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from collections import Counter
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from . import args as types
+if TYPE_CHECKING:
+    from .config import RunConfig
 
-__all__ = ["add_init_options", "report_origins", "state_options"]
-
-
-def add_init_options(p: Any) -> None:
-    p.add_argument(
-        "--init-from",
-        type=types.checkpoint_path,
-        metavar="CKPT",
-        help="take the initial state from CKPT instead of the bundle: a .safetensors file "
-        "(PyTorch's, Hugging Face's or a stepbundle checkpoint), a "
-        "model.safetensors.index.json with its shards, or a save_pretrained folder; "
-        "state it lacks keeps the bundle's value (a fresh optimizer's zeros)",
-    )
-    p.add_argument(
-        "--init-strict",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="with --init-from, refuse a checkpoint holding tensors the bundle does not "
-        "name or lacking a parameter (default); --no-init-strict ignores the first and "
-        "keeps the bundle's values for the second (dtypes and shapes must still match)",
-    )
+__all__ = ["report_origins", "state_options"]
 
 
 def _has_no_weights(bundle: str, expect_digest: str | None) -> bool:
@@ -50,34 +31,34 @@ def _has_no_weights(bundle: str, expect_digest: str | None) -> bool:
     return any(kinds[s.section] is SectionKind.EXTERNAL for s in manifest.state)
 
 
-def state_options(args: argparse.Namespace) -> Any:
+def state_options(config: RunConfig) -> Any:
     """``load``'s ``StateOptions`` for this command line: the initial state's source, and
     ``--pack-state`` where the command has it."""
     from stepbundle.runtime import StateOptions
 
-    init_from = args.init_from
+    init_from = config.init_from
     if (
         init_from is None
-        and args.resume
-        and _has_no_weights(
-            getattr(args, "bundle_file", None) or args.bundle, getattr(args, "expect_digest", None)
-        )
+        and config.resume
+        and _has_no_weights(config.bundle_file or config.bundle, config.expect_digest)
     ):
-        init_from = args.resume
+        init_from = config.resume
     return StateOptions(
         init_from=init_from,
-        init_strict=args.init_strict,
-        pack_state=getattr(args, "pack_state", True),
+        init_strict=config.init_strict,
+        pack_state=config.pack_state,
     )
 
 
-def report_origins(trainer: Any, args: argparse.Namespace) -> None:
+def report_origins(trainer: Any, config: RunConfig) -> None:
     """One line on stderr saying where the initial state came from, when a checkpoint gave
     it or the bundle holds state by rule."""
     counts = Counter(trainer.load_info.state_origins.values())
     if not counts.get("file") and not counts.get("rule"):
         return
-    parts = [f"{counts['file']} from {args.init_from or args.resume}"] if counts.get("file") else []
+    parts = (
+        [f"{counts['file']} from {config.init_from or config.resume}"] if counts.get("file") else []
+    )
     parts += [f"{counts.get('rule', 0)} by rule", f"{counts.get('stored', 0)} stored"]
     ignored = trainer.load_info.ignored_tensors
     tail = (

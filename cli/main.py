@@ -18,8 +18,8 @@ from . import args as types
 from .common import EXIT_PIPE_CLOSED
 from .evaluate import cmd_eval
 from .export import cmd_export
-from .init_from import add_init_options
 from .inspect import cmd_inspect, cmd_verify
+from .options import JOB, add, add_device_options, add_init_options
 from .prepare import add_compile, add_pull
 from .run import cmd_run
 
@@ -54,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("bundle", help=_BUNDLE_HELP)
     v.set_defaults(fn=cmd_verify)
     add_pull(sub)
-    add_compile(sub, _add_device_options)
+    add_compile(sub)
     return p
 
 
@@ -63,23 +63,6 @@ _BUNDLE_HELP = (
     "backend installed), fetched once into the local store, or sha256:<digest> of a bundle "
     "in the store"
 )
-
-
-def _add_device_options(p: Any) -> None:
-    """Where a bundle runs and where its compiled programs are cached (run and eval)."""
-    p.add_argument("--device", default="cpu", help="cpu, cuda, rocm or tpu (optionally :index)")
-    p.add_argument(
-        "--cache-dir",
-        help="compilation cache folder or URL, shared by every host that reaches it "
-        "(default ~/.cache/stepbundle)",
-    )
-    p.add_argument("--no-cache", action="store_true", help="do not use the compilation cache")
-    p.add_argument(
-        "--no-fused-attention",
-        action="store_true",
-        help="keep the bundle's own attention on a TPU, where it is otherwise run as "
-        "jax's splash-attention kernels (docs/tpu.md)",
-    )
 
 
 def _add_export(sub: Any) -> None:
@@ -181,19 +164,9 @@ def _add_run(sub: Any) -> None:
         metavar="D",
         help="folder or URL (gs://bucket/run/) for the checkpoints; only process 0 writes",
     )
-    r.add_argument(
-        "--resume",
-        metavar="CKPT",
-        help="restore a checkpoint (a file or URL; a local --checkpoint-dir folder: its "
-        "latest step-N checkpoint) before the first step",
-    )
+    add(r, "--resume")
     add_init_options(r)
-    r.add_argument(
-        "--allow-other-bundle",
-        action="store_true",
-        help="let --resume take a checkpoint written by another bundle (another digest) whose "
-        "state table matches, e.g. the same model re-exported",
-    )
+    add(r, "--allow-other-bundle")
     r.add_argument(
         "--lr-schedule",
         action="append",
@@ -205,60 +178,13 @@ def _add_run(sub: Any) -> None:
         "--set",
         action="append",
         type=types.hyperparameter,
+        dest="set_values",
         metavar="NAME=VALUE",
         help="set a declared hyperparameter, e.g. --set lr=3e-4",
     )
     r.add_argument("--seed", type=types.at_least(0), help="RNG seed of the first step")
-    r.add_argument(
-        "--devices",
-        type=types.devices,
-        default=1,
-        metavar="N|all",
-        help="data-parallel over the first N devices of the job, or all of them (the batch "
-        "is split over them, the state replicated)",
-    )
-    r.add_argument(
-        "--shard-optimizer-state",
-        action="store_true",
-        help="with several devices, split optimizer state over them (ZeRO-1)",
-    )
-    r.add_argument(
-        "--layout",
-        default="dp",
-        metavar="SPEC",
-        help="what the devices split: dp (the state replicated), zero1 (optimizer state), "
-        "fsdp (parameters, gradients and optimizer state), each optionally +tp[:M] (a "
-        "data x model mesh, M devices on the model axis, large matmul weights split over it); "
-        "docs/parallel.md",
-    )
-    r.add_argument(
-        "--coordinator",
-        metavar="HOST:PORT",
-        help="join a multi-process job whose process 0 listens here (jax.distributed)",
-    )
-    r.add_argument(
-        "--num-processes", type=types.at_least(1), metavar="P", help="processes in the job"
-    )
-    r.add_argument(
-        "--process-id", type=types.at_least(0), metavar="I", help="this process's rank, 0..P-1"
-    )
-    r.add_argument(
-        "--distributed",
-        action="store_true",
-        help="join a multi-process job found from the environment (TPU pods, SLURM, Open MPI)",
-    )
-    r.add_argument(
-        "--expect-digest",
-        type=types.digest,
-        metavar="sha256:...",
-        help="refuse any other bundle (the digest `stepbundle inspect` prints; sha256: optional)",
-    )
-    r.add_argument(
-        "--stop-on-nonfinite",
-        action="store_true",
-        help="stop before a step with a NaN or infinite metric replaces the state, and write "
-        "the last good state as a checkpoint into --checkpoint-dir (exit code 3)",
-    )
+    add(r, "--devices", "--shard-optimizer-state", "--layout", *JOB, "--expect-digest")
+    add(r, "--stop-on-nonfinite")
     r.add_argument(
         "--step-timeout",
         type=types.positive_seconds,
@@ -273,13 +199,7 @@ def _add_run(sub: Any) -> None:
         help="with --stop-on-nonfinite, also check every step's new state on the device (a "
         "NaN input can spoil the state while the loss still looks finite)",
     )
-    r.add_argument(
-        "--pack-state",
-        type=types.at_least(0),
-        default=65536,
-        metavar="N",
-        help="hold state tensors of up to N elements in one buffer per dtype (default 65536; 0: off)",
-    )
+    add(r, "--pack-state")
     r.add_argument(
         "--steps-per-call",
         type=types.steps_per_call,
@@ -290,16 +210,8 @@ def _add_run(sub: Any) -> None:
         "--checkpoint-every and --eval-every must be multiples of K. 'auto' (the default on "
         "an accelerator; 1 on the CPU) times the step and picks 32, 8 or 1 (docs/tpu.md)",
     )
-    r.add_argument(
-        "--matmul-precision",
-        choices=("default", "high", "highest"),
-        default=None,
-        help="precision of every matmul and convolution (default: the one the bundle "
-        "records, the one it was traced at). The CPU computes the same with all three; "
-        "on an accelerator 'high' and 'highest' also compute Adam's bias corrections "
-        "exactly (docs/tpu.md). Say 'highest' to compare a TPU with a CPU",
-    )
-    _add_device_options(r)
+    add(r, "--matmul-precision")
+    add_device_options(r)
     r.set_defaults(fn=cmd_run)
 
 
@@ -345,12 +257,7 @@ def _add_data_options(r: Any) -> None:
         metavar="N",
         help="evaluate --eval-data after every N-th step, e.g. --eval-every 500",
     )
-    r.add_argument(
-        "--eval-batch-size",
-        type=types.at_least(1),
-        metavar="B",
-        help="batch size for a dataset folder as --eval-data (default: the eval entry's)",
-    )
+    add(r, "--eval-batch-size")
     r.add_argument(
         "--entry", default="train", help="entry to run (train, or a read-only entry such as eval)"
     )
@@ -367,20 +274,17 @@ def _add_eval(sub: Any) -> None:
     ev.add_argument("bundle", help=_BUNDLE_HELP)
     ev.add_argument("--data", required=True, help="an .npz of stacked batches or a dataset folder")
     ev.add_argument("--entry", default="eval", help="the read-only entry to run (default eval)")
-    ev.add_argument(
+    add(
+        ev,
         "--resume",
-        metavar="CKPT",
         help="evaluate this checkpoint's state (a file or URL; a local checkpoint folder: "
         "its latest step-N checkpoint)",
     )
     add_init_options(ev)
-    ev.add_argument(
-        "--allow-other-bundle", action="store_true", help="accept a checkpoint of another bundle"
-    )
-    ev.add_argument(
+    add(ev, "--allow-other-bundle", help="accept a checkpoint of another bundle")
+    add(
+        ev,
         "--eval-batch-size",
-        type=types.at_least(1),
-        metavar="B",
         help="batch size for a dataset folder (default: the entry's traced batch); the "
         "same option as run's",
     )
@@ -394,9 +298,8 @@ def _add_eval(sub: Any) -> None:
         help=argparse.SUPPRESS,
     )
     ev.add_argument("--json", action="store_true", help="print the result as one JSON object")
-    ev.add_argument("--devices", type=types.devices, default=1, metavar="N|all", help="as for run")
-    ev.add_argument("--layout", default="dp", metavar="SPEC", help="as for run")
-    _add_device_options(ev)
+    add(ev, "--devices", "--layout", help="as for run")
+    add_device_options(ev)
     ev.set_defaults(fn=cmd_eval)
 
 

@@ -16,16 +16,18 @@ and ``store`` when an argument is a URL or a digest.
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from stepbundle.schema.errors import UsageError
 
 from .paths import sink_path
+
+if TYPE_CHECKING:
+    from .config import RunConfig
 
 __all__ = ["check_output_paths"]
 
@@ -61,10 +63,10 @@ def _local(location: str) -> Path | None:
     return Path(location).resolve()
 
 
-def _inputs(args: argparse.Namespace) -> list[_Place]:
+def _inputs(args: RunConfig) -> list[_Place]:
     places = []
     # A digest's store entry, found and verified once by check_outputs (bundle_file).
-    bundle: str = getattr(args, "bundle_file", None) or args.bundle
+    bundle: str = args.bundle_file or args.bundle
     if bundle.startswith("sha256:"):
         from stepbundle.runtime.io.store import resolve_bundle
 
@@ -76,7 +78,9 @@ def _inputs(args: argparse.Namespace) -> list[_Place]:
         ("--resume", args.resume),
         ("--init-from", args.init_from),
     ):
-        path = _local(given) if given else None
+        if not given:
+            continue
+        path = _local(given)
         if path is None:
             continue
         if path.name.endswith(".index.json"):  # sharded: the shards lie beside it
@@ -86,7 +90,7 @@ def _inputs(args: argparse.Namespace) -> list[_Place]:
     return places
 
 
-def _outputs(args: argparse.Namespace) -> list[_Place]:
+def _outputs(args: RunConfig) -> list[_Place]:
     places = []
     for flag, given, folder in (
         ("--metrics-file", args.metrics_file, False),
@@ -174,7 +178,7 @@ def _clash(out: _Place, source: _Place) -> str | None:
     return None
 
 
-def check_output_paths(args: argparse.Namespace) -> None:
+def check_output_paths(args: RunConfig) -> None:
     """Refuse an output that is an input, lies in an input's folder, shares a file with
     another output, or is kept only in this process's memory.
 

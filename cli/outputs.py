@@ -11,12 +11,16 @@ Imports: the standard library, stepbundle.schema; stepbundle.runtime's ``remote`
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import os
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from stepbundle.schema.errors import UsageError
+
+if TYPE_CHECKING:
+    from .config import RunConfig
 
 __all__ = ["check_outputs"]
 
@@ -55,10 +59,11 @@ def _local(location: str) -> Path | None:
     return local_path(location)
 
 
-def _check_bundle(args: argparse.Namespace) -> None:
+def _check_bundle(args: RunConfig) -> RunConfig:
     """Refuse a bundle that cannot be opened. A ``sha256:<digest>`` is looked up in the
     store here, once (its entry verified in full, ``store.resolve_bundle``), and the run
-    reads the file found from then on: ``args.bundle_file`` and ``args.bundle_digest``."""
+    reads the file found from then on: the config returned has its ``bundle_file`` and
+    ``bundle_digest``."""
     bundle: str = args.bundle
     if bundle.startswith("sha256:"):
         from stepbundle.runtime.io.store import resolve_bundle
@@ -68,16 +73,19 @@ def _check_bundle(args: argparse.Namespace) -> None:
             found = resolve_bundle(bundle)  # a digest is only looked up: nothing is fetched
         except StepbundleError as e:  # not a digest, or not in the store
             raise UsageError(str(e)) from None
-        args.bundle_file = os.fspath(found)
-        args.bundle_digest = "sha256:" + bundle.removeprefix("sha256:").lower()
-        return
+        return dataclasses.replace(
+            args,
+            bundle_file=os.fspath(found),
+            bundle_digest="sha256:" + bundle.removeprefix("sha256:").lower(),
+        )
     local = _local(bundle)
     if local is None:
-        return  # a URL: read at load time, through the bundle store
+        return args  # a URL: read at load time, through the bundle store
     try:
         os.stat(local)
     except OSError as e:
         raise UsageError(f"cannot open the bundle {bundle!r}: {e.strerror}.") from None
+    return args
 
 
 def _check_remote_folder(url: str, resume: str | None) -> None:
@@ -94,25 +102,32 @@ def _check_remote_folder(url: str, resume: str | None) -> None:
     check_writable(url)
 
 
-def check_outputs(args: argparse.Namespace) -> None:
+def check_outputs(args: RunConfig) -> RunConfig:
     """Refuse, before anything is loaded, outputs that could not be written or that would
-    overwrite an input or earlier checkpoints.
+    overwrite an input or earlier checkpoints, and return the config the run goes on with.
 
-    ``args.metrics_file`` and ``args.tensorboard`` are replaced by the local paths they
-    name (``paths.sink_path``), which the checks and the run's writers then share; a
-    bundle given as ``sha256:<digest>`` gets ``args.bundle_file``, its verified store
-    entry, which the checks and the load then read (``_check_bundle``).
+    In it ``metrics_file`` and ``tensorboard`` are the local paths they name
+    (``paths.sink_path``), which the checks and the run's writers then share; a bundle
+    given as ``sha256:<digest>`` has its ``bundle_file``, its verified store entry, which
+    the checks and the load then read (``_check_bundle``).
     """
     from .output_paths import check_output_paths
     from .paths import sink_path
     from .sinks import check_sink_outputs
 
     # The sinks' local paths, once: every check below and the writers use these.
-    if args.metrics_file:
-        args.metrics_file = sink_path("--metrics-file", args.metrics_file)
-    if args.tensorboard:
-        args.tensorboard = sink_path("--tensorboard", args.tensorboard)
-    _check_bundle(args)
+    args = dataclasses.replace(
+        args,
+        metrics_file=(
+            sink_path("--metrics-file", args.metrics_file)
+            if args.metrics_file
+            else args.metrics_file
+        ),
+        tensorboard=(
+            sink_path("--tensorboard", args.tensorboard) if args.tensorboard else args.tensorboard
+        ),
+    )
+    args = _check_bundle(args)
     check_output_paths(args)  # before anything below creates an output
     check_sink_outputs(args.metrics_file, args.tensorboard)  # a folder, a missing folder
     if args.metrics_file:
@@ -142,8 +157,8 @@ def check_outputs(args: argparse.Namespace) -> None:
         )
     if args.eval_every and not args.eval_data:
         raise UsageError("--eval-every evaluates --eval-data, which is missing: add it.")
-    k = getattr(args, "steps_per_call", 1)
-    k = k if isinstance(k, int) else 1  # auto: cli/auto_steps.py keeps to the cadences
+    k = args.steps_per_call if isinstance(args.steps_per_call, int) else 1
+    # auto (runtime/auto_steps.py) is given the cadences, and keeps to them
     for flag, every in (
         ("--checkpoint-every", args.checkpoint_every),
         ("--eval-every", args.eval_every),
@@ -170,7 +185,7 @@ def check_outputs(args: argparse.Namespace) -> None:
         from stepbundle.runtime.io.remote import check_writable
 
         check_writable(args.save_state.rpartition("/")[0])
-    if save_state is not None:
+    if save_state is not None and args.save_state:
         target = save_state
         if target.is_dir():
             raise UsageError(f"--save-state {args.save_state!r} is a folder; give a file name.")
@@ -194,3 +209,4 @@ def check_outputs(args: argparse.Namespace) -> None:
         # Temp files killed writers left are removed once the folder's lock is held
         # (folder_lock), not here: a run refused for a live holder must touch nothing.
         _check_writable_folder(folder, "--checkpoint-dir")
+    return args

@@ -8,7 +8,8 @@ URLs and ``sha256:`` digests are not local paths and are left to the runtime.
 
 ``--metrics-file`` and ``--tensorboard`` are written as local files only: ``sink_path``
 turns a ``file://`` URL into its path and refuses every other URL, and ``stepbundle run``
-puts that path back into its arguments, so its checks and its writers use one path.
+carries that path in its ``RunConfig`` from then on, so its checks and its writers use one
+path.
 (``https://../x.stepbundle`` was once checked as a URL, skipped, and then written as the
 local path ``https:/../x.stepbundle``, which is ``../x.stepbundle``.)
 
@@ -18,11 +19,16 @@ Imports: the standard library, stepbundle.runtime's ``file_kinds``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import re
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from stepbundle.schema.errors import UsageError
+
+if TYPE_CHECKING:
+    from .config import RunConfig
 
 __all__ = ["check_path_kinds", "resume_from_folder", "sink_path"]
 
@@ -69,10 +75,10 @@ def sink_path(flag: str, given: str) -> str:
 _CHECKPOINT_NAME = re.compile(r"step-\d{8,}\.safetensors")
 
 
-def resume_from_folder(args: argparse.Namespace) -> None:
+def resume_from_folder(config: RunConfig) -> RunConfig:
     """``--resume DIR`` (a local checkpoint folder) means its latest checkpoint: of its
-    ``step-N.safetensors`` files, the one whose metadata records the largest step, put
-    back into ``args.resume``. A checkpoint kept before a non-finite step
+    ``step-N.safetensors`` files, the one whose metadata records the largest step, which
+    the returned config resumes from (``config`` itself for any other ``--resume``). A checkpoint kept before a non-finite step
     (``step-N-before-nonfinite``) is taken only by name.
 
     The step is read from each file's metadata, not its name: another process once wrote
@@ -83,20 +89,20 @@ def resume_from_folder(args: argparse.Namespace) -> None:
     Raises:
       ValueError: the folder holds no readable checkpoint.
     """
-    given = getattr(args, "resume", None)
+    given = config.resume
     if not isinstance(given, str) or given.startswith("sha256:"):
-        return
+        return config
     if "://" in given:
         from stepbundle.runtime.io.remote import local_path
 
         local = local_path(given)  # file:// URLs only; a bucket's folder is not listed
         if local is None:
-            return
+            return config
         folder = Path(local)
     else:
         folder = Path(given)
     if not folder.is_dir():
-        return
+        return config
     named = [p for p in folder.iterdir() if _CHECKPOINT_NAME.fullmatch(p.name) and p.is_file()]
     if not named:
         raise UsageError(
@@ -123,7 +129,7 @@ def resume_from_folder(args: argparse.Namespace) -> None:
             f"--resume {given!r}: no checkpoint in that folder can be read (each is named "
             "above). Give a checkpoint file, or the --checkpoint-dir of an earlier run."
         )
-    args.resume = str(max(ranked)[3])
+    return dataclasses.replace(config, resume=str(max(ranked)[3]))
 
 
 def _recorded_step(path: Path) -> int:
@@ -143,8 +149,8 @@ def _recorded_step(path: Path) -> int:
         raise UsageError(str(e)) from None
 
 
-def check_path_kinds(args: argparse.Namespace) -> None:
-    """Refuse, without opening anything, a path of ``args`` of the wrong kind.
+def check_path_kinds(args: argparse.Namespace | RunConfig) -> None:
+    """Refuse, without opening anything, a path of ``args`` (a command's) of the wrong kind.
 
     Raises:
       ValueError: a path is a named pipe, a device or a socket (``NotARegularFileError``),

@@ -16,11 +16,12 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from collections.abc import Callable
 from typing import Any
 
 from . import args as types
 from .common import die
+from .config import RunConfig
+from .options import JOB, add, add_device_options
 
 __all__ = ["add_compile", "add_pull", "cmd_compile", "cmd_pull"]
 
@@ -70,7 +71,7 @@ def cmd_pull(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_compile(sub: Any, add_device_options: Callable[[Any], None]) -> None:
+def add_compile(sub: Any) -> None:
     """``stepbundle compile``."""
     c = sub.add_parser(
         "compile",
@@ -83,27 +84,19 @@ def add_compile(sub: Any, add_device_options: Callable[[Any], None]) -> None:
     c.add_argument(
         "--entry",
         action="append",
+        dest="entries",
         metavar="NAME",
         help="compile only this entry (repeatable; default: every entry, as `run` does)",
     )
     same = "as for run: it is part of every entry's key"
-    c.add_argument("--expect-digest", type=types.digest, metavar="sha256:...")
-    c.add_argument("--devices", type=types.devices, default=1, metavar="N|all", help=same)
-    c.add_argument("--shard-optimizer-state", action="store_true", help=same)
-    c.add_argument("--layout", default="dp", metavar="SPEC", help=same)
-    c.add_argument("--stop-on-nonfinite", action="store_true", help=same)
-    c.add_argument("--pack-state", type=types.at_least(0), default=65536, metavar="N", help=same)
+    add(c, "--expect-digest", help=None)
+    add(c, "--devices", "--shard-optimizer-state", "--layout", "--stop-on-nonfinite", help=same)
+    add(c, "--pack-state", help=same)
     c.add_argument(
         "--steps-per-call", type=types.at_least(1), default=1, metavar="K", help="as for run"
     )
-    c.add_argument(
-        "--matmul-precision", choices=("default", "high", "highest"), default=None, help=same
-    )
-    job = "as for run, to compile for a multi-process job's devices"
-    c.add_argument("--coordinator", metavar="HOST:PORT", help=job)
-    c.add_argument("--num-processes", type=types.at_least(1), metavar="P", help=job)
-    c.add_argument("--process-id", type=types.at_least(0), metavar="I", help=job)
-    c.add_argument("--distributed", action="store_true", help=job)
+    add(c, "--matmul-precision", help=same)
+    add(c, *JOB, help="as for run, to compile for a multi-process job's devices")
     add_device_options(c)
     c.set_defaults(fn=cmd_compile)
 
@@ -114,10 +107,10 @@ def cmd_compile(args: argparse.Namespace) -> int:
     # Ctrl-C ends the compiles at once, never as a KeyboardInterrupt inside jax
     # (stopping.Signals says why).
     with Signals().installed():
-        return _cmd_compile(args)
+        return _cmd_compile(RunConfig.from_args(args))
 
 
-def _cmd_compile(args: argparse.Namespace) -> int:
+def _cmd_compile(args: RunConfig) -> int:
     from stepbundle.runtime import (
         CacheOutcome,
         CompileOptions,
@@ -143,9 +136,9 @@ def _cmd_compile(args: argparse.Namespace) -> int:
     try:
         options = LoadOptions(
             compile=CompileOptions(
-                entries=args.entry,
+                entries=args.entries,
                 cache_dir=args.cache_dir or True,
-                steps_per_call=args.steps_per_call,
+                steps_per_call=1 if args.steps_per_call is None else args.steps_per_call,
                 compile_only=True,
                 matmul_precision=args.matmul_precision,
                 fused_attention=not args.no_fused_attention,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import itertools
 import json
 import os
@@ -19,10 +20,13 @@ from stepbundle.schema.errors import UsageError
 
 from .common import EXIT_PIPE_CLOSED
 from .common import die as _die
+from .config import RunConfig
 from .stopping import Signals, Stopper, StopRequested
 from .watchdog import Watchdog
 
 if TYPE_CHECKING:
+    from stepbundle.runtime.auto_steps import AutoSteps
+
     from .metrics_file import MetricsFile
 
 __all__ = ["cmd_run"]
@@ -42,7 +46,7 @@ def _scalar(v: Any) -> Any:
 _MAX_CPU_DEVICES = 256
 
 
-def _join_job(args: argparse.Namespace) -> bool:
+def _join_job(args: RunConfig) -> bool:
     """Set up devices before jax starts: virtual CPU devices, and the multi-process job.
 
     Returns whether this process joined a multi-process job.
@@ -90,10 +94,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     # SIGINT and SIGTERM end the load at once, and stop the steps at a boundary: never a
     # KeyboardInterrupt inside jax (stopping.Signals says why).
     with Signals().installed() as signals:
-        return _cmd_run(args, signals)
+        return _cmd_run(RunConfig.from_args(args), signals)
 
 
-def _cmd_run(args: argparse.Namespace, signals: Signals) -> int:
+def _cmd_run(args: RunConfig, signals: Signals) -> int:
     from stepbundle.runtime.placement import distributed
     from stepbundle.schema.errors import StepbundleError
 
@@ -102,13 +106,13 @@ def _cmd_run(args: argparse.Namespace, signals: Signals) -> int:
     from .paths import check_path_kinds, resume_from_folder
 
     try:
-        resume_from_folder(args)  # --resume DIR: its latest checkpoint
+        args = resume_from_folder(args)  # --resume DIR: its latest checkpoint
         check_path_kinds(args)  # a FIFO or device would block the first open for ever
         # A refused run creates no output folder or file: the data are read first. In a
         # multi-process job they are read after joining, so that the others hear of it.
         alone = not (args.distributed or args.coordinator is not None)
         npz = open_data(args) if alone else NOT_READ
-        check_outputs(args)
+        args = check_outputs(args)  # a sha256: bundle's file, the sinks' local paths
         check_steps_per_call(args, npz)  # K batches that cannot fit in memory
     except (OSError, ValueError) as e:
         return _die(str(e), 2)
@@ -148,7 +152,7 @@ def _cmd_run(args: argparse.Namespace, signals: Signals) -> int:
 
 
 def _load_and_run(
-    args: argparse.Namespace,
+    args: RunConfig,
     joined: bool,
     fail: Callable[[str, int], int],
     metrics: MetricsFile | None,
@@ -165,12 +169,9 @@ def _load_and_run(
             npz = open_data(args)
         except ValueError as e:
             return fail(str(e), 2)
-    from .auto_steps import decide
-
     try:
         t0 = time.perf_counter()
-        args.auto_steps = decide(args)  # an int in args.steps_per_call from here on
-        trainer = _open_trainer(args)
+        trainer, auto = _open_trainer(args)
         load_s = time.perf_counter() - t0
         if args.eval_data and "eval" not in trainer.entries:
             return fail(
@@ -187,7 +188,7 @@ def _load_and_run(
             return _die("another process of the job failed to start; its error says why", 1)
     except StepbundleError as e:
         return _die(str(e), 1)
-    _report_load(args, trainer, load_s)
+    _report_load(args, trainer, load_s, auto)
     try:
         if args.entry != "train":
             return _run_eval(args, trainer, batches)
@@ -201,13 +202,14 @@ def _load_and_run(
             if args.save_state:  # the state asked for is the resumed one
                 _save_state(trainer, args.save_state)
             return 0
-        return _run_train(args, trainer, batches, steps, offset, metrics, signals)
+        return _run_train(args, trainer, batches, steps, offset, metrics, signals, auto)
     except StepbundleError as e:
         return _die(str(e), 1)
 
 
-def _open_trainer(args: argparse.Namespace) -> Any:
-    """Load the bundle, then restore ``--resume`` and apply ``--seed``, schedules and ``--set``."""
+def _open_trainer(args: RunConfig) -> tuple[Any, AutoSteps | None]:
+    """Load the bundle, then restore ``--resume`` and apply ``--seed``, schedules and
+    ``--set``; with ``--steps-per-call auto`` (or none, off the CPU), what it chose."""
     from stepbundle.runtime import (
         CompileOptions,
         LoadOptions,
@@ -215,7 +217,7 @@ def _open_trainer(args: argparse.Namespace) -> Any:
         SafetyOptions,
         load,
     )
-    from stepbundle.runtime.train.schedule import parse_schedule
+    from stepbundle.runtime.train.schedule import named_schedule, parse_schedule, schedule_clash
 
     from .init_from import state_options
 
@@ -226,13 +228,12 @@ def _open_trainer(args: argparse.Namespace) -> Any:
             # split over the devices then).
             entries=None if train else (args.entry,),
             cache_dir=False if args.no_cache else (args.cache_dir or True),
-            steps_per_call=args.steps_per_call if train else 1,
             matmul_precision=args.matmul_precision,
             fused_attention=not args.no_fused_attention,
         ),
         state=state_options(args),
         safety=SafetyOptions(
-            expect_digest=args.expect_digest or getattr(args, "bundle_digest", None),
+            expect_digest=args.expect_digest or args.bundle_digest,
             stop_on_nonfinite=args.stop_on_nonfinite,
             check_state=args.check_state,
         ),
@@ -244,32 +245,50 @@ def _open_trainer(args: argparse.Namespace) -> Any:
     )
     # A sha256: bundle was found and verified in the store once (outputs._check_bundle);
     # the load reads that file, held to the digest, rather than verify it again.
-    trainer = load(getattr(args, "bundle_file", None) or args.bundle, args.device, options=options)
+    bundle = args.bundle_file or args.bundle
+    k, auto = _steps_per_call(args, bundle, options)
+    options = dataclasses.replace(
+        options, compile=dataclasses.replace(options.compile, steps_per_call=k)
+    )
+    trainer = load(bundle, args.device, options=options)
     if args.resume:
         trainer.load_checkpoint(args.resume, allow_other_bundle=args.allow_other_bundle)
         print(f"[run] resumed from {args.resume} (step {trainer.step_count})", file=sys.stderr)
     if args.seed is not None:
         trainer.seed = args.seed
     restored = trainer.schedules  # a resumed run continues the checkpoint's schedules
-    for spec in args.lr_schedule or []:
-        name, _, rest = spec.partition("=") if "=" in spec.split(":", 1)[0] else ("lr", "", spec)
-        parse_schedule(rest)  # a bad spec is named before anything else happens
-        clashes = {
-            full: old
-            for full, old in restored.items()
-            if (full == name or full.endswith(f".{name}")) and old is not None and old != rest
-        }
-        if clashes:
-            full, old = next(iter(clashes.items()))
+    for text in args.lr_schedule:
+        name, spec = named_schedule(text)
+        parse_schedule(spec)  # a bad spec is named before anything else happens
+        clash = schedule_clash(restored, name, spec)
+        if clash is not None:
+            full, old = clash
             raise UsageError(
-                f"--lr-schedule {spec!r} conflicts with the checkpoint, whose {full!r} follows "
+                f"--lr-schedule {text!r} conflicts with the checkpoint, whose {full!r} follows "
                 f"{old!r}. A resumed run continues the checkpoint's schedule: drop "
                 "--lr-schedule, or give the same spec."
             )
-        trainer.set_schedule(name, rest)
-    for name, value in args.set or []:
+        trainer.set_schedule(name, spec)
+    for name, value in args.set_values:
         trainer.set_hyperparameter(name, value)
-    return trainer
+    return trainer, auto
+
+
+def _steps_per_call(args: RunConfig, bundle: str, options: Any) -> tuple[int, AutoSteps | None]:
+    """``--steps-per-call``: K as given; none on the CPU, or an evaluation run, 1; else
+    (``auto``, or none on an accelerator) the runtime's measured choice, kept to the
+    checkpoint and evaluation cadences (``runtime/auto_steps.py``)."""
+    given = args.steps_per_call
+    if isinstance(given, int):
+        return (given if args.entry == "train" else 1), None
+    platform = args.device.partition(":")[0].lower()
+    if args.entry != "train" or (given is None and platform == "cpu"):
+        return 1, None
+    from stepbundle.runtime.auto_steps import probe_steps_per_call
+
+    cadences = (args.checkpoint_every or 0, args.eval_every or 0)
+    auto = probe_steps_per_call(bundle, args.device, options, cadences=cadences)
+    return auto.steps_per_call, auto
 
 
 def _fused_note(fused: dict[str, int]) -> str:
@@ -287,7 +306,7 @@ def _layout_note(info: Any) -> str:
     return f"layout {info.layout}, mesh {mesh}, {nbytes(info.state_bytes_per_device)} of state per device"
 
 
-def _report_load(args: argparse.Namespace, trainer: Any, load_s: float) -> None:
+def _report_load(args: RunConfig, trainer: Any, load_s: float, auto: AutoSteps | None) -> None:
     from .init_from import report_origins
 
     n_dev = len(trainer.devices)
@@ -300,13 +319,12 @@ def _report_load(args: argparse.Namespace, trainer: Any, load_s: float) -> None:
         + (f", glibc {trainer.load_info.allocator}" if trainer.load_info.allocator else ""),
         file=sys.stderr,
     )
-    auto = getattr(args, "auto_steps", None)
     if auto is not None:
         print(f"[run] {auto.describe()}", file=sys.stderr)
     report_origins(trainer, args)
 
 
-def _run_eval(args: argparse.Namespace, trainer: Any, batches: Iterable[Any]) -> int:
+def _run_eval(args: RunConfig, trainer: Any, batches: Iterable[Any]) -> int:
     """One JSON line per batch of a read-only entry (it has no state, so no step offset),
     for ``--steps`` batches. A dataset's batches are read as they come: without
     ``--epochs`` they never end (this once read them all into a list first)."""
@@ -322,13 +340,14 @@ def _run_eval(args: argparse.Namespace, trainer: Any, batches: Iterable[Any]) ->
 
 
 def _run_train(
-    args: argparse.Namespace,
+    args: RunConfig,
     trainer: Any,
     batches: Any,
     steps: int,
     offset: int,
     metrics: MetricsFile | None,
     signals: Signals,
+    auto: AutoSteps | None,
 ) -> int:
     from stepbundle.runtime.data.dataset import DataError
     from stepbundle.runtime.errors import NonFiniteLossError
@@ -479,9 +498,7 @@ def _run_train(
     done = trainer.step_count - start_step
     print(
         f"[run] {done} steps in {elapsed:.2f}s ({done / max(elapsed, 1e-9):.1f} steps/s, "
-        f"{trainer.steps_per_call} per call"
-        + (" (auto)" if getattr(args, "auto_steps", None) is not None else "")
-        + ")",
+        f"{trainer.steps_per_call} per call" + (" (auto)" if auto is not None else "") + ")",
         file=sys.stderr,
     )
     if done < steps and code == 0:
@@ -512,7 +529,7 @@ def _why_not_written(e: Exception, path: str) -> str:
 
 
 def _report_unsaved(
-    args: argparse.Namespace, step: int, saved: str | None, written: set[int], ckpt_dir: str | None
+    args: RunConfig, step: int, saved: str | None, written: set[int], ckpt_dir: str | None
 ) -> None:
     """Say plainly where the state of a run whose checkpoint failed is, if anywhere."""
     from stepbundle.runtime.io.remote import join
@@ -534,10 +551,11 @@ def _report_unsaved(
     )
 
 
-def _evaluate(args: argparse.Namespace, trainer: Any, reporter: Any, step: int) -> None:
+def _evaluate(args: RunConfig, trainer: Any, reporter: Any, step: int) -> None:
     """Evaluate ``--eval-data`` as a whole and report it (``--eval-every``)."""
     from .data import eval_batches
 
+    assert args.eval_data is not None  # check_outputs: --eval-every needs --eval-data
     batches, mask = eval_batches(args.eval_data, trainer, "eval", args.eval_batch_size)
     result = trainer.evaluate_dataset(batches, "eval", mask_key=mask)
     reporter.evaluation(step, result.metrics, result.rows)

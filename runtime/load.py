@@ -25,6 +25,7 @@ from stepbundle.schema.manifest import ConstantInput, Manifest, MetricOutput, Pr
 from stepbundle.schema.version import MATMUL_PRECISION_SINCE
 
 from . import _compat
+from .auto_steps import resolve_auto_steps
 from .compile import allocator
 from .compile.compile_cache import CompileCache
 from .compile.load_info import LoadInfo
@@ -76,7 +77,8 @@ def load(
         )
     opts = options if options is not None else LoadOptions()
     t0 = time.perf_counter()
-    info = LoadInfo()
+    opts, auto = resolve_auto_steps(path, device, opts)  # "auto": measured first
+    info = LoadInfo(auto_steps=auto.describe() if auto is not None else "")
     source: InitSource | None = None  # init_from's files, open while the state is placed
     platform, _ = parse_device(device)
     bundle = _open_bundle(path, opts.safety.expect_digest)
@@ -85,7 +87,7 @@ def load(
         manifest = bundle.manifest
         wanted = _wanted_entries(manifest, opts)
         info.matmul_precision = _matmul_precision(bundle, opts.compile.matmul_precision)
-        k = opts.compile.steps_per_call
+        k = int(opts.compile.steps_per_call)
         stacked_entry = "train" if k > 1 and "train" in wanted else None
         # Where the initial state comes from: checked before anything is compiled.
         init_from = opts.state.init_from

@@ -45,6 +45,8 @@ class LoadInfo:
         ``runtime/compile/allocator.py``).
       allocator: what was decided about glibc's allocator and why, in words (the
         system-call cost measured for "auto"); empty off a TPU.
+      auto_steps: what ``steps_per_call="auto"`` chose and why, in words
+        (``runtime/auto_steps.py``); empty where K was given.
       cpu_numerics: on the CPU, what the programs were compiled with to be as accurate
         as PyTorch's CPU kernels, in words: YNNPACK's fusions off per compile, left to
         the user's ``XLA_FLAGS``, or nothing to set on this jaxlib
@@ -72,6 +74,7 @@ class LoadInfo:
     attention_kept: dict[str, list[str]] = field(default_factory=dict)
     kept_freed_memory: bool = False
     allocator: str = ""
+    auto_steps: str = ""
     cpu_numerics: str = ""
     layout: str = "dp"
     mesh: dict[str, int] = field(default_factory=dict)

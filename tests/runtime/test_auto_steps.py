@@ -1,6 +1,6 @@
 """``--steps-per-call auto``: K chosen from a measured step time, never changing a number.
 
-The rule (cli/auto_steps.py) is a pure function of the measured time and the cadences;
+The rule (runtime/auto_steps.py) is a pure function of the measured time and the cadences;
 the CLI tests run it for real on the CPU, where a golden step is dispatch-bound, and hold
 the run to the same run at one step per call, byte for byte.
 """
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from runtime_helpers import GOLDEN_DIR, golden_bundle
 
-from stepbundle.cli.auto_steps import choose
+from stepbundle.runtime.auto_steps import choose
 
 NAME = "linear_adamw"
 
@@ -138,3 +138,22 @@ def test_a_bad_value_is_refused() -> None:
     )
     assert out.returncode == 2
     assert "--steps-per-call" in out.stderr
+
+
+def test_load_options_auto_probes_for_python_users_too() -> None:
+    """``LoadOptions(steps_per_call="auto")`` is the same policy as ``run``'s, without the
+    CLI: the golden step is dispatch-bound on any CPU, so K > 1, and load_info says why."""
+    from stepbundle.runtime import CompileOptions, LoadOptions, load
+
+    options = LoadOptions(compile=CompileOptions(steps_per_call="auto", cache_dir=False))
+    trainer = load(golden_bundle(NAME), "cpu", options=options)
+    found = re.fullmatch(
+        r"steps per call (\d+) \(auto: ([\d.]+) ms/step at 1 per call, dispatch-bound\)",
+        trainer.load_info.auto_steps,
+    )
+    assert found, trainer.load_info.auto_steps
+    k, ms = int(found.group(1)), float(found.group(2))
+    assert trainer.steps_per_call == k == choose(ms)[0] > 1
+    eight = LoadOptions(compile=CompileOptions(steps_per_call=8, cache_dir=False))
+    given = load(golden_bundle(NAME), "cpu", options=eight)
+    assert given.load_info.auto_steps == "" and given.steps_per_call == 8

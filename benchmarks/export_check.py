@@ -1,0 +1,217 @@
+"""What the export check costs beside the export itself, on resnet18 and GPT-2 small,
+through both front-ends (issue #39 item 2).
+
+Each export runs in a fresh process (``--child``), with the check on, timed from after
+the imports: the export's own stages (trace, lower, write) and the check's wall time,
+its runtime process (start, load and compile, one step, write), its eager step(s), and
+the processor time of each part (this process and its children: on a shared machine a
+fairer measure than wall time). Writes one results file, benchmarks/results/export_check.md
+(``--label`` names the row set, so a run before a change and one after sit side by side;
+rows of other labels in the file are kept). Usage:
+
+    .venv/bin/python benchmarks/export_check.py --label after                # torch_xla
+    .venv-torch/bin/python benchmarks/export_check.py --label after          # torch
+
+Each environment runs the front-ends it has: ``.venv`` the torch_xla front-end
+(``stepbundle.exporter``), ``.venv-torch`` the torch front-end
+(``stepbundle.export_torch``). ``--models resnet18 gpt2`` picks models.
+
+Models: torchvision resnet18 (10 classes, batch 8 of 64x64 images, SGD momentum 0.9);
+Hugging Face ``GPT2LMHeadModel`` from its default config (124M parameters; dropout 0,
+eager attention), AdamW, batch 2 x 128 tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results" / "export_check.md"
+MODELS = ("resnet18", "gpt2")
+
+
+def _cpu() -> float:
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def _recipe(name: str) -> Any:
+    import torch
+
+    from stepbundle.frontend.recipe import Recipe
+
+    torch.manual_seed(0)
+    if name == "resnet18":
+        import torchvision
+
+        model = torchvision.models.resnet18(num_classes=10)
+        batch = {"x": torch.randn(8, 3, 64, 64), "y": torch.randint(0, 10, (8,))}
+        opt: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+
+        def step(model, optimizer, batch):  # type: ignore[no-untyped-def]
+            optimizer.zero_grad()
+            loss = torch.nn.functional.cross_entropy(model(batch["x"]), batch["y"])
+            loss.backward()
+            optimizer.step()
+            return {"loss": loss}
+
+    elif name == "gpt2":
+        import transformers
+
+        cfg = transformers.GPT2Config(
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="eager"
+        )
+        model = transformers.GPT2LMHeadModel(cfg)
+        model.train()
+        ids = torch.randint(0, cfg.vocab_size, (2, 129))
+        batch = {"x": ids[:, :-1].contiguous(), "y": ids[:, 1:].contiguous()}
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+        def step(model, optimizer, batch):  # type: ignore[no-untyped-def]
+            optimizer.zero_grad()
+            logits = model(input_ids=batch["x"]).logits
+            loss = torch.nn.functional.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]), batch["y"].reshape(-1)
+            )
+            loss.backward()
+            optimizer.step()
+            return {"loss": loss}
+
+    else:
+        raise SystemExit(f"unknown model {name!r}; known: {', '.join(MODELS)}")
+    return Recipe(model=model, optimizer=opt, step=step, example_batch=batch)
+
+
+def child(name: str, frontend: str, out: str) -> None:
+    if frontend == "torch_xla":
+        os.environ.setdefault("PJRT_DEVICE", "CPU")
+        from stepbundle.exporter import export
+    else:
+        from stepbundle.export_torch import export
+    recipe = _recipe(name)
+    cpu0, t0 = _cpu(), time.perf_counter()
+    rep = export(recipe, out, check=True)
+    wall, cpu = time.perf_counter() - t0, _cpu() - cpu0
+    chk = rep.check
+    assert chk is not None and chk.ran, chk
+    stages = {k: v for k, v in rep.stage_seconds.items() if k != "check"}
+    print(
+        json.dumps(
+            {
+                "stages_s": stages,
+                "export_s": sum(stages.values()),
+                "export_cpu_s": cpu - chk.cpu_seconds,
+                "check_s": chk.seconds,
+                "check_cpu_s": chk.cpu_seconds,
+                "runtime_s": chk.runtime_seconds,
+                "eager_s": chk.eager_seconds,
+                "closest": chk.closest,
+                "line": chk.line(),
+                "total_s": wall,
+                "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+            }
+        )
+    )
+
+
+def _frontends() -> list[str]:
+    import importlib.util
+
+    return ["torch_xla"] if importlib.util.find_spec("torch_xla") else ["torch"]
+
+
+def _key(row: str) -> tuple[str, ...]:
+    """A row's label, model and front-end."""
+    return tuple(c.strip() for c in row.split("|")[1:4])
+
+
+def _rows_kept(label: str) -> list[str]:
+    """The rows already in the results file (a row of ``label`` for the same model and
+    front-end is replaced by the new one)."""
+    if not RESULTS.exists():
+        return []
+    return [
+        line
+        for line in RESULTS.read_text().splitlines()
+        if line.startswith("| ")
+        and not line.startswith("| label")
+        and line.split("|")[1].strip() != ""
+        and not line.startswith("|---")
+    ]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", nargs="*", default=list(MODELS))
+    ap.add_argument("--label", default="current")
+    ap.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        child(*args.child)
+        return
+    work = Path("/tmp/stepbundle-export-check")
+    work.mkdir(exist_ok=True)
+    rows: list[str] = []
+    for frontend in _frontends():
+        for name in args.models:
+            out = str(work / f"{name}-{frontend}.stepbundle")
+            proc = subprocess.run(
+                [sys.executable, __file__, "--child", name, frontend, out],
+                capture_output=True,
+                text=True,
+            )
+            if proc.returncode != 0:  # e.g. killed for memory (-9): said in the row
+                print(f"{name} on {frontend} failed:\n{proc.stderr[-4000:]}", flush=True)
+                rows.append(
+                    f"| {args.label} | {name} | {frontend} | failed: exit code "
+                    f"{proc.returncode} | | | | | | | |"
+                )
+            else:
+                got = json.loads(proc.stdout.strip().splitlines()[-1])
+                print(name, frontend, json.dumps(got), flush=True)
+                ratio = got["check_cpu_s"] / got["export_cpu_s"]
+                closest = re.sub(r"\s+", " ", got["closest"]).replace("|", "/")
+                rows.append(
+                    f"| {args.label} | {name} | {frontend} | {got['export_s']:.1f} s "
+                    f"| {got['export_cpu_s']:.1f} s | {got['check_s']:.1f} s "
+                    f"| {got['runtime_s']:.1f} s | {got['eager_s']:.1f} s "
+                    f"| {got['check_cpu_s']:.1f} s | {ratio:.2f} | {closest} |"
+                )
+            _write(args.label, rows)
+
+
+def _write(label: str, rows: list[str]) -> None:
+    new = {_key(r) for r in rows}
+    kept = [r for r in _rows_kept(label) if _key(r) not in new]
+    lines = [
+        "# The export check's cost beside the export",
+        "",
+        "`benchmarks/export_check.py` (`.venv`: the torch_xla front-end; `.venv-torch`: the torch",
+        "front-end). resnet18: torchvision, 10 classes, batch 8 of 64x64, SGD momentum 0.9.",
+        "gpt2: Hugging Face GPT2LMHeadModel, default config (124M parameters), dropout 0, eager",
+        "attention, AdamW, batch 2 x 128. Each export in a fresh process; wall seconds on a",
+        "shared 2-core machine (inflated by other jobs), processor seconds of the exporting",
+        "process and its children. 'check/export': the check's processor time over the",
+        "export's. 'label' says which code ran (before / after a change of the check).",
+        "",
+        "| label | model | front-end | export, wall | export, cpu | check, wall "
+        "| runtime process, wall | eager, wall | check, cpu | check/export (cpu) | closest to its bound |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+        *sorted(kept + rows),
+    ]
+    RESULTS.write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

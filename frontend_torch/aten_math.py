@@ -332,6 +332,12 @@ def _dot(ctx: OpContext, a: Any, b: Any, dims: Any) -> Any:
     dt = ctx.out_dtype
     a, b = _c(a, dt), _c(b, dt)
     preferred = jnp.float32 if dt in (torch.float16, torch.bfloat16) else None
+    if all(a.shape[d] == 1 for d in dims[0][0]):
+        # An outer product (rotary embeddings' inv_freq @ positions): one multiplication
+        # per element and no sum, so the product itself, which no matmul precision can
+        # round (a TPU's bf16 passes would round a float32 dot's operands).
+        wide = preferred or a.dtype
+        return a.astype(wide) * b.astype(wide)
     return lax.dot_general(a, b, dims, precision=HIGHEST, preferred_element_type=preferred)
 
 

@@ -75,10 +75,15 @@ _PRODUCTS: dict[object, int] = {
 }
 
 
+# The summed dimension of the operand above, for the plain matrix products.
+_SUMMED: dict[object, int] = {_aten.mm.default: 1, _aten.bmm.default: 2, _aten.addmm.default: 1}
+
+
 def _has_float32_products(programs: list[BoundProgram]) -> bool:
     """Whether any matrix product of ``programs`` takes float32 (or float64) operands:
     the only products torch's float32 matmul precision governs. Under bf16 autocast a
-    step's products all take bf16 operands, computed alike at every setting."""
+    step's products all take bf16 operands, computed alike at every setting; an outer
+    product (nothing summed) is one multiplication per element, exact at any setting."""
     for program in programs:
         for node in program.graph.gm.graph.nodes:
             at = _PRODUCTS.get(node.target) if node.op == "call_function" else None
@@ -86,8 +91,12 @@ def _has_float32_products(programs: list[BoundProgram]) -> bool:
                 continue
             operand = node.args[at]
             val = getattr(operand, "meta", {}).get("val")
-            if isinstance(val, torch.Tensor) and val.dtype in (torch.float32, torch.float64):
-                return True
+            if not isinstance(val, torch.Tensor) or val.dtype not in (torch.float32, torch.float64):
+                continue
+            summed = _SUMMED.get(node.target)
+            if summed is not None and int(val.shape[summed]) == 1:
+                continue  # an outer product: lowered as a multiplication (aten_math._dot)
+            return True
     return False
 
 

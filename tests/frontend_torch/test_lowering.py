@@ -279,6 +279,37 @@ def test_cross_entropy_backward_has_no_scatter() -> None:
     assert "scatter" not in text
 
 
+def test_outer_products_are_multiplications() -> None:
+    # A product that sums over one element (rotary embeddings' inv_freq @ positions) is
+    # lowered as the multiplication it is: the same values as torch, and no dot_general
+    # whose operands a TPU's matmul precision could round.
+    def fn(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> Any:
+        return [
+            a[:, :1] @ b[:1],
+            a[None, :, :1] @ b[None, :1],
+            torch.addmm(c, a[:, :1], b[:1]),
+            a[:, :1].bfloat16() @ b[:1].bfloat16(),
+        ]
+
+    args = (rand(5, 3), rand(3, 4) * 1000, rand(5, 4))
+    check(fn, *args)
+    first = make_fx(fn, tracing_mode="fake", decomposition_table=DURING_STEP)(*args)
+    gm = make_fx(
+        torch.func.functionalize(first, remove="mutations_and_views"),
+        tracing_mode="fake",
+        decomposition_table=DECOMPOSITIONS,
+    )(*args)
+    (out,) = [n for n in gm.graph.nodes if n.op == "output"]
+    graph = ProgramGraph(gm, (0, 1, 2), tuple(out.args[0]), seeded=False)
+    with jax.enable_x64(True):
+        text = (
+            jax.jit(lambda *xs: evaluate(graph, xs, None))
+            .lower(*(jnp.asarray(a.numpy()) for a in args))
+            .as_text()
+        )
+    assert "dot_general" not in text
+
+
 def test_half_precision_matches_torch_rounding() -> None:
     # bf16 results are computed in float32 and rounded once per operator, as torch does.
     check(

@@ -296,6 +296,32 @@ def test_a_bf16_autocast_step_records_the_default_precision(
     assert len(said) == (recorded == "default")
 
 
+def test_a_float32_outer_product_is_no_float32_product(tmp_path: Path) -> None:
+    """Hugging Face's Llama computes its rotary angles as a float32 product with autocast
+    off, an outer product (``inv_freq @ positions``): lowered as a multiplication, which
+    no precision rounds, it leaves the bf16 step recording "default"."""
+    import dataclasses
+
+    import torch_cases
+
+    from stepbundle.schema import open_bundle
+
+    inv = 1.0 / (10000 ** (torch.arange(0, 8, 2).float() / 8))
+
+    def step(model: Any, optimizer: Any, batch: dict[str, Any]) -> Any:
+        with torch.autocast("cpu", enabled=False):
+            angles = inv[None, :, None].float() @ torch.arange(3.0)[None, None, :]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = torch_cases.mlp_step(model, optimizer, batch)
+        return {**out, "angle": angles.cos().sum()}
+
+    recipe = dataclasses.replace(torch_cases.mlp(), step=step, eval_step=None)
+    path = tmp_path / "mlp.stepbundle"
+    export(recipe, path)
+    with open_bundle(path) as b:
+        assert b.manifest.matmul_precision == "default"
+
+
 def test_the_products_the_precision_looks_at_are_lowered() -> None:
     """``export._PRODUCTS`` names the operators lowered to matrix products; each is one the
     front-end lowers (a renamed operator would silently count as no product)."""

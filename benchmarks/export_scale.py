@@ -1,0 +1,234 @@
+"""Export at scale (issue #40): wall time, CPU time and peak RSS of a weights-free export,
+per model and front-end, each in a child process of its own.
+
+Models: ``gpt55m`` (the 55M GPT of ``device/gpt.py``: bf16 autocast, AdamW, context 512,
+batch 16), and the Llama-style models of ``llama.py``: ``llama117m`` (context 1024, batch 8),
+``llama1b`` (TinyLlama 1.1B's shapes, context 2048, batch 4) and ``llama8b`` (Llama 3 8B's
+shapes, context 2048, batch 1); ``tiny`` for the test. Every step starts with
+``optimizer.zero_grad()``.
+
+The torch front-end (``.venv-torch``) builds the Llama models on the meta device (no
+weights in memory; ``llama.recipe``) and the GPT on the CPU; the torch_xla front-end
+(``.venv``) needs a real model on its device, so it builds every model on the CPU.
+
+Each child runs under an address-space limit (``--max-gb``, default 12: the machine is
+shared); the parent reads the child's peak RSS and CPU time from ``os.wait4`` (that child's
+own ``rusage``: what ``resource.getrusage(RUSAGE_CHILDREN)`` sums over children) and times
+it from start to exit (imports and building the recipe included; ``export_s`` is the export
+call alone). A row the front-end cannot run within the
+limit says so, with the reason, instead of a figure; ``--skip`` names rows not to try
+(``torch_xla:llama1b``), whose reason is then the projection from the measured bytes per
+parameter. Usage::
+
+    .venv/bin/python benchmarks/export_scale.py                       # every row
+    .venv/bin/python benchmarks/export_scale.py --models tiny --frontends torch --out /tmp/x.json
+
+Writes ``benchmarks/results/export_scale.json`` (every figure) and prints the markdown table
+(``docs/exporting.md`` carries it).
+
+Imports: the standard library; the children import torch and a front-end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+MODELS = ("gpt55m", "llama117m", "llama1b", "llama8b")
+FRONTENDS = ("torch", "torch_xla")
+PYTHON = {"torch": ROOT / ".venv-torch/bin/python", "torch_xla": ROOT / ".venv/bin/python"}
+GB = 1e9
+
+
+# ---------------------------------------------------------------------------- child
+def _recipe(model: str, frontend: str) -> tuple[Any, str, int]:
+    """The recipe, the device its model was built on, and its parameter count."""
+    sys.path[:0] = [str(HERE), str(HERE / "device")]
+    if model == "gpt55m":
+        import gpt
+
+        r = gpt.recipe()
+        device = "cpu"
+    else:
+        import llama
+
+        device = "meta" if frontend == "torch" else "cpu"
+        r = llama.recipe(model, device=device)
+    return r, device, sum(p.numel() for p in r.model.parameters())
+
+
+def child(model: str, frontend: str, out: str) -> None:
+    t0 = time.perf_counter()
+    if frontend == "torch_xla":
+        from stepbundle.exporter import export
+        from stepbundle.exporter.workspace import xla_device
+
+        xla_device()  # before any CPU autograd
+    else:
+        from stepbundle.export_torch import export
+    r, device, params = _recipe(model, frontend)
+    t1 = time.perf_counter()
+    report = export(r, out, check=False, progress=lambda m: print(m, file=sys.stderr))
+    t2 = time.perf_counter()
+    line = {
+        "imports_and_build_s": t1 - t0,
+        "export_s": t2 - t1,
+        "stages_s": report.stage_seconds,
+        "bundle_bytes": report.size,
+        "parameters": params,
+        "built_on": device,
+    }
+    print(json.dumps(line))
+
+
+# --------------------------------------------------------------------------- parent
+def _limit(max_bytes: int) -> Any:
+    def apply() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (max_bytes, max_bytes))
+
+    return apply
+
+
+def run_row(model: str, frontend: str, work: Path, max_gb: float, timeout: float) -> dict[str, Any]:
+    out = work / f"{model}-{frontend}.stepbundle"
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "STEPBUNDLE_EXPORT_CHECK": "0"}
+    logs = work / f"{model}-{frontend}.out", work / f"{model}-{frontend}.err"
+    t0 = time.perf_counter()
+    with open(logs[0], "w") as so, open(logs[1], "w") as se:
+        proc = subprocess.Popen(
+            [str(PYTHON[frontend]), __file__, "--child", model, frontend, str(out)],
+            stdout=so,
+            stderr=se,
+            env=env,
+            cwd=ROOT,
+            preexec_fn=_limit(int(max_gb * GB)),
+        )
+    killer = threading.Timer(timeout, proc.kill)
+    killer.start()
+    # wait4: this child's own rusage (peak RSS, CPU time), not the sum over children
+    _, status, usage = os.wait4(proc.pid, 0)
+    wall = time.perf_counter() - t0
+    timed_out = not killer.is_alive()
+    killer.cancel()
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    stdout, stderr = logs[0].read_text(), logs[1].read_text()
+    row: dict[str, Any] = {
+        "model": model,
+        "frontend": frontend,
+        "wall_s": wall,
+        "cpu_s": usage.ru_utime + usage.ru_stime,
+        "peak_rss_gb": usage.ru_maxrss * 1024 / GB,
+        "rc": proc.returncode,
+        "max_gb": max_gb,
+    }
+    result = None
+    for text in reversed(stdout.strip().splitlines()):
+        if text.startswith("{"):
+            result = json.loads(text)
+            break
+    if proc.returncode == 0 and result is not None:
+        row.update(result)
+    else:
+        tail = [s for s in stderr.strip().splitlines() if not s.startswith("I1")][-3:]
+        memory = any("MemoryError" in s or "std::bad_alloc" in s or "Cannot allocate" in s
+                     for s in stderr.splitlines())  # fmt: skip
+        row["failed"] = (
+            f"killed after {timeout:.0f} s" if timed_out
+            else f"out of memory under the {max_gb:g} GB address-space limit" if memory
+            else f"exit {proc.returncode}: {' | '.join(tail)[-400:]}"
+        )  # fmt: skip
+    out.unlink(missing_ok=True)
+    return row
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| model | parameters | front-end | built on | export wall | CPU time | peak RSS | stages |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        params = f"{r['parameters'] / 1e6:,.0f}M" if "parameters" in r else ""
+        if "failed" in r or "skipped" in r:
+            why = r.get("failed") or r.get("skipped")
+            lines.append(f"| {r['model']} | {params} | {r['frontend']} | | not done: {why} | | | |")
+            continue
+        rss = f"{r['peak_rss_gb']:.2f} GB"
+        stages = ", ".join(f"{k} {v:.0f} s" for k, v in r["stages_s"].items())
+        lines.append(
+            f"| {r['model']} | {params} | {r['frontend']} | {r['built_on']} | "
+            f"{r['wall_s']:.0f} s | {r['cpu_s']:.0f} s | {rss} | {stages} |"
+        )
+    return "\n".join(lines)
+
+
+def _git() -> dict[str, Any]:
+    def git(*a: str) -> str:
+        return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout
+
+    return {"commit": git("rev-parse", "HEAD").strip(), "dirty": bool(git("status", "--porcelain"))}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", nargs="*", default=list(MODELS))
+    ap.add_argument("--frontends", nargs="*", default=list(FRONTENDS))
+    ap.add_argument("--skip", nargs="*", default=[], help="FRONTEND:MODEL rows not to run")
+    ap.add_argument("--reason", nargs="*", default=[], help="FRONTEND:MODEL=why, per skip")
+    ap.add_argument("--max-gb", type=float, default=12.0)
+    ap.add_argument("--timeout", type=float, default=1800.0)
+    ap.add_argument("--out", default=str(HERE / "results" / "export_scale.json"))
+    ap.add_argument(
+        "--python", nargs="*", default=[], help="FRONTEND=PYTHON: the interpreter of a front-end"
+    )
+    ap.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        child(*args.child)
+        return
+    reasons = dict(r.split("=", 1) for r in args.reason)
+    PYTHON.update({k: Path(v) for k, v in (p.split("=", 1) for p in args.python)})
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="stepbundle-export-scale-") as tmp:
+        for model in args.models:
+            for frontend in args.frontends:
+                key = f"{frontend}:{model}"
+                if key in args.skip:
+                    rows.append(
+                        {"model": model, "frontend": frontend,
+                         "skipped": reasons.get(key, "not run")}
+                    )  # fmt: skip
+                    continue
+                print(f"{key} ...", file=sys.stderr, flush=True)
+                rows.append(run_row(model, frontend, Path(tmp), args.max_gb, args.timeout))
+                print(f"  {json.dumps(rows[-1])}", file=sys.stderr, flush=True)
+    result = {
+        "benchmark": "export_scale",
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "host": {
+            "cpus": os.cpu_count(),
+            "machine": platform.machine(),
+            "load_average_at_end": os.getloadavg(),
+        },  # fmt: skip
+        "git": _git(),
+        "rows": rows,
+        "table": table(rows),
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    print(result["table"])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,40 @@
+"""The export-at-scale benchmark still runs, and its results file has the right shape
+(issue #40). Runs ``benchmarks/export_scale.py`` on the tiny Llama with the torch
+front-end (one child in .venv-torch) and a skipped torch_xla row; never checks a time.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_export_scale_runs_on_a_tiny_model(tmp_path: Path) -> None:
+    out = tmp_path / "export_scale.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "export_scale.py"), "--models", "tiny",
+         "--frontends", "torch", "torch_xla", "--skip", "torch_xla:tiny",
+         "--reason", "torch_xla:tiny=not run in this test", "--out", str(out)],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    torch_row, xla_row = result["rows"]
+    assert torch_row["model"] == "tiny" and torch_row["frontend"] == "torch"
+    assert torch_row["rc"] == 0 and "failed" not in torch_row, torch_row
+    assert torch_row["built_on"] == "meta"
+    assert torch_row["parameters"] == 19616
+    assert torch_row["bundle_bytes"] > 0
+    for key in ("wall_s", "cpu_s", "peak_rss_gb", "export_s"):
+        assert torch_row[key] > 0, key
+    assert torch_row["wall_s"] >= torch_row["export_s"]
+    assert set(torch_row["stages_s"]) >= {"trace", "lower", "write"}
+    assert xla_row == {"model": "tiny", "frontend": "torch_xla", "skipped": "not run in this test"}
+    lines = result["table"].splitlines()
+    assert lines[2].startswith("| tiny | 0M | torch | meta |")
+    assert lines[3] == "| tiny |  | torch_xla | | not done: not run in this test | | | |"
+    assert result["git"]["commit"]

@@ -284,10 +284,11 @@ def _steps_per_call(args: RunConfig, bundle: str, options: Any) -> tuple[int, Au
     platform = args.device.partition(":")[0].lower()
     if args.entry != "train" or (given is None and platform == "cpu"):
         return 1, None
+    from stepbundle.runtime import load
     from stepbundle.runtime.auto_steps import probe_steps_per_call
 
     cadences = (args.checkpoint_every or 0, args.eval_every or 0)
-    auto = probe_steps_per_call(bundle, args.device, options, cadences=cadences)
+    auto = probe_steps_per_call(load, bundle, args.device, options, cadences=cadences)
     return auto.steps_per_call, auto
 
 

@@ -20,17 +20,17 @@ and a second copy could fill the device), for data parallelism and with
 ``load(path, device, LoadOptions(compile=CompileOptions(steps_per_call="auto")))`` probes
 here and records the choice in ``LoadInfo.auto_steps``; ``stepbundle run`` calls
 ``probe_steps_per_call`` itself, with its cadences, and prints the choice with its load
-line.
+line. The probe is a load: ``load`` is handed in (by ``load`` itself, or its caller), so
+that this module and ``load.py`` do not import each other.
 
-Imports: the runtime's face (``load``, lazily: the probe is a load), its store, the
-schema, numpy.
+Imports: the runtime's options, store and dtypes, the schema, numpy.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -93,10 +93,15 @@ def _zero_batch(manifest: Any) -> dict[str, np.ndarray[Any, Any]]:
     return {b.name: np.zeros(b.spec.shape, to_numpy(b.spec.dtype)) for b in program.batch}
 
 
+Load = Callable[..., Any]
+"""``stepbundle.runtime.load``: ``load(path, device, options=...)`` returning a Trainer."""
+
+
 def probe_steps_per_call(
-    bundle: Any, device: str, options: LoadOptions, *, cadences: Sequence[int] = ()
+    load: Load, bundle: Any, device: str, options: LoadOptions, *, cadences: Sequence[int] = ()
 ) -> AutoSteps:
-    """Measure ``bundle``'s training step at one step per call and choose K (``choose``).
+    """Measure ``bundle``'s training step at one step per call and choose K (``choose``),
+    loading it with ``load`` (``stepbundle.runtime.load``).
 
     ``options`` are the load's own (its state, compile cache, precision and expected
     digest serve the probe too); ``cadences`` are step counts K must divide. A URL is
@@ -109,7 +114,6 @@ def probe_steps_per_call(
     from stepbundle.schema import open_bundle
 
     from .io.store import resolve_bundle
-    from .load import load
 
     if options.safety.stop_on_nonfinite:
         return AutoSteps(1, None, "--stop-on-nonfinite checks every step")
@@ -146,14 +150,14 @@ def probe_steps_per_call(
 
 
 def resolve_auto_steps(
-    bundle: Any, device: str, options: LoadOptions
+    load: Load, bundle: Any, device: str, options: LoadOptions
 ) -> tuple[LoadOptions, AutoSteps | None]:
     """``options`` with ``steps_per_call="auto"`` replaced by the K measured for it
     (``probe_steps_per_call``, no cadence), and what was chosen; ``options`` as they
     are, and None, for any other ``steps_per_call``."""
     if options.compile.steps_per_call != "auto":
         return options, None
-    auto = probe_steps_per_call(bundle, device, options)
+    auto = probe_steps_per_call(load, bundle, device, options)
     k = auto.steps_per_call
     return dataclasses.replace(
         options, compile=dataclasses.replace(options.compile, steps_per_call=k)

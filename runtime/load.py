@@ -77,7 +77,7 @@ def load(
         )
     opts = options if options is not None else LoadOptions()
     t0 = time.perf_counter()
-    opts, auto = resolve_auto_steps(path, device, opts)  # "auto": measured first
+    opts, auto = resolve_auto_steps(load, path, device, opts)  # "auto": measured first
     info = LoadInfo(auto_steps=auto.describe() if auto is not None else "")
     source: InitSource | None = None  # init_from's files, open while the state is placed
     platform, _ = parse_device(device)

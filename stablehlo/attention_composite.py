@@ -33,7 +33,9 @@ from typing import Any
 
 from jaxlib.mlir import ir
 
-from .artifact import Module
+from stepbundle.schema.errors import UsageError
+
+from .artifact import Module, ProgramError
 from .build import verify
 from .graph import call, element_type, function_type, insert_functions, shape_of
 
@@ -62,7 +64,7 @@ def attributes(
     """The composite's attributes, as a front-end writes them (``jax.lax.composite``'s
     keyword arguments)."""
     if mask not in MASK_KINDS:
-        raise ValueError(f"mask kind {mask!r} is not one of {MASK_KINDS}")
+        raise UsageError(f"mask kind {mask!r} is not one of {MASK_KINDS}")
     return {
         "causal": bool(causal),
         "scale": float(scale),
@@ -227,7 +229,7 @@ def rewrite_composites(
             got_in, got_out = [str(t) for t in ft.inputs], [str(t) for t in ft.results]
             # A forward whose lse no one reads may give ``out`` alone (module docstring)
             if got_in != want_in or got_out[: len(want_out)] != want_out or not want_out:
-                raise ValueError(
+                raise ProgramError(
                     f"the fused {att.describe()} takes {got_in} -> {got_out}, the "
                     f"composite {want_in} -> {want_out}"
                 )

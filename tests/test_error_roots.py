@@ -71,9 +71,6 @@ CAUGHT_INSIDE = {
         "a SinkError, or the CLI's exit code 2",
     ),
     "runtime/_compat.py": ({"TimeoutError"}, "placement/distributed.py: a PlatformError"),
-    # Being rewritten at the time of the roots (attention composites); convert its two
-    # ValueErrors to stablehlo's ProgramError when that work lands.
-    "stablehlo/attention_composite.py": ({"ValueError"}, "runtime/compile/rewrites.py"),
 }
 
 ROOT = Path(__file__).resolve().parent.parent

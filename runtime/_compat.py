@@ -45,6 +45,7 @@ __all__ = [
     "serialize_executable",
     "single_device_sharding",
     "to_host",
+    "to_host_uncached",
     "transfer_path",
     "x64_scope",
 ]
@@ -282,6 +283,33 @@ def to_host(a: Array) -> np.ndarray[Any, Any]:
     from jax.experimental import multihost_utils
 
     return np.array(multihost_utils.process_allgather(a, tiled=True), copy=True)
+
+
+def to_host_uncached(a: Array) -> np.ndarray[Any, Any]:
+    """``to_host`` that leaves no host copy behind on ``a`` (for streamed checkpoints).
+
+    ``np.asarray`` of a jax array keeps the numpy value it made on the array
+    (``_npy_value``, wherever the transfer copied: on accelerators) until the array is
+    deleted; reading the whole state that way holds a host copy of all of it while the
+    buffers live. Here each distinct piece of this process's shards is fetched with
+    jaxlib's conversion that does not keep it (``_single_device_array_to_np_array_did_copy``,
+    in jaxlib 0.7.1 and 0.10.2; ``np.asarray`` where a jaxlib lacks it) and copied into
+    one new array. Arrays spread over other processes' devices go through ``to_host``.
+    """
+    if not a.is_fully_addressable:
+        return to_host(a)
+    out = np.empty(a.shape, a.dtype)
+    seen: set[str] = set()
+    for shard in a.addressable_shards:
+        key = repr(shard.index)
+        if key in seen:
+            continue
+        seen.add(key)
+        piece: Any = shard.data
+        fetch = getattr(piece, "_single_device_array_to_np_array_did_copy", None)
+        # The piece may be a view of the device buffer (the CPU): copied into ``out``.
+        out[shard.index] = fetch()[0] if fetch is not None else np.asarray(piece)
+    return out
 
 
 def job_process_id() -> int:

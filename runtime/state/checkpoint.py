@@ -36,7 +36,7 @@ import dataclasses
 import json
 import os
 import struct
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any, BinaryIO
 
 import numpy as np
@@ -82,6 +82,7 @@ def checkpoint_digest(meta: CheckpointMeta, values: Mapping[str, np.ndarray[Any,
         digest.tensor(name, a.dtype.str, a.shape, a.nbytes)
         if a.size:
             digest.update(a.reshape(-1).view(np.uint8).data)
+        del a  # before the next tensor is read (a streamed state copies it then)
     return digest.hexdigest()
 
 
@@ -107,28 +108,45 @@ def check_bundle(
         )
 
 
+Specs = Mapping[str, tuple[np.dtype[Any], tuple[int, ...]]]
+
+
 def write_safetensors(
     path: str | os.PathLike[str],
     tensors: Mapping[str, np.ndarray[Any, Any]],
     metadata: Mapping[str, str] | None = None,
+    specs: Specs | None = None,
 ) -> None:
     """Write ``tensors`` as a safetensors file, atomically (temp, fsync, rename).
 
     The file gets the permissions ``open(path, "w")`` would give it (the umask's).
     ``path`` may be a URL (``remote.write_object``: temporary object, then a move).
 
+    ``specs`` (each name's dtype and shape), when given, makes the write streamed: the
+    header is made from them, and each tensor is read from ``tensors`` only when its
+    bytes are written, and dropped after (``named.StreamedState`` copies it from the
+    device then).
+
     Raises:
-      CheckpointError: a tensor has a dtype checkpoints cannot hold (nothing written).
+      CheckpointError: a tensor has a dtype checkpoints cannot hold (nothing written),
+        or a streamed tensor does not have its spec's dtype and shape.
       OSError: the file could not be written; ``path`` is untouched.
     """
     header: dict[str, Any] = {}
     if metadata:
         header["__metadata__"] = dict(metadata)
     offset = 0
-    items = []
+    items: list[np.ndarray[Any, Any]] = []
     for name in sorted(tensors):
-        # np.asarray keeps 0-d arrays 0-d (ascontiguousarray would make them 1-d).
-        a = np.asarray(tensors[name], order="C")
+        if specs is not None:
+            dtype, shape = specs[name]
+            # np.empty of no elements: the header's facts without the tensor's bytes
+            a = np.empty((0,), dtype)
+            nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        else:
+            # np.asarray keeps 0-d arrays 0-d (ascontiguousarray would make them 1-d).
+            a = np.asarray(tensors[name], order="C")
+            shape, nbytes = a.shape, a.nbytes
         dt = from_numpy(a.dtype)
         if dt is None:
             raise CheckpointError(
@@ -137,20 +155,35 @@ def write_safetensors(
             )
         header[name] = {
             "dtype": SAFETENSORS_CODES[dt],
-            "shape": [int(d) for d in a.shape],
-            "data_offsets": [offset, offset + a.nbytes],
+            "shape": [int(d) for d in shape],
+            "data_offsets": [offset, offset + nbytes],
         }
-        offset += a.nbytes
-        items.append(a)
+        offset += nbytes
+        if specs is None:
+            items.append(a)
     raw = json.dumps(header, separators=(",", ":"), sort_keys=False).encode()
     raw += b" " * (-len(raw) % 8)  # the spec allows trailing spaces; 8-align the data
+
+    def streamed() -> Iterator[np.ndarray[Any, Any]]:
+        assert specs is not None
+        for name in sorted(tensors):
+            a = np.asarray(tensors[name], order="C")
+            if (a.dtype, a.shape) != specs[name]:
+                raise CheckpointError(
+                    f"Tensor {name!r} came as {a.dtype}{list(a.shape)}, but the checkpoint's "
+                    f"header was written for {specs[name][0]}{list(specs[name][1])}; nothing "
+                    "was written. This is a bug: please report it."
+                )
+            yield a
+            del a  # before the next tensor is read: one on the host at a time
 
     def write(f: BinaryIO) -> None:
         f.write(struct.pack("<Q", len(raw)))
         f.write(raw)
-        for a in items:
+        for a in items if specs is None else streamed():
             if a.size:
                 f.write(a.reshape(-1).view(np.uint8).data)
+            del a
 
     target = remote.local_path(path)
     if target is None:
@@ -193,16 +226,22 @@ def _read_local(
 
 
 def write_checkpoint(
-    path: str | os.PathLike[str], values: Mapping[str, np.ndarray[Any, Any]], meta: CheckpointMeta
+    path: str | os.PathLike[str],
+    values: Mapping[str, np.ndarray[Any, Any]],
+    meta: CheckpointMeta,
+    specs: Specs | None = None,
 ) -> None:
     """Write a checkpoint: ``values`` as safetensors, ``meta`` in its metadata.
+
+    With ``specs`` the write is streamed (``write_safetensors``): each tensor is read
+    twice, once for the digest the header holds and once to write it, and never kept.
 
     Raises:
       OSError: the file could not be written; ``path`` is untouched.
     """
     meta = dataclasses.replace(meta, format=CHECKPOINT_FORMAT, sha256=None)
     meta = dataclasses.replace(meta, sha256=checkpoint_digest(meta, values))
-    write_safetensors(path, values, {META_KEY: meta.to_json()})
+    write_safetensors(path, values, {META_KEY: meta.to_json()}, specs)
 
 
 def read_checkpoint(

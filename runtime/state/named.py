@@ -11,7 +11,7 @@ Imports: numpy, stepbundle.schema.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -22,7 +22,7 @@ from ..dtypes import NUMPY_DTYPES
 from ..errors import CheckpointError
 from ..placement.packing import Layout, Pack
 
-__all__ = ["check_state_values", "host_buffers", "named_values"]
+__all__ = ["StreamedState", "check_state_values", "host_buffers", "named_values"]
 
 
 def check_state_values(
@@ -92,3 +92,55 @@ def named_values(
         else:
             values[entry] = host
     return values
+
+
+class StreamedState(Mapping[str, np.ndarray[Any, Any]]):
+    """The state under PyTorch's names, each tensor copied from the device when it is
+    read and not kept: a checkpoint written from it holds one tensor on the host at a
+    time (plus the packs of small tensors, each copied once and kept while this object
+    lives), however much state the devices hold together.
+
+    ``to_host(buffer)`` is the copy (a gather for a split buffer: in a multi-process job
+    every process would have to read the same tensors in the same order, so such jobs
+    read the whole state at once instead). ``specs`` gives each name's dtype and shape
+    without copying anything.
+    """
+
+    def __init__(
+        self,
+        manifest: Manifest,
+        layout: Layout,
+        buffers: list[Any],
+        to_host: Callable[[Any], np.ndarray[Any, Any]],
+    ) -> None:
+        self._to_host = to_host
+        self._packs: dict[str, np.ndarray[Any, Any]] = {}
+        where: dict[str, tuple[Any, Pack | None, Any]] = {}
+        for entry, buf in zip(layout.buffers, buffers):
+            if isinstance(entry, Pack):
+                for m in entry.members:
+                    where[m.state] = (buf, entry, m)
+            else:
+                where[entry] = (buf, None, None)
+        self._where: dict[str, tuple[Any, Pack | None, Any]] = {}
+        self.specs: dict[str, tuple[np.dtype[Any], tuple[int, ...]]] = {}
+        for e in manifest.state:
+            for name in (e.name, *e.aliases):
+                self._where[name] = where[e.name]
+                self.specs[name] = (NUMPY_DTYPES[e.spec.dtype], tuple(e.spec.shape))
+
+    def __getitem__(self, name: str) -> np.ndarray[Any, Any]:
+        buf, pack, member = self._where[name]
+        if pack is None:
+            return self._to_host(buf)
+        host = self._packs.get(pack.name)
+        if host is None:
+            host = self._packs[pack.name] = self._to_host(buf)
+        piece = host[member.offset : member.offset + member.numel]
+        return piece.reshape(member.shape).copy()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)

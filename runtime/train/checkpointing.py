@@ -15,6 +15,10 @@ Imports: numpy, jax/jaxlib (through _compat), stepbundle.schema.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
 
 from stepbundle.schema.manifest import Manifest
 
@@ -66,11 +70,21 @@ class Checkpoints:
             schedules=dict(self._hp.specs),
             data=self._progress.data_position,
         )
-        values = self._store.state_dict(include_aliases=True)
+        # One process: each tensor is copied from the device while it is written, so
+        # the host never holds the whole state (a split tensor is gathered on its own).
+        # Several: reading a split tensor is a collective every process joins, so each
+        # reads the whole state here, in the same order, and process 0 writes it.
+        values: Mapping[str, np.ndarray[Any, Any]]
+        specs = None
+        if self._placement.process_count == 1:
+            streamed = self._store.streamed()
+            values, specs = streamed, streamed.specs
+        else:
+            values = self._store.state_dict(include_aliases=True)
         failure: CheckpointError | None = None
         if self._placement.writes_files:
             try:
-                write_checkpoint(path, values, meta)
+                write_checkpoint(path, values, meta, specs)
             except CheckpointError as e:  # every process must still reach the agreement
                 failure = e
             except OSError as e:  # every process must still reach the agreement below

@@ -24,7 +24,7 @@ from ..compile.state_masks import MaskPins
 from ..errors import BindingError
 from ..placement.packing import Layout
 from ..placement.sharding import Placement
-from ..state.named import check_state_values, host_buffers, named_values
+from ..state.named import StreamedState, check_state_values, host_buffers, named_values
 
 __all__ = ["StateStore"]
 
@@ -66,7 +66,9 @@ class StateStore:
         weights under each of their names with ``include_aliases``."""
         self.check_usable()
         # One transfer per buffer, each when its turn comes.
-        values = named_values(self.layout, (_compat.to_host(b) for b in self.buffers))
+        # Uncached: jax would otherwise keep a host copy of every buffer until the next
+        # step replaces it, the whole state twice on the host with the copies returned.
+        values = named_values(self.layout, (_compat.to_host_uncached(b) for b in self.buffers))
         out: dict[str, np.ndarray[Any, Any]] = {}
         for name in self.names:
             out[name] = values[name]
@@ -74,6 +76,14 @@ class StateStore:
                 for alias in self._aliases.get(name, ()):
                     out[alias] = values[name]
         return out
+
+    def streamed(self) -> StreamedState:
+        """The state under every name (aliases too), each tensor copied from the device
+        only when it is read (``StreamedState``)."""
+        self.check_usable()
+        return StreamedState(
+            self._manifest, self.layout, list(self.buffers), _compat.to_host_uncached
+        )
 
     def load(self, values: Mapping[str, np.ndarray[Any, Any]]) -> None:
         """Replace the state with ``values`` (every state name, exact dtypes and shapes)."""

@@ -1,0 +1,339 @@
+"""Parallel layouts (#41): ZeRO-1, FSDP and tensor parallelism from the same one-device
+bundle, on 4 virtual CPU devices here and on 8 in a child process.
+
+The bundle is a two-block GPT with nanoGPT's parameter names and AdamW
+(``data/tiny_gpt.stepbundle``, made by ``data/make_tiny_gpt.py``). Each layout's losses
+and final state must equal the one-device run's within the data-parallel bounds
+(test_data_parallel.py): 1e-5 of each tensor's own scale. Splitting the state changes
+only where sums are added (the partitioner's gathers and reduce-scatters), never what is
+computed: a shard updated from the wrong slice, a missing gather or a model-axis split
+of the wrong dimension moves the numbers by orders of magnitude more.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import weakref
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from runtime_helpers import golden_batches, golden_bundle, rel
+
+from stepbundle.runtime import (
+    CompileOptions,
+    LoadOptions,
+    ParallelOptions,
+    PlatformError,
+    _compat,
+    load,
+)
+from stepbundle.runtime.parallel_layout import (
+    DataSplit,
+    LayoutError,
+    ParallelLayout,
+    ShardRule,
+    parse_layout,
+)
+from stepbundle.runtime.placement.shard_plan import plan_shards
+from stepbundle.runtime.state.checkpoint import read_safetensors, write_safetensors
+from stepbundle.runtime.state.named import StreamedState
+from stepbundle.schema import open_bundle
+from stepbundle.schema.manifest import StateKind
+
+HERE = Path(__file__).resolve().parent
+GPT = HERE / "data" / "tiny_gpt.stepbundle"
+TOL = 1e-5
+STEPS = 4
+
+
+def _gpt_batches() -> list[dict[str, np.ndarray]]:
+    rng = np.random.default_rng(0)
+    return [
+        {
+            "idx": rng.integers(0, 32, (8, 8)).astype(np.int64),
+            "y": rng.integers(0, 32, (8, 8)).astype(np.int64),
+        }
+        for _ in range(3)
+    ]
+
+
+def _run(path: Path, batches: list[dict[str, np.ndarray]], **kw: Any) -> tuple[Any, np.ndarray]:
+    trainer = load(path, options=LoadOptions.from_keywords(cache_dir=False, **kw))
+    losses = np.array([float(m["loss"]) for m in trainer.run(batches, STEPS)])
+    return trainer, losses
+
+
+def _normwise(a: np.ndarray, b: np.ndarray) -> float:
+    a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a64 - b64) / max(float(np.linalg.norm(b64)), 1e-6))
+
+
+def _assert_close(state: dict, ref: dict, losses: np.ndarray, ref_losses: np.ndarray) -> None:
+    """docs/parallel.md's data-parallel bounds: losses 1e-5 relative, state 1e-5
+    normwise (Adam's second moment 2e-5)."""
+    assert rel(losses, ref_losses) <= TOL, (losses, ref_losses)
+    assert set(state) == set(ref)
+    for k, v in ref.items():
+        assert state[k].dtype == v.dtype and state[k].shape == v.shape, k
+        bound = 2 * TOL if k.endswith("exp_avg_sq") else TOL
+        assert _normwise(state[k], v) <= bound, (k, _normwise(state[k], v))
+
+
+@pytest.fixture(scope="module")
+def one_device() -> tuple[dict[str, np.ndarray], np.ndarray]:
+    trainer, losses = _run(GPT, _gpt_batches())
+    assert losses[0] != losses[-1]  # it trains
+    return trainer.state_dict(), losses
+
+
+@pytest.fixture(scope="module")
+def layouts_on_four() -> dict[str, tuple[Any, np.ndarray]]:
+    """The GPT run on 4 devices in each layout (one compile each, shared by the tests)."""
+    return {
+        layout: _run(GPT, _gpt_batches(), devices=4, layout=layout)
+        for layout in ("zero1", "fsdp", "fsdp+tp")
+    }
+
+
+@pytest.mark.parametrize("layout", ["zero1", "fsdp", "fsdp+tp"])
+def test_each_layout_on_four_devices_matches_one_device(
+    layout: str, one_device: Any, layouts_on_four: Any
+) -> None:
+    ref_state, ref_losses = one_device
+    trainer, losses = layouts_on_four[layout]
+    assert trainer.load_info.layout == parse_layout(layout).spec
+    _assert_close(trainer.state_dict(), ref_state, losses, ref_losses)
+
+
+def test_fsdp_splits_parameters_and_optimizer_state_over_the_data_axis(
+    layouts_on_four: Any,
+) -> None:
+    trainer, _ = layouts_on_four["fsdp"]
+    manifest = trainer.manifest
+    buffers = dict(zip(trainer._store.layout.buffer_names, trainer._store.buffers))
+    w = "transformer.h.0.mlp.c_fc.weight"  # [64, 16]: split on its first dimension
+    for name in (w, f"optimizer.state.{w}.exp_avg", f"optimizer.state.{w}.exp_avg_sq"):
+        shards = buffers[name].addressable_shards
+        assert sorted(s.data.shape for s in shards) == [(16, 16)] * 4, name
+    # Every parameter and moment whose dimension divides is split, none is replicated.
+    split = trainer.placement.state_dims
+    for s in manifest.state:
+        if s.kind in (StateKind.PARAMETER, StateKind.OPTIMIZER_STATE) and s.spec.shape:
+            assert s.name in split, s.name
+    # The partitioner gathers the split parameters where the step reads them.
+    plan, _ = trainer._dispatcher.pick("train", _gpt_batches()[0])
+    hlo = plan.executable.hlo_modules()[0].to_string()
+    assert "all-gather" in hlo
+
+
+def test_tensor_parallel_follows_megatrons_split(layouts_on_four: Any) -> None:
+    trainer, _ = layouts_on_four["fsdp+tp"]
+    assert trainer.load_info.mesh == {"data": 2, "model": 2}
+    dims = trainer.placement.state_dims
+    h = "transformer.h.0."
+    # Column split on the way in, row split on the way out, the vocabulary of the
+    # embedding; FSDP takes the other dimension over the data axis.
+    assert dims[h + "attn.c_attn.weight"] == ("model", "data")
+    assert dims[h + "mlp.c_fc.weight"] == ("model", "data")
+    assert dims[h + "mlp.c_fc.bias"] == ("model",)
+    assert dims[h + "attn.c_proj.weight"] == ("data", "model")
+    assert dims[h + "mlp.c_proj.weight"] == ("data", "model")
+    assert dims[h + "mlp.c_proj.bias"] == ("data",)  # a row split's bias stays whole on model
+    assert dims["transformer.wte.weight"] == ("model", "data")
+    assert dims["lm_head.weight"] == ("model", "data")
+    # Adam's moments follow their parameter.
+    assert dims[f"optimizer.state.{h}mlp.c_fc.weight.exp_avg"] == ("model", "data")
+    buffers = dict(zip(trainer._store.layout.buffer_names, trainer._store.buffers))
+    shards = buffers[h + "mlp.c_fc.weight"].addressable_shards  # [64, 16] over 2 x 2
+    assert sorted(s.data.shape for s in shards) == [(32, 8)] * 4
+
+
+def test_state_bytes_per_device_shrink_with_each_layout(layouts_on_four: Any) -> None:
+    nbytes = {k: t.load_info.state_bytes_per_device for k, (t, _) in layouts_on_four.items()}
+    for k, (t, _) in layouts_on_four.items():
+        per_device = t.state_bytes_per_device()
+        assert len(per_device) == 4 and max(per_device.values()) == nbytes[k], k
+    total = sum(s.spec.nbytes for s in _gpt_manifest().state)  # what dp holds per device
+    # AdamW's moments are 2/3 of the state: ZeRO-1 keeps a quarter of them.
+    assert nbytes["zero1"] < 0.55 * total
+    # FSDP splits nearly everything; only the scalar step counts stay whole.
+    assert nbytes["fsdp"] < 0.26 * total
+    assert nbytes["fsdp+tp"] < 0.27 * total
+
+
+def test_checkpoint_of_a_sharded_run_is_the_whole_state(
+    layouts_on_four: Any, tmp_path: Path
+) -> None:
+    trainer, _ = layouts_on_four["fsdp+tp"]
+    trainer.save_checkpoint(tmp_path / "tp.safetensors")
+    values, _ = read_safetensors(tmp_path / "tp.safetensors")
+    state = trainer.state_dict()
+    for k, v in state.items():
+        np.testing.assert_array_equal(values[k], v, err_msg=k)
+    one = load(GPT, options=LoadOptions(compile=CompileOptions(cache_dir=False)))
+    one.load_checkpoint(tmp_path / "tp.safetensors")
+    assert one.step_count == trainer.step_count
+    for k, v in one.state_dict().items():
+        np.testing.assert_array_equal(v, state[k], err_msg=k)
+
+
+def test_a_checkpoint_holds_one_tensor_on_the_host_at_a_time(
+    layouts_on_four: Any, tmp_path: Path
+) -> None:
+    """#41 item 3: the state streams from the devices into the file tensor by tensor
+    (each split tensor gathered on its own), twice (the digest, then the bytes), and the
+    file is the one the whole state_dict gives."""
+    trainer, _ = layouts_on_four["fsdp+tp"]
+    store = trainer._store
+    alive: list[weakref.ref] = []
+    most = 0
+
+    def to_host(buf: Any) -> np.ndarray:
+        nonlocal most
+        a = _compat.to_host_uncached(buf)
+        alive[:] = [r for r in alive if r() is not None] + [weakref.ref(a)]
+        most = max(most, len(alive))
+        return a
+
+    streamed = StreamedState(trainer.manifest, store.layout, list(store.buffers), to_host)
+    write_safetensors(tmp_path / "streamed.safetensors", streamed, {"k": "v"}, streamed.specs)
+    write_safetensors(tmp_path / "whole.safetensors", trainer.state_dict(), {"k": "v"})
+    assert (tmp_path / "streamed.safetensors").read_bytes() == (
+        tmp_path / "whole.safetensors"
+    ).read_bytes()
+    # Each pack of small tensors is copied once and kept; every other tensor is dropped
+    # before the next is read.
+    assert most <= 1 + len(store.layout.packs), most
+    # jax keeps no host copy on the buffers either (it would hold the whole state).
+    assert all(getattr(b, "_npy_value", None) is None for b in store.buffers)
+
+
+def test_eight_devices_fsdp_and_fsdp_tp_match_one_device(one_device: Any, tmp_path: Path) -> None:
+    """8 virtual devices (a child process: this one has 4): fsdp over 8, and fsdp+tp
+    as a 4 x 2 mesh."""
+    batches = _gpt_batches()
+    np.savez(tmp_path / "batches.npz", **{k: np.stack([b[k] for b in batches]) for k in batches[0]})
+    layouts = ("fsdp", "fsdp+tp")
+    r = subprocess.run(
+        [sys.executable, str(HERE / "layouts_child.py"), str(GPT), str(tmp_path / "batches.npz")]
+        + [str(STEPS), str(tmp_path), *layouts],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    ref_state, ref_losses = one_device
+    total = sum(v.nbytes for v in ref_state.values())
+    for layout in layouts:
+        with np.load(tmp_path / f"{layout}.npz") as z:
+            state = {k.removeprefix("state."): z[k] for k in z.files if k.startswith("state.")}
+            _assert_close(state, ref_state, z["losses"], ref_losses)
+            assert len(z["bytes"]) == 8
+            assert z["bytes"].max() < 0.15 * total, (layout, z["bytes"], total)
+
+
+def test_fsdp_bytes_are_the_state_split_over_the_devices() -> None:
+    """On the golden dropout_sgd bundle (SGD with momentum, every tensor's first
+    dimension divides by 4) each device holds exactly a quarter of the state."""
+    name = "dropout_sgd"
+    one, losses_one = _run(golden_bundle(name), golden_batches(name))
+    four, losses_four = _run(golden_bundle(name), golden_batches(name), devices=4, layout="fsdp")
+    _assert_close(four.state_dict(), one.state_dict(), losses_four, losses_one)
+    total = sum(s.spec.nbytes for s in open_bundle(golden_bundle(name)).manifest.state)
+    assert set(four.state_bytes_per_device().values()) == {total // 4}
+
+
+# ------------------------------------------------------------------ specs and refusals
+@pytest.mark.parametrize(
+    "text, data, model",
+    [
+        ("dp", DataSplit.DP, 1),
+        ("zero1", DataSplit.ZERO1, 1),
+        ("FSDP", DataSplit.FSDP, 1),
+        ("fsdp+tp", DataSplit.FSDP, 2),
+        ("fsdp+tp:4", DataSplit.FSDP, 4),
+        ("tp", DataSplit.DP, 2),
+        ("tp:2+zero1", DataSplit.ZERO1, 2),
+    ],
+)
+def test_layout_specs_parse(text: str, data: DataSplit, model: int) -> None:
+    assert parse_layout(text) == ParallelLayout(data, model)
+
+
+@pytest.mark.parametrize("text", ["", "ddp", "fsdp+zero1", "tp+tp", "fsdp+tp:0", "fsdp:2"])
+def test_bad_layout_specs_are_refused_when_the_options_are_made(text: str) -> None:
+    with pytest.raises(LayoutError, match="Use dp, zero1 or fsdp"):
+        ParallelOptions(devices=4, layout=text)
+
+
+def test_shard_optimizer_state_is_the_zero1_layout() -> None:
+    assert ParallelOptions(devices=2, shard_optimizer_state=True).layout == "zero1"
+    assert ParallelOptions(devices=2, layout="tp", shard_optimizer_state=True).layout == (
+        "zero1+tp:2"
+    )
+
+
+def _gpt_manifest() -> Any:
+    with open_bundle(GPT) as b:
+        return b.manifest
+
+
+def test_a_rule_that_does_not_divide_is_refused() -> None:
+    rules = (ShardRule("mlp.c_fc.weight", 1),)  # [64, 16]: 16 over 3
+    with pytest.raises(LayoutError, match=r"16 does not divide by 3") as err:
+        plan_shards(_gpt_manifest(), ParallelLayout(DataSplit.FSDP, 3), 3, rules)
+    assert isinstance(err.value, PlatformError)
+    assert "transformer.h.0.mlp.c_fc.weight" in str(err.value)
+
+
+def test_a_rule_past_the_rank_or_matching_nothing_is_refused() -> None:
+    layout = ParallelLayout(DataSplit.DP, 2)
+    with pytest.raises(LayoutError, match="has shape \\[64\\] \\(1 dimensions\\)"):
+        plan_shards(_gpt_manifest(), layout, 2, (ShardRule("mlp.c_fc.bias", 1),))
+    with pytest.raises(LayoutError, match="matches no parameter"):
+        plan_shards(_gpt_manifest(), layout, 2, (ShardRule("q_proj.weight", 0),))
+    with pytest.raises(LayoutError, match="a non-empty str"):
+        ShardRule("", 0)
+
+
+def test_default_rules_keep_what_does_not_divide_whole_and_say_so() -> None:
+    plan = plan_shards(_gpt_manifest(), ParallelLayout(DataSplit.DP, 3), 3)
+    # Nothing of this GPT divides by 3 except c_attn ([48, 16]).
+    assert plan.dims["transformer.h.0.attn.c_attn.weight"] == ("model", None)
+    assert "transformer.wte.weight" not in plan.dims
+    assert any(n.startswith("transformer.wte.weight [32, 16] kept whole") for n in plan.notes)
+
+
+def test_a_model_axis_that_does_not_divide_the_devices_is_refused_at_load() -> None:
+    with pytest.raises(LayoutError, match="does not divide the 4 device"):
+        load(
+            GPT,
+            options=LoadOptions(
+                compile=CompileOptions(cache_dir=False),
+                parallel=ParallelOptions(devices=4, layout="fsdp+tp:3"),
+            ),
+        )
+
+
+def test_cli_run_takes_a_layout(tmp_path: Path) -> None:
+    name = "dropout_sgd"
+    data = str(golden_bundle(name).with_suffix("").with_suffix(".inputs.npz"))
+    run = [sys.executable, "-m", "stepbundle", "run", str(golden_bundle(name)), "--no-cache"]
+    r = subprocess.run(
+        [*run, "--data", data, "--steps", "2", "--devices", "4", "--layout", "fsdp"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr
+    assert "on cpu x4 (layout fsdp, mesh data 4, 360 B of state per device)" in r.stderr
+    r = subprocess.run(
+        [*run, "--data", data, "--steps", "2", "--devices", "4", "--layout", "fsdp+tp:3"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 1 and "does not divide the 4 device" in r.stderr, r.stderr

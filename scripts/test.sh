@@ -34,6 +34,7 @@ lane_b() {
   .venv/bin/python -m pytest -q --durations=5 tests/runtime/test_runtime_golden.py \
     tests/runtime/test_runtime_step.py tests/runtime/test_cache_integrity.py \
     tests/runtime/test_steps_per_call.py tests/runtime/test_data_parallel.py \
+    tests/runtime/test_layouts.py \
     tests/runtime/test_cpu_numerics.py \
     tests/runtime/test_attention_composite.py \
     -k "not fuzzed"  # the cache fuzz (2.5 minutes) runs in the lean stage

@@ -2,7 +2,10 @@
 
 Everything but ``export`` works without torch; ``export`` imports the exporter
 (torch, torch_xla) only when it is called. Each subcommand lives in its own module; this
-one holds the argument parser and ``main``.
+one holds the argument parser and ``main``. The options ``run``, ``eval`` and ``compile``
+share are declared once (``options.py``), and those commands turn their arguments into
+one frozen ``RunConfig`` (``config.py``) that they pass by value; what a run does is the
+runtime's policy (``runtime/auto_steps.py``, ``runtime/train/schedule.py``).
 """
 
 from __future__ import annotations

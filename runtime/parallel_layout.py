@@ -7,7 +7,8 @@ A layout is one spec string (``ParallelOptions(layout=...)``, ``--layout``):
   stage 1).
 - ``fsdp``: fully sharded data parallel (ZeRO stage 3): parameters, their kept gradients
   and their optimizer state are split over ``data``; XLA's SPMD partitioner gathers each
-  parameter where the step reads it and reduce-scatters its gradient.
+  parameter where the step reads it and reduces its gradient onto the shards (on the
+  CPU as an all-reduce; docs/parallel.md).
 - ``+tp`` or ``+tp:M`` after any of them (``fsdp+tp``, ``dp+tp:4``): a 2-D mesh, ``data``
   x ``model`` with M devices on the model axis (2 when not given), and the large matmul
   weights split over ``model`` by ``ShardRule`` s (Megatron's column and row split,

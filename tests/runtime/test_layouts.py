@@ -12,6 +12,7 @@ of the wrong dimension moves the numbers by orders of magnitude more.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import weakref
@@ -332,6 +333,30 @@ def test_cli_run_takes_a_layout(tmp_path: Path) -> None:
     assert "on cpu x4 (layout fsdp, mesh data 4, 360 B of state per device)" in r.stderr
     r = subprocess.run(
         [*run, "--data", data, "--steps", "2", "--devices", "4", "--layout", "fsdp+tp:3"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 1 and "does not divide the 4 device" in r.stderr, r.stderr
+
+
+def test_cli_eval_takes_devices_and_a_layout() -> None:
+    name = "linear_adamw"  # its eval entry's batch of 8 rows splits over 4 devices
+    data = str(golden_bundle(name).with_suffix("").with_suffix(".inputs.npz"))
+    ev = [sys.executable, "-m", "stepbundle", "eval", str(golden_bundle(name)), "--no-cache"]
+    results = []
+    for extra in ([], ["--devices", "4", "--layout", "fsdp"]):
+        r = subprocess.run(
+            [*ev, "--data", data, "--json", *extra], capture_output=True, text=True, timeout=300
+        )
+        assert r.returncode == 0, r.stderr
+        results.append(json.loads(r.stdout))
+    one, four = results
+    assert one["rows"] == four["rows"] == 24
+    assert abs(four["loss"] - one["loss"]) <= TOL * abs(one["loss"])
+    # The layout reaches the load: a model axis that does not divide 4 devices is refused.
+    r = subprocess.run(
+        [*ev, "--data", data, "--devices", "4", "--layout", "tp:3"],
         capture_output=True,
         text=True,
         timeout=300,

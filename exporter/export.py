@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from stepbundle.frontend.errors import ExportError
+from stepbundle.frontend.initial_state import non_persistent_buffers
 from stepbundle.frontend.recipe import Recipe, checked_metadata, read_only_entries, step_label
 from stepbundle.frontend.schedulers import scheduler_notes
 from stepbundle.frontend.step_check import check_bundle, check_wanted
@@ -33,7 +34,7 @@ from stepbundle.frontend.writer import (
     producer,
     write_bundle,
 )
-from stepbundle.schema.manifest import NamedSpec, Rng
+from stepbundle.schema.manifest import NamedSpec, Rng, StateKind
 from stepbundle.schema.version import RNG_RESTORED_DRAWS
 
 from . import xla
@@ -87,7 +88,7 @@ def _trace_recipe(
         xla.sync()
         initial = ws.state_tensors()
         # The bundle's initial state: the state at the moment of export (CPU copies).
-        initial_values = {s.name: s.tensor.detach().cpu().clone() for s in initial}
+        initial_values = _initial_values(recipe, initial)
         initial_hyper = {n: float(t.detach().cpu()) for n, t in ws.hyperparameters.items()}
         kinds = {s.name: s.kind for s in initial}
         say(f"prepared: {len(initial)} state tensors on {device}")
@@ -149,6 +150,30 @@ def _trace_recipe(
             + (f", {len(eval_fns)} read-only entries" if eval_fns else "")
         )
         return initial, initial_values, initial_hyper, train_bound, eval_bound
+
+
+def _initial_values(recipe: Recipe, initial: list[Any]) -> dict[str, torch.Tensor]:
+    """The state at the moment of export, as CPU tensors for the writer.
+
+    A weights-free bundle stores no value for parameters and persistent buffers (the
+    writer reads only their dtype and shape: ``frontend.initial_state``), so they get a
+    meta tensor instead of a copy: the copies were 4 bytes per parameter, and more while
+    copying (issue #40: a 117M Llama ran out of a 12 GB address space right here). A
+    device tensor's ``.cpu()`` is a copy already; a host one is cloned.
+    """
+    non_persistent = non_persistent_buffers(recipe.model)
+
+    def value(s: Any) -> torch.Tensor:
+        t = s.tensor.detach()
+        model_state = s.kind is StateKind.PARAMETER or (
+            s.kind is StateKind.BUFFER
+            and not all(n in non_persistent for n in (s.name, *s.aliases))
+        )
+        if not recipe.include_state and model_state:
+            return torch.empty(tuple(t.shape), dtype=t.dtype, device="meta")
+        return t.cpu() if t.device.type != "cpu" else t.clone()
+
+    return {s.name: value(s) for s in initial}
 
 
 def _quiet(_msg: str) -> None:

@@ -292,3 +292,50 @@ def test_the_cli_exports_without_state_runs_from_a_file_and_resumes(
     # --resume needs no --init-from: the checkpoint holds every state tensor.
     code, got, _ = run(free, "--steps", "2", "--resume", str(ckpt))
     assert code == 0 and got == want[2:]
+
+
+def test_a_weights_free_export_keeps_no_host_copy_of_the_weights(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue #40: the writer reads only the dtype and shape of a weights-free bundle's
+    parameters and persistent buffers, so the exporter hands it meta tensors for them
+    (CPU copies of the whole state ran a 117M Llama out of a 12 GB address space); the
+    state stored by rule or by value (optimizer state, non-persistent buffers) is still
+    read from real values, and the bundle is unchanged."""
+    export_module = sys.modules["stepbundle.exporter.export"]  # the package's export() hides it
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.BatchNorm1d(4))
+    model.register_buffer("table", torch.arange(3.0), persistent=False)
+    recipe = Recipe(
+        model=model,
+        optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2, capturable=True, foreach=False),
+        step=lambda m, o, b: _mse(m, o, b),
+        example_batch={"x": torch.randn(8, 5), "y": torch.randn(8, 4)},
+        include_state=False,
+    )
+    seen: dict[str, torch.Tensor] = {}
+    real = export_module.write_bundle
+
+    def spy(recipe: Recipe, path: Any, *, state: Any, **kw: Any) -> Any:
+        seen.update({s.name: v for s, v in state})
+        return real(recipe, path, state=state, **kw)
+
+    monkeypatch.setattr(export_module, "write_bundle", spy)
+    export(recipe, tmp_path / "free.stepbundle", check=False)
+    assert seen["0.weight"].is_meta and seen["1.running_mean"].is_meta
+    assert seen["0.weight"].shape == (4, 5)
+    assert not seen["table"].is_meta and seen["table"].tolist() == [0.0, 1.0, 2.0]
+    assert not seen["optimizer.state.0.weight.exp_avg"].is_meta
+    with open_bundle(tmp_path / "free.stepbundle") as b:
+        kinds = {e.name: b.manifest.section(e.section).kind for e in b.manifest.state}
+    assert kinds["0.weight"] is SectionKind.EXTERNAL
+    assert kinds["table"] is SectionKind.TENSOR
+    assert kinds["optimizer.state.0.weight.exp_avg"] is SectionKind.FILL
+
+
+def _mse(model: Any, optimizer: Any, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
+    optimizer.zero_grad()
+    loss = torch.nn.functional.mse_loss(model(batch["x"]) + model.table.sum() * 0, batch["y"])
+    loss.backward()
+    optimizer.step()
+    return {"loss": loss}

@@ -12,9 +12,11 @@
 #      hostile servers, SIGKILLs, ...) performed for real, about 2.5 minutes.
 # Running all of tests/runtime under both jax versions would add ~8 minutes to CI for
 # little: 2 covers what differs between jaxlib versions (runtime/_compat.py).
-# Stage 1 runs beside stages 2-5 (two lanes, as many as the CI machine's cores: most
-# tests are one compile or one process at a time); each lane's output is printed whole
-# when it ends. SERIAL=1 runs them one after another.
+# Two lanes, as many as the CI machine's cores (most tests are one compile or one process
+# at a time), balanced by their measured length: lane 1 runs stages 1 and 2 (both in
+# .venv), lane 2 stages 3, 4 and 5. Each lane's output is printed whole when it ends.
+# SERIAL=1 runs them one after another. CI runs the cache fuzz with 60 rounds (150 by
+# default; STEPBUNDLE_CACHE_FUZZ_ROUNDS).
 # Extra arguments go to the first pytest run (e.g. -x, -k NAME).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -28,8 +30,6 @@ bash scripts/typecheck.sh
 lane_a() {
   echo "== pytest (torch 2.9 + torch_xla + jax 0.7.1) =="
   .venv/bin/python -m pytest -q --durations=10 --ignore=tests/runtime --ignore=tests/schema "$@"
-}
-lane_b() {
   echo "== pytest, the runtime on jax 0.7.1 (the oldest jax the runtime supports) =="
   .venv/bin/python -m pytest -q --durations=5 tests/runtime/test_runtime_golden.py \
     tests/runtime/test_runtime_step.py tests/runtime/test_cache_integrity.py \
@@ -38,10 +38,13 @@ lane_b() {
     tests/runtime/test_cpu_numerics.py \
     tests/runtime/test_attention_composite.py \
     -k "not fuzzed"  # the cache fuzz (2.5 minutes) runs in the lean stage
+}
+lane_b() {
   echo "== pytest, torch front-end (current torch + jax, no torch_xla) =="
   .venv-torch/bin/python -m pytest -q --durations=5 tests/frontend_torch tests/frontends
   echo "== pytest, lean environment (newest jax, no torch) =="
-  .venv-lean/bin/python -m pytest -q --durations=10 tests/schema tests/runtime
+  STEPBUNDLE_CACHE_FUZZ_ROUNDS=${STEPBUNDLE_CACHE_FUZZ_ROUNDS:-60} \
+    .venv-lean/bin/python -m pytest -q --durations=10 tests/schema tests/runtime
   echo "== attacks (issue #29's attacks performed for real, scripts/attacks.py) =="
   # One at a time: lane 1 has the other core, and several attacks race a deadline.
   .venv-lean/bin/python scripts/attacks.py --jobs 1
@@ -61,10 +64,10 @@ pid_a=$!
 pid_b=$!
 rc_a=0; wait "$pid_a" || rc_a=$?
 cat "$logs/a"
-echo "== lane 1 (stage 1) ended: exit $rc_a, $((SECONDS - start)) s =="
+echo "== lane 1 (stages 1-2) ended: exit $rc_a, $((SECONDS - start)) s =="
 rc_b=0; wait "$pid_b" || rc_b=$?
 cat "$logs/b"
-echo "== lane 2 (stages 2-5) ended: exit $rc_b, $((SECONDS - start)) s =="
+echo "== lane 2 (stages 3-5) ended: exit $rc_b, $((SECONDS - start)) s =="
 if [ "$rc_a" != 0 ] || [ "$rc_b" != 0 ]; then
   echo "FAILED: lane 1 exit $rc_a, lane 2 exit $rc_b" >&2
   exit 1

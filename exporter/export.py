@@ -45,7 +45,7 @@ from .graphdiff import explain_graph_change
 from .numerics import checked_numerics
 from .serialize import lower_program
 from .trace import trace_eval, trace_train
-from .workspace import Workspace
+from .workspace import StateTensor, Workspace
 
 __all__ = ["ExportReport", "export"]  # ExportReport: stepbundle.frontend.writer's
 
@@ -152,7 +152,7 @@ def _trace_recipe(
         return initial, initial_values, initial_hyper, train_bound, eval_bound
 
 
-def _initial_values(recipe: Recipe, initial: list[Any]) -> dict[str, torch.Tensor]:
+def _initial_values(recipe: Recipe, initial: list[StateTensor]) -> dict[str, torch.Tensor]:
     """The state at the moment of export, as CPU tensors for the writer.
 
     A weights-free bundle stores no value for parameters and persistent buffers (the
@@ -163,7 +163,7 @@ def _initial_values(recipe: Recipe, initial: list[Any]) -> dict[str, torch.Tenso
     """
     non_persistent = non_persistent_buffers(recipe.model)
 
-    def value(s: Any) -> torch.Tensor:
+    def value(s: StateTensor) -> torch.Tensor:
         t = s.tensor.detach()
         model_state = s.kind is StateKind.PARAMETER or (
             s.kind is StateKind.BUFFER

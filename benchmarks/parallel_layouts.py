@@ -36,8 +36,7 @@ import numpy as np  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from models import Case, GPTConfig, make_batches, recipe  # noqa: E402
 
-from stepbundle.runtime import LoadOptions  # noqa: E402
-from stepbundle.runtime.parallel_layout import ShardRule  # noqa: E402
+from stepbundle.runtime import LoadOptions, ShardRule  # noqa: E402
 
 # Megatron's split in this model's names: column (dim 0) into attention and the MLP,
 # row (dim 1) back out, the (tied) embedding on its vocabulary.

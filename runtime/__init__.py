@@ -47,6 +47,7 @@ from .fallback import PathChoice, PathKind, StepbundleFallbackWarning
 from .load import load
 from .options import CompileOptions, LoadOptions, ParallelOptions, SafetyOptions, StateOptions
 from .placement.distributed import set_cpu_devices
+from .placement.layout_spec import LayoutError, ShardRule
 from .state.checkpoint import OtherBundleError
 from .state.init_state import InitStateError
 from .train.metrics import to_floats
@@ -64,6 +65,7 @@ __all__ = [
     "DataError",
     "DeviceError",
     "InitStateError",
+    "LayoutError",
     "LoadInfo",
     "LoadOptions",
     "NonFiniteLossError",
@@ -73,6 +75,7 @@ __all__ = [
     "PathKind",
     "PlatformError",
     "SafetyOptions",
+    "ShardRule",
     "StateOptions",
     "StepbundleError",
     "StepbundleFallbackWarning",

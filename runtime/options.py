@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from stepbundle.stablehlo.precision import MATMUL_PRECISIONS
 
 from .errors import BindingError, PlatformError
-from .parallel_layout import DataSplit, LayoutError, ParallelLayout, ShardRule, parse_layout
+from .placement.layout_spec import DataSplit, LayoutError, ParallelLayout, ShardRule, parse_layout
 
 __all__ = [
     "CompileOptions",
@@ -253,7 +253,7 @@ class ParallelOptions:
         its first dimension that is a multiple of N) over the devices instead of
         replicating it (ZeRO stage 1); each device then holds 1/N of it. The same as
         ``layout="zero1"``.
-      layout: what the devices split, as one spec string (``parallel_layout.py``):
+      layout: what the devices split, as one spec string (``placement/layout_spec.py``):
         ``"dp"`` (default: the state replicated), ``"zero1"`` (optimizer state split),
         ``"fsdp"`` (parameters, kept gradients and optimizer state split), each
         optionally with ``"+tp"`` or ``"+tp:M"``: a 2-D mesh of N/M x M devices whose
@@ -261,7 +261,7 @@ class ParallelOptions:
         normalized spec (``"fsdp+tp:2"``).
       tp_rules: with ``+tp``, which parameters are split on which dimension over the
         model axis (``ShardRule`` s, the first match wins); None: the default rules
-        for transformer names (``parallel_layout.DEFAULT_TP_RULES``). A rule that
+        for transformer names (``layout_spec.DEFAULT_TP_RULES``). A rule that
         matches a parameter whose dimension does not divide is refused at load.
     """
 

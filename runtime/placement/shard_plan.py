@@ -1,7 +1,7 @@
 """Which state tensor is split on which dimension over which mesh axis, for a layout.
 
 ``plan_shards`` reads the manifest's state table and a ``ParallelLayout``
-(``runtime/parallel_layout.py``) and gives every state tensor a mesh axis per dimension
+(``layout_spec.py``) and gives every state tensor a mesh axis per dimension
 (``None``: that dimension is whole on every device):
 
 - tensor parallelism (``+tp``): each parameter the first matching ``ShardRule`` names is
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from stepbundle.schema.manifest import Manifest, StateEntry, StateKind
 
-from ..parallel_layout import (
+from .layout_spec import (
     DEFAULT_TP_RULES,
     DataSplit,
     LayoutError,

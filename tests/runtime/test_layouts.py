@@ -31,7 +31,7 @@ from stepbundle.runtime import (
     _compat,
     load,
 )
-from stepbundle.runtime.parallel_layout import (
+from stepbundle.runtime.placement.layout_spec import (
     DataSplit,
     LayoutError,
     ParallelLayout,

@@ -6,7 +6,7 @@ tests/runtime/data/make_tiny_gpt.py``); the bundle is committed, and
 FSDP, tensor parallel) against its own one-device run, with no torch in the process.
 
 The names (``transformer.wte.weight``, ``transformer.h.0.attn.c_attn.weight``, ...) are
-what the default tensor-parallel rules know (``runtime/parallel_layout.py``). Sizes are
+what the default tensor-parallel rules know (``runtime/placement/layout_spec.py``). Sizes are
 small but every matmul weight divides by 2, 4 and 8: vocabulary 32, width 16, 4 heads,
 MLP 64, context 8, batch 8 (two integer inputs, ``idx`` and ``y``: i64[8, 8]).
 """

@@ -26,7 +26,7 @@ import enum
 import fnmatch
 from dataclasses import dataclass
 
-from .errors import PlatformError
+from ..errors import PlatformError
 
 __all__ = [
     "DEFAULT_MODEL_AXIS",

@@ -130,7 +130,24 @@ def random_nodes(gm: fx.GraphModule) -> list[fx.Node]:
         if n.op == "call_function"
         and isinstance(n.target, torch._ops.OpOverload)
         and _RANDOM_TAG in n.target.tags
+        and not _no_dropout(n)
     ]
+
+
+def _no_dropout(node: fx.Node) -> bool:
+    """True for an operator tagged as random only for its dropout (the SDPA kernels)
+    called with ``dropout_p`` 0: it draws nothing, so the step needs no seed for it."""
+    assert isinstance(node.target, torch._ops.OpOverload)
+    names = [a.name for a in node.target._schema.arguments]
+    if "dropout_p" not in names:
+        return False
+    i = names.index("dropout_p")
+    if i < len(node.args):
+        p = node.args[i]
+    else:
+        default = node.target._schema.arguments[i].default_value
+        p = node.kwargs.get("dropout_p", default)
+    return isinstance(p, (int, float)) and float(p) == 0.0
 
 
 def graph_text(gm: fx.GraphModule) -> str:

@@ -13,7 +13,11 @@ stamp=$(sha256sum pyproject.toml | cut -c1-16)
 
 make_env() {  # make_env DIR SPEC
   local dir=$1 spec=$2
-  if [ -f "$dir/.stepbundle-$stamp" ] && "$dir/bin/python" -c "import stepbundle" 2>/dev/null; then
+  # Found, not imported: a working tree whose code does not import right now (an edit
+  # in progress) must not cost a rebuild of the environment.
+  if [ -f "$dir/.stepbundle-$stamp" ] && "$dir/bin/python" -c \
+    "import importlib.util, sys; sys.exit(importlib.util.find_spec('stepbundle') is None)" \
+    2>/dev/null; then
     return 0
   fi
   echo "[setup] creating $dir ($spec)" >&2

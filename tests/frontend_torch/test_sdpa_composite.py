@@ -30,6 +30,7 @@ from stepbundle.export_torch import Recipe, aten_nn, export
 from stepbundle.runtime import CompileOptions, LoadOptions, fallback, load
 from stepbundle.runtime.compile import fused_attention as fa
 from stepbundle.runtime.compile import rewrites
+from stepbundle.schema.bindings import RngSeedInput
 from stepbundle.schema.reader import open_bundle
 from stepbundle.stablehlo import artifact as mlir
 from stepbundle.stablehlo.attention_composite import Attention, find_composites
@@ -302,6 +303,17 @@ def test_a_fused_step_matches_float64_as_well_as_the_decomposition(
     assert upd_plain < 0.05
     # and the fused step is not the decomposed one by accident of a missed swap
     assert any(not np.array_equal(state_plain[k], state_fused[k]) for k in state_plain)
+
+
+def test_sdpa_without_dropout_takes_no_seed(tmp_path: Path) -> None:
+    # torch tags its SDPA kernels as random (for their dropout); with dropout_p 0 the
+    # step draws nothing, so the bundle has no seed input (and the export check, which
+    # cannot replay torch's random numbers, is not skipped for it).
+    torch.manual_seed(0)
+    path = _export(tmp_path, _Net({}), 128)
+    with open_bundle(path) as b:
+        inputs = b.manifest.entries["train"].programs[0].inputs
+    assert inputs and not any(isinstance(i, RngSeedInput) for i in inputs)
 
 
 @pytest.mark.parametrize("form", ["causal", "padding"])

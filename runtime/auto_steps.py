@@ -157,7 +157,14 @@ def resolve_auto_steps(
     are, and None, for any other ``steps_per_call``."""
     if options.compile.steps_per_call != "auto":
         return options, None
-    auto = probe_steps_per_call(load, bundle, device, options)
+    wanted = options.compile.entries
+    if options.compile.compile_only:
+        # compile_only reads and places no state, so nothing can run to be measured
+        auto = AutoSteps(1, None, "compile_only runs no step to measure")
+    elif wanted is not None and "train" not in wanted:
+        auto = AutoSteps(1, None, "the train entry is not loaded")
+    else:
+        auto = probe_steps_per_call(load, bundle, device, options)
     k = auto.steps_per_call
     return dataclasses.replace(
         options, compile=dataclasses.replace(options.compile, steps_per_call=k)

@@ -157,3 +157,23 @@ def test_load_options_auto_probes_for_python_users_too() -> None:
     eight = LoadOptions(compile=CompileOptions(steps_per_call=8, cache_dir=False))
     given = load(golden_bundle(NAME), "cpu", options=eight)
     assert given.load_info.auto_steps == "" and given.steps_per_call == 8
+
+
+def test_auto_runs_nothing_where_the_load_runs_no_training_step() -> None:
+    """compile_only places no state and an eval-only load has no train program: "auto"
+    measures nothing there (no state read, no train entry compiled) and says so."""
+    from stepbundle.runtime import CompileOptions, LoadOptions, load
+
+    only = LoadOptions(
+        compile=CompileOptions(steps_per_call="auto", compile_only=True, cache_dir=False)
+    )
+    compiled = load(golden_bundle(NAME), "cpu", options=only)
+    assert (
+        compiled.load_info.auto_steps
+        == "steps per call 1 (auto: compile_only runs no step to measure)"
+    )
+    assert compiled.steps_per_call == 1
+    ev = LoadOptions(compile=CompileOptions(steps_per_call="auto", entries="eval", cache_dir=False))
+    trainer = load(golden_bundle(NAME), "cpu", options=ev)
+    assert trainer.load_info.auto_steps == "steps per call 1 (auto: the train entry is not loaded)"
+    assert trainer.steps_per_call == 1

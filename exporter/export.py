@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from stepbundle.frontend.errors import ExportError
+from stepbundle.frontend.errors import ExportError, MetaTensorError
 from stepbundle.frontend.initial_state import non_persistent_buffers
 from stepbundle.frontend.recipe import Recipe, checked_metadata, read_only_entries, step_label
 from stepbundle.frontend.schedulers import scheduler_notes
@@ -230,6 +230,24 @@ def export(
     )
 
 
+def _refuse_meta(recipe: Recipe) -> None:
+    """A model on the ``meta`` device (built for a weights-free export) cannot be traced
+    by torch_xla, which copies every state tensor to its device first."""
+    meta = [
+        name
+        for name, t in [*recipe.model.named_parameters(), *recipe.model.named_buffers()]
+        if t.is_meta
+    ]
+    if meta:
+        raise MetaTensorError(
+            f"{len(meta)} tensor(s) of the model are on the meta device (first: {meta[0]!r}); "
+            "the torch_xla front-end copies the state to its device to trace, so it needs real "
+            "tensors. Export a meta-device model with the torch front-end (`stepbundle export "
+            "--frontend torch --no-state`, or stepbundle.export_torch.export with "
+            "Recipe(include_state=False)), or build the model on the CPU."
+        )
+
+
 def export_running_traced_steps(
     recipe: Recipe,
     path: str | os.PathLike[str],
@@ -256,6 +274,7 @@ def export_running_traced_steps(
         raise ExportError(
             f"export() needs a stepbundle.exporter.Recipe, got {type(recipe).__name__}."
         )
+    _refuse_meta(recipe)
     _refuse_spmd()
     metadata = checked_metadata(recipe.metadata)
     numerics = checked_numerics(recipe.numerics)

@@ -150,8 +150,8 @@ def state_slots(recipe: Recipe, *, zero_grads: bool) -> list[Slot]:
     light = not recipe.include_state
     if not light and (refusal := _meta_refusal(recipe)) is not None:
         raise refusal
-    if light:
-        _refuse_meta_code_buffers(model)
+    # either way: state_dict() leaves non-persistent buffers out, and the bundle stores them
+    _refuse_meta_code_buffers(model)
 
     def keep(t: torch.Tensor) -> torch.Tensor:
         return t.detach() if light else t.detach().clone()

@@ -123,6 +123,17 @@ def test_meta_rotary_tables_are_refused_naming_the_buffer(tmp_path: Path) -> Non
         export(r, tmp_path / "x.stepbundle")
 
 
+def test_a_meta_code_buffer_of_a_real_model_is_refused_with_weights_too(tmp_path: Path) -> None:
+    # state_dict() leaves non-persistent buffers out: a model whose weights are real but
+    # whose rotary table is on meta is refused by name, not by the writer's raw error
+    r = llama.recipe("tiny", device="cpu")
+    r.include_state = True
+    r.model.cos = torch.empty_like(r.model.cos, device="meta")
+    with pytest.raises(MetaTensorError, match="'cos'.*persistent=False"):
+        export(r, tmp_path / "x.stepbundle", check=False)
+    assert not (tmp_path / "x.stepbundle").exists()
+
+
 def test_meta_model_check_true_is_refused(tmp_path: Path) -> None:
     # refused before tracing
     with pytest.raises(MetaTensorError, match="check=False"):

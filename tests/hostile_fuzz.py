@@ -7,7 +7,9 @@ A mutation draws its choices from a ``Draw`` (hypothesis's ``st.data()`` in the 
 a seeded ``random.Random`` in the long fuzzer) and returns the damaged file's bytes with a
 one-line description of what it did. ``exercise`` then opens the damaged file, reads
 every section, verifies it and, if it opened, loads it with the runtime and runs one step.
-The property: every outcome is a clean load or a ``StepbundleError``; never another
+The property: every outcome is a clean load or a refusal for the bundle's sake
+(``BundleError``, or its state's, data's or device's root); never a ``UsageError`` (the
+calls here are right: a damaged file must not read as the caller's mistake), never another
 exception, never a hang (``time_limit``), never an allocation the file does not justify
 (``exercise`` measures the reader's peak with tracemalloc).
 
@@ -32,7 +34,7 @@ from runtime_helpers import GOLDEN_DIR
 
 from stepbundle.runtime import CompileOptions, LoadOptions, SafetyOptions
 from stepbundle.schema import BundleError, IntegrityError, open_bundle
-from stepbundle.schema.errors import StepbundleError
+from stepbundle.schema.errors import CheckpointError, DataError, DeviceError
 from stepbundle.schema.layout import HEADER_FORMAT, HEADER_SIZE, align, pack_header
 from stepbundle.schema.wire import manifest_to_wire
 
@@ -468,6 +470,11 @@ class Outcome:
     reader_peak: int  # bytes tracemalloc saw at its peak while the reader ran
 
 
+# What a damaged bundle may be refused with once it opened: its programs or tables
+# (BundleError), its state (CheckpointError), what it asks of data or the device.
+BUNDLE_REFUSALS = (BundleError, CheckpointError, DataError, DeviceError)
+
+
 def exercise(
     path: Path,
     *,
@@ -478,8 +485,8 @@ def exercise(
 ) -> Outcome:
     """Open ``path``, read every section, verify, then load it and run ``batch``.
 
-    Returns where a ``BundleError`` (opening) or another ``StepbundleError`` (loading,
-    stepping) stopped it (or "ok"); any other exception escapes.
+    Returns where a ``BundleError`` (opening) or a ``BUNDLE_REFUSALS`` (loading,
+    stepping) stopped it (or "ok"); any other exception, ``UsageError`` included, escapes.
     """
     tracemalloc.start()
     try:
@@ -512,13 +519,13 @@ def exercise(
                 safety=SafetyOptions(stop_on_nonfinite=stop_on_nonfinite),
             ),
         )
-    except StepbundleError as e:  # a bundle, state, device or usage refusal
+    except BUNDLE_REFUSALS as e:
         return Outcome("load", type(e).__name__, peak)
     if batch is not None:
         try:
             for value in trainer.step(batch).values():  # whatever the metrics are called
                 value.block_until_ready()
             trainer.state_dict()
-        except StepbundleError as e:
+        except BUNDLE_REFUSALS as e:
             return Outcome("step", type(e).__name__, peak)
     return Outcome("ok", None, peak)

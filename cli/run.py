@@ -46,6 +46,18 @@ def _scalar(v: Any) -> Any:
 _MAX_CPU_DEVICES = 256
 
 
+def refuse_too_many_cpu_devices(args: RunConfig) -> None:
+    """``--devices N`` on the CPU makes N virtual devices: refuse a count past
+    ``_MAX_CPU_DEVICES`` before jax spends seconds and gigabytes making them (run, eval)."""
+    platform = args.device.partition(":")[0].lower()
+    if platform == "cpu" and isinstance(args.devices, int) and args.devices > _MAX_CPU_DEVICES:
+        raise UsageError(
+            f"--devices {args.devices} on the CPU would create that many virtual devices; at "
+            f"most {_MAX_CPU_DEVICES} are allowed (they share this machine's "
+            f"{os.cpu_count()} cores). Use a smaller number."
+        )
+
+
 def _join_job(args: RunConfig) -> bool:
     """Set up devices before jax starts: virtual CPU devices, and the multi-process job.
 
@@ -59,12 +71,7 @@ def _join_job(args: RunConfig) -> bool:
     cpu_devices = None
     platform = args.device.partition(":")[0].lower()
     forced = "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", "")
-    if platform == "cpu" and isinstance(args.devices, int) and args.devices > _MAX_CPU_DEVICES:
-        raise UsageError(
-            f"--devices {args.devices} on the CPU would create that many virtual devices; at "
-            f"most {_MAX_CPU_DEVICES} are allowed (they share this machine's "
-            f"{os.cpu_count()} cores). Use a smaller number."
-        )
+    refuse_too_many_cpu_devices(args)
     if platform == "cpu" and isinstance(args.devices, int) and args.devices > 1 and not forced:
         processes = args.num_processes or 1
         cpu_devices = -(-args.devices // processes)

@@ -254,6 +254,11 @@ def test_thousands_of_virtual_cpu_devices_are_refused_at_once() -> None:
     assert result.returncode == 2
     assert "at most 256 are allowed" in one_line_error(result)
     assert "[run] loaded" not in result.stderr
+    # eval takes --devices too, under the same cap
+    data = str(GOLDEN_DIR / "linear_adamw.inputs.npz")
+    result = cli("eval", str(golden_bundle("linear_adamw")), "--data", data, "--devices", "8000")
+    assert result.returncode == 2
+    assert "at most 256 are allowed" in one_line_error(result)
 
 
 @pytest.mark.parametrize("flag", ["--data", "--eval-data"])

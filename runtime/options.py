@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from stepbundle.stablehlo.precision import MATMUL_PRECISIONS
 
-from .errors import BindingError, PlatformError
+from .errors import UsageError
 from .placement.layout_spec import DataSplit, LayoutError, ParallelLayout, ShardRule, parse_layout
 
 __all__ = [
@@ -47,18 +47,18 @@ def _flags(record: object, *names: str) -> None:
     for name in names:
         value = getattr(record, name)
         if not isinstance(value, bool):
-            raise BindingError(f"{name} must be True or False, got {value!r}.")
+            raise UsageError(f"{name} must be True or False, got {value!r}.")
 
 
 def _path_or_none(name: str, value: object) -> None:
     """Refuse a field that should be a path (a str or os.PathLike) or None."""
     if value is not None and not isinstance(value, (str, os.PathLike)):
-        raise BindingError(
+        raise UsageError(
             f"{name} must be a path (a str or os.PathLike) or None, got {value!r} "
             f"({type(value).__name__})."
         )
     if isinstance(value, str) and not value:
-        raise BindingError(f"{name} must be a path or None, got an empty string.")
+        raise UsageError(f"{name} must be a path or None, got an empty string.")
 
 
 # More steps per call than this is no batch count a host could stack (a call holds its K
@@ -124,13 +124,13 @@ class CompileOptions:
             object.__setattr__(self, "entries", (entries,))
         elif entries is not None:
             if not isinstance(entries, Sequence) or not all(isinstance(e, str) for e in entries):
-                raise BindingError(
+                raise UsageError(
                     f"entries must be an entry name, a list of entry names or None, got "
                     f"{entries!r}."
                 )
             object.__setattr__(self, "entries", tuple(entries))
         if self.entries is not None and (not self.entries or not all(self.entries)):
-            raise BindingError(
+            raise UsageError(
                 f"entries must name at least one entry, and no empty name, got {entries!r}; "
                 "None compiles every entry of the bundle."
             )
@@ -138,7 +138,7 @@ class CompileOptions:
         if not isinstance(cache, bool) and cache is not None:
             _path_or_none("cache_dir", cache)
             if str(os.fspath(cache)).lower().startswith(_PROCESS_LOCAL):  # type: ignore[call-overload]
-                raise BindingError(
+                raise UsageError(
                     f"cache_dir={cache!r} is a file system that lives only in this process: "
                     "the compiled programs would be gone when it ends. Give a folder or a "
                     "shared URL, or cache_dir=False for no cache."
@@ -146,23 +146,23 @@ class CompileOptions:
         k = self.steps_per_call
         if k != "auto":  # "auto" is measured at load (runtime/auto_steps.py)
             if not isinstance(k, int) or isinstance(k, bool):
-                raise BindingError(
+                raise UsageError(
                     f'steps_per_call must be a whole number of at least 1 or "auto", got {k!r}.'
                 )
             if k < 1:
-                raise BindingError(f"steps_per_call must be a whole number of at least 1, got {k}.")
+                raise UsageError(f"steps_per_call must be a whole number of at least 1, got {k}.")
             if k > MAX_STEPS_PER_CALL:
-                raise BindingError(
+                raise UsageError(
                     f"steps_per_call={k} is more than {MAX_STEPS_PER_CALL}: a call stacks its "
                     "K batches in memory at once. 8 or 32 take most of the gain."
                 )
         _flags(self, "compile_only", "fused_attention")
         if not (isinstance(self.keep_freed_memory, bool) or self.keep_freed_memory == "auto"):
-            raise BindingError(
+            raise UsageError(
                 f'keep_freed_memory must be True, False or "auto", got {self.keep_freed_memory!r}.'
             )
         if self.matmul_precision is not None and self.matmul_precision not in MATMUL_PRECISIONS:
-            raise BindingError(
+            raise UsageError(
                 f"matmul_precision must be one of {', '.join(MATMUL_PRECISIONS)} or None, "
                 f"got {self.matmul_precision!r}."
             )
@@ -200,7 +200,7 @@ class StateOptions:
         _flags(self, "init_strict")
         p = self.pack_state
         if not isinstance(p, bool) and (not _whole(p) or p < 0):
-            raise BindingError(
+            raise UsageError(
                 "pack_state must be True, False or a whole number of elements (0: no "
                 f"packing), got {p!r}."
             )
@@ -227,12 +227,12 @@ class SafetyOptions:
     def __post_init__(self) -> None:
         _flags(self, "stop_on_nonfinite", "check_state")
         if self.expect_digest is not None and not isinstance(self.expect_digest, str):
-            raise BindingError(
+            raise UsageError(
                 f"expect_digest must be a bundle digest (sha256:...) or None, got "
                 f"{self.expect_digest!r}."
             )
         if self.check_state and not self.stop_on_nonfinite:
-            raise BindingError(
+            raise UsageError(
                 "check_state=True needs stop_on_nonfinite=True: the state can only be kept "
                 "when the programs do not donate it."
             )
@@ -274,11 +274,11 @@ class ParallelOptions:
         d = self.devices
         if isinstance(d, str):
             if d != "all":
-                raise PlatformError(f"devices must be a number or 'all', got {d!r}.")
+                raise UsageError(f"devices must be a number or 'all', got {d!r}.")
         elif not _whole(d):
-            raise PlatformError(f"devices must be a whole number or 'all', got {d!r}.")
+            raise UsageError(f"devices must be a whole number or 'all', got {d!r}.")
         elif d < 1:
-            raise PlatformError(f"devices must be a whole number of at least 1, got {d!r}.")
+            raise UsageError(f"devices must be a whole number of at least 1, got {d!r}.")
         _flags(self, "shard_optimizer_state")
         parsed = parse_layout(self.layout)  # LayoutError for a spec that does not parse
         if self.shard_optimizer_state and parsed.data is DataSplit.DP:
@@ -322,7 +322,7 @@ class LoadOptions:
 
     def __post_init__(self) -> None:
         if self.compile.compile_only and self.state.init_from is not None:
-            raise BindingError(
+            raise UsageError(
                 "compile_only places no state, so it takes no init_from: drop init_from "
                 "(--init-from), or load without compile_only to start from the checkpoint."
             )

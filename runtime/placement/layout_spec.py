@@ -26,7 +26,7 @@ import enum
 import fnmatch
 from dataclasses import dataclass
 
-from ..errors import PlatformError
+from ..errors import UsageError
 
 __all__ = [
     "DEFAULT_MODEL_AXIS",
@@ -43,9 +43,10 @@ DEFAULT_MODEL_AXIS = 2
 4-way FSDP x 2-way tensor parallel)."""
 
 
-class LayoutError(PlatformError):
+class LayoutError(UsageError):
     """A layout cannot be applied: a spec string that does not parse, a mesh the devices
-    do not fill, or a tensor-parallel rule whose dimension does not divide."""
+    do not fill, or a tensor-parallel rule whose dimension does not divide (the caller's
+    choice to change: a ``UsageError``)."""
 
 
 class DataSplit(str, enum.Enum):

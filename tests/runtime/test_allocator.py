@@ -12,7 +12,7 @@ import sys
 import pytest
 from runtime_helpers import golden_bundle
 
-from stepbundle.runtime import BindingError, CompileOptions, LoadOptions, load
+from stepbundle.runtime import CompileOptions, LoadOptions, UsageError, load
 from stepbundle.runtime.compile import allocator
 
 # Allocates 20 blocks of 8 MB through libc's malloc, touches every page, frees them all,
@@ -149,7 +149,7 @@ def test_the_setting_and_its_reason(
 
 def test_a_bad_setting_is_refused() -> None:
     for bad in ("yes", 1, None):
-        with pytest.raises(BindingError, match="keep_freed_memory must be"):
+        with pytest.raises(UsageError, match="keep_freed_memory must be"):
             CompileOptions(keep_freed_memory=bad)  # type: ignore[arg-type]
     environ = {**os.environ, allocator.ENV: "sometimes"}
     out = subprocess.run(

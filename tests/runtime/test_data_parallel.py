@@ -39,6 +39,7 @@ from stepbundle.runtime import (
     PlatformError,
     SafetyOptions,
     StateOptions,
+    UsageError,
     load,
 )
 from stepbundle.runtime.state.checkpoint import read_safetensors
@@ -286,7 +287,7 @@ def test_device_requests_that_cannot_be_met_are_clear_errors() -> None:
                 compile=CompileOptions(cache_dir=False), parallel=ParallelOptions(devices=2)
             ),
         )
-    with pytest.raises(PlatformError, match="a number or 'all'"):
+    with pytest.raises(UsageError, match="a number or 'all'"):
         load(
             golden_bundle("linear_adamw"),
             options=LoadOptions(

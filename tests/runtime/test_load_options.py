@@ -20,9 +20,9 @@ from stepbundle.runtime import (
     CompileOptions,
     LoadOptions,
     ParallelOptions,
-    PlatformError,
     SafetyOptions,
     StateOptions,
+    UsageError,
     load,
 )
 
@@ -32,21 +32,21 @@ BUNDLE = "linear_adamw"
 @pytest.mark.parametrize(
     "make, error, words",
     [
-        (lambda: CompileOptions(steps_per_call=0), BindingError, "steps_per_call must be"),
-        (lambda: CompileOptions(steps_per_call=True), BindingError, "steps_per_call must be"),
-        (lambda: CompileOptions(matmul_precision="fast"), BindingError, "one of default"),
-        (lambda: CompileOptions(entries=[1]), BindingError, "entries must be"),
-        (lambda: StateOptions(pack_state=-1), BindingError, "pack_state must be"),
-        (lambda: StateOptions(pack_state=2.5), BindingError, "pack_state must be"),
-        (lambda: SafetyOptions(check_state=True), BindingError, "needs stop_on_nonfinite"),
-        (lambda: ParallelOptions(devices="most"), PlatformError, "a number or 'all'"),
-        (lambda: ParallelOptions(devices=0), PlatformError, "at least 1"),
-        (lambda: ParallelOptions(devices=1.5), PlatformError, "whole number"),
+        (lambda: CompileOptions(steps_per_call=0), UsageError, "steps_per_call must be"),
+        (lambda: CompileOptions(steps_per_call=True), UsageError, "steps_per_call must be"),
+        (lambda: CompileOptions(matmul_precision="fast"), UsageError, "one of default"),
+        (lambda: CompileOptions(entries=[1]), UsageError, "entries must be"),
+        (lambda: StateOptions(pack_state=-1), UsageError, "pack_state must be"),
+        (lambda: StateOptions(pack_state=2.5), UsageError, "pack_state must be"),
+        (lambda: SafetyOptions(check_state=True), UsageError, "needs stop_on_nonfinite"),
+        (lambda: ParallelOptions(devices="most"), UsageError, "a number or 'all'"),
+        (lambda: ParallelOptions(devices=0), UsageError, "at least 1"),
+        (lambda: ParallelOptions(devices=1.5), UsageError, "whole number"),
         (
             lambda: LoadOptions(
                 compile=CompileOptions(compile_only=True), state=StateOptions(init_from="x")
             ),
-            BindingError,
+            UsageError,
             "compile_only places no state",
         ),
     ],
@@ -68,7 +68,7 @@ def test_options_are_frozen_and_normalized() -> None:
 
 def test_a_bad_option_is_refused_before_the_bundle_is_opened(tmp_path: Path) -> None:
     missing = tmp_path / "nowhere.stepbundle"
-    with pytest.raises(BindingError, match="steps_per_call must be"):
+    with pytest.raises(UsageError, match="steps_per_call must be"):
         load(
             missing, options=LoadOptions(compile=CompileOptions(cache_dir=False, steps_per_call=0))
         )

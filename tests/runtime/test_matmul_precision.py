@@ -18,7 +18,7 @@ import pytest
 from runtime_helpers import golden_batches, golden_bundle
 
 import stepbundle.schema as codec
-from stepbundle.runtime import BindingError, CompileOptions, LoadOptions, load
+from stepbundle.runtime import CompileOptions, LoadOptions, UsageError, load
 from stepbundle.stablehlo import artifact as mlir
 from stepbundle.stablehlo.precision import set_matmul_precision
 
@@ -51,7 +51,7 @@ def test_every_dot_general_carries_the_precision(precision: str) -> None:
 def test_an_unknown_precision_is_refused() -> None:
     with pytest.raises(ValueError, match="default, high, highest"):
         set_matmul_precision(_train_module(), "tf32")
-    with pytest.raises(BindingError, match="matmul_precision must be one of"):
+    with pytest.raises(UsageError, match="matmul_precision must be one of"):
         load(
             BUNDLE,
             options=LoadOptions(compile=CompileOptions(cache_dir=False, matmul_precision="fast")),

@@ -8,11 +8,11 @@ import pytest
 from runtime_helpers import golden_batches, golden_bundle
 
 from stepbundle.runtime import (
-    BindingError,
     CompileOptions,
     LoadOptions,
     NonFiniteLossError,
     SafetyOptions,
+    UsageError,
     load,
 )
 
@@ -67,7 +67,7 @@ def test_every_metric_is_watched_not_only_the_loss() -> None:
 
 
 def test_check_state_needs_stop_on_nonfinite() -> None:
-    with pytest.raises(BindingError, match="check_state=True needs stop_on_nonfinite=True"):
+    with pytest.raises(UsageError, match="check_state=True needs stop_on_nonfinite=True"):
         load(
             golden_bundle("linear_adamw"),
             options=LoadOptions(

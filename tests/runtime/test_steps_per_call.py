@@ -18,7 +18,14 @@ import numpy as np
 import pytest
 from runtime_helpers import GOLDEN_DIR, GOLDEN_SCHEDULES, golden_batches, golden_bundle
 
-from stepbundle.runtime import BindingError, CompileOptions, LoadOptions, NonFiniteLossError, load
+from stepbundle.runtime import (
+    BindingError,
+    CompileOptions,
+    LoadOptions,
+    NonFiniteLossError,
+    UsageError,
+    load,
+)
 from stepbundle.runtime.errors import BatchStackError
 from stepbundle.runtime.state.checkpoint import read_safetensors
 from stepbundle.runtime.train.metrics import StepMetric
@@ -143,7 +150,7 @@ def test_step_many_needs_steps_per_call_and_bad_values_are_refused() -> None:
     with pytest.raises(BatchStackError, match="steps_per_call=1"):
         t.step_many({k: np.stack([v] * K) for k, v in b.items()})
     for bad in (0, -2, 2.5, True, "4"):
-        with pytest.raises(BindingError, match="steps_per_call must be a whole number"):
+        with pytest.raises(UsageError, match="steps_per_call must be a whole number"):
             load(
                 golden_bundle("linear_adamw"),
                 options=LoadOptions(compile=CompileOptions(cache_dir=False, steps_per_call=bad)),

@@ -5,12 +5,12 @@ Each export runs in a fresh process (``--child``), with the check on, timed from
 the imports: the export's own stages (trace, lower, write) and the check's wall time,
 its runtime process (start, load and compile, one step, write), its eager step(s), and
 the processor time of each part (this process and its children: on a shared machine a
-fairer measure than wall time). Writes one results file, benchmarks/results/export_check.md
-(``--label`` names the row set, so a run before a change and one after sit side by side;
-rows of other labels in the file are kept). Usage:
+fairer measure than wall time). Writes one results file, benchmarks/results/export_check.md:
+a run replaces the rows of its models and front-ends and keeps the others (each
+environment has one front-end; earlier figures live in git). Usage:
 
-    .venv/bin/python benchmarks/export_check.py --label after                # torch_xla
-    .venv-torch/bin/python benchmarks/export_check.py --label after          # torch
+    .venv/bin/python benchmarks/export_check.py                # torch_xla
+    .venv-torch/bin/python benchmarks/export_check.py          # torch
 
 Each environment runs the front-ends it has: ``.venv`` the torch_xla front-end
 (``stepbundle.exporter``), ``.venv-torch`` the torch front-end
@@ -131,29 +131,25 @@ def _frontends() -> list[str]:
 
 
 def _key(row: str) -> tuple[str, ...]:
-    """A row's label, model and front-end."""
-    return tuple(c.strip() for c in row.split("|")[1:4])
+    """A row's model and front-end."""
+    return tuple(c.strip() for c in row.split("|")[1:3])
 
 
-def _rows_kept(label: str) -> list[str]:
-    """The rows already in the results file (a row of ``label`` for the same model and
-    front-end is replaced by the new one)."""
+def _rows_kept() -> list[str]:
+    """The rows already in the results file (a row for the same model and front-end is
+    replaced by the new one)."""
     if not RESULTS.exists():
         return []
     return [
         line
         for line in RESULTS.read_text().splitlines()
-        if line.startswith("| ")
-        and not line.startswith("| label")
-        and line.split("|")[1].strip() != ""
-        and not line.startswith("|---")
+        if line.startswith("| ") and not line.startswith("| model")
     ]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", nargs="*", default=list(MODELS))
-    ap.add_argument("--label", default="current")
     ap.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -173,8 +169,7 @@ def main() -> None:
             if proc.returncode != 0:  # e.g. killed for memory (-9): said in the row
                 print(f"{name} on {frontend} failed:\n{proc.stderr[-4000:]}", flush=True)
                 rows.append(
-                    f"| {args.label} | {name} | {frontend} | failed: exit code "
-                    f"{proc.returncode} | | | | | | | |"
+                    f"| {name} | {frontend} | failed: exit code {proc.returncode} | | | | | | |"
                 )
             else:
                 got = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -182,17 +177,17 @@ def main() -> None:
                 ratio = got["check_cpu_s"] / got["export_cpu_s"]
                 closest = re.sub(r"\s+", " ", got["closest"]).replace("|", "/")
                 rows.append(
-                    f"| {args.label} | {name} | {frontend} | {got['export_s']:.1f} s "
+                    f"| {name} | {frontend} | {got['export_s']:.1f} s "
                     f"| {got['export_cpu_s']:.1f} s | {got['check_s']:.1f} s "
                     f"| {got['runtime_s']:.1f} s | {got['eager_s']:.1f} s "
                     f"| {got['check_cpu_s']:.1f} s | {ratio:.2f} | {closest} |"
                 )
-            _write(args.label, rows)
+            _write(rows)
 
 
-def _write(label: str, rows: list[str]) -> None:
+def _write(rows: list[str]) -> None:
     new = {_key(r) for r in rows}
-    kept = [r for r in _rows_kept(label) if _key(r) not in new]
+    kept = [r for r in _rows_kept() if _key(r) not in new]
     lines = [
         "# The export check's cost beside the export",
         "",
@@ -202,11 +197,11 @@ def _write(label: str, rows: list[str]) -> None:
         "attention, AdamW, batch 2 x 128. Each export in a fresh process; wall seconds on a",
         "shared 2-core machine (inflated by other jobs), processor seconds of the exporting",
         "process and its children. 'check/export': the check's processor time over the",
-        "export's. 'label' says which code ran (before / after a change of the check).",
+        "export's.",
         "",
-        "| label | model | front-end | export, wall | export, cpu | check, wall "
+        "| model | front-end | export, wall | export, cpu | check, wall "
         "| runtime process, wall | eager, wall | check, cpu | check/export (cpu) | closest to its bound |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|",
         *sorted(kept + rows),
     ]
     RESULTS.write_text("\n".join(lines) + "\n")

@@ -139,8 +139,10 @@ def _make_fast_put() -> tuple[_Put | None, str]:
         return None, f"jaxlib's internal transfer API is not importable ({e})"
     sem = ext.HostBufferSemantics.IMMUTABLE_ONLY_DURING_CALL
     avals: dict[tuple[tuple[int, ...], np.dtype[Any]], Any] = {}
-    # (sharding, shape) -> [(device, index)] for the devices this process holds.
-    pieces: dict[tuple[Any, tuple[int, ...]], list[tuple[Device, Any]]] = {}
+    # (sharding, shape) -> [(device, index)] for the devices this process holds, or None
+    # where the batched transfer cannot take the sharding (decided once, not per put).
+    pieces: dict[tuple[Any, tuple[int, ...]], list[tuple[Device, Any]] | None] = {}
+    unseen: Any = object()
 
     def fast_put(x: np.ndarray[Any, Any], sharding: Any) -> Array:
         x = np.asarray(x, order="C")
@@ -148,16 +150,19 @@ def _make_fast_put() -> tuple[_Put | None, str]:
         aval = avals.get(key)
         if aval is None:
             aval = avals[key] = core.ShapedArray(x.shape, x.dtype)
-        where = pieces.get((sharding, x.shape))
-        if where is None:
+        where = pieces.get((sharding, x.shape), unseen)
+        if where is unseen:
             if len(pieces) > 4096:  # every trainer brings its own shardings
                 pieces.clear()
             where = list(sharding.addressable_devices_indices_map(x.shape).items())
+            if len(where) > 1 and _partly_replicated(sharding, where):
+                # jaxlib's batched transfer fails ("bad_function_call") on a sharding
+                # that repeats some pieces but not all (a 2-D mesh's tensor split over
+                # one axis); jax.device_put handles it. Remove when the fast call
+                # accepts them.
+                where = None
             pieces[(sharding, x.shape)] = where
-        if len(where) > 1 and _partly_replicated(sharding, where):
-            # jaxlib's batched transfer fails ("bad_function_call") on a sharding that
-            # repeats some pieces but not all (a 2-D mesh's tensor split over one axis);
-            # jax.device_put handles it. Remove when the fast call accepts them.
+        if where is None:
             return _slow_put(x, sharding)
         if len(where) == 1 and isinstance(sharding, SingleDeviceSharding):
             xs, devs = [x], [where[0][0]]

@@ -38,6 +38,7 @@ from torch.overrides import TorchFunctionMode
 from stepbundle.stablehlo import attention_composite as ac
 
 from . import xla
+from .modes import call_arguments
 
 __all__ = ["COMPOSITES", "MARKS", "sdpa_composites"]
 
@@ -219,13 +220,6 @@ class _region:  # noqa: N801 - a context manager, used like a function
             self._stack.pop().__exit__(*exc)
 
 
-def _sdpa_arguments(args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
-    out = dict(_SDPA_DEFAULTS)
-    out.update(zip(_SDPA_ARGS, args))
-    out.update(kwargs)
-    return out
-
-
 def _spec(a: Mapping[str, Any], instance: str) -> _Spec | None:
     """The call's attributes, or None when it is kept as PyTorch computes it (module
     docstring)."""
@@ -272,7 +266,7 @@ class sdpa_composites(TorchFunctionMode):  # noqa: N801 - used as a context mana
     ) -> Any:
         kwargs = kwargs or {}
         if COMPOSITES and func is torch.nn.functional.scaled_dot_product_attention:
-            a = _sdpa_arguments(args, kwargs)
+            a = call_arguments(_SDPA_ARGS, _SDPA_DEFAULTS, args, kwargs)
             spec = _spec(a, f"stepbundle-sdpa-{self._calls}")
             if spec is not None:
                 self._calls += 1

@@ -34,9 +34,16 @@ _BN_DEFAULTS: dict[str, Any] = {
 }
 
 
-def _bn_arguments(args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
-    out = dict(_BN_DEFAULTS)
-    out.update(zip(_BN_ARGS, args))
+def call_arguments(
+    names: Sequence[str],
+    defaults: Mapping[str, Any],
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any],
+) -> dict[str, Any]:
+    """A torch function's call seen by a TorchFunctionMode, as one dict by parameter name
+    (``names`` in order; ``defaults`` for what the call leaves out)."""
+    out = dict(defaults)
+    out.update(zip(names, args))
     out.update(kwargs)
     return out
 
@@ -72,7 +79,7 @@ class eval_batchnorm(TorchFunctionMode):  # noqa: N801 - used as a context manag
     ) -> Any:
         kwargs = kwargs or {}
         if func is torch.nn.functional.batch_norm:
-            a = _bn_arguments(args, kwargs)
+            a = call_arguments(_BN_ARGS, _BN_DEFAULTS, args, kwargs)
             if not a["training"] and a["running_mean"] is not None and a["running_var"] is not None:
                 return _eval_batch_norm(a)
         return func(*args, **kwargs)

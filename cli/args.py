@@ -12,7 +12,7 @@ import os
 import re
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 __all__ = [
     "DeprecatedAlias",
@@ -22,6 +22,7 @@ __all__ = [
     "devices",
     "hyperparameter",
     "positive_seconds",
+    "resume_path",
 ]
 
 _HEX64 = re.compile(r"[0-9a-f]{64}")
@@ -56,7 +57,7 @@ def devices(text: str) -> int | str:
     return n
 
 
-def steps_per_call(text: str) -> int | str:
+def steps_per_call(text: str) -> int | Literal["auto"]:
     """``--steps-per-call``: a positive integer, or ``auto`` (runtime/auto_steps.py)."""
     if text.strip().lower() == "auto":
         return "auto"
@@ -110,6 +111,21 @@ def checkpoint_path(text: str) -> str:
         raise argparse.ArgumentTypeError(
             f"{text!r} does not exist; give a .safetensors file, a "
             "model.safetensors.index.json or the folder save_pretrained wrote"
+        )
+    return text
+
+
+def resume_path(text: str) -> str:
+    """``--resume``: a URL or ``sha256:`` digest (read at load), or a local checkpoint
+    file or checkpoint folder that exists (what it holds is checked before the load)."""
+    if text.startswith("sha256:") or ("://" in text and not text.startswith("file://")):
+        return text
+    local = text.removeprefix("file://")
+    if not os.path.exists(local):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} does not exist; give a checkpoint file (step-N.safetensors, or what "
+            "--save-state wrote) or the --checkpoint-dir folder of an earlier run (its "
+            "latest checkpoint is taken)"
         )
     return text
 

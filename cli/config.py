@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from dataclasses import dataclass
+from typing import Literal
 
 __all__ = ["RunConfig"]
 
@@ -89,7 +90,7 @@ class RunConfig:
     step_timeout: float | None = None
     check_state: bool = False
     pack_state: bool | int = True
-    steps_per_call: int | str | None = None
+    steps_per_call: int | Literal["auto"] | None = None
     matmul_precision: str | None = None
     bundle_file: str | None = None
     bundle_digest: str | None = None

@@ -21,6 +21,9 @@ from typing import TYPE_CHECKING, Any
 from stepbundle.schema.errors import UsageError
 
 if TYPE_CHECKING:
+    from stepbundle.runtime import Trainer
+    from stepbundle.runtime.data.tokens import TokenStream
+
     from .config import RunConfig
 
 __all__ = [
@@ -50,7 +53,7 @@ def is_tokens(path: str) -> bool:
     return Path(path).suffix == ".npy" and not Path(path).is_dir()
 
 
-def token_stream(args: RunConfig, trainer: Any, processes: tuple[int, int]) -> Any:
+def token_stream(args: RunConfig, trainer: Trainer, processes: tuple[int, int]) -> TokenStream:
     """A ``TokenStream`` over ``--data`` for the bundle's train batch: one integer input
     of shape (B, T) (the window) or two (the window and its targets, shifted by one).
 
@@ -134,7 +137,7 @@ def read_npz(path: str) -> dict[str, Any]:
     return data
 
 
-def default_batch_size(trainer: Any, entry: str) -> int:
+def default_batch_size(trainer: Trainer, entry: str) -> int:
     """The rows of ``entry``'s first shape bucket: the batch size the bundle was traced with."""
     program = trainer.manifest.entries[entry].programs[0]
     sizes = {b.spec.shape[0] for b in program.batch if b.spec.shape}
@@ -147,7 +150,7 @@ def default_batch_size(trainer: Any, entry: str) -> int:
 
 
 def training_batches(
-    args: RunConfig, trainer: Any, npz: Mapping[str, Any] | None
+    args: RunConfig, trainer: Trainer, npz: Mapping[str, Any] | None
 ) -> tuple[Iterable[Mapping[str, Any]], int]:
     """The training batches and the step offset ``Trainer.run`` takes.
 
@@ -184,7 +187,7 @@ def training_batches(
 
 
 def eval_batches(
-    path: str, trainer: Any, entry: str, batch_size: int | None
+    path: str, trainer: Trainer, entry: str, batch_size: int | None
 ) -> tuple[Any, str | None]:
     """Batches of a whole evaluation set, in order, and the key of their row mask."""
     from stepbundle.runtime.data.dataset import open_dataset

@@ -28,7 +28,7 @@ def _cmd_eval(args: RunConfig) -> int:
     from stepbundle.runtime import CompileOptions, LoadOptions, ParallelOptions, load
     from stepbundle.runtime.io.file_kinds import NotARegularFileError
     from stepbundle.runtime.train.metrics import json_safe
-    from stepbundle.schema.errors import StepbundleError
+    from stepbundle.schema.errors import StepbundleError, UsageError
 
     from .data import DATA_ERRORS, eval_batches, is_dataset, read_npz
     from .init_from import state_options
@@ -69,6 +69,8 @@ def _cmd_eval(args: RunConfig) -> int:
             trainer.load_checkpoint(args.resume, allow_other_bundle=args.allow_other_bundle)
         batches, mask = eval_batches(args.data, trainer, args.entry, args.eval_batch_size)
         result = trainer.evaluate_dataset(batches, args.entry, mask_key=mask)
+    except UsageError as e:  # an option the load refused (--layout, a missing bundle)
+        return _die(str(e), 2)
     except OSError as e:
         return _die(f"cannot open {e.filename!r}: {e.strerror}.", 2)
     except (StepbundleError, ValueError) as e:

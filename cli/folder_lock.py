@@ -40,9 +40,12 @@ import stat
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from stepbundle.schema.errors import UsageError
+
+if TYPE_CHECKING:
+    from .config import RunConfig
 
 __all__ = ["LOCK_NAME", "holding", "held_by_another_run", "lock_for_run"]
 
@@ -191,13 +194,14 @@ def held_by_another_run(folder: Path) -> str | None:
         os.close(fd)
 
 
-def lock_for_run(args: Any, joined: bool) -> contextlib.AbstractContextManager[None]:
+def lock_for_run(args: RunConfig, joined: bool) -> contextlib.AbstractContextManager[None]:
     """The lock on a run's local ``--checkpoint-dir``, taken by the process that writes
     the checkpoints: this one, or process 0 of a job (``joined``)."""
     from stepbundle.runtime.io.remote import local_path
     from stepbundle.runtime.placement import distributed
 
-    folder = local_path(args.checkpoint_dir) if args.checkpoint_dir else None
-    if folder is None or (joined and distributed.process_id() != 0):
+    given = args.checkpoint_dir
+    folder = local_path(given) if given else None
+    if not given or folder is None or (joined and distributed.process_id() != 0):
         return contextlib.nullcontext()
-    return holding(folder, args.checkpoint_dir)
+    return holding(folder, given)

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import sys
 from collections import Counter
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from stepbundle.runtime import StateOptions, Trainer
+
     from .config import RunConfig
 
 __all__ = ["report_origins", "state_options"]
@@ -31,7 +33,7 @@ def _has_no_weights(bundle: str, expect_digest: str | None) -> bool:
     return any(kinds[s.section] is SectionKind.EXTERNAL for s in manifest.state)
 
 
-def state_options(config: RunConfig) -> Any:
+def state_options(config: RunConfig) -> StateOptions:
     """``load``'s ``StateOptions`` for this command line: the initial state's source, and
     ``--pack-state`` where the command has it."""
     from stepbundle.runtime import StateOptions
@@ -50,7 +52,7 @@ def state_options(config: RunConfig) -> Any:
     )
 
 
-def report_origins(trainer: Any, config: RunConfig) -> None:
+def report_origins(trainer: Trainer, config: RunConfig) -> None:
     """One line on stderr saying where the initial state came from, when a checkpoint gave
     it or the bundle holds state by rule."""
     counts = Counter(trainer.load_info.state_origins.values())

@@ -35,13 +35,16 @@ import os
 import stat
 import sys
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from stepbundle.runtime.train.metrics import json_float, json_safe
 from stepbundle.schema.errors import UsageError
 
 from .record_file import RecordFile, SinkError, close_sink, sync_sink
 from .sinks import LogRecord
+
+if TYPE_CHECKING:
+    from .config import RunConfig
 
 __all__ = [
     "MetricsFile",
@@ -348,7 +351,7 @@ class MetricsFile:
         close_sink(file, "--metrics-file", self.path)
 
 
-def metrics_file_for_run(args: Any, joined: bool) -> MetricsFile | None:
+def metrics_file_for_run(args: RunConfig, joined: bool) -> MetricsFile | None:
     """The ``--metrics-file`` of a training run, opened and locked by the process that
     writes it, for the whole run; None when this process writes none. Nothing in it
     changes until training starts (``MetricsFile.start``)."""

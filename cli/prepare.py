@@ -120,7 +120,7 @@ def _cmd_compile(args: RunConfig) -> int:
         StateOptions,
         load,
     )
-    from stepbundle.schema.errors import StepbundleError
+    from stepbundle.schema.errors import StepbundleError, UsageError
 
     from .run import _join_job
 
@@ -154,6 +154,8 @@ def _cmd_compile(args: RunConfig) -> int:
             ),
         )
         trainer = load(args.bundle, args.device, options=options)
+    except UsageError as e:  # an option the load refused (--layout, a missing bundle)
+        return die(str(e), 2)
     except (StepbundleError, ValueError) as e:
         return die(str(e), 1)
     except OSError as e:  # a local bundle that is missing or cannot be read

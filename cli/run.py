@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import itertools
 import json
 import os
 import sys
 import time
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from stepbundle.schema.errors import UsageError
 
@@ -25,9 +24,10 @@ from .stopping import Signals, Stopper, StopRequested
 from .watchdog import Watchdog
 
 if TYPE_CHECKING:
-    from stepbundle.runtime.auto_steps import AutoSteps
+    from stepbundle.runtime import LoadInfo, Trainer
 
     from .metrics_file import MetricsFile
+    from .report import Reporter
 
 __all__ = ["cmd_run"]
 
@@ -178,7 +178,7 @@ def _load_and_run(
             return fail(str(e), 2)
     try:
         t0 = time.perf_counter()
-        trainer, auto = _open_trainer(args)
+        trainer = _open_trainer(args)
         load_s = time.perf_counter() - t0
         if args.eval_data and "eval" not in trainer.entries:
             return fail(
@@ -188,6 +188,8 @@ def _load_and_run(
                 2,
             )
         batches, offset = training_batches(args, trainer, npz)
+    except UsageError as e:  # an option the load refused (--layout, a schedule): exit 2
+        return fail(str(e), 2)
     except (StepbundleError, ValueError) as e:
         return fail(str(e), 1)
     try:
@@ -195,11 +197,14 @@ def _load_and_run(
             return _die("another process of the job failed to start; its error says why", 1)
     except StepbundleError as e:
         return _die(str(e), 1)
-    _report_load(args, trainer, load_s, auto)
+    _report_load(args, trainer, load_s)
     try:
         if args.entry != "train":
             return _run_eval(args, trainer, batches)
-        steps = args.steps if args.steps is not None else args.until_step - trainer.step_count
+        steps = args.steps
+        if steps is None:  # the parser takes --steps or --until-step, one of them
+            assert args.until_step is not None
+            steps = args.until_step - trainer.step_count
         if steps <= 0:
             print(
                 f"[run] the trainer is at step {trainer.step_count}, at or past --until-step "
@@ -209,14 +214,17 @@ def _load_and_run(
             if args.save_state:  # the state asked for is the resumed one
                 _save_state(trainer, args.save_state)
             return 0
-        return _run_train(args, trainer, batches, steps, offset, metrics, signals, auto)
+        return _run_train(args, trainer, batches, steps, offset, metrics, signals)
     except StepbundleError as e:
         return _die(str(e), 1)
 
 
-def _open_trainer(args: RunConfig) -> tuple[Any, AutoSteps | None]:
+def _open_trainer(args: RunConfig) -> Trainer:
     """Load the bundle, then restore ``--resume`` and apply ``--seed``, schedules and
-    ``--set``; with ``--steps-per-call auto`` (or none, off the CPU), what it chose."""
+    ``--set``. With ``--steps-per-call auto`` (or none, off the CPU) the load chooses K,
+    kept to the checkpoint and evaluation cadences, and ``load_info.auto_steps`` says what
+    it chose; a schedule that clashes with the resumed checkpoint's is the trainer's
+    refusal (``Trainer.set_schedule``)."""
     from stepbundle.runtime import (
         CompileOptions,
         LoadOptions,
@@ -224,7 +232,7 @@ def _open_trainer(args: RunConfig) -> tuple[Any, AutoSteps | None]:
         SafetyOptions,
         load,
     )
-    from stepbundle.runtime.train.schedule import named_schedule, parse_schedule, schedule_clash
+    from stepbundle.runtime.train.schedule import named_schedule
 
     from .init_from import state_options
 
@@ -235,6 +243,8 @@ def _open_trainer(args: RunConfig) -> tuple[Any, AutoSteps | None]:
             # split over the devices then).
             entries=None if train else (args.entry,),
             cache_dir=False if args.no_cache else (args.cache_dir or True),
+            steps_per_call=_steps_per_call(args),
+            cadences=(args.checkpoint_every or 0, args.eval_every or 0),
             matmul_precision=args.matmul_precision,
             fused_attention=not args.no_fused_attention,
         ),
@@ -252,51 +262,30 @@ def _open_trainer(args: RunConfig) -> tuple[Any, AutoSteps | None]:
     )
     # A sha256: bundle was found and verified in the store once (outputs._check_bundle);
     # the load reads that file, held to the digest, rather than verify it again.
-    bundle = args.bundle_file or args.bundle
-    k, auto = _steps_per_call(args, bundle, options)
-    options = dataclasses.replace(
-        options, compile=dataclasses.replace(options.compile, steps_per_call=k)
-    )
-    trainer = load(bundle, args.device, options=options)
+    trainer = load(args.bundle_file or args.bundle, args.device, options=options)
     if args.resume:
         trainer.load_checkpoint(args.resume, allow_other_bundle=args.allow_other_bundle)
         print(f"[run] resumed from {args.resume} (step {trainer.step_count})", file=sys.stderr)
     if args.seed is not None:
         trainer.seed = args.seed
-    restored = trainer.schedules  # a resumed run continues the checkpoint's schedules
     for text in args.lr_schedule:
-        name, spec = named_schedule(text)
-        parse_schedule(spec)  # a bad spec is named before anything else happens
-        clash = schedule_clash(restored, name, spec)
-        if clash is not None:
-            full, old = clash
-            raise UsageError(
-                f"--lr-schedule {text!r} conflicts with the checkpoint, whose {full!r} follows "
-                f"{old!r}. A resumed run continues the checkpoint's schedule: drop "
-                "--lr-schedule, or give the same spec."
-            )
-        trainer.set_schedule(name, spec)
+        trainer.set_schedule(*named_schedule(text))
     for name, value in args.set_values:
         trainer.set_hyperparameter(name, value)
-    return trainer, auto
+    return trainer
 
 
-def _steps_per_call(args: RunConfig, bundle: str, options: Any) -> tuple[int, AutoSteps | None]:
+def _steps_per_call(args: RunConfig) -> int | Literal["auto"]:
     """``--steps-per-call``: K as given; none on the CPU, or an evaluation run, 1; else
-    (``auto``, or none on an accelerator) the runtime's measured choice, kept to the
-    checkpoint and evaluation cadences (``runtime/auto_steps.py``)."""
+    (``auto``, or none on an accelerator) "auto": the load measures the step and chooses
+    (``runtime/auto_steps.py``)."""
     given = args.steps_per_call
     if isinstance(given, int):
-        return (given if args.entry == "train" else 1), None
+        return given if args.entry == "train" else 1
     platform = args.device.partition(":")[0].lower()
     if args.entry != "train" or (given is None and platform == "cpu"):
-        return 1, None
-    from stepbundle.runtime import load
-    from stepbundle.runtime.auto_steps import probe_steps_per_call
-
-    cadences = (args.checkpoint_every or 0, args.eval_every or 0)
-    auto = probe_steps_per_call(load, bundle, args.device, options, cadences=cadences)
-    return auto.steps_per_call, auto
+        return 1
+    return "auto"
 
 
 def _fused_note(fused: dict[str, int]) -> str:
@@ -306,7 +295,7 @@ def _fused_note(fused: dict[str, int]) -> str:
     return ", fused attention: " + ", ".join(f"{n} in {label}" for label, n in fused.items())
 
 
-def _layout_note(info: Any) -> str:
+def _layout_note(info: LoadInfo) -> str:
     """``layout fsdp+tp:2, mesh data 2 x model 2, 1.5 MiB of state per device``."""
     from .summary import nbytes
 
@@ -314,7 +303,7 @@ def _layout_note(info: Any) -> str:
     return f"layout {info.layout}, mesh {mesh}, {nbytes(info.state_bytes_per_device)} of state per device"
 
 
-def _report_load(args: RunConfig, trainer: Any, load_s: float, auto: AutoSteps | None) -> None:
+def _report_load(args: RunConfig, trainer: Trainer, load_s: float) -> None:
     from .init_from import report_origins
 
     n_dev = len(trainer.devices)
@@ -327,12 +316,12 @@ def _report_load(args: RunConfig, trainer: Any, load_s: float, auto: AutoSteps |
         + (f", glibc {trainer.load_info.allocator}" if trainer.load_info.allocator else ""),
         file=sys.stderr,
     )
-    if auto is not None:
-        print(f"[run] {auto.describe()}", file=sys.stderr)
+    if trainer.load_info.auto_steps:  # what steps_per_call="auto" chose, and why
+        print(f"[run] {trainer.load_info.auto_steps}", file=sys.stderr)
     report_origins(trainer, args)
 
 
-def _run_eval(args: RunConfig, trainer: Any, batches: Iterable[Any]) -> int:
+def _run_eval(args: RunConfig, trainer: Trainer, batches: Iterable[Any]) -> int:
     """One JSON line per batch of a read-only entry (it has no state, so no step offset),
     for ``--steps`` batches. A dataset's batches are read as they come: without
     ``--epochs`` they never end (this once read them all into a list first)."""
@@ -349,13 +338,12 @@ def _run_eval(args: RunConfig, trainer: Any, batches: Iterable[Any]) -> int:
 
 def _run_train(
     args: RunConfig,
-    trainer: Any,
+    trainer: Trainer,
     batches: Any,
     steps: int,
     offset: int,
     metrics: MetricsFile | None,
     signals: Signals,
-    auto: AutoSteps | None,
 ) -> int:
     from stepbundle.runtime.data.dataset import DataError
     from stepbundle.runtime.errors import NonFiniteLossError
@@ -506,7 +494,9 @@ def _run_train(
     done = trainer.step_count - start_step
     print(
         f"[run] {done} steps in {elapsed:.2f}s ({done / max(elapsed, 1e-9):.1f} steps/s, "
-        f"{trainer.steps_per_call} per call" + (" (auto)" if auto is not None else "") + ")",
+        f"{trainer.steps_per_call} per call"
+        + (" (auto)" if trainer.load_info.auto_steps else "")
+        + ")",
         file=sys.stderr,
     )
     if done < steps and code == 0:
@@ -559,7 +549,7 @@ def _report_unsaved(
     )
 
 
-def _evaluate(args: RunConfig, trainer: Any, reporter: Any, step: int) -> None:
+def _evaluate(args: RunConfig, trainer: Trainer, reporter: Reporter, step: int) -> None:
     """Evaluate ``--eval-data`` as a whole and report it (``--eval-every``)."""
     from .data import eval_batches
 
@@ -569,7 +559,7 @@ def _evaluate(args: RunConfig, trainer: Any, reporter: Any, step: int) -> None:
     reporter.evaluation(step, result.metrics, result.rows)
 
 
-def _save_state(trainer: Any, path: str) -> None:
+def _save_state(trainer: Trainer, path: str) -> None:
     # A full checkpoint: --resume takes it, and PyTorch loads it back (load_into).
     trainer.save_checkpoint(path)  # every process takes part; process 0 writes
     if trainer.placement.writes_files:

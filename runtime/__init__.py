@@ -44,6 +44,7 @@ from .errors import (
     UsageError,
 )
 from .fallback import PathChoice, PathKind, StepbundleFallbackWarning
+from .io.store import BundleNotFoundError
 from .load import load
 from .options import CompileOptions, LoadOptions, ParallelOptions, SafetyOptions, StateOptions
 from .placement.distributed import set_cpu_devices
@@ -57,6 +58,7 @@ __all__ = [
     "ALLOWED_CUSTOM_CALLS",
     "BindingError",
     "BundleError",
+    "BundleNotFoundError",
     "CacheEvent",
     "CacheOutcome",
     "CacheWarning",

@@ -10,18 +10,19 @@ step per call, time ``PROBE_STEPS`` steps of a zero batch of its traced shape (a
 
     K = 32 when a step takes under 1 ms, 8 under 3 ms, else 1,
 
-halved until it divides every cadence the caller names (``stepbundle run``'s
-``--checkpoint-every`` and ``--eval-every``: the state is only between calls there). The
+halved until it divides every cadence the caller names (``CompileOptions.cadences``;
+``stepbundle run`` passes ``--checkpoint-every`` and ``--eval-every``: the state is only
+between calls there). The
 probe trains a throwaway copy of the state, never the caller's; it is skipped, and K is
 1, when the state is over ``PROBE_MAX_STATE_BYTES`` (such a model is not dispatch-bound,
 and a second copy could fill the device), for data parallelism and with
 ``stop_on_nonfinite`` (which checks every step).
 
 ``load(path, device, LoadOptions(compile=CompileOptions(steps_per_call="auto")))`` probes
-here and records the choice in ``LoadInfo.auto_steps``; ``stepbundle run`` calls
-``probe_steps_per_call`` itself, with its cadences, and prints the choice with its load
-line. The probe is a load: ``load`` is handed in (by ``load`` itself, or its caller), so
-that this module and ``load.py`` do not import each other.
+here and records the choice in ``LoadInfo.auto_steps``, for a Python caller and for
+``stepbundle run`` alike (which passes "auto" and its cadences, and prints that line
+beside its load line). The probe is a load: ``load`` is handed in (by ``load`` itself),
+so that this module and ``load.py`` do not import each other.
 
 Imports: the runtime's options, store and dtypes, the schema, numpy.
 """
@@ -153,8 +154,8 @@ def resolve_auto_steps(
     load: Load, bundle: Any, device: str, options: LoadOptions
 ) -> tuple[LoadOptions, AutoSteps | None]:
     """``options`` with ``steps_per_call="auto"`` replaced by the K measured for it
-    (``probe_steps_per_call``, no cadence), and what was chosen; ``options`` as they
-    are, and None, for any other ``steps_per_call``."""
+    (``probe_steps_per_call``, kept to ``options.compile.cadences``), and what was
+    chosen; ``options`` as they are, and None, for any other ``steps_per_call``."""
     if options.compile.steps_per_call != "auto":
         return options, None
     wanted = options.compile.entries
@@ -164,7 +165,9 @@ def resolve_auto_steps(
     elif wanted is not None and "train" not in wanted:
         auto = AutoSteps(1, None, "the train entry is not loaded")
     else:
-        auto = probe_steps_per_call(load, bundle, device, options)
+        auto = probe_steps_per_call(
+            load, bundle, device, options, cadences=options.compile.cadences
+        )
     k = auto.steps_per_call
     return dataclasses.replace(
         options, compile=dataclasses.replace(options.compile, steps_per_call=k)

@@ -28,11 +28,12 @@ from . import _compat
 from .auto_steps import resolve_auto_steps
 from .compile import allocator
 from .compile.compile_cache import CompileCache
+from .compile.cpu_numerics import cpu_numerics
 from .compile.load_info import LoadInfo
 from .compile.program import CompiledProgram, compile_program
 from .compile.state_masks import MaskPins, digest_of, unwritten_state
 from .dtypes import array_from_section
-from .errors import BindingError, PlatformError
+from .errors import BindingError, PlatformError, UsageError
 from .fallback import PathChoice
 from .io import remote
 from .io.store import default_cache_dir, is_digest, resolve_bundle
@@ -65,12 +66,21 @@ def load(
         many devices (``LoadOptions``; every field is documented there). None: the
         defaults (every entry, the default compile cache, the bundle's state, one device).
 
+    Raises:
+      BundleNotFoundError: no file at a local ``path`` (a ``UsageError``, and a
+        ``FileNotFoundError``).
+      UsageError: ``options`` is not a ``LoadOptions``, or asks for what this bundle or
+        these devices cannot do (a layout that does not divide them).
+      BundleError: the bundle cannot be read, trusted, fetched or compiled.
+      CheckpointError: ``init_from`` cannot give the initial state (``InitStateError``).
+      DeviceError: the device cannot run the bundle (``PlatformError``).
+
     Example:
       >>> trainer = load("linear.stepbundle", "cpu",
       ...                LoadOptions(CompileOptions(steps_per_call=8)))  # doctest: +SKIP
     """
     if options is not None and not isinstance(options, LoadOptions):
-        raise BindingError(
+        raise UsageError(
             f"load() takes its options as a LoadOptions, got {type(options).__name__}. Build "
             "one: LoadOptions(compile=CompileOptions(...), ...), or from flat names with "
             "LoadOptions.from_keywords(steps_per_call=8, ...)."
@@ -100,7 +110,7 @@ def load(
                 opts.compile.keep_freed_memory
             )
         if platform == "cpu":
-            _, info.cpu_numerics = _compat.cpu_numerics_overrides(os.environ.get("XLA_FLAGS", ""))
+            info.cpu_numerics = cpu_numerics().words
         client = client_for(platform)
         run_devices = select_devices(client, device, opts.parallel.devices)
         if stacked_entry is not None and len({d.process_index for d in run_devices}) > 1:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 from stepbundle.stablehlo.precision import MATMUL_PRECISIONS
 
@@ -87,6 +88,10 @@ class CompileOptions:
         for a run's last steps when they do not fill a call). "auto": ``load`` first
         times the training step at one step per call and takes 32, 8 or 1
         (``runtime/auto_steps.py``); ``LoadInfo.auto_steps`` says what it chose and why.
+      cadences: step counts at which the caller needs the state between calls, such
+        as "checkpoint every N" and "evaluate every N" (0: none); "auto" halves K until
+        it divides each (``stepbundle run`` passes ``--checkpoint-every`` and
+        ``--eval-every``). A given K is taken as it is. Kept as a tuple.
       matmul_precision: "default", "high" or "highest": set on every matmul and
         convolution of every program before it is compiled (``stablehlo/precision.py``;
         part of the compile-cache key). On the CPU all three compute the same. On an
@@ -112,11 +117,12 @@ class CompileOptions:
 
     entries: tuple[str, ...] | None = None
     cache_dir: PathLike | bool | None = True
-    steps_per_call: int | str = 1
+    steps_per_call: int | Literal["auto"] = 1
+    cadences: tuple[int, ...] = ()
     matmul_precision: str | None = None
     compile_only: bool = False
     fused_attention: bool = True
-    keep_freed_memory: bool | str = "auto"
+    keep_freed_memory: bool | Literal["auto"] = "auto"
 
     def __post_init__(self) -> None:
         entries: object = self.entries
@@ -156,6 +162,15 @@ class CompileOptions:
                     f"steps_per_call={k} is more than {MAX_STEPS_PER_CALL}: a call stacks its "
                     "K batches in memory at once. 8 or 32 take most of the gain."
                 )
+        cadences: object = self.cadences
+        if not isinstance(cadences, Sequence) or isinstance(cadences, str):
+            cadences = (cadences,)
+        if not all(_whole(c) and c >= 0 for c in cadences):  # type: ignore[operator]
+            raise UsageError(
+                f"cadences must be step counts (whole numbers >= 0; 0: none), got "
+                f"{self.cadences!r}."
+            )
+        object.__setattr__(self, "cadences", tuple(cadences))
         _flags(self, "compile_only", "fused_attention")
         if not (isinstance(self.keep_freed_memory, bool) or self.keep_freed_memory == "auto"):
             raise UsageError(
@@ -344,10 +359,11 @@ class LoadOptions:
         init_from: PathLike | None = None,
         init_strict: bool = True,
         compile_only: bool = False,
-        steps_per_call: int | str = 1,
+        steps_per_call: int | Literal["auto"] = 1,
+        cadences: tuple[int, ...] = (),
         matmul_precision: str | None = None,
         fused_attention: bool = True,
-        keep_freed_memory: bool | str = "auto",
+        keep_freed_memory: bool | Literal["auto"] = "auto",
     ) -> LoadOptions:
         """The options from flat names: each is the field of that name in its record
         (same defaults; ``entry`` is ``CompileOptions.entries``)."""
@@ -358,6 +374,7 @@ class LoadOptions:
                 else tuple([entry] if isinstance(entry, str) else entry),
                 cache_dir=cache_dir,
                 steps_per_call=steps_per_call,
+                cadences=cadences,
                 matmul_precision=matmul_precision,
                 compile_only=compile_only,
                 fused_attention=fused_attention,

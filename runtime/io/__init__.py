@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from .file_kinds import NotARegularFileError
 from .remote import RemoteError, is_url
-from .store import StoreError, default_cache_dir, pull, resolve_bundle
+from .store import BundleNotFoundError, StoreError, default_cache_dir, pull, resolve_bundle
 from .tensor_file import SafetensorsFile, open_safetensors
 
 __all__ = [
+    "BundleNotFoundError",
     "NotARegularFileError",
     "RemoteError",
     "SafetensorsFile",

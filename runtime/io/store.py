@@ -35,7 +35,12 @@ from pathlib import Path
 from typing import BinaryIO, Protocol
 
 from stepbundle.schema.atomic import atomic_write
-from stepbundle.schema.errors import BundleFormatError, IntegrityError, StepbundleError
+from stepbundle.schema.errors import (
+    BundleFormatError,
+    IntegrityError,
+    StepbundleError,
+    UsageError,
+)
 from stepbundle.schema.layout import HEADER_SIZE, MAGIC, align, unpack_header
 from stepbundle.schema.limits import MAX_MANIFEST_BYTES
 from stepbundle.schema.reader import open_bundle
@@ -46,6 +51,7 @@ from ..errors import BindingError
 from . import remote
 
 __all__ = [
+    "BundleNotFoundError",
     "DigestMismatchError",
     "DownloadError",
     "NotInStoreError",
@@ -79,6 +85,35 @@ class DigestMismatchError(BindingError):
 
 class NotInStoreError(BindingError):
     """``sha256:<digest>`` names a bundle the local store does not hold."""
+
+
+class BundleNotFoundError(UsageError, FileNotFoundError):
+    """No file at the local path given as a bundle. A ``UsageError`` (the path is the
+    caller's to fix), and a ``FileNotFoundError`` as before, with ``filename`` the path."""
+
+    def __init__(self, message: str, path: str) -> None:
+        super().__init__(message)
+        self.errno = errno.ENOENT
+        self.filename = path
+        self.strerror = message
+
+    def __str__(self) -> str:  # not OSError's "[Errno 2] ..."
+        return str(self.args[0])
+
+
+def _missing_bundle(given: str | os.PathLike[str], local: Path) -> BundleNotFoundError:
+    where = "" if local.is_absolute() else f" (relative to {os.getcwd()})"
+    folder = local.parent
+    if local.parent != Path() and not folder.is_dir():
+        why = f"its folder {os.fspath(folder)!r} does not exist either"
+    else:
+        why = "no such file"
+    return BundleNotFoundError(
+        f"There is no bundle at {os.fspath(given)!r}{where}: {why}. Give the path of a "
+        ".stepbundle file (`stepbundle export` or stepbundle.export writes one), a URL, "
+        "or sha256:<digest> of a bundle in the local store (`stepbundle pull` puts it there).",
+        os.fspath(local),
+    )
 
 
 class DownloadError(remote.RemoteError):
@@ -176,6 +211,7 @@ def resolve_bundle(
     already there).
 
     Raises:
+      BundleNotFoundError: a local path (or ``file://`` URL) with no file there.
       NotInStoreError: a digest the store does not hold.
       DigestMismatchError: the source is not the bundle ``expect_digest`` names.
       RemoteError: the URL could not be read; BundleError: it is not a usable bundle.
@@ -209,6 +245,8 @@ def resolve_bundle(
         return path
     local = remote.local_path(source)
     if local is not None:
+        if not os.path.exists(local):
+            raise _missing_bundle(source, local)
         return local
     return pull(os.fspath(source), expect_digest=expect_digest, store=store).path
 

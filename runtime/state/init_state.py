@@ -128,8 +128,10 @@ def plan_initial_state(
     origins: dict[str, Origin] = {}
     from_file: dict[str, tuple[SafetensorsFile, str]] = {}
     used: set[str] = set()
-    wrong_dtype: list[str] = []
+    wrong_dtype: list[str] = []  # one line of the message per tensor
     wrong_shape: list[str] = []
+    dtype_names: list[str] = []  # the file's names of those tensors
+    shape_names: list[str] = []
     missing: list[str] = []
     for entry in manifest.state:
         present = [n for n in (entry.name, *entry.aliases) if n in tensors]
@@ -139,8 +141,10 @@ def plan_initial_state(
             shown = name if name == entry.name else f"{name} (an alias of {entry.name!r})"
             if record.dtype is not entry.spec.dtype:
                 wrong_dtype.append(f"{shown}: the file has {record.spec}, the bundle {entry.spec}")
+                dtype_names.append(name)
             elif record.shape != entry.spec.shape:
                 wrong_shape.append(f"{shown}: the file has {record.spec}, the bundle {entry.spec}")
+                shape_names.append(name)
         own = _bundle_origin(entry, kinds)
         if present:
             origins[entry.name] = Origin.FILE
@@ -157,7 +161,7 @@ def plan_initial_state(
             f"than the bundle's state: {'; '.join(wrong_dtype[:_SHOWN])}. Nothing was "
             "loaded. Cast them when saving (model.to(dtype) before save_pretrained), or "
             "export the bundle from a model of the checkpoint's dtype.",
-            tuple(wrong_dtype),
+            tuple(dtype_names),
         )
     if wrong_shape:
         raise InitStateError(
@@ -165,7 +169,7 @@ def plan_initial_state(
             f"than the bundle's state: {'; '.join(wrong_shape[:_SHOWN])}. Nothing was "
             "loaded. The checkpoint is of another model configuration: export the bundle "
             "from the model the checkpoint was saved from.",
-            tuple(wrong_shape),
+            tuple(shape_names),
         )
     if missing:
         if source is None:

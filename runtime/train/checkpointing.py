@@ -133,4 +133,6 @@ class Checkpoints:
                 self._hp.set_schedule(name, spec)
             elif self._hp.specs.get(name, "") is not None:
                 self._hp.pending.add(name)
+        # What a resumed run continues: set_schedule refuses to replace it by mistake.
+        self._hp.restored = {n: s for n, s in meta.schedules.items() if n in self._hp.values}
         progress.data_position = dict(meta.data) if meta.data is not None else None

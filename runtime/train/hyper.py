@@ -24,7 +24,7 @@ from stepbundle.schema.manifest import Manifest
 
 from ..dtypes import to_numpy
 from ..errors import BindingError
-from .schedule import parse_schedule, schedule_extremes
+from .schedule import parse_schedule, refuse_clash, schedule_extremes
 
 __all__ = ["Hyperparameters", "Schedule"]
 
@@ -42,6 +42,10 @@ class Hyperparameters:
       specs: the spec each schedule was made from, or None for a Python function.
       pending: names a restored checkpoint had under a Python schedule, which it cannot
         store: steps are refused until the caller sets (or removes) their schedule.
+      restored: the schedule specs (None: a Python function) the last restored
+        checkpoint stored, by full name: a resumed run continues them, and
+        ``set_schedule`` refuses another schedule for one (``schedule.refuse_clash``)
+        unless told to replace it.
     """
 
     def __init__(
@@ -57,6 +61,7 @@ class Hyperparameters:
         # Python function: specs go into checkpoints, so a resume continues them.
         self.specs: dict[str, str | None] = {}
         self.pending: set[str] = set()
+        self.restored: dict[str, str | None] = {}
         self._dtypes = {h.name: to_numpy(h.spec.dtype) for h in manifest.hyperparameters}
         self._put_scalar = put_scalar
         self._zero_lr_refused = _has_capturable_adam(manifest)
@@ -167,6 +172,24 @@ class Hyperparameters:
             else:
                 self.schedules[n] = schedule
                 self.specs[n] = spec
+
+    def set_by_caller(
+        self, name: str, schedule: Schedule | str | None, *, replace: bool = False
+    ) -> None:
+        """``Trainer.set_schedule``: ``set_schedule``, refused (``UsageError``) where it
+        would replace a schedule the last checkpoint restored (``restored``), unless
+        ``replace``; removing a schedule (None) is never refused. A spec is checked
+        before the clash, so a bad one is named first."""
+        spec = schedule if isinstance(schedule, str) else None
+        if spec is not None:
+            self.check_spec(spec)  # its values are checked as it is set
+        if schedule is not None and not replace:
+            refuse_clash(self.restored, name, spec)
+        self.set_schedule(name, schedule)
+        self.forget_pending(name)
+        if schedule is None or replace:  # the caller's own schedule from here on
+            for n in self.resolve(name):
+                self.restored.pop(n, None)
 
     def forget_pending(self, name: str) -> None:
         """The caller set ``name``'s schedule again (or removed it): nothing waits for it."""

@@ -9,8 +9,9 @@ Step ``k`` is the number of steps taken before the one the value is used for.
 
 A schedule may name its hyperparameter, ``[NAME=]SPEC`` (``named_schedule``; NAME
 defaults to ``lr``), and a resumed run continues the schedules its checkpoint stores:
-asking it for another spec of the same hyperparameter is a clash (``schedule_clash``),
-which ``stepbundle run --lr-schedule`` refuses.
+asking it for another schedule of the same hyperparameter is a clash (``schedule_clash``),
+which ``Trainer.set_schedule`` refuses (``refuse_clash``), for ``stepbundle run
+--lr-schedule`` and a Python caller alike.
 
 Imports: standard library only.
 """
@@ -25,6 +26,7 @@ from stepbundle.schema.errors import UsageError
 __all__ = [
     "named_schedule",
     "parse_schedule",
+    "refuse_clash",
     "schedule_clash",
     "schedule_extremes",
     "warmup_cosine",
@@ -130,17 +132,35 @@ def named_schedule(text: str) -> tuple[str, str]:
 
 
 def schedule_clash(
-    restored: Mapping[str, str | None], name: str, spec: str
+    restored: Mapping[str, str | None], name: str, spec: str | None
 ) -> tuple[str, str] | None:
     """The schedule a resumed trainer continues that ``spec`` for ``name`` would replace.
 
-    ``restored`` is the trainer's schedules after a resume (``Trainer.schedules``): a
-    resumed run continues them, so a different spec for the same hyperparameter (its
-    full name, or one ending in ``.NAME``) clashes; the same spec, or a hyperparameter
-    the checkpoint schedules by a Python function (None), does not. Returns the first
-    clash as (its full name, the spec it follows), or None.
+    ``restored`` is the schedules a checkpoint restored (``Trainer.load_checkpoint``): a
+    resumed run continues them, so another schedule for the same hyperparameter (its
+    full name, or one ending in ``.NAME``) clashes: a different spec, or a Python
+    function (``spec`` None), which no stored spec can be known to equal. The same spec,
+    or a hyperparameter the checkpoint schedules by a Python function (None), does not.
+    Returns the first clash as (its full name, the spec it follows), or None.
     """
     for full, old in restored.items():
         if (full == name or full.endswith(f".{name}")) and old is not None and old != spec:
             return full, old
     return None
+
+
+def refuse_clash(restored: Mapping[str, str | None], name: str, spec: str | None) -> None:
+    """Raise ``UsageError`` if ``spec`` for ``name`` (None: a Python function) clashes
+    with a schedule a checkpoint restored (``schedule_clash``), naming both and the ways
+    out."""
+    clash = schedule_clash(restored, name, spec)
+    if clash is None:
+        return
+    full, old = clash
+    given = f"The schedule {spec!r}" if spec is not None else "A Python function as the schedule"
+    raise UsageError(
+        f"{given} for {name!r} conflicts with the checkpoint, whose {full!r} follows "
+        f"{old!r}. A resumed run continues the checkpoint's schedule: drop the new one "
+        "(--lr-schedule), or give the same spec; to replace it on purpose, call "
+        "set_schedule(name, schedule, replace=True)."
+    )

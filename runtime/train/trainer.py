@@ -155,16 +155,31 @@ class Trainer:
         """Set a hyperparameter for the following steps (``lr`` sets every group's lr)."""
         self._hp.set(name, value)
 
-    def set_schedule(self, name: str, schedule: Callable[[int], float] | str | None) -> None:
+    def set_schedule(
+        self,
+        name: str,
+        schedule: Callable[[int], float] | str | None,
+        *,
+        replace: bool = False,
+    ) -> None:
         """Set ``name`` before every training step from a schedule.
 
         ``schedule`` is a function of ``step`` (the number of steps taken so far, 0 for
         the first), or a spec such as ``warmup_cosine:peak=1e-3,warmup=100,total=10000``
         (see ``stepbundle.runtime.train.schedule``), which checkpoints store so a resume
         continues it. ``None`` removes the schedule.
+
+        After ``load_checkpoint``, the trainer continues the schedules the checkpoint
+        stored: another schedule for one of them (a different spec, or a Python
+        function) is refused unless ``replace=True``; the same spec is taken as it is.
+
+        Raises:
+          UsageError: the spec does not parse, or the schedule would replace one the
+            checkpoint restored (``schedule.refuse_clash`` says how to proceed).
+          BindingError: the bundle has no such hyperparameter, or the spec's start or
+            end value cannot be fed to it (not finite; an lr of 0 for capturable Adam).
         """
-        self._hp.set_schedule(name, schedule)
-        self._hp.forget_pending(name)
+        self._hp.set_by_caller(name, schedule, replace=replace)
 
     @property
     def schedules(self) -> dict[str, str | None]:

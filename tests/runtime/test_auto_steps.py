@@ -177,3 +177,36 @@ def test_auto_runs_nothing_where_the_load_runs_no_training_step() -> None:
     trainer = load(golden_bundle(NAME), "cpu", options=ev)
     assert trainer.load_info.auto_steps == "steps per call 1 (auto: the train entry is not loaded)"
     assert trainer.steps_per_call == 1
+
+
+def test_the_cadences_are_the_librarys_for_python_and_the_command() -> None:
+    """``CompileOptions(cadences=...)`` keeps the K that "auto" chooses a divisor of each;
+    ``stepbundle run`` passes "auto" with its checkpoint and evaluation cadences, so the
+    choice is the library's and ``load_info.auto_steps`` records it for the command too."""
+    from stepbundle.cli.config import RunConfig
+    from stepbundle.cli.run import _open_trainer
+    from stepbundle.runtime import CompileOptions, LoadOptions, UsageError, load
+
+    pattern = r"steps per call (\d+) \(auto: ([\d.]+) ms/step at 1 per call, (.*)\)"
+    options = CompileOptions(steps_per_call="auto", cadences=(12, 0), cache_dir=False)
+    trainer = load(golden_bundle(NAME), "cpu", options=LoadOptions(compile=options))
+    command = _open_trainer(
+        RunConfig(
+            command="run",
+            bundle=str(golden_bundle(NAME)),
+            data=str(GOLDEN_DIR / f"{NAME}.inputs.npz"),
+            steps_per_call="auto",
+            checkpoint_every=12,
+            no_cache=True,
+        )
+    )
+    for loaded in (trainer, command):
+        found = re.fullmatch(pattern, loaded.load_info.auto_steps)
+        assert found, loaded.load_info.auto_steps
+        k, ms = int(found.group(1)), float(found.group(2))
+        assert loaded.steps_per_call == k == choose(ms, (12,))[0] and 12 % k == 0
+        assert found.group(3) == choose(ms, (12,))[1]  # "lowered to 4" where 32 was measured
+    assert CompileOptions(cadences=12).cadences == (12,)  # type: ignore[arg-type]
+    for bad in ((-1,), (True,), (2.5,), ("12",)):
+        with pytest.raises(UsageError, match="cadences must be step counts"):
+            CompileOptions(cadences=bad)  # type: ignore[arg-type]

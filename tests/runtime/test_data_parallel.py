@@ -474,14 +474,17 @@ def test_a_checkpoint_process_0_cannot_write_fails_on_every_process(tmp_path: Pa
 
 
 def test_cli_process_that_fails_to_start_stops_the_whole_job(tmp_path: Path) -> None:
-    """Process 1 is given a checkpoint that does not exist: both processes exit with a
-    clear error instead of process 0 waiting for it in the first step's collective."""
+    """Process 1 is given a checkpoint it cannot restore: both processes exit with a
+    clear error instead of process 0 waiting for it in the first step's collective. (A
+    checkpoint that does not exist is refused while parsing, before the job is joined.)"""
+    damaged = tmp_path / "damaged.safetensors"
+    damaged.write_bytes(b"not a checkpoint")
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     name = "dropout_sgd"
     procs = []
     for i in range(2):
-        extra = ["--resume", str(tmp_path / "missing.safetensors")] if i == 1 else []
+        extra = ["--resume", str(damaged)] if i == 1 else []
         procs.append(
             subprocess.Popen(
                 [sys.executable, "-m", "stepbundle", "run", str(golden_bundle(name))]
@@ -503,7 +506,7 @@ def test_cli_process_that_fails_to_start_stops_the_whole_job(tmp_path: Path) -> 
         for p in procs:
             if p.poll() is None:
                 p.kill()
-    assert procs[1].returncode == 1 and "missing.safetensors" in errs[1], errs[1][-2000:]
+    assert procs[1].returncode == 1 and "damaged.safetensors" in errs[1], errs[1][-2000:]
     assert procs[0].returncode == 1, errs[0][-2000:]
     assert "another process of the job failed to start" in errs[0], errs[0][-2000:]
 

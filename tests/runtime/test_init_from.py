@@ -207,6 +207,7 @@ def test_an_unexpected_tensor_is_refused_unless_not_strict(
         load(made["free"], options=LoadOptions(state=StateOptions(init_from=path)))
     assert "holds 1 tensor(s) the bundle's state table does not name: 'head.weight'" in str(e.value)
     assert "strict=False (--no-init-strict)" in str(e.value)
+    assert e.value.names == ("head.weight",)
     assert transfers == []
     got = _run(made["free"], init_from=path, init_strict=False)
     _assert_same_run(made, got)
@@ -224,7 +225,8 @@ def test_a_wrong_shape_is_refused_even_when_not_strict(
                 options=LoadOptions(state=StateOptions(init_from=path, init_strict=strict)),
             )
         assert "0.weight: the file has f32[4,8], the bundle f32[8,4]" in str(e.value)
-        assert "Nothing was loaded" in str(e.value)
+        assert "of another shape" in str(e.value) and "Nothing was loaded" in str(e.value)
+        assert e.value.names == ("0.weight",)
     assert transfers == []
 
 
@@ -237,6 +239,8 @@ def test_a_wrong_dtype_is_refused(
             made["free"], options=LoadOptions(state=StateOptions(init_from=path, init_strict=False))
         )
     assert "2.num_batches_tracked: the file has i32[], the bundle i64[]" in str(e.value)
+    assert "of another dtype" in str(e.value) and "Nothing was loaded" in str(e.value)
+    assert e.value.names == ("2.num_batches_tracked",)
     assert transfers == []
 
 
@@ -244,8 +248,11 @@ def test_a_full_bundle_takes_what_the_file_holds(made: dict[str, Any], tmp_path:
     w = made["weights"]["0.weight"] + 1.0
     path = tmp_path / "partial.safetensors"
     write_safetensors(path, {"0.weight": w})
-    with pytest.raises(InitStateError, match="Without strict"):  # lacks parameters
+    with pytest.raises(InitStateError, match="Without strict") as e:  # lacks parameters
         load(golden_bundle(NAME), options=LoadOptions(state=StateOptions(init_from=path)))
+    with open_bundle(golden_bundle(NAME)) as b:  # the parameters, which strict wants
+        params = {s.name for s in b.manifest.state if s.kind is StateKind.PARAMETER}
+    assert "lacks" in str(e.value) and set(e.value.names) == params - {"0.weight"}
     t = load(
         golden_bundle(NAME),
         options=LoadOptions(state=StateOptions(init_from=path, init_strict=False)),

@@ -337,7 +337,7 @@ def test_cli_run_takes_a_layout(tmp_path: Path) -> None:
         text=True,
         timeout=300,
     )
-    assert r.returncode == 1 and "does not divide the 4 device" in r.stderr, r.stderr
+    assert r.returncode == 2 and "does not divide the 4 device" in r.stderr, r.stderr  # usage
 
 
 def test_cli_eval_takes_devices_and_a_layout() -> None:
@@ -361,4 +361,4 @@ def test_cli_eval_takes_devices_and_a_layout() -> None:
         text=True,
         timeout=300,
     )
-    assert r.returncode == 1 and "does not divide the 4 device" in r.stderr, r.stderr
+    assert r.returncode == 2 and "does not divide the 4 device" in r.stderr, r.stderr  # usage

@@ -93,7 +93,7 @@ def test_cli_refuses_a_nan_schedule_in_one_line() -> None:
         text=True,
         timeout=300,
     )
-    assert out.returncode == 1
+    assert out.returncode == 2  # a bad argument (a UsageError)
     assert "Traceback" not in out.stderr
     assert out.stderr.strip().splitlines()[-1].endswith("must be finite.")
 

@@ -38,6 +38,7 @@ __all__ = [
     "job_agree",
     "compile_options",
     "compile_bytecode",
+    "compile_unloaded",
     "ExecutableCall",
     "deserialize_executable",
     "get_client",
@@ -460,6 +461,44 @@ def compile_bytecode(
         if not _without_unknown_ynn(options, e):
             raise
         return client.compile_and_load(bytecode, device_list, options)
+
+
+def compile_unloaded(
+    client: Client, bytecode: bytes, devices: Sequence[Device], options: Any
+) -> Executable:
+    """Compile MLIR bytecode for ``devices`` without loading it where the client can: the
+    devices may be described only (``jax.experimental.topologies``: a TPU slice this
+    host is not attached to). A client that cannot compile without loading (the CPU
+    client of jaxlib 0.7.1 and 0.10: "No compiler ...") compiles and loads, on devices
+    it has. Either way the executable answers ``get_compiled_memory_stats`` and
+    ``hlo_modules``."""
+    device_list = xla_client.DeviceList(tuple(devices))
+    try:
+        try:
+            return _compile_unloaded(client, bytecode, device_list, options)
+        except JaxRuntimeError as e:
+            if not _without_unknown_ynn(options, e):
+                raise
+            return _compile_unloaded(client, bytecode, device_list, options)
+    except JaxRuntimeError as e:
+        # "No compiler factory for platform: cpu" (0.10), "No compiler registered for
+        # platform cpu" (0.7.1)
+        if "No compiler" not in str(e):
+            raise
+    return compile_bytecode(client, bytecode, devices, options)
+
+
+def _compile_unloaded(client: Client, bytecode: bytes, device_list: Any, options: Any) -> Any:
+    try:
+        return client.compile(bytecode, device_list, options)
+    except TypeError:
+        # jaxlib 0.10's Client.compile takes a parsed MLIR module, not bytes (0.7.1 takes
+        # bytes). Remove when the oldest jaxlib supported takes modules.
+        from jax._src.interpreters import mlir as jax_mlir
+        from jaxlib.mlir import ir
+
+        with jax_mlir.make_ir_context():
+            return client.compile(ir.Module.parse(bytecode), device_list, options)
 
 
 def serialize_executable(client: Client, exe: Executable) -> bytes:

@@ -1,0 +1,60 @@
+"""``compile_offline``: a bundle compiled for a device list without loading it (#41 item 5:
+TPU slices are planned from compile-only devices; here, virtual CPU devices).
+
+It must compile exactly what ``load`` compiles for the same devices and layout (the same
+partitioned program), place nothing, and refuse what ``load`` refuses.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from stepbundle.runtime import LoadOptions, ParallelOptions, UsageError, load
+from stepbundle.runtime.offline import compile_offline
+
+GPT = Path(__file__).resolve().parent / "data" / "tiny_gpt.stepbundle"
+
+
+def _hlo(exe: object) -> str:
+    return "\n".join(m.to_string() for m in exe.hlo_modules())  # type: ignore[attr-defined]
+
+
+@pytest.fixture(scope="module")
+def four() -> list[object]:
+    devices = jax.devices("cpu")
+    if len(devices) < 4:
+        pytest.fail("tests/conftest.py gives the runtime tests 4 virtual CPU devices")
+    return devices[:4]
+
+
+def test_fsdp_compiles_the_program_load_compiles(four: list[object]) -> None:
+    options = LoadOptions.from_keywords(cache_dir=False, devices=4, layout="fsdp")
+    out = compile_offline(GPT, four, LoadOptions(parallel=ParallelOptions(layout="fsdp")))
+    assert out.placement.layout == "fsdp" and out.placement.mesh_axes == [("data", 4)]
+    assert set(out.executables) == {"train[0]"} and out.refused == {}
+    exe = out.executables["train[0]"]
+    trainer = load(GPT, options=options)
+    batch = {"idx": np.zeros((8, 8), np.int64), "y": np.zeros((8, 8), np.int64)}
+    plan, _ = trainer._dispatcher.pick("train", batch)
+    loaded = plan.executable
+    assert _hlo(exe) == _hlo(loaded)
+    assert "all-gather" in _hlo(exe)  # the split parameters are gathered
+    ours, theirs = exe.get_compiled_memory_stats(), loaded.get_compiled_memory_stats()
+    assert ours.argument_size_in_bytes == theirs.argument_size_in_bytes
+    assert ours.temp_size_in_bytes == theirs.temp_size_in_bytes
+
+
+def test_a_bucket_that_does_not_split_is_refused_not_compiled() -> None:
+    three = jax.devices("cpu")[:3]  # the GPT's batch of 8 rows does not split over 3
+    out = compile_offline(GPT, three)
+    assert out.executables == {}
+    assert "do not split evenly" in out.refused["train[0]"]
+
+
+def test_a_device_count_the_options_contradict_is_refused(four: list[object]) -> None:
+    with pytest.raises(UsageError, match="given 4 device"):
+        compile_offline(GPT, four, LoadOptions(parallel=ParallelOptions(devices=2)))

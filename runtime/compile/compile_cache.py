@@ -54,7 +54,11 @@ __all__ = [
 # v6 (2026-12-06): the compile options' XLA option overrides (on the CPU, YNNPACK's
 #   fusions off: _compat.cpu_numerics_overrides); a v5 entry compiled with them on would
 #   otherwise be reused.
-CACHE_KEY_VERSION = b"stepbundle-cache-v6"
+# v7 (2026-12-06): CPU programs' long float sums in blocks (rewrites.blocked_sums,
+#   cpu_numerics.py). The rewritten bytecode is keyed already, so a v6 entry could not be
+#   served for it; the version moves with the CPU numerics so that the key says which
+#   decision an entry was compiled under, and v6 entries are retired in one step.
+CACHE_KEY_VERSION = b"stepbundle-cache-v7"
 _ENTRY_MAGIC = b"SBXC\x00\x04\r\n"
 _ENTRY_HEADER = len(_ENTRY_MAGIC) + 32 + 32
 _NO_ENTRY = "no entry"

@@ -48,9 +48,10 @@ class LoadInfo:
       auto_steps: what ``steps_per_call="auto"`` chose and why, in words
         (``runtime/auto_steps.py``); empty where K was given.
       cpu_numerics: on the CPU, what the programs were compiled with to be as accurate
-        as PyTorch's CPU kernels, in words: YNNPACK's fusions off per compile, left to
-        the user's ``XLA_FLAGS``, or nothing to set on this jaxlib
-        (``_compat.cpu_numerics_overrides``); empty off the CPU.
+        as PyTorch's CPU kernels, in words (``cpu_numerics.py``): long float sums in
+        blocks or as written (``STEPBUNDLE_CPU_BLOCKED_SUMS=0``), and YNNPACK's fusions
+        off per compile, left to the user's ``XLA_FLAGS``, or nothing to set on this
+        jaxlib (``_compat.cpu_numerics_overrides``); empty off the CPU.
       layout: the parallel layout the state was placed in (``ParallelOptions.layout``,
         normalized: ``"dp"``, ``"zero1"``, ``"fsdp"``, ``"fsdp+tp:2"``, ...).
       mesh: the device mesh's axes and sizes (``{"data": 4}``, ``{"data": 2, "model":

@@ -11,7 +11,6 @@ Imports: jaxlib (through _compat), stepbundle.schema, stepbundle.stablehlo.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +22,7 @@ from .. import _compat
 from ..placement import packing
 from ..placement.sharding import Placement
 from .compile_cache import CacheEvent, CacheOutcome, CompileCache
+from .cpu_numerics import cpu_numerics
 from .rewrites import RewriteContext, Stage, apply_rewrites
 from .validate import check_program
 
@@ -94,6 +94,8 @@ def compile_program(
     """
     platform = str(client.platform)
     module = check_program(artifact, program, where, platform)
+    # As accurate as PyTorch's CPU kernels: long sums in blocks, YNNPACK's fusions off.
+    numerics = cpu_numerics() if platform == "cpu" else None
     ctx = RewriteContext(
         platform=platform,
         placement=placement,
@@ -104,12 +106,11 @@ def compile_program(
         fused_attention=fused_attention,
         scalar_constants=dict(scalar_constants or {}),
         state_values=dict(state_values or {}),
+        blocked_sums=numerics is not None and numerics.blocked_sums,
     )
     stage = apply_rewrites(Stage(module, program), ctx)
     devices = list(placement.devices)
-    overrides: tuple[tuple[str, str], ...] = ()
-    if platform == "cpu":  # as accurate as PyTorch's CPU kernels (_compat.cpu_numerics_overrides)
-        overrides, _ = _compat.cpu_numerics_overrides(os.environ.get("XLA_FLAGS", ""))
+    overrides = numerics.overrides if numerics is not None else ()
     options = _compat.compile_options(len(devices), [d.id for d in devices], overrides)
     exe, event = cache.compile(label, client, stage.module.bytecode(), devices, options)
     return CompiledProgram(

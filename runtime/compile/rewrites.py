@@ -40,6 +40,7 @@ from stepbundle.stablehlo import artifact as mlir
 from stepbundle.stablehlo.attention import Site, StateValues, count_score_products
 from stepbundle.stablehlo.attention_composite import count_composites, rewrite_composites
 from stepbundle.stablehlo.attention_rewrite import rewrite_attention
+from stepbundle.stablehlo.blocked_sums import block_long_sums, count_long_sums
 from stepbundle.stablehlo.conv_layout import canonicalize_convolutions
 from stepbundle.stablehlo.conv_wgrad import count_weight_gradients, rewrite_weight_gradients
 from stepbundle.stablehlo.onehot import count_onehot_reductions, rewrite_onehot_reductions
@@ -68,6 +69,8 @@ class RewriteContext:
       matmul_precision: "default", "high" or "highest" for every matmul and
         convolution, or None to keep the program's own.
       fused_attention: whether a TPU runs traced attention as fused kernels.
+      blocked_sums: whether a CPU program's long float sums are summed in blocks
+        (``cpu_numerics.py``).
       scalar_constants: @main's scalar constant arguments (argument number -> value,
         from the bundle's constant sections): an attention mask's fill value is one.
       state_values: the state arguments the step never writes, as loaded
@@ -88,6 +91,7 @@ class RewriteContext:
     steps_per_call: int = 1
     matmul_precision: str | None = None
     fused_attention: bool = True
+    blocked_sums: bool = True
     scalar_constants: Mapping[int, float] = field(default_factory=dict)
     state_values: StateValues = field(default_factory=dict)
     notes: dict[str, int] = field(default_factory=dict)
@@ -160,6 +164,25 @@ def onehot_sums(stage: Stage, ctx: RewriteContext) -> Stage:
         rewrite_onehot_reductions(copy)
     except Exception as e:  # any failure keeps the program as it is: it is only slower
         warn_once("onehot-sums", f"stepbundle kept a program's one-hot sums as they are: {e}")
+        return stage
+    return Stage(copy, stage.program)
+
+
+def blocked_sums(stage: Stage, ctx: RewriteContext) -> Stage:
+    """On the CPU, long float32 (and bf16/f16) sums in blocks of at most 256 values, summed
+    again in blocks: the cascade PyTorch's CPU sum uses, so that a BatchNorm's sums over
+    N*H*W values are as accurate whichever kernel XLA:CPU picks for them, its own loops or
+    YNNPACK's (``stablehlo/blocked_sums.py``; docs/numerics.md has the figures). TPUs and
+    GPUs sum in trees already."""
+    if ctx.platform != "cpu" or not ctx.blocked_sums:
+        return stage
+    try:
+        if not count_long_sums(stage.module):
+            return stage
+        copy = mlir.Module.parse_text(stage.module, stage.module.text())
+        ctx.notes["blocked_sums"] = block_long_sums(copy)
+    except Exception as e:  # any failure keeps the program as it is: it is only less accurate
+        warn_once("blocked-sums", f"stepbundle kept a program's long sums as they are: {e}")
         return stage
     return Stage(copy, stage.program)
 
@@ -346,6 +369,7 @@ REWRITES: tuple[tuple[str, Rewrite], ...] = (
     ("matmul-precision", matmul_precision),
     ("power-precision", power_precision),
     ("onehot-sums", onehot_sums),
+    ("blocked-sums", blocked_sums),
     ("weight-gradients", weight_gradients),
     ("fused-attention", fused_attention),
     ("pack-state", pack_state),

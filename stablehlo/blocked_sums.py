@@ -16,11 +16,20 @@ values each: the reduced dimensions are taken innermost first into a block (a di
 that does not fit is split, ``reshape [s] -> [s/q, q]``, free in row-major order, or
 padded with zeros to a multiple when it has no fitting divisor), the block is summed, and
 the sum over the remaining reduced dimensions is blocked the same way until every level
-holds at most ``BLOCK`` values. The values summed are the same, each exactly once; only
-the order changes. (A sum of nothing but -0.0 padded with +0.0 gives +0.0.) Sums that are
-not plain adds (max, variadic reductions), integer and float64 sums, and short sums are
-left alone. The result has no ``reduce`` over more than ``LONG`` values, so a second pass
-changes nothing.
+holds at most ``BLOCK`` values. An ``optimization_barrier`` stands between levels:
+without it XLA's simplifier merges a reduce of a reduce back into one. The values summed
+are the same, each exactly once; only the order changes. (A sum of nothing but -0.0
+padded with +0.0 gives +0.0.) Sums that are not plain adds (max, variadic reductions),
+integer and float64 sums, and short sums are left alone. A blocked sum's levels add at
+most ``BLOCK`` values each, so a second pass finds nothing long and changes nothing.
+
+Measured on an AVX2 EPYC (jax 0.10.2, YNNPACK off), a float32 sum over (N, H, W) of
+f32[32, 64, 64, 64] against float64, normwise over the 64 channels: 2.9e-7 (ReLU'd
+normals) to 1.5e-6 (normals) as written; with levels of 256 values 1.1e-7 to 2.1e-7; of
+64 values 3.9e-8 to 2.0e-7, as near as YNNPACK's own reduction (4.0e-8 to 1.2e-7) and
+numpy's pairwise sum (8.7e-8 to 1.4e-7). Sums over a row's contiguous values (f32[256, M])
+were within 9e-8 as written for every M up to 65,536: the loss is in sums over several
+non-contiguous dimensions, BatchNorm's.
 
 The runtime applies it on the CPU only (``runtime/compile/rewrites.py``): a TPU's and a
 GPU's XLA already sum in trees (tiles and per-thread partial sums reduced pairwise).
@@ -47,8 +56,6 @@ LONG = 4096
 
 BLOCK = 64
 """The most values one level of a blocked sum adds."""
-
-BARRIER = True
 
 TYPES = ("f32", "bf16", "f16")
 """The element types whose long sums are blocked (float64's error is far below float32's
@@ -172,8 +179,9 @@ def _blocked(x: Any, init: Any, dims: list[int]) -> Any:
     inner = [i for i, (d, part) in enumerate(labels) if d in taken or (d == split and part == 1)]
     left = [i for i in range(len(labels)) if i not in inner]
     first = _reduce(x, init, inner, [sizes[i] for i in left], scalar)
-    if BARRIER:
-        first = build_op("stablehlo.optimization_barrier", first.type, [first])
+    # Without a barrier XLA's simplifier merges the levels back into one reduce (seen:
+    # the same error as the unblocked sum).
+    first = build_op("stablehlo.optimization_barrier", first.type, [first])
     rest = [k for k, i in enumerate(left) if labels[i][0] in dims]
     return _blocked(first, init, rest)
 

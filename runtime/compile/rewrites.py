@@ -169,11 +169,12 @@ def onehot_sums(stage: Stage, ctx: RewriteContext) -> Stage:
 
 
 def blocked_sums(stage: Stage, ctx: RewriteContext) -> Stage:
-    """On the CPU, long float32 (and bf16/f16) sums in blocks of at most 256 values, summed
-    again in blocks: the cascade PyTorch's CPU sum uses, so that a BatchNorm's sums over
+    """On the CPU, long float32 (and bf16/f16) sums in blocks of at most 64 values, summed
+    again in blocks: a cascade, as PyTorch's CPU sum adds, so that a BatchNorm's sums over
     N*H*W values are as accurate whichever kernel XLA:CPU picks for them, its own loops or
     YNNPACK's (``stablehlo/blocked_sums.py``; docs/numerics.md has the figures). TPUs and
-    GPUs sum in trees already."""
+    GPUs sum in trees already. ``STEPBUNDLE_CPU_BLOCKED_SUMS=0`` switches it off
+    (``cpu_numerics.py``)."""
     if ctx.platform != "cpu" or not ctx.blocked_sums:
         return stage
     try:

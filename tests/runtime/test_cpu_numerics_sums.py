@@ -132,11 +132,19 @@ def _stage() -> rewrites.Stage:
     return rewrites.Stage(mlir.Module.parse_text(module, text), program)
 
 
-@pytest.mark.parametrize(("platform", "applied"), [("cpu", True), ("tpu", False), ("cuda", False)])
-def test_the_runtime_blocks_long_sums_on_the_cpu_only(platform: str, applied: bool) -> None:
-    """TPUs and GPUs reduce in trees already (tiles, per-thread partial sums)."""
+@pytest.mark.parametrize(
+    ("platform", "on", "applied"),
+    [("cpu", True, True), ("cpu", False, False), ("tpu", True, False), ("cuda", True, False)],
+)
+def test_the_runtime_blocks_long_sums_on_the_cpu_only(
+    platform: str, on: bool, applied: bool
+) -> None:
+    """TPUs and GPUs reduce in trees already (tiles, per-thread partial sums); ``on``
+    False is ``STEPBUNDLE_CPU_BLOCKED_SUMS=0`` (cpu_numerics.py)."""
     stage = _stage()
-    ctx = rewrites.RewriteContext(platform=platform, placement=Placement(jax.devices("cpu")[:1]))
+    ctx = rewrites.RewriteContext(
+        platform=platform, placement=Placement(jax.devices("cpu")[:1]), blocked_sums=on
+    )
     out = rewrites.blocked_sums(stage, ctx)
     assert (out.module is not stage.module) is applied
     assert count_long_sums(out.module) == (0 if applied else 1)

@@ -4,11 +4,13 @@ The face::
 
     from stepbundle import Recipe, export          # where torch is installed
     from stepbundle import LoadOptions, Trainer, load
+    from stepbundle import CompileOptions, ParallelOptions, SafetyOptions, StateOptions
     from stepbundle import BundleError, CheckpointError, DataError, DeviceError, UsageError
 
 ``export(recipe, path)`` writes a bundle with the torch_xla front-end where torch_xla is
 installed and with the torch front-end otherwise (``frontend=`` chooses); ``load(path,
-device, LoadOptions(...))`` returns the ``Trainer`` that runs it, with no torch. Each
+device, LoadOptions(...))`` returns the ``Trainer`` that runs it, with no torch;
+``LoadOptions`` is made of the four option records beside it. Each
 name is imported on first use, so ``import stepbundle.runtime`` never pulls in torch and
 ``import stepbundle.schema`` pulls in neither torch nor jax. Every error stepbundle raises
 is a ``StepbundleError`` under one of the five roots imported above
@@ -41,18 +43,28 @@ from ._version import __version__
 if TYPE_CHECKING:
     from stepbundle.frontend.recipe import Recipe
     from stepbundle.runtime.load import load
-    from stepbundle.runtime.options import LoadOptions
+    from stepbundle.runtime.options import (
+        CompileOptions,
+        LoadOptions,
+        ParallelOptions,
+        SafetyOptions,
+        StateOptions,
+    )
     from stepbundle.runtime.train.trainer import Trainer
 
 __all__ = [
     "FRONTENDS",
     "BundleError",
     "CheckpointError",
+    "CompileOptions",
     "DataError",
     "DeviceError",
     "FrontendMissingError",
     "LoadOptions",
+    "ParallelOptions",
     "Recipe",
+    "SafetyOptions",
+    "StateOptions",
     "StepbundleError",
     "Trainer",
     "UsageError",
@@ -134,13 +146,25 @@ def export(
     return export_torch(recipe, path, **options)
 
 
+_RUNTIME_NAMES = (
+    "load",
+    "LoadOptions",
+    "CompileOptions",
+    "StateOptions",
+    "SafetyOptions",
+    "ParallelOptions",
+    "Trainer",
+)
+
+
 def __getattr__(name: str) -> Any:
-    """``Recipe``, ``load``, ``LoadOptions`` and ``Trainer``, imported on first use."""
+    """``Recipe``, ``load``, ``LoadOptions`` (and its four records) and ``Trainer``,
+    imported on first use."""
     if name == "Recipe":
         from stepbundle.frontend.recipe import Recipe
 
         return Recipe
-    if name in ("load", "LoadOptions", "Trainer"):
+    if name in _RUNTIME_NAMES:
         from stepbundle import runtime
 
         return getattr(runtime, name)

@@ -100,6 +100,15 @@ class Trainer:
             hp=self._hp,
         )
 
+    def __repr__(self) -> str:
+        """``<Trainer sha256:1a2b3c4d5e6f... on cpu:0, step 3, entries eval, train>``."""
+        devices = f" x{len(self.devices)}" if len(self.devices) > 1 else ""
+        k = f", {self.steps_per_call} steps per call" if self.steps_per_call > 1 else ""
+        return (
+            f"<Trainer {self.digest[:19]}... on {self.device}{devices}, step "
+            f"{self.step_count}, entries {', '.join(self.entries)}{k}>"
+        )
+
     # ------------------------------------------------------------ properties
     @property
     def entries(self) -> tuple[str, ...]:

@@ -12,18 +12,30 @@ import pytest
 from runtime_helpers import golden_bundle
 
 import stepbundle
-from stepbundle import FrontendMissingError, LoadOptions, Trainer, choose_frontend, load
-from stepbundle.runtime import CompileOptions
+from stepbundle import (
+    CompileOptions,
+    FrontendMissingError,
+    LoadOptions,
+    Trainer,
+    choose_frontend,
+    load,
+)
 
 
 def test_the_runtime_names_are_the_runtimes() -> None:
     import stepbundle.runtime as runtime
 
     assert (load, LoadOptions, Trainer) == (runtime.load, runtime.LoadOptions, runtime.Trainer)
+    for part in ("CompileOptions", "StateOptions", "SafetyOptions", "ParallelOptions"):
+        assert getattr(stepbundle, part) is getattr(runtime, part) and part in stepbundle.__all__
     trainer = load(
         golden_bundle("linear_adamw"), "cpu", LoadOptions(CompileOptions(cache_dir=False))
     )
     assert isinstance(trainer, Trainer)
+    # Printed, it says which bundle, where and how far.
+    assert repr(trainer) == (
+        f"<Trainer {trainer.digest[:19]}... on {trainer.device}, step 0, entries eval, train>"
+    )
     x = np.ones((8, 5), np.float32)
     y = np.zeros((8, 3), np.float32)
     assert np.isfinite(float(trainer.step({"x": x, "y": y})["loss"]))

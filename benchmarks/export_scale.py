@@ -18,10 +18,15 @@ it from start to exit (imports and building the recipe included; ``export_s`` is
 call alone). A row the front-end cannot run within the
 limit says so, with the reason, instead of a figure; ``--skip`` names rows not to try
 (``torch_xla:llama1b``), whose reason is then the projection from the measured bytes per
-parameter. Usage::
+parameter. Each row records the commit it was measured at, whether the tree had changes
+beside it, and the load average when it ended. ``--merge`` makes one results file of
+several runs' (the rows of a later file replace the same rows of an earlier one;
+``--source-git FILE=COMMIT:clean`` records what its runner knew of the tree, where the
+file's own record was taken later). Usage::
 
     .venv/bin/python benchmarks/export_scale.py                       # every row
     .venv/bin/python benchmarks/export_scale.py --models tiny --frontends torch --out /tmp/x.json
+    .venv/bin/python benchmarks/export_scale.py --merge /tmp/torch.json /tmp/xla.json
 
 Writes ``benchmarks/results/export_scale.json`` (every figure) and prints the markdown table
 (``docs/exporting.md`` carries it).
@@ -150,6 +155,8 @@ def run_row(model: str, frontend: str, work: Path, max_gb: float, timeout: float
             else f"exit {proc.returncode}: {' | '.join(tail)[-400:]}"
         )  # fmt: skip
     out.unlink(missing_ok=True)
+    row["git"] = _git()
+    row["load_average_at_end"] = list(os.getloadavg())
     return row
 
 
@@ -180,6 +187,46 @@ def _git() -> dict[str, Any]:
     return {"commit": git("rev-parse", "HEAD").strip(), "dirty": bool(git("status", "--porcelain"))}
 
 
+def _order(row: dict[str, Any]) -> tuple[int, int]:
+    models = ("tiny", *MODELS)
+    return models.index(row["model"]) if row["model"] in models else len(models), (
+        FRONTENDS.index(row["frontend"]) if row["frontend"] in FRONTENDS else len(FRONTENDS)
+    )
+
+
+def merge(files: list[str], source_git: dict[str, str]) -> dict[str, Any]:
+    """One results file of several runs' files: a later file's row replaces the same
+    (model, front-end) row of an earlier one. A row without its own git record takes its
+    file's, or ``source_git``'s for that file ("COMMIT:clean" or "COMMIT:dirty")."""
+    rows: dict[tuple[str, str], dict[str, Any]] = {}
+    commands: list[str] = []
+    host: dict[str, Any] = {}
+    for f in files:
+        result = json.loads(Path(f).read_text())
+        commands += result.get("commands") or [result["command"]]
+        host = {k: v for k, v in result["host"].items() if k in ("cpus", "machine")}
+        for row in result["rows"]:
+            row = dict(row)
+            if f in source_git:
+                commit, _, tree = source_git[f].partition(":")
+                row["git"] = {"commit": commit, "dirty": tree != "clean"}
+            elif "git" not in row and "commit" in result.get("git", {}):
+                row["git"] = result["git"]
+            if "load_average_at_end" not in row and "skipped" not in row:
+                load = result["host"].get("load_average_at_end")
+                if isinstance(load, list):
+                    row["load_average_at_end"] = load
+            rows[(row["model"], row["frontend"])] = row
+    ordered = sorted(rows.values(), key=_order)
+    return {
+        "benchmark": "export_scale",
+        "commands": commands,
+        "host": host,
+        "rows": ordered,
+        "table": table(ordered),
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", nargs="*", default=list(MODELS))
@@ -192,10 +239,19 @@ def main() -> None:
     ap.add_argument(
         "--python", nargs="*", default=[], help="FRONTEND=PYTHON: the interpreter of a front-end"
     )
+    ap.add_argument("--merge", nargs="*", default=[], help="results files to merge into --out")
+    ap.add_argument(
+        "--source-git", nargs="*", default=[], help="FILE=COMMIT:clean|dirty, per merged file"
+    )
     ap.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         child(*args.child)
+        return
+    if args.merge:
+        merged = merge(args.merge, dict(g.split("=", 1) for g in args.source_git))
+        Path(args.out).write_text(json.dumps(merged, indent=1) + "\n")
+        print(merged["table"])
         return
     reasons = dict(r.split("=", 1) for r in args.reason)
     PYTHON.update({k: Path(v) for k, v in (p.split("=", 1) for p in args.python)})

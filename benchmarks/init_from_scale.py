@@ -29,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -99,11 +100,14 @@ def _status_kb(field: str) -> int:
     return -1
 
 
-def child(bundle: str, index: str) -> None:
+def measure_placement(
+    manifest: Any, source: Any, section: Callable[[str], memoryview]
+) -> dict[str, Any]:
+    """Run ``place_state`` for ``manifest`` from ``source`` (an open ``InitSource``) with
+    a ``put`` that reads every byte and keeps nothing, and measure this process's memory
+    around it (``tests/runtime/test_init_from_shards.py`` uses it too)."""
     from stepbundle.runtime.placement.packing import unpacked
-    from stepbundle.runtime.state.init_source import open_source
     from stepbundle.runtime.state.init_state import place_state, plan_initial_state
-    from stepbundle.schema import open_bundle
 
     class Read:  # what a device put returns; block_until_ready has nothing to wait for
         def block_until_ready(self) -> None:
@@ -118,30 +122,32 @@ def child(bundle: str, index: str) -> None:
         read_bytes += host.nbytes
         return Read()
 
+    plan = plan_initial_state(manifest, source)
+    gc.collect()
+    before = {k: _status_kb(k) for k in ("VmRSS", "VmHWM", "RssFile", "RssAnon")}
+    with open("/proc/self/clear_refs", "w") as f:  # VmHWM := VmRSS from here
+        f.write("5")
+    t0 = time.perf_counter()
+    place_state(manifest, unpacked(manifest), plan, section, put)
+    seconds = time.perf_counter() - t0
+    after = {k: _status_kb(k) for k in ("VmRSS", "VmHWM", "RssFile", "RssAnon")}
+    return {
+        "before": before,
+        "after": after,
+        "placement_peak_beyond_baseline_bytes": (after["VmHWM"] - before["VmRSS"]) * 1024,
+        "process_peak_bytes": after["VmHWM"] * 1024,
+        "read_bytes": read_bytes,
+        "seconds": seconds,
+        "checksum": total,
+    }
+
+
+def child(bundle: str, index: str) -> None:
+    from stepbundle.runtime.state.init_source import open_source
+    from stepbundle.schema import open_bundle
+
     with open_bundle(bundle) as b, open_source(index) as source:
-        m = b.manifest
-        plan = plan_initial_state(m, source)
-        gc.collect()
-        before = {k: _status_kb(k) for k in ("VmRSS", "VmHWM", "RssFile", "RssAnon")}
-        with open("/proc/self/clear_refs", "w") as f:  # VmHWM := VmRSS from here
-            f.write("5")
-        t0 = time.perf_counter()
-        place_state(m, unpacked(m), plan, b.section, put)
-        seconds = time.perf_counter() - t0
-        after = {k: _status_kb(k) for k in ("VmRSS", "VmHWM", "RssFile", "RssAnon")}
-    print(
-        json.dumps(
-            {
-                "before": before,
-                "after": after,
-                "placement_peak_beyond_baseline_bytes": (after["VmHWM"] - before["VmRSS"]) * 1024,
-                "process_peak_bytes": after["VmHWM"] * 1024,
-                "read_bytes": read_bytes,
-                "seconds": seconds,
-                "checksum": total,
-            }
-        )
-    )
+        print(json.dumps(measure_placement(b.manifest, source, b.section)))
 
 
 def main() -> None:

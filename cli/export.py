@@ -89,14 +89,15 @@ def cmd_export(args: argparse.Namespace) -> int:
         recipe.include_state = False
     print(f"[export] recipe built in {time.perf_counter() - t0:.2f}s", file=sys.stderr)
 
+    from stepbundle.frontend.progress import StageLine
+
+    # Which stage the export is in and how far (a bar on a terminal); whole lines go
+    # through it, so that they never land inside the bar.
+    line = StageLine(sys.stderr)
+
     def progress(msg: str) -> None:
-        print(f"[export] {msg}", file=sys.stderr)
+        line.write(f"[export] {msg}")
 
-    extra: dict[str, Any] = {}
-    if frontend != "torch_xla":  # the torch front-end says how far each stage is
-        from stepbundle.frontend.progress import StageLine
-
-        extra["ticker"] = StageLine(sys.stderr)
     try:
         report = export(
             recipe,
@@ -104,10 +105,13 @@ def cmd_export(args: argparse.Namespace) -> int:
             mlir_dir=args.emit_mlir,
             progress=progress,
             check=False if getattr(args, "no_check", False) else None,
-            **extra,
+            ticker=line,
         )
     except ExportError as e:
+        line.close()
         return _die(str(e), 1)
+    finally:  # an error's traceback starts on a line of its own too
+        line.close()
     counts = ", ".join(f"{v} {k}" for k, v in sorted(report.input_counts.items()))
     stages = ", ".join(f"{k} {v:.2f}s" for k, v in report.stage_seconds.items())
     print(f"[export] train inputs: {counts}", file=sys.stderr)

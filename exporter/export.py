@@ -23,6 +23,7 @@ import torch
 
 from stepbundle.frontend.errors import ExportError, MetaTensorError
 from stepbundle.frontend.initial_state import non_persistent_buffers
+from stepbundle.frontend.progress import Ticker, no_ticks, ticking
 from stepbundle.frontend.recipe import Recipe, checked_metadata, read_only_entries, step_label
 from stepbundle.frontend.schedulers import scheduler_notes
 from stepbundle.frontend.step_check import check_bundle, check_wanted
@@ -78,8 +79,19 @@ def _trace_recipe(
     say: Callable[[str], None],
     no_gradient: frozenset[str] = frozenset(),
     run: bool = False,
+    tick: Ticker = no_ticks,
 ) -> tuple[list[Any], dict[str, torch.Tensor], dict[str, float], _Bound, dict[str, _Bound]]:
-    """Copy the recipe to the device, trace every entry twice, bind the traces."""
+    """Copy the recipe to the device, trace every entry twice, bind the traces.
+
+    ``tick`` hears each stage; a traced step says how far it is in operators traced
+    (torch_xla's op counters), the second trace of a step out of as many as the first.
+    """
+
+    def tracing(stage: str, total: int | None = None) -> Any:
+        start = xla.ops_traced()
+        return ticking(tick, stage, lambda: xla.ops_traced() - start, total=total)
+
+    tick("copying the model and optimizer to the XLA device", 0, None)
     with Workspace(recipe, device, zero_grads=zero_grads, no_gradient=no_gradient) as ws:
         batches = [
             {k: v.to(device) for k, v in checked_batch(b, f"example batch {i}").items()}
@@ -87,8 +99,8 @@ def _trace_recipe(
         ]
         xla.sync()
         initial = ws.state_tensors()
-        # The bundle's initial state: the state at the moment of export (CPU copies).
-        initial_values = _initial_values(recipe, initial)
+        # The bundle's initial state: the state at the moment of export, on the host.
+        initial_values = _initial_values(recipe, initial, ws)
         initial_hyper = {n: float(t.detach().cpu()) for n, t in ws.hyperparameters.items()}
         kinds = {s.name: s.kind for s in initial}
         say(f"prepared: {len(initial)} state tensors on {device}")
@@ -105,7 +117,10 @@ def _trace_recipe(
         train_bound: _Bound = []
         for i, batch in enumerate(batches):
             what = step_label("training step", i, len(batches))
-            with gradients_reached(ws.model, watch=zero_grads and i == 0) as reached:
+            with (
+                gradients_reached(ws.model, watch=zero_grads and i == 0) as reached,
+                tracing(f"tracing the {what} (1 of 2)") as traced,
+            ):
                 ta = trace_train(
                     ws, batch, recipe.step, seed=base_seed if i == 0 else None, run=run
                 )
@@ -115,7 +130,9 @@ def _trace_recipe(
             unreached = frozenset(n for n, _ in trainable if n not in reached) - no_gradient
             if zero_grads and i == 0 and unreached:
                 raise NoGradient(unreached)
-            tb = trace_train(ws, batch, recipe.step, run=run)
+            with tracing(f"tracing the {what} (2 of 2)", traced.done or None):
+                tb = trace_train(ws, batch, recipe.step, run=run)
+            tick(f"comparing the traces of the {what}", 0, None)
             bound = bind(
                 ta,
                 tb,
@@ -131,8 +148,9 @@ def _trace_recipe(
             progs = []
             for i, batch in enumerate(batches):
                 what = step_label(f"{name} step", i, len(batches))
-                ta = trace_eval(ws, batch, fn, what)
-                tb = trace_eval(ws, batch, fn, what)
+                with tracing(f"tracing the {what} (twice)"):
+                    ta = trace_eval(ws, batch, fn, what)
+                    tb = trace_eval(ws, batch, fn, what)
                 bound = bind(
                     ta,
                     tb,
@@ -152,14 +170,23 @@ def _trace_recipe(
         return initial, initial_values, initial_hyper, train_bound, eval_bound
 
 
-def _initial_values(recipe: Recipe, initial: list[StateTensor]) -> dict[str, torch.Tensor]:
-    """The state at the moment of export, as CPU tensors for the writer.
+def _initial_values(
+    recipe: Recipe, initial: list[StateTensor], ws: Workspace
+) -> dict[str, torch.Tensor]:
+    """The state at the moment of export, as CPU tensors for the writer, copied from the
+    device only where the host has no such value.
 
     A weights-free bundle stores no value for parameters and persistent buffers (the
     writer reads only their dtype and shape: ``frontend.initial_state``), so they get a
     meta tensor instead of a copy: the copies were 4 bytes per parameter, and more while
-    copying (issue #40: a 117M Llama ran out of a 12 GB address space right here). A
-    device tensor's ``.cpu()`` is a copy already; a host one is cloned.
+    copying (issue #40: a 117M Llama ran out of a 12 GB address space right here). Every
+    other tensor the workspace made has its value on the host already
+    (``Workspace.host_value``): the user's own tensor it copied, or, for the state it made
+    (a fresh optimizer's moments, zero gradients), one element expanded to its shape,
+    which the writer stores as a fill without ever materializing it. Copying those from
+    the device cost 12 bytes per parameter with AdamW (issue #40). What is left (a tensor
+    the user put on the XLA device) is copied; a host tensor of the workspace (a
+    non-capturable Adam's step count) is cloned, since the traced step writes to it.
     """
     non_persistent = non_persistent_buffers(recipe.model)
 
@@ -171,6 +198,9 @@ def _initial_values(recipe: Recipe, initial: list[StateTensor]) -> dict[str, tor
         )
         if not recipe.include_state and model_state:
             return torch.empty(tuple(t.shape), dtype=t.dtype, device="meta")
+        host = ws.host_value(s.tensor)
+        if host is not None:
+            return host
         return t.cpu() if t.device.type != "cpu" else t.clone()
 
     return {s.name: value(s) for s in initial}
@@ -200,6 +230,7 @@ def export(
     mlir_dir: str | os.PathLike[str] | None = None,
     progress: Callable[[str], None] | None = None,
     check: bool | None = None,
+    ticker: Ticker | None = None,
 ) -> ExportReport:
     """Trace ``recipe``'s step with torch_xla and write a bundle to ``path``.
 
@@ -212,6 +243,8 @@ def export(
       path: where to write the bundle (atomically).
       mlir_dir: if given, each program is also written there as ``.mlir`` text.
       progress: called with a line per stage (the CLI prints them).
+      ticker: called as the export moves through its stages, with how far it is
+        (``stepbundle.frontend.progress``; the CLI draws it as a progress line).
       check: after writing, step the bundle once on the CPU through the runtime (in a
         child process) and the recipe once eagerly on a copy, and refuse when a metric
         or state tensor differs beyond float32 rounding (``stepbundle.frontend.step_check``;
@@ -226,7 +259,13 @@ def export(
         bundle is removed); an ``ExportError``.
     """
     return export_running_traced_steps(
-        recipe, path, mlir_dir=mlir_dir, progress=progress, check=check, run_traced_steps=False
+        recipe,
+        path,
+        mlir_dir=mlir_dir,
+        progress=progress,
+        check=check,
+        run_traced_steps=False,
+        ticker=ticker,
     )
 
 
@@ -256,6 +295,7 @@ def export_running_traced_steps(
     mlir_dir: str | os.PathLike[str] | None = None,
     progress: Callable[[str], None] | None = None,
     check: bool | None = None,
+    ticker: Ticker | None = None,
 ) -> ExportReport:
     """``export``, with the internal knob ``run_traced_steps`` (not part of the public face).
 
@@ -266,6 +306,7 @@ def export_running_traced_steps(
     time it (``benchmarks/export_time.py``). The other arguments are ``export``'s.
     """
     say = progress or (lambda _msg: None)
+    tick = ticker or no_ticks
     times: dict[str, float] = {}
     t0 = time.perf_counter()
     xla.check_version()
@@ -304,6 +345,7 @@ def export_running_traced_steps(
                     say=say,
                     no_gradient=no_gradient,
                     run=run_traced_steps,
+                    tick=tick,
                 )
                 break
             except GradientsDropped:
@@ -330,6 +372,7 @@ def export_running_traced_steps(
 
     def draft(bound: BoundProgram, batch: tuple[NamedSpec, ...]) -> ProgramDraft:
         def lower(what: str) -> Lowered:
+            tick(f"lowering the {what}", 0, None)
             artifact, target, text, rewritten = lower_program(
                 bound, len(bound.outputs), what, numerics
             )
@@ -363,6 +406,9 @@ def export_running_traced_steps(
         say=say,
         times=times,
     )
+    close = getattr(ticker, "close", None)
+    if callable(close):  # the last stage's line ends before the check's lines
+        close()
     if check_wanted(check):
         t1 = time.perf_counter()
         plain, random = references(numerics, report.numerics_rewrites)

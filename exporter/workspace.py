@@ -6,6 +6,12 @@ copies to the XLA device, re-points the optimizer at the moved parameters by nam
 materializes the optimizer state a fresh optimizer would create on its first step. The
 user's objects are therefore exactly as they were after an export.
 
+Every device tensor the workspace makes also has its value on the host without a copy
+(``Workspace.host_value``, what the writer reads): the user's own CPU tensor it was copied
+from, or, for the state it makes (a fresh optimizer's, zero gradients), one element
+expanded to the tensor's shape (``fresh_state.described``). Copying those back from the
+device cost 12 bytes per parameter with AdamW (issue #40).
+
 Imports: torch; torch_xla through ``xla.py`` only.
 """
 
@@ -22,6 +28,7 @@ from stepbundle.frontend.errors import not_a_parameter
 from stepbundle.frontend.fresh_state import (
     NEEDS_CAPTURABLE,
     adam_first_state,
+    described,
     sgd_first_state,
     take_capturable,
 )
@@ -74,14 +81,36 @@ def _group_names(named: Iterator[tuple[str, torch.Tensor]]) -> dict[int, list[st
     return out
 
 
-def _move_value(value: Any, device: torch.device, *, keep_on_host: bool) -> Any:
+def _move_value(
+    value: Any, device: torch.device, *, keep_on_host: bool, host: _HostValues | None = None
+) -> Any:
     if not isinstance(value, torch.Tensor):
         return value
     # State the optimizer deliberately keeps on the host (a non-capturable Adam's step
     # count) stays there; the tracer then sees it as a changing host value.
     if keep_on_host:
         return value.detach().cpu().clone()
-    return value.detach().to(device).clone()
+    moved = value.detach().to(device).clone()
+    if host is not None:
+        host.record(moved, value)
+    return moved
+
+
+class _HostValues:
+    """Each device tensor the workspace made -> its value on the host, not copied back."""
+
+    def __init__(self) -> None:
+        self._of: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def record(self, made: torch.Tensor, value: torch.Tensor) -> None:
+        """``made`` holds ``value`` (used only where it is a CPU tensor: the user's own,
+        which nothing writes, or a described fill)."""
+        if value.device.type == "cpu" and made.device.type != "cpu":
+            self._of[id(made)] = (made, value.detach())
+
+    def get(self, made: torch.Tensor) -> torch.Tensor | None:
+        found = self._of.get(id(made))
+        return found[1] if found is not None and found[0] is made else None
 
 
 def move_to_device(
@@ -200,6 +229,7 @@ class Workspace(UserObjects):
         no_gradient: frozenset[str] = frozenset(),
     ) -> None:
         self.device = device
+        self._host = _HostValues()
         super().__init__(recipe.model, recipe.optimizer)
         self._hyper_keys = tuple(recipe.hyperparameters)
         self._restored = False
@@ -216,6 +246,7 @@ class Workspace(UserObjects):
         # baked into the trace as well.
         self.capturable_note = take_capturable(optimizer, (*NEEDS_CAPTURABLE, "Adam", "AdamW"))
         check_optimizer(optimizer)
+        host = self._host
         params: dict[int, torch.nn.Parameter] = {}
         for m, saved in zip(self._modules, self._saved_params):
             for k, p in saved.items():
@@ -226,8 +257,10 @@ class Workspace(UserObjects):
                     new = torch.nn.Parameter(
                         p.detach().to(device).clone(), requires_grad=p.requires_grad
                     )
+                    host.record(new, p)
                     if p.grad is not None:
                         new.grad = p.grad.detach().to(device).clone()
+                        host.record(new.grad, p.grad)
                     params[id(p)] = new
                 m._parameters[k] = new
         buffers: dict[int, torch.Tensor] = {}
@@ -237,6 +270,7 @@ class Workspace(UserObjects):
                     continue
                 if id(b) not in buffers:
                     buffers[id(b)] = b.detach().to(device).clone()
+                    host.record(buffers[id(b)], b)
                 m._buffers[k] = buffers[id(b)]
         for group in optimizer.param_groups:
             moved = []
@@ -253,7 +287,7 @@ class Workspace(UserObjects):
                 continue
             host_step = _keeps_host_step(optimizer, group_of.get(id(newp), {}))
             state[newp] = {
-                k: _move_value(v, device, keep_on_host=host_step and k == "step")
+                k: _move_value(v, device, keep_on_host=host_step and k == "step", host=host)
                 for k, v in st.items()
             }
         optimizer.state = state
@@ -268,6 +302,7 @@ class Workspace(UserObjects):
         for name, p in model.named_parameters():
             if zero_grads and p.requires_grad and p.grad is None and name not in no_gradient:
                 p.grad = torch.zeros_like(p)
+                host.record(p.grad, torch.zeros((), dtype=p.dtype).expand(p.shape))
         family = _optimizer_family(optimizer)
         self._declared = declare_hyperparameters(optimizer, self._hyper_keys, device, family)
         self.hyperparameters: dict[str, torch.Tensor] = self._declared.tensors
@@ -280,47 +315,31 @@ class Workspace(UserObjects):
         super().restore()
 
     def _materialize_optimizer_state(self) -> None:
-        """Create the state a fresh optimizer builds on its first step, as the step would."""
+        """Create the state a fresh optimizer builds on its first step, as the step would,
+        and its value on the host as described fills (made again by the same rule for a
+        one-element parameter on the CPU)."""
         opt = self.optimizer
         kind = _optimizer_family(opt)
         for group in opt.param_groups:
             for p in group["params"]:
                 if not p.requires_grad or opt.state.get(p):
                     continue
-                if kind == "adam":
-                    on_device = group.get("capturable", False) or group.get("fused", False)
-                    step = (
-                        torch.zeros((), dtype=torch.get_default_dtype(), device=self.device)
-                        if on_device
-                        else torch.tensor(0.0, dtype=torch.get_default_dtype())
-                    )
-                    opt.state[p] = adam_first_state(group, p, step)
-                elif kind == "syncfree_adam":
-                    s = {
-                        "step": torch.zeros((), dtype=torch.float32, device=self.device),
-                        "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
-                        "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
-                        "max_exp_avg_sq": (
-                            torch.zeros_like(p, memory_format=torch.preserve_format)
-                            if group["amsgrad"]
-                            else torch.empty(0, dtype=torch.float32, device=self.device)
-                        ),
-                    }
-                    opt.state[p] = s
-                elif kind in ("sgd", "syncfree_sgd"):
-                    s = {}
-                    if kind == "syncfree_sgd":
-                        s["step"] = torch.zeros((), dtype=torch.float32, device=self.device)
-                    s.update(sgd_first_state(opt, group, p))
-                    if s:
-                        opt.state[p] = s
-                else:
-                    # Every other torch.optim optimizer, by its own creation rule.
-                    fresh = fresh_state(opt, group, p)
-                    if fresh is not None:
-                        opt.state[p] = fresh
+                made = _first_state(opt, kind, group, p, self.device)
                 # An optimizer stepbundle does not know: if its first step creates state,
                 # the tracer notices and asks the user to step once before exporting.
+                if not made:
+                    continue
+                opt.state[p] = made
+                one = torch.zeros((1,) * p.dim(), dtype=p.dtype)
+                values = described(made, _first_state(opt, kind, group, one, one.device))
+                for key, t in made.items():
+                    self._host.record(t, values[key])
+
+    def host_value(self, t: torch.Tensor) -> torch.Tensor | None:
+        """The value device tensor ``t`` (one of the workspace's state tensors) held when
+        the workspace made it, as a CPU tensor that is no copy of it (the user's own, or
+        one element expanded: ``_HostValues``); None for a tensor the workspace did not make."""
+        return self._host.get(t)
 
     def replaced_hyperparameters(self) -> list[str]:
         """Declared hyperparameters whose tensor is no longer in ``param_groups`` (code in
@@ -350,6 +369,44 @@ class Workspace(UserObjects):
                 "either way)."
             )
         return hints
+
+
+def _first_state(
+    opt: torch.optim.Optimizer,
+    kind: str,
+    group: dict[str, Any],
+    p: torch.Tensor,
+    device: torch.device,
+) -> dict[str, torch.Tensor]:
+    """The state ``opt``'s first step creates for ``p``, on ``device`` where torch keeps it
+    there (empty: no state, or an optimizer with no rule)."""
+    if kind == "adam":
+        on_device = group.get("capturable", False) or group.get("fused", False)
+        step = (
+            torch.zeros((), dtype=torch.get_default_dtype(), device=device)
+            if on_device
+            else torch.tensor(0.0, dtype=torch.get_default_dtype())
+        )
+        return adam_first_state(group, p, step)
+    if kind == "syncfree_adam":
+        return {
+            "step": torch.zeros((), dtype=torch.float32, device=device),
+            "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+            "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
+            "max_exp_avg_sq": (
+                torch.zeros_like(p, memory_format=torch.preserve_format)
+                if group["amsgrad"]
+                else torch.empty(0, dtype=torch.float32, device=device)
+            ),
+        }
+    if kind in ("sgd", "syncfree_sgd"):
+        s: dict[str, torch.Tensor] = {}
+        if kind == "syncfree_sgd":
+            s["step"] = torch.zeros((), dtype=torch.float32, device=device)
+        s.update(sgd_first_state(opt, group, p))
+        return s
+    # Every other torch.optim optimizer, by its own creation rule.
+    return fresh_state(opt, group, p) or {}
 
 
 def _optimizer_family(opt: torch.optim.Optimizer) -> str:

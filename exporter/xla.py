@@ -434,6 +434,13 @@ def counters() -> dict[str, int]:
     return {n: int(met.counter_value(n) or 0) for n in met.counter_names()}
 
 
+def ops_traced() -> int:
+    """How many operator calls torch_xla has traced in this process (its ``xla::<op>``
+    counters, one per call it lowered): a progress count while a step is traced."""
+    met = _module("torch_xla.debug.metrics")
+    return sum(int(met.counter_value(n) or 0) for n in met.counter_names() if n.startswith("xla::"))
+
+
 @dataclass(frozen=True)
 class RoundTrips:
     """How a step left the graph between two ``counters()`` snapshots.

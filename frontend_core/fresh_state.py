@@ -28,6 +28,7 @@ from .errors import ExportError
 __all__ = [
     "NEEDS_CAPTURABLE",
     "adam_first_state",
+    "described",
     "fresh_state",
     "sgd_first_state",
     "take_capturable",
@@ -177,6 +178,24 @@ def fresh_state(
         if type(opt) is cls:
             return rule(group, p)
     return None
+
+
+def described(
+    made: Mapping[str, torch.Tensor], one: Mapping[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """Made state without its memory, on the CPU: each tensor of ``made`` (read for its
+    shape and dtype only: on ``meta``, or on a device) as the one element the same rule
+    made in ``one`` (made for a one-element parameter), expanded to its shape. Every rule
+    here fills its tensors with one value that depends on the optimizer's settings, never
+    on the parameter's values; an empty tensor stays empty."""
+    out: dict[str, torch.Tensor] = {}
+    for key, m in made.items():
+        if m.numel() == 0:
+            out[key] = torch.empty(tuple(m.shape), dtype=m.dtype)
+            continue
+        e = one[key].detach().reshape(-1)[:1].to(m.dtype).cpu()
+        out[key] = e.reshape(()).expand(m.shape) if m.dim() else e.reshape(()).clone()
+    return out
 
 
 NEEDS_CAPTURABLE = ("Adamax", "NAdam", "RAdam", "ASGD", "Rprop")

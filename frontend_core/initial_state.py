@@ -84,6 +84,13 @@ def initial_section(
 ) -> tuple[SectionKind, bytes]:
     """The kind and bytes of state ``s``'s section, whose initial value is ``value``."""
     if include_state:
+        if value.is_meta:
+            raise MetaTensorError(
+                f"State {s.name!r} is on the meta device: it has a shape but no values, and "
+                "a bundle with its weights stores values. Export without weights "
+                "(Recipe(include_state=False), stepbundle export --no-state), or give it "
+                "values on the CPU first."
+            )
         return SectionKind.TENSOR, tensor_bytes(value)
     model_state = s.kind is StateKind.PARAMETER or (
         s.kind is StateKind.BUFFER and not all(n in non_persistent for n in (s.name, *s.aliases))

@@ -5,24 +5,37 @@ A front-end calls a ``Ticker`` as ``tick(stage, done, total)``: ``stage`` names 
 ("capturing the training step (1 of 2)", "lowering train program 0"), ``done`` counts
 its work so far, ``total`` is its length or None when unknown. ``StageLine`` shows it: a
 tqdm bar on a terminal (as ``stepbundle run``'s progress), else one line when a stage
-starts and one at each quarter of a stage with a length, so that a log shows where a
-slow export is.
+starts, one at each quarter of a stage with a length, and one every half minute of a
+stage without one, so that a log shows where a slow export is. Whole lines (the
+front-end's "captured ...", "wrote ..." and the CLI's errors) go through
+``StageLine.write``, which clears the bar, prints the line and draws the bar again below
+it, so a terminal shows clean lines.
+
+``ticking`` measures a stage that cannot tick by itself (a traced step runs the user's
+code): a thread reads a counter of the work done (operators captured so far) twice a
+second and ticks with it.
 
 Imports: the standard library; tqdm when drawing on a terminal.
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any, TextIO
 
-__all__ = ["StageLine", "Ticker", "no_ticks"]
+__all__ = ["StageLine", "Ticked", "Ticker", "no_ticks", "ticking"]
 
 Ticker = Callable[[str, int, "int | None"], None]
 """``tick(stage, done, total)``: the export is in ``stage``, ``done`` of ``total`` (None:
 unknown) units through it."""
+
+UNKNOWN_LENGTH_EVERY_S = 30.0
+"""Seconds between two log lines of a stage whose length is unknown (not on a terminal)."""
 
 
 def no_ticks(stage: str, done: int, total: int | None) -> None:
@@ -31,7 +44,8 @@ def no_ticks(stage: str, done: int, total: int | None) -> None:
 
 class StageLine:
     """A ``Ticker`` that shows the current stage on ``file``: a tqdm bar on a terminal,
-    else a line per stage and per quarter of it. ``prefix`` starts every plain line."""
+    else a line per stage, per quarter of it, and per half minute of a stage of unknown
+    length. ``prefix`` starts every plain line. Safe to call from two threads."""
 
     def __init__(self, file: TextIO | None = None, *, prefix: str = "[export] ") -> None:
         self._file = file if file is not None else sys.stderr
@@ -40,12 +54,18 @@ class StageLine:
         self._stage: str | None = None
         self._bar: Any = None
         self._quarter = -1
-        self._t0 = time.perf_counter()
+        self._t0 = self._said = time.perf_counter()
+        self._lock = threading.RLock()
 
     def __call__(self, stage: str, done: int, total: int | None) -> None:
+        with self._lock:
+            self._tick(stage, done, total)
+
+    def _tick(self, stage: str, done: int, total: int | None) -> None:
         if stage != self._stage:
-            self.close()
-            self._stage, self._quarter, self._t0 = stage, -1, time.perf_counter()
+            self._close()
+            self._stage, self._quarter = stage, -1
+            self._t0 = self._said = time.perf_counter()
             if self._tty:
                 from tqdm import tqdm
 
@@ -72,10 +92,78 @@ class StageLine:
                     flush=True,
                 )
             self._quarter = max(self._quarter, quarter)
+        elif done and time.perf_counter() - self._said >= UNKNOWN_LENGTH_EVERY_S:
+            self._said = time.perf_counter()
+            seconds = self._said - self._t0
+            print(
+                f"{self._prefix}{stage}: {done:,} so far ({seconds:.0f} s)",
+                file=self._file,
+                flush=True,
+            )
+
+    def write(self, line: str) -> None:
+        """Print ``line`` whole: on a terminal, above the current stage's bar (tqdm clears
+        the bar, prints the line and draws the bar again), never inside it."""
+        with self._lock:
+            if self._bar is not None:
+                self._bar.write(line, file=self._file)
+                self._file.flush()
+            else:
+                print(line, file=self._file, flush=True)
 
     def close(self) -> None:
         """End the current stage's bar (the next stage, or the export, is done)."""
+        with self._lock:
+            self._close()
+
+    def _close(self) -> None:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
         self._stage = None
+
+
+@dataclass
+class Ticked:
+    """What ``ticking`` counted: ``done``, the counter's last reading (0 before the end)."""
+
+    done: int = 0
+
+
+@contextlib.contextmanager
+def ticking(
+    tick: Ticker,
+    stage: str,
+    count: Callable[[], int],
+    *,
+    total: int | None = None,
+    every: float = 0.5,
+) -> Iterator[Ticked]:
+    """Within it, ``tick(stage, count(), total)`` every ``every`` seconds from a thread of
+    its own, and once at the start and the end; ``Ticked.done`` holds the last count
+    after it. ``count`` must be cheap and safe to call from that thread; an exception
+    from it stops the ticking, never the work (it is a progress line)."""
+    result = Ticked()
+    tick(stage, 0, total)
+    if tick is no_ticks:
+        yield result
+        return
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.wait(every):
+            try:
+                tick(stage, count(), total)
+            except Exception:
+                return
+
+    thread = threading.Thread(target=watch, name="stepbundle-progress", daemon=True)
+    thread.start()
+    try:
+        yield result
+    finally:
+        stop.set()
+        thread.join()
+    with contextlib.suppress(Exception):
+        result.done = count()
+        tick(stage, result.done, total)

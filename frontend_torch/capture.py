@@ -32,7 +32,7 @@ from unittest import mock
 import torch
 from torch import fx
 from torch._decomp import core_aten_decompositions, get_decompositions
-from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 
 from stepbundle.frontend.errors import ExportError
 from stepbundle.frontend.recipe import Recipe
@@ -209,10 +209,13 @@ def capture(
     *,
     train: bool,
     what: str,
+    on_graph: Callable[[fx.Graph], None] | None = None,
 ) -> Capture:
     """Capture one call of ``fn`` (the training step, or a read-only entry) as a graph.
 
     The graph records what the step ran; ``functional`` makes it a program.
+    ``on_graph``, if given, receives the graph while it is being recorded, before the
+    step runs (its node count is how far the capture is: ``export.py``'s progress line).
 
     ``recipe``'s model and optimizer hold tracer tensors (through ``sandbox``) only while
     ``fn`` runs; the caller restores them (``Sandbox.restore``) after its last capture, so
@@ -224,6 +227,8 @@ def capture(
     info: dict[str, Any] = {}
 
     def pure(*flat: torch.Tensor) -> list[torch.Tensor]:
+        if on_graph is not None and (mode := get_proxy_mode()) is not None:
+            on_graph(mode.tracer.graph)
         values = {s.name: t for s, t in zip(slots, flat[:n_state])}
         hyper = {(h.group, h.key, h.index): t
                  for h, t in zip(hypers, flat[n_state : n_state + n_hyper])}  # fmt: skip

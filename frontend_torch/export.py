@@ -18,12 +18,13 @@ import time
 from collections.abc import Callable
 
 import torch
+from torch import fx
 
 from stepbundle.frontend.dtypes import HYPERPARAMETER_DTYPE
 from stepbundle.frontend.errors import ExportError, MetaTensorError
 from stepbundle.frontend.fresh_state import take_capturable
 from stepbundle.frontend.hyperparameters import declared_values
-from stepbundle.frontend.progress import Ticker, no_ticks
+from stepbundle.frontend.progress import Ticker, no_ticks, ticking
 from stepbundle.frontend.recipe import Recipe, checked_metadata, read_only_entries, step_label
 from stepbundle.frontend.schedulers import scheduler_notes
 from stepbundle.frontend.step_check import check_bundle, check_wanted
@@ -170,16 +171,30 @@ def _trace_in(
     for i, batch in enumerate(batches):
         what = step_label("training step", i, len(batches))
 
-        def once(k: int, batch: dict[str, torch.Tensor] = batch, what: str = what) -> Capture:
-            tick(f"capturing the {what} ({k} of 2)", 0, None)
-            return capture(
-                recipe, sandbox, slots, hypers, batch, recipe.step, train=True, what=what
-            )
+        def once(
+            k: int,
+            total: int | None = None,
+            batch: dict[str, torch.Tensor] = batch,
+            what: str = what,
+        ) -> tuple[Capture, int]:
+            # How far: the operators recorded so far (the second capture records as many)
+            graphs: list[fx.Graph] = []
+            with ticking(
+                tick,
+                f"capturing the {what} ({k} of 2)",
+                lambda: len(graphs[-1].nodes) if graphs else 0,
+                total=total,
+            ) as ticked:
+                c = capture(
+                    recipe, sandbox, slots, hypers, batch, recipe.step, train=True, what=what,
+                    on_graph=graphs.append,
+                )  # fmt: skip
+            return c, ticked.done
 
-        first = once(1)
+        first, recorded = once(1)
         if zero_grads and first.dropped & grads:
             raise _GradientsDropped
-        second = once(2)
+        second, _ = once(2, recorded or None)
         tick(f"comparing the captures, making the {what} functional", 0, None)
         bound = bind(
             first, second, slots=slots, hypers=hypers, batch_keys=list(batch), train=True,

@@ -9,9 +9,9 @@ parameter under its first name, the others as aliases), buffers, optimizer state
 A weights-free export (``Recipe(include_state=False)``) copies nothing: a slot's value is
 the user's own tensor (which nothing writes; on the ``meta`` device when the recipe built
 its model there), and the state the front-end makes (a fresh optimizer's, zero gradients)
-is one element expanded to its shape (``described``), so that a model of billions of
-parameters costs its shapes only; the tracer feeds fake tensors in their place
-(``capture.py``).
+is one element expanded to its shape (``stepbundle.frontend.fresh_state.described``), so
+that a model of billions of parameters costs its shapes only; the tracer feeds fake
+tensors in their place (``capture.py``).
 
 ``Sandbox`` lets the tracer run the user's own step on the user's own objects, with
 tracer tensors in place of every state tensor, and puts the original objects back
@@ -31,7 +31,12 @@ from typing import Any
 import torch
 
 from stepbundle.frontend.errors import ExportError, MetaTensorError, not_a_parameter
-from stepbundle.frontend.fresh_state import adam_first_state, fresh_state, sgd_first_state
+from stepbundle.frontend.fresh_state import (
+    adam_first_state,
+    described,
+    fresh_state,
+    sgd_first_state,
+)
 from stepbundle.frontend.initial_state import non_persistent_buffers
 from stepbundle.frontend.recipe import Recipe
 from stepbundle.frontend.user_objects import UserObjects
@@ -88,20 +93,6 @@ def _fresh_state(
     # Optimizers the table does not know: if their first step creates state, the tracer
     # notices and asks the user to step once before exporting.
     return {} if fresh is None else fresh
-
-
-def described(
-    made: Mapping[str, torch.Tensor], one: Mapping[str, torch.Tensor]
-) -> dict[str, torch.Tensor]:
-    """Made state without its memory: each tensor of ``made`` (shapes and dtypes, made on
-    ``meta``) as the one element the same rule made in ``one`` (made for a one-element
-    parameter), expanded to its shape. Every rule fills its tensors with one value that
-    depends on the optimizer's settings, never on the parameter's values."""
-    out: dict[str, torch.Tensor] = {}
-    for key, m in made.items():
-        e = one[key].detach().reshape(-1)[:1].to(m.dtype).cpu()
-        out[key] = e.reshape(()).expand(m.shape) if m.dim() else e.reshape(()).clone()
-    return out
 
 
 def _zero(p: torch.Tensor) -> torch.Tensor:

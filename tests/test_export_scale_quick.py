@@ -1,6 +1,7 @@
 """The export-at-scale benchmark still runs, and its results file has the right shape
 (issue #40). Runs ``benchmarks/export_scale.py`` on the tiny Llama with the torch
-front-end (one child in .venv-torch) and a skipped torch_xla row; never checks a time.
+front-end (one child in .venv-torch) and a skipped torch_xla row, then merges that file
+with another run's; never checks a time.
 """
 
 from __future__ import annotations
@@ -38,3 +39,29 @@ def test_export_scale_runs_on_a_tiny_model(tmp_path: Path) -> None:
     assert lines[2].startswith("| tiny | 0M | torch | meta |")
     assert lines[3] == "| tiny |  | torch_xla | | not done: not run in this test | | | |"
     assert result["git"]["commit"]
+    assert torch_row["git"]["commit"] == result["git"]["commit"]  # each row says where
+    assert len(torch_row["load_average_at_end"]) == 3
+
+    # --merge: a later file's row replaces the same row; rows in model, front-end order
+    later = tmp_path / "later.json"
+    redone = {**xla_row, "skipped": "measured elsewhere"}
+    old_format = {"command": "x", "host": {"cpus": 2, "machine": "x86_64",
+                  "load_average_at_end": [1.0, 2.0, 3.0]},
+                  "git": {"commit": "c0ffee", "dirty": True}, "rows": [redone]}  # fmt: skip
+    later.write_text(json.dumps(old_format))
+    merged = tmp_path / "merged.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "export_scale.py"), "--merge", str(out),
+         str(later), "--source-git", f"{later}=beef:clean", "--out", str(merged)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    both = json.loads(merged.read_text())
+    assert [(r["model"], r["frontend"]) for r in both["rows"]] == [
+        ("tiny", "torch"),
+        ("tiny", "torch_xla"),
+    ]
+    assert both["rows"][0] == torch_row
+    assert both["rows"][1]["skipped"] == "measured elsewhere"
+    assert both["rows"][1]["git"] == {"commit": "beef", "dirty": False}
+    assert both["commands"] == [result["command"], "x"]

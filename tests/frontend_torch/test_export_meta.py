@@ -55,6 +55,12 @@ def test_the_export_says_which_stage_it_is_in_and_how_far(bundles: dict[str, Any
         "capturing the training step (2 of 2)",
         "comparing the captures, making the training step functional",
     ], stages
+    # a capture counts the operators recorded so far; the second, out of the first's count
+    first = [(d, t) for stage, d, t in ticks if stage == "capturing the training step (1 of 2)"]
+    second = [(d, t) for stage, d, t in ticks if stage == "capturing the training step (2 of 2)"]
+    recorded = first[-1][0]
+    assert recorded > 100 and all(t is None for _, t in first), first
+    assert second[0] == (0, recorded) and second[-1] == (recorded, recorded), second
     lowering = [(d, t) for stage, d, t in ticks if stage == "lowering the train program 0"]
     assert lowering, stages
     total = lowering[-1][1]

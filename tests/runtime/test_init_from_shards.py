@@ -97,3 +97,43 @@ def test_the_scale_benchmark_runs_on_a_small_bundle(
     assert placement["read_bytes"] >= sum(w.nbytes for w in weights.values())
     assert placement["placement_peak_beyond_baseline_bytes"] >= 0
     assert not list(tmp_path.glob("stepbundle-init-scale-*"))  # the checkpoint is removed
+
+
+_SIZE = 4 * 2**20  # float32 elements of each grown tensor: 16 MB
+
+
+def test_host_memory_of_a_sharded_start_is_bounded_by_the_largest_shard(
+    sharded: tuple[Path, Path, dict[str, Any]], tmp_path: Path
+) -> None:
+    free, _, weights = sharded
+    # the golden bundle's float32 parameters and buffers grown to 16 MB each, two per
+    # shard (the int64 counter joins the first)
+    floats = sorted(n for n, w in weights.items() if w.dtype == np.float32)
+    others = sorted(n for n in weights if n not in floats)
+    assert len(floats) == 8
+    weight_map, shard_bytes, expected = {}, [], 0.0
+    for i in range(4):
+        shard = f"model-{i + 1:05d}-of-00004.safetensors"
+        part = {n: np.full(_SIZE, 0.5 + 2 * i + k, np.float32)
+                for k, n in enumerate(floats[2 * i : 2 * i + 2])}  # fmt: skip
+        part |= {n: weights[n] for n in (others if i == 0 else [])}
+        expected += sum(float(w.sum(dtype=np.float64)) for w in part.values())
+        write_safetensors(tmp_path / shard, part)
+        weight_map.update(dict.fromkeys(part, shard))
+        shard_bytes.append((tmp_path / shard).stat().st_size)
+        del part
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text(json.dumps({"metadata": {"total_size": 1}, "weight_map": weight_map}))
+    proc = subprocess.run(
+        [sys.executable, str(Path(__file__).with_name("init_peak_child.py")), str(free),
+         str(index), str(_SIZE)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["read_bytes"] >= 8 * 4 * _SIZE  # every byte of the 128 MB was read
+    assert got["checksum"] == expected  # (the rest of the state is zeros)
+    peak = got["placement_peak_beyond_baseline_bytes"]
+    # one tensor (16 MB) at a time: under one shard (two tensors, 32 MB); a loader that
+    # read the whole checkpoint, or kept the pages it read, would hold 128 MB
+    assert peak < max(shard_bytes), (peak, shard_bytes, got)

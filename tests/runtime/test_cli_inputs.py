@@ -11,12 +11,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from runtime_helpers import GOLDEN_DIR, golden_bundle
+from runtime_helpers import GOLDEN_DIR, cli_here, golden_bundle
 
 from stepbundle.runtime import CompileOptions, LoadOptions
 
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    """The command in a child process (``python -m stepbundle``). Refusals made before
+    anything loads run in this process instead (``cli_here``): the same ``main``, without a
+    jax import per case."""
     return subprocess.run(
         [sys.executable, "-m", "stepbundle", *args], capture_output=True, text=True, timeout=300
     )
@@ -55,7 +58,7 @@ def one_line_error(result: subprocess.CompletedProcess[str]) -> str:
     ],
 )
 def test_bad_arguments_are_refused_while_parsing(flags: list[str], needle: str) -> None:
-    result = cli(*run_args(*flags))
+    result = cli_here(*run_args(*flags))
     assert result.returncode == 2
     assert needle in one_line_error(result)
     assert "[run] loaded" not in result.stderr  # nothing was loaded
@@ -96,7 +99,7 @@ def test_bad_data_files_are_refused_in_one_line(tmp_path: Path) -> None:
         zero: "it holds 0 batches",
     }
     for path, needle in cases.items():
-        result = cli(*run_args("--steps", "1", data=path))
+        result = cli_here(*run_args("--steps", "1", data=path))
         assert result.returncode == 2, (path, result.stderr)
         line = one_line_error(result)
         assert line.startswith(f"stepbundle: error: cannot read --data {path!r}")
@@ -114,7 +117,7 @@ def test_a_header_that_declares_more_than_the_file_holds(tmp_path: Path) -> None
     hostile = tmp_path / "hostile.npz"
     with zipfile.ZipFile(hostile, "w") as z:
         z.write(member, "x.npy")
-    result = cli(*run_args("--steps", "1", data=str(hostile)))
+    result = cli_here(*run_args("--steps", "1", data=str(hostile)))
     assert result.returncode == 2
     line = one_line_error(result)
     assert "x.npy declares (10000000, 8575) float32 (343000000000 bytes)" in line
@@ -152,7 +155,7 @@ def test_outputs_that_would_destroy_an_input_are_refused_before_loading(tmp_path
     }
     for target, needle in cases.items():
         before = bundle.read_bytes(), data.read_bytes()
-        result = cli(
+        result = cli_here(
             "run", str(bundle), "--data", str(data), "--steps", "1", "--save-state", target
         )
         assert result.returncode == 2, (target, result.stderr)
@@ -166,7 +169,9 @@ def test_a_checkpoint_folder_with_checkpoints_needs_resume(tmp_path: Path) -> No
     first = cli(*run_args("--steps", "2", "--checkpoint-dir", str(ck), "--checkpoint-every", "2"))
     assert first.returncode == 0, first.stderr
     written = (ck / "step-00000002.safetensors").read_bytes()
-    again = cli(*run_args("--steps", "2", "--checkpoint-dir", str(ck), "--checkpoint-every", "2"))
+    again = cli_here(
+        *run_args("--steps", "2", "--checkpoint-dir", str(ck), "--checkpoint-every", "2")
+    )
     assert again.returncode == 2
     line = one_line_error(again)
     assert "already holds checkpoints (step-00000002.safetensors and 0 more)" in line
@@ -230,10 +235,10 @@ def test_a_missing_bundle_or_a_symlink_loop_is_one_line(tmp_path: Path) -> None:
             ["inspect", str(bundle)],
             ["eval", str(bundle), "--data", data],
         ):
-            result = cli(*args)
+            result = cli_here(*args)
             assert result.returncode == 2, (args, result.stderr)
             assert one_line_error(result).endswith(f"{str(bundle)!r}: {reason}.")
-        verify = cli("verify", str(bundle))
+        verify = cli_here("verify", str(bundle))
         assert verify.returncode == 1 and reason in verify.stdout
 
 
@@ -270,7 +275,7 @@ def test_a_run_refused_for_its_data_creates_no_output(tmp_path: Path, flag: str)
              str(tmp_path / "runs" / "a" / "m.jsonl"), "--tensorboard", str(tmp_path / "tb")]  # fmt: skip
     if flag == "--eval-data":
         extra += ["--eval-data", missing, "--eval-every", "2"]
-    result = cli(*run_args("--steps", "4", *extra, data=missing if flag == "--data" else None))
+    result = cli_here(*run_args("--steps", "4", *extra, data=missing if flag == "--data" else None))
     assert result.returncode == 2
     assert f"cannot read {flag} '{missing}'" in one_line_error(result)
     assert sorted(p.name for p in tmp_path.iterdir()) == []

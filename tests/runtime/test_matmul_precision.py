@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from runtime_helpers import golden_batches, golden_bundle
+from runtime_helpers import cli_here, golden_batches, golden_bundle
 
 import stepbundle.schema as codec
 from stepbundle.runtime import CompileOptions, LoadOptions, UsageError, load
@@ -129,7 +129,7 @@ def test_cli_inspect_shows_and_run_takes_the_precision() -> None:
     assert out.returncode == 0, out.stderr
     want = _losses(load(BUNDLE, options=LoadOptions(compile=CompileOptions(cache_dir=False))))[:2]
     assert [json.loads(line)["loss"] for line in out.stdout.splitlines()] == want
-    bad = _cli("run", str(BUNDLE), "--steps", "1", "--data", data, "--matmul-precision", "tf32")
+    bad = cli_here("run", str(BUNDLE), "--steps", "1", "--data", data, "--matmul-precision", "tf32")
     assert bad.returncode != 0 and "--matmul-precision" in bad.stderr
 
 

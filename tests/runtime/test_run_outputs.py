@@ -4,7 +4,9 @@ folder has one live run, no output is an input, outputs are kept somewhere real,
 there is nothing to do, and ``stepbundle eval`` spells its batch size as ``run`` does.
 
 The lr that is 0 in float32 and the metrics file after a SIGKILL are in
-test_run_outputs_resume.py. Everything here goes through the real CLI and file system.
+test_run_outputs_resume.py. Everything here goes through the real CLI and file system: in a
+child process, or, for a refusal made before anything loads, ``stepbundle.cli.main`` in
+this one (``cli_here``).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from runtime_helpers import GOLDEN_DIR, golden_bundle
+from runtime_helpers import GOLDEN_DIR, cli_here, golden_bundle
 
 from stepbundle.runtime import CompileOptions, LoadOptions
 from stepbundle.runtime.state.checkpoint import read_checkpoint
@@ -156,8 +158,8 @@ def test_a_lock_file_that_is_a_link_is_refused_untouched(tmp_path: Path, kind: s
         os.link(precious, lock)
     else:
         os.mkfifo(lock)
-    r = cli("run", str(BUNDLE), "--data", str(NPZ), "--no-cache", "--steps", "1",
-            "--checkpoint-dir", str(ck))  # fmt: skip
+    r = cli_here("run", str(BUNDLE), "--data", str(NPZ), "--no-cache", "--steps", "1",
+                 "--checkpoint-dir", str(ck))  # fmt: skip
     assert r.returncode == 2, r.stderr
     line = last_line(r)
     assert f"its run lock {str(lock)!r} is" in line and "Remove it" in line, line
@@ -193,7 +195,7 @@ def test_every_output_that_is_an_input_is_refused_before_loading(tmp_path: Path)
     cases.append((["--metrics-file", str(link)], "--metrics-file", "the bundle"))
     for flags, output, source in cases:
         before = snapshot(tmp_path)
-        result = cli(*base, *flags)
+        result = cli_here(*base, *flags)
         assert result.returncode == 2, (flags, result.stderr)
         line = last_line(result)
         assert line.startswith(f"stepbundle: error: {output} "), (flags, line)
@@ -223,7 +225,7 @@ def test_every_output_that_is_an_input_is_refused_before_loading(tmp_path: Path)
     ],
 )
 def test_a_process_local_file_system_is_refused_as_an_output(flags: list[str]) -> None:
-    result = cli("run", str(BUNDLE), "--data", str(NPZ), "--steps", "2", "--no-cache", *flags)
+    result = cli_here("run", str(BUNDLE), "--data", str(NPZ), "--steps", "2", "--no-cache", *flags)
     assert result.returncode == 2, result.stderr
     line = last_line(result)
     assert "memory://" in line and "only in this process" in line, line
@@ -234,8 +236,8 @@ def test_a_process_local_file_system_is_refused_as_an_output(flags: list[str]) -
 def test_a_url_whose_file_system_fails_to_start_is_one_sentence() -> None:
     """Before: ``stepbundle: error: /x`` (fsspec's FileNotFoundError, as it was)."""
     url = "reference::memory://x"
-    result = cli("run", str(BUNDLE), "--data", str(NPZ), "--no-cache", "--steps", "1",
-                 "--checkpoint-dir", url)  # fmt: skip
+    result = cli_here("run", str(BUNDLE), "--data", str(NPZ), "--no-cache", "--steps", "1",
+                      "--checkpoint-dir", url)  # fmt: skip
     assert result.returncode == 2, result.stderr
     line = last_line(result)
     assert f"fsspec could not open {url!r} as a file system" in line, line
@@ -251,7 +253,7 @@ def test_eval_data_is_refused_before_the_first_step(tmp_path: Path, kind: str) -
         bad.write_text("not a zip")
     elif kind == "dataset without index":
         bad.mkdir()
-    result = cli(
+    result = cli_here(
         "run", str(BUNDLE), "--data", str(NPZ), "--no-cache", "--json", "--steps", "4",
         "--eval-every", "3", "--eval-data", str(bad),
     )  # fmt: skip

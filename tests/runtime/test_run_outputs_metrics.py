@@ -2,7 +2,9 @@
 writes rows trims the file, a live run's file is refused rather than trimmed from under
 it, only local paths are written, and a file of other lines is refused untouched.
 
-Everything but the two ``MetricsFile`` checks goes through the real CLI and file system.
+Everything but the two ``MetricsFile`` checks goes through the real CLI and file system: in
+a child process, or, for a refusal made before anything loads, ``stepbundle.cli.main`` in
+this one (``cli_here``).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
-from runtime_helpers import GOLDEN_DIR, golden_bundle
+from runtime_helpers import GOLDEN_DIR, cli_here, golden_bundle
 
 BUNDLE = golden_bundle("linear_adamw")  # has an "eval" entry
 NPZ = GOLDEN_DIR / "linear_adamw.inputs.npz"
@@ -130,7 +132,9 @@ def test_a_resume_cuts_only_the_rows_that_end_the_file(tmp_path: Path) -> None:
 
 
 # ------------------------------------------------ 3: local paths only, and only our rows
-def test_a_url_metrics_file_is_refused_and_file_urls_are_their_path(tmp_path: Path) -> None:
+def test_a_url_metrics_file_is_refused_and_file_urls_are_their_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Before: ``https://../x.stepbundle`` exited 0 and appended rows to the bundle (cut
     first, at its last newline); ``file:///...`` wrote ``./file:/...``."""
     bundle = tmp_path / "x.stepbundle"
@@ -138,12 +142,13 @@ def test_a_url_metrics_file_is_refused_and_file_urls_are_their_path(tmp_path: Pa
     work = tmp_path / "work"
     work.mkdir()
     run = ["run", str(bundle), "--data", str(NPZ), "--no-cache", "--steps", "2"]
+    monkeypatch.chdir(work)  # the refusals run here (cli_here), in the child's folder
     for flag, url in (
         ("--metrics-file", "https://../x.stepbundle"),
         ("--metrics-file", "s3://bucket/m.jsonl"),
         ("--tensorboard", "https://../tb"),
     ):
-        r = cli(*run, flag, url, cwd=work)
+        r = cli_here(*run, flag, url)
         assert r.returncode == 2, r.stderr
         line = r.stderr.strip().splitlines()[-1]
         assert f"{flag} {url!r} is a URL" in line and "local path" in line, line
@@ -155,7 +160,7 @@ def test_a_url_metrics_file_is_refused_and_file_urls_are_their_path(tmp_path: Pa
     assert r.returncode == 0, r.stderr
     assert steps(target) == [0, 1] and sorted(os.listdir(work)) == []
     # The check sees the path the writer writes: the bundle as a file:// URL is refused.
-    r = cli(*run, "--metrics-file", f"file://{bundle}", cwd=work)
+    r = cli_here(*run, "--metrics-file", f"file://{bundle}")
     assert r.returncode == 2 and "is the bundle" in r.stderr, r.stderr
     assert bundle.read_bytes() == BUNDLE.read_bytes()
 
@@ -175,7 +180,7 @@ def test_a_file_of_other_lines_is_refused_untouched(tmp_path: Path, text: str) -
 
     path = tmp_path / "notes.txt"
     path.write_text(text)
-    r = cli(*BASE, "--steps", "2", "--metrics-file", str(path))
+    r = cli_here(*BASE, "--steps", "2", "--metrics-file", str(path))
     assert r.returncode == 2, r.stderr
     line = r.stderr.strip().splitlines()[-1]
     assert f"--metrics-file {str(path)!r} is not a metrics file" in line, line

@@ -16,7 +16,13 @@ from typing import Any
 
 import numpy as np
 import pytest
-from runtime_helpers import GOLDEN_DIR, GOLDEN_SCHEDULES, golden_batches, golden_bundle
+from runtime_helpers import (
+    GOLDEN_DIR,
+    GOLDEN_SCHEDULES,
+    cli_here,
+    golden_batches,
+    golden_bundle,
+)
 
 from stepbundle.runtime import (
     BindingError,
@@ -266,7 +272,7 @@ def test_cli_steps_per_call_prints_the_same_lines_and_checkpoints(tmp_path: Path
 
 def test_cli_refuses_intervals_that_are_not_multiples_of_k(tmp_path: Path) -> None:
     name = "linear_adamw"
-    out = _cli(
+    out = cli_here(  # refused while reading the arguments: in this process
         "run",
         str(golden_bundle(name)),
         "--steps",

@@ -164,3 +164,14 @@ def test_weights_free_slots_copy_nothing() -> None:
     copied = {s.name: s for s in state_slots(with_weights, zero_grads=True)}
     p = dict(with_weights.model.named_parameters())["embed.weight"]
     assert copied["embed.weight"].value.data_ptr() != p.data_ptr()
+
+
+def test_the_writer_refuses_any_meta_value_in_a_weights_holding_bundle() -> None:
+    # the last line for what no earlier refusal names (optimizer state the user left on
+    # meta): MetaTensorError naming the tensor, not torch's "Cannot copy out of meta tensor"
+    from stepbundle.export_torch.state import Slot
+    from stepbundle.frontend.initial_state import initial_section
+
+    s = Slot("optimizer.state.w.exp_avg", StateKind.OPTIMIZER_STATE, torch.empty(3, device="meta"))
+    with pytest.raises(MetaTensorError, match="'optimizer.state.w.exp_avg' is on the meta"):
+        initial_section(s, s.value, include_state=True, non_persistent=set())

@@ -69,10 +69,10 @@ def _cmd_eval(args: RunConfig) -> int:
             trainer.load_checkpoint(args.resume, allow_other_bundle=args.allow_other_bundle)
         batches, mask = eval_batches(args.data, trainer, args.entry, args.eval_batch_size)
         result = trainer.evaluate_dataset(batches, args.entry, mask_key=mask)
-    except UsageError as e:  # an option the load refused (--layout, a missing bundle)
-        return _die(str(e), 2)
-    except OSError as e:
+    except OSError as e:  # a missing bundle (BundleNotFoundError) too, in these words
         return _die(f"cannot open {e.filename!r}: {e.strerror}.", 2)
+    except UsageError as e:  # an option the load refused (--layout)
+        return _die(str(e), 2)
     except (StepbundleError, ValueError) as e:
         return _die(str(e), 1)
     if args.json:

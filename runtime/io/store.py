@@ -95,7 +95,7 @@ class BundleNotFoundError(UsageError, FileNotFoundError):
         super().__init__(message)
         self.errno = errno.ENOENT
         self.filename = path
-        self.strerror = message
+        self.strerror = os.strerror(errno.ENOENT)
 
     def __str__(self) -> str:  # not OSError's "[Errno 2] ..."
         return str(self.args[0])
@@ -245,8 +245,12 @@ def resolve_bundle(
         return path
     local = remote.local_path(source)
     if local is not None:
-        if not os.path.exists(local):
-            raise _missing_bundle(source, local)
+        try:
+            os.stat(local)
+        except FileNotFoundError:
+            raise _missing_bundle(source, local) from None
+        except OSError:  # a link loop, no permission: open_bundle says which
+            pass
         return local
     return pull(os.fspath(source), expect_digest=expect_digest, store=store).path
 

@@ -198,6 +198,39 @@ def _export(tmp_path: Path, model: nn.Module, t: int, name: str = "m") -> Path:
     return path
 
 
+def _net(spec: dict[str, Any]) -> nn.Module:
+    """The test model of ``spec``, from seed 0 (the same weights every time)."""
+    torch.manual_seed(0)
+    return _Net(spec)
+
+
+@pytest.fixture(scope="module")
+def net_bundle(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """``net_bundle(spec, t)``: ``_net(spec)`` exported with context ``t``, once per module
+    (several tests read or run the same bundle; each export costs seconds)."""
+    folder = tmp_path_factory.mktemp("sdpa")
+    done: dict[str, Path] = {}
+
+    def get(spec: dict[str, Any], t: int) -> Path:
+        key = f"{sorted(spec.items())}-{t}"
+        if key not in done:
+            done[key] = _export(folder, _net(spec), t, f"m{len(done)}")
+        return done[key]
+
+    return get
+
+
+_PLAIN: dict[tuple[Path, int], tuple[float, dict[str, np.ndarray], str]] = {}
+
+
+def _run_plain(path: Path, t: int) -> tuple[float, dict[str, np.ndarray], str]:
+    """``_run(path, t, fused=False)``, once per bundle in this module (a bundle's step
+    without the swap is deterministic: a second run would compute the same bits)."""
+    if (path, t) not in _PLAIN:
+        _PLAIN[path, t] = _run(path, t, fused=False)
+    return _PLAIN[path, t]
+
+
 def _float64_step(model: nn.Module, t: int) -> tuple[float, dict[str, np.ndarray]]:
     """The step in float64 without autocast: the loss and the parameters after it."""
     model = model.double()
@@ -264,13 +297,12 @@ STEP_FORMS = {
 
 @pytest.mark.parametrize("form", list(STEP_FORMS))
 def test_a_fused_step_matches_float64_as_well_as_the_decomposition(
-    tmp_path: Path, form: str
+    net_bundle: Any, form: str
 ) -> None:
     spec, t = STEP_FORMS[form]
-    torch.manual_seed(0)
-    model = _Net(spec)
+    model = _net(spec)
     initial = {k: v.detach().numpy().astype(np.float64) for k, v in model.state_dict().items()}
-    path = _export(tmp_path, model, t)
+    path = net_bundle(spec, t)
     found = _composites(path)
     assert [n for n, _ in found].count('"stepbundle.attention"') == LAYERS
     assert [n for n, _ in found].count('"stepbundle.attention_grad"') == LAYERS
@@ -285,7 +317,7 @@ def test_a_fused_step_matches_float64_as_well_as_the_decomposition(
     assert att.groups == HEADS // spec.get("kv_heads", HEADS)
     assert att.scale == pytest.approx(spec.get("scale") or HEAD**-0.5)
     loss64, after64 = _float64_step(model, t)
-    loss_plain, state_plain, _ = _run(path, t, fused=False)
+    loss_plain, state_plain, _ = _run_plain(path, t)
     loss_fused, state_fused, text = _run(path, t, fused=True)
     # every composite replaced by a call of the kernels: none left, two functions
     assert "stablehlo.composite" not in text
@@ -305,12 +337,11 @@ def test_a_fused_step_matches_float64_as_well_as_the_decomposition(
     assert any(not np.array_equal(state_plain[k], state_fused[k]) for k in state_plain)
 
 
-def test_sdpa_without_dropout_takes_no_seed(tmp_path: Path) -> None:
+def test_sdpa_without_dropout_takes_no_seed(net_bundle: Any) -> None:
     # torch tags its SDPA kernels as random (for their dropout); with dropout_p 0 the
     # step draws nothing, so the bundle has no seed input (and the export check, which
     # cannot replay torch's random numbers, is not skipped for it).
-    torch.manual_seed(0)
-    path = _export(tmp_path, _Net({}), 128)
+    path = net_bundle({}, 128)
     with open_bundle(path) as b:
         inputs = b.manifest.entries["train"].programs[0].inputs
     assert inputs and not any(isinstance(i, RngSeedInput) for i in inputs)
@@ -318,30 +349,27 @@ def test_sdpa_without_dropout_takes_no_seed(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("form", ["causal", "padding"])
 def test_the_decomposition_is_the_program_without_composites_bit_for_bit(
-    tmp_path: Path, form: str, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, net_bundle: Any, form: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     spec = {} if form == "causal" else {"mask": form}
-    torch.manual_seed(0)
-    model = _Net(spec)
-    with_composites = _export(tmp_path, model, 128, "with")
+    with_composites = net_bundle(spec, 128)
     monkeypatch.setattr(aten_nn, "COMPOSITES", False)
-    without = _export(tmp_path, model, 128, "without")
+    without = _export(tmp_path, _net(spec), 128, "without")
     kinds = {att.mask for _, att in _composites(with_composites) if att is not None}
     # PyTorch hands its CPU kernel a boolean mask as an additive one (0 / -inf)
     assert kinds == {"causal" if form == "causal" else "additive"}
     assert _composites(without) == []
-    loss_a, state_a, _ = _run(with_composites, 128, fused=False)
+    loss_a, state_a, _ = _run_plain(with_composites, 128)
     loss_b, state_b, _ = _run(without, 128, fused=False)
     assert loss_a == loss_b
     assert all(np.array_equal(state_a[k], state_b[k]) for k in state_a)
 
 
 def test_a_mask_from_the_batch_keeps_the_decomposition_and_says_why(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    net_bundle: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(fallback, "_WARNED", set())
-    torch.manual_seed(0)
-    path = _export(tmp_path, _Net({"mask": "padding"}), 128)
+    path = net_bundle({"mask": "padding"}, 128)
     kept = []
 
     def tap(stage: rewrites.Stage, ctx: rewrites.RewriteContext) -> rewrites.Stage:
@@ -365,11 +393,10 @@ def test_a_mask_from_the_batch_keeps_the_decomposition_and_says_why(
     assert len(reasons) == 2 * LAYERS and all("additive attn_mask" in r for r in reasons)
 
 
-def test_the_tpu_program_is_built_on_a_cpu_machine(tmp_path: Path) -> None:
+def test_the_tpu_program_is_built_on_a_cpu_machine(net_bundle: Any) -> None:
     # Lowered for the TPU (jax serializes the Mosaic kernels without a chip): a forward
     # and a backward kernel function shared by the layers, each called once per layer.
-    torch.manual_seed(0)
-    path = _export(tmp_path, _Net({}), 128)
+    path = net_bundle({}, 128)
     texts = []
 
     def tap(stage: rewrites.Stage, ctx: rewrites.RewriteContext) -> rewrites.Stage:

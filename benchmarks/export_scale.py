@@ -22,7 +22,8 @@ parameter. Each row records the commit it was measured at, whether the tree had 
 beside it, and the load average when it ended. ``--merge`` makes one results file of
 several runs' (the rows of a later file replace the same rows of an earlier one;
 ``--source-git FILE=COMMIT:clean`` records what its runner knew of the tree, where the
-file's own record was taken later). Usage::
+file's own record was taken later; ``--earlier LABEL=FILE`` keeps another run's rows for a
+comparison, out of the table). Usage::
 
     .venv/bin/python benchmarks/export_scale.py                       # every row
     .venv/bin/python benchmarks/export_scale.py --models tiny --frontends torch --out /tmp/x.json
@@ -194,10 +195,38 @@ def _order(row: dict[str, Any]) -> tuple[int, int]:
     )
 
 
-def merge(files: list[str], source_git: dict[str, str]) -> dict[str, Any]:
+def _rows_of(f: str, result: dict[str, Any], source_git: dict[str, str]) -> list[dict[str, Any]]:
+    rows = []
+    for row in result["rows"]:
+        row = dict(row)
+        if "skipped" in row:  # nothing was measured
+            rows.append(row)
+            continue
+        if f in source_git:
+            commit, _, tree = source_git[f].partition(":")
+            row["git"] = {"commit": commit, "dirty": tree != "clean"}
+        elif "git" not in row and "commit" in result.get("git", {}):
+            row["git"] = result["git"]
+        if "load_average_at_end" not in row:
+            load = result["host"].get("load_average_at_end")
+            if isinstance(load, list):
+                row["load_average_at_end"] = load
+        rows.append(row)
+    return rows
+
+
+def merge(
+    files: list[str],
+    source_git: dict[str, str],
+    earlier: dict[str, str] | None = None,
+    note: str = "",
+) -> dict[str, Any]:
     """One results file of several runs' files: a later file's row replaces the same
     (model, front-end) row of an earlier one. A row without its own git record takes its
-    file's, or ``source_git``'s for that file ("COMMIT:clean" or "COMMIT:dirty")."""
+    file's, or ``source_git``'s for that file ("COMMIT:clean" or "COMMIT:dirty").
+    ``earlier`` (label -> file) keeps rows measured for a comparison (the same row before
+    a change) under ``earlier``, by label, out of the table; ``note`` says how the runs
+    were made where their commands do not."""
     rows: dict[tuple[str, str], dict[str, Any]] = {}
     commands: list[str] = []
     host: dict[str, Any] = {}
@@ -205,26 +234,24 @@ def merge(files: list[str], source_git: dict[str, str]) -> dict[str, Any]:
         result = json.loads(Path(f).read_text())
         commands += result.get("commands") or [result["command"]]
         host = {k: v for k, v in result["host"].items() if k in ("cpus", "machine")}
-        for row in result["rows"]:
-            row = dict(row)
-            if f in source_git:
-                commit, _, tree = source_git[f].partition(":")
-                row["git"] = {"commit": commit, "dirty": tree != "clean"}
-            elif "git" not in row and "commit" in result.get("git", {}):
-                row["git"] = result["git"]
-            if "load_average_at_end" not in row and "skipped" not in row:
-                load = result["host"].get("load_average_at_end")
-                if isinstance(load, list):
-                    row["load_average_at_end"] = load
+        for row in _rows_of(f, result, source_git):
             rows[(row["model"], row["frontend"])] = row
     ordered = sorted(rows.values(), key=_order)
-    return {
+    merged: dict[str, Any] = {
         "benchmark": "export_scale",
+        **({"note": note} if note else {}),
         "commands": commands,
         "host": host,
         "rows": ordered,
         "table": table(ordered),
     }
+    if earlier:
+        merged["earlier"] = {}
+        for label, f in earlier.items():
+            result = json.loads(Path(f).read_text())
+            merged["commands"].append(result["command"])
+            merged["earlier"][label] = _rows_of(f, result, source_git)
+    return merged
 
 
 def main() -> None:
@@ -243,13 +270,22 @@ def main() -> None:
     ap.add_argument(
         "--source-git", nargs="*", default=[], help="FILE=COMMIT:clean|dirty, per merged file"
     )
+    ap.add_argument(
+        "--earlier", nargs="*", default=[], help="LABEL=FILE: rows kept for a comparison"
+    )
+    ap.add_argument("--note", default="", help="how the merged runs were made")
     ap.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         child(*args.child)
         return
     if args.merge:
-        merged = merge(args.merge, dict(g.split("=", 1) for g in args.source_git))
+        merged = merge(
+            args.merge,
+            dict(g.split("=", 1) for g in args.source_git),
+            dict(e.split("=", 1) for e in args.earlier),
+            args.note,
+        )
         Path(args.out).write_text(json.dumps(merged, indent=1) + "\n")
         print(merged["table"])
         return

@@ -42,17 +42,20 @@ def test_export_scale_runs_on_a_tiny_model(tmp_path: Path) -> None:
     assert torch_row["git"]["commit"] == result["git"]["commit"]  # each row says where
     assert len(torch_row["load_average_at_end"]) == 3
 
-    # --merge: a later file's row replaces the same row; rows in model, front-end order
+    # --merge: a later file's row replaces the same row; rows in model, front-end order;
+    # a row without its own record takes its file's, or --source-git's; skipped rows none
     later = tmp_path / "later.json"
-    redone = {**xla_row, "skipped": "measured elsewhere"}
+    redone = {k: v for k, v in torch_row.items() if k not in ("git", "load_average_at_end")}
+    redone["wall_s"] = 1.0
     old_format = {"command": "x", "host": {"cpus": 2, "machine": "x86_64",
                   "load_average_at_end": [1.0, 2.0, 3.0]},
                   "git": {"commit": "c0ffee", "dirty": True}, "rows": [redone]}  # fmt: skip
     later.write_text(json.dumps(old_format))
     merged = tmp_path / "merged.json"
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "export_scale.py"), "--merge", str(out),
-         str(later), "--source-git", f"{later}=beef:clean", "--out", str(merged)],
+        [sys.executable, str(ROOT / "benchmarks" / "export_scale.py"), "--merge", str(later),
+         str(out), str(later), "--source-git", f"{later}=beef:clean", "--earlier",
+         f"before={later}", "--note", "how", "--out", str(merged)],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -61,7 +64,11 @@ def test_export_scale_runs_on_a_tiny_model(tmp_path: Path) -> None:
         ("tiny", "torch"),
         ("tiny", "torch_xla"),
     ]
-    assert both["rows"][0] == torch_row
-    assert both["rows"][1]["skipped"] == "measured elsewhere"
-    assert both["rows"][1]["git"] == {"commit": "beef", "dirty": False}
-    assert both["commands"] == [result["command"], "x"]
+    assert both["rows"][0] == {
+        **redone,
+        "git": {"commit": "beef", "dirty": False},
+        "load_average_at_end": [1.0, 2.0, 3.0],
+    }
+    assert both["rows"][1] == xla_row  # skipped: nothing measured, no record
+    assert both["commands"] == ["x", result["command"], "x", "x"]
+    assert both["earlier"]["before"][0]["wall_s"] == 1.0 and both["note"] == "how"

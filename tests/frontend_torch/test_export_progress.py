@@ -20,6 +20,9 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
+from stepbundle.frontend import progress
 from stepbundle.frontend.progress import StageLine, ticking
 
 _CURSOR_UP = "\x1b[A"
@@ -87,6 +90,25 @@ def test_whole_lines_stand_on_their_own_above_the_bar() -> None:
     assert "[export] captured: 2 training steps" in screen, screen
     assert "[export] wrote x.stepbundle" in screen, screen
     assert screen[-1] == "stepbundle: error: the last line", screen  # the bar is gone
+
+
+def test_a_log_hears_of_a_stage_of_unknown_length_while_it_runs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import io
+
+    monkeypatch.setattr(progress, "UNKNOWN_LENGTH_EVERY_S", 0.0)  # every tick, not 30 s
+    out = io.StringIO()
+    line = StageLine(out)
+    line("capturing the training step (1 of 2)", 0, None)
+    line("capturing the training step (1 of 2)", 1234, None)
+    line.write("[export] captured: 2 training steps")
+    got = [s.rsplit(" (", 1)[0] for s in out.getvalue().splitlines()]
+    assert got == [
+        "[export] capturing the training step",  # "(1 of 2) ..." cut off
+        "[export] capturing the training step (1 of 2): 1,234 so far",
+        "[export] captured: 2 training steps",
+    ], out.getvalue()
 
 
 def test_ticking_counts_from_a_thread_and_keeps_the_last_count() -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -57,3 +58,33 @@ def _private_compile_cache(
 ) -> None:
     """Tests never share the user's compile cache."""
     monkeypatch.setenv("STEPBUNDLE_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "xla-cache"))
+
+
+@pytest.fixture(scope="session")
+def example_bundle(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """``example_bundle(stem)``: ``stepbundle export examples/<stem>.py:recipe`` run once per
+    session in a child process (the export environment's python), as a user runs it;
+    the bundle's path and the export's wall seconds. Tests that export the same example
+    share it (test_export_examples.py, test_training_job.py)."""
+    import subprocess
+    import time
+
+    folder = tmp_path_factory.mktemp("examples")
+    done: dict[str, tuple[Path, float]] = {}
+
+    def get(stem: str) -> tuple[Path, float]:
+        if stem not in done:
+            bundle = folder / f"{stem}.stepbundle"
+            recipe = f"{ROOT / 'examples' / stem}.py:recipe"
+            t0 = time.perf_counter()
+            out = subprocess.run(
+                [sys.executable, "-m", "stepbundle", "export", recipe, "-o", str(bundle)],
+                capture_output=True,
+                text=True,
+                timeout=600,
+            )
+            assert out.returncode == 0, out.stderr
+            done[stem] = bundle, time.perf_counter() - t0
+        return done[stem]
+
+    return get

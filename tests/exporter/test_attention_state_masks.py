@@ -48,6 +48,14 @@ def _load(path: Path, fused: bool, **keywords: Any) -> Any:
         rewrites.REWRITES = original
 
 
+@pytest.fixture(scope="module")
+def fused(bundle: tuple[Path, Any]) -> Any:
+    """The bundle loaded with the swap forced, once for the module (each such load lowers
+    and compiles the interpreted kernels): one test steps it, the other reads its state
+    and is refused, which replaces nothing (that test checks so)."""
+    return _load(bundle[0], True)
+
+
 def _state_values(path: Path, bias: np.ndarray) -> dict[int, tuple[str, Any]]:
     """@main's mask buffers (by argument number), each holding ``bias``."""
     from stepbundle.schema.reader import open_bundle
@@ -79,11 +87,12 @@ def test_the_matcher_reads_the_buffer_as_loaded(bundle: tuple[Path, Any]) -> Non
         assert any("blocks.0.bias" in m and "not the causal triangle" in m for m in misses)
 
 
-def test_a_causal_buffer_is_fused_and_matches_float64(bundle: tuple[Path, Any]) -> None:
+def test_a_causal_buffer_is_fused_and_matches_float64(bundle: tuple[Path, Any], fused: Any) -> None:
     path, initial = bundle
     # the same model with its mask made in forward: the buffer is not a parameter
     loss64, after64 = tfa._float64_step({k: v for k, v in initial.items() if k not in MASKS})
-    plain, fused = _load(path, False), _load(path, True)
+    plain = _load(path, False)
+    assert fused.step_count == 0  # the shared trainer has not stepped yet
     assert plain.load_info.fused_attention == {}
     assert fused.load_info.fused_attention == {"train[0]": tfa.LAYERS}
     results = []
@@ -99,10 +108,9 @@ def test_a_causal_buffer_is_fused_and_matches_float64(bundle: tuple[Path, Any]) 
 
 
 def test_replacing_the_buffer_is_refused_and_init_from_checks_it_again(
-    bundle: tuple[Path, Any], tmp_path: Path
+    bundle: tuple[Path, Any], fused: Any, tmp_path: Path
 ) -> None:
     path, _ = bundle
-    fused = _load(path, True)
     values = fused.state_dict(include_aliases=False)
     fused.load_state_dict(values)  # the same mask: accepted
     changed = dict(values)

@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -18,15 +19,12 @@ def test_there_are_examples() -> None:
 
 
 @pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.stem)
-def test_example_exports_and_trains(example: Path, tmp_path: Path, lean_python: str) -> None:
-    bundle = tmp_path / f"{example.stem}.stepbundle"
-    out = subprocess.run(
-        [sys.executable, "-m", "stepbundle", "export", f"{example}:recipe", "-o", str(bundle)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert out.returncode == 0, out.stderr
+def test_example_exports_and_trains(
+    example: Path, tmp_path: Path, lean_python: str, example_bundle: Any
+) -> None:
+    # `stepbundle export` in a child process, shared with other tests of the same example
+    # (conftest.py's example_bundle; test_training_job.py trains examples/cifar_cnn.py's)
+    bundle, _ = example_bundle(example.stem)
     data = tmp_path / "data.npz"
     made = subprocess.run(
         [

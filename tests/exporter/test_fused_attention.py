@@ -103,15 +103,31 @@ def _batch() -> dict[str, np.ndarray]:
     }
 
 
+_EXPORTS: dict[tuple[bool, bool, bool, int], tuple[Path, dict[str, np.ndarray]]] = {}
+
+
 def _export(
     tmp_path: Path, causal: bool = True, divide: bool = False, buffer_mask: bool = False
+) -> tuple[Path, dict[str, np.ndarray]]:
+    """The model of these settings (seed 0, context ``T``) exported, and its initial state:
+    once per session (most tests here and test_attention_state_masks.py read the same
+    bundle; none changes it), in the ``tmp_path`` of the first test that asks."""
+    key = (causal, divide, buffer_mask, T)
+    if key not in _EXPORTS:
+        _EXPORTS[key] = _export_now(tmp_path, causal, divide, buffer_mask)
+    path, initial = _EXPORTS[key]
+    return path, {k: v.copy() for k, v in initial.items()}
+
+
+def _export_now(
+    tmp_path: Path, causal: bool, divide: bool, buffer_mask: bool
 ) -> tuple[Path, dict[str, np.ndarray]]:
     torch.manual_seed(0)
     model = _Net(causal, divide, buffer_mask)
     initial = {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
     example = {k: torch.from_numpy(v) for k, v in _batch().items()}
     opt = torch.optim.SGD(model.parameters(), lr=LR)
-    path = tmp_path / "attn.stepbundle"
+    path = tmp_path / f"attn-{int(causal)}{int(divide)}{int(buffer_mask)}-{T}.stepbundle"
     recipe = Recipe(
         model=model, optimizer=opt, step=_step, eval_step=_eval, example_batch=example, seed=0
     )

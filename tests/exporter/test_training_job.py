@@ -31,7 +31,6 @@ import resource
 import signal
 import struct
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -81,18 +80,11 @@ class Job:
 
 
 @pytest.fixture(scope="module")
-def job(tmp_path_factory: pytest.TempPathFactory) -> Job:
+def job(tmp_path_factory: pytest.TempPathFactory, example_bundle: Any) -> Job:
     root = tmp_path_factory.mktemp("cifar_job")
-    bundle = root / "cifar.stepbundle"
-    t0 = time.perf_counter()
-    out = subprocess.run(
-        [sys.executable, "-m", "stepbundle", "export", f"{EXAMPLE}:recipe", "-o", str(bundle)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    export_s = time.perf_counter() - t0
-    assert out.returncode == 0, out.stderr
+    # `stepbundle export` in a child process, once per session (test_export_examples.py
+    # trains the same bundle)
+    bundle, export_s = example_bundle(EXAMPLE.stem)
     cnn = _example()
     chunks = (cnn.labelled_images(ROWS_PER_SHARD, seed=i) for i in range(7))
     write_dataset(root / "train", chunks, stacked=True, rows_per_shard=ROWS_PER_SHARD)

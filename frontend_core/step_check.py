@@ -12,10 +12,11 @@ differs most, with both values.
 Where it runs:
 
 - The runtime runs in a child process, ``python -m stepbundle.cli.step_check``: the
-  front-ends may not import the runtime (``tests/test_layering.py``), and the runtime
-  turns on jax's 64-bit mode, which must not change in the process that exported (the
-  torch front-end lowers through jax there). The child's start and the program's compile
-  on the CPU are most of the check's cost; the eager step runs meanwhile.
+  front-ends may not import the runtime (``tests/test_layering.py``), and the child sets
+  XLA's compile effort for its one program through ``XLA_FLAGS``, which XLA reads once per
+  process (the torch front-end's own jax has started by then). In the child, the program's
+  CPU compile and its one step are most of the check's cost (its start and imports about
+  2 s of processor time); the eager step runs meanwhile, on half the cores.
 - The eager reference is ``CPU_EAGER`` (PyTorch on the CPU), unless the front-end passes
   another: the torch_xla front-end steps torch_xla eagerly where only it computes what
   the bundle computes (random numbers drawn by XLA's generator; ``numerics="torch_xla"``).
@@ -138,6 +139,11 @@ class CheckReport:
       eager_seconds: the eager step (and the float64 one, when it ran).
       cpu_seconds: processor time of this process and the runtime's over the check (on a
         busy machine a fairer measure of its cost than wall time).
+      runtime_cpu_seconds: the runtime process's processor time.
+      eager_cpu_seconds: this process's processor time over the eager step(s).
+      runtime_parts: the runtime process's wall seconds by part, as it measured them
+        (``load.open``, ``load.compile``, ``load.state``, ``step``, ``write``; the rest of
+        ``runtime_seconds`` is its start and imports).
       compared: metrics and state tensors compared.
       closest: the one nearest its bound, and how near (a fraction of the bound).
       reason: why it was skipped.
@@ -149,6 +155,9 @@ class CheckReport:
     runtime_seconds: float = 0.0
     eager_seconds: float = 0.0
     cpu_seconds: float = 0.0
+    runtime_cpu_seconds: float = 0.0
+    eager_cpu_seconds: float = 0.0
+    runtime_parts: Mapping[str, float] = dataclasses.field(default_factory=dict)
     compared: int = 0
     closest: str = ""
     reason: str = ""
@@ -313,12 +322,17 @@ def _low_precision(manifest: Manifest, autocast: bool) -> bool:
     return autocast or any(str(getattr(s.dtype, "value", s.dtype)) in low for s in specs)
 
 
-def _cpu_time() -> float:
-    """Processor time of this process and its finished children, in seconds."""
+def _children_cpu_time() -> float:
+    """Processor time of this process's finished children, in seconds."""
     import resource
 
     children = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return time.process_time() + children.ru_utime + children.ru_stime
+    return children.ru_utime + children.ru_stime
+
+
+def _cpu_time() -> float:
+    """Processor time of this process and its finished children, in seconds."""
+    return time.process_time() + _children_cpu_time()
 
 
 def _copies(recipe: Recipe) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -334,6 +348,26 @@ def _copies(recipe: Recipe) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     return model, opt
 
 
+@contextlib.contextmanager
+def _threads_beside_the_runtime() -> Iterator[None]:
+    """torch's intra-op threads limited to half the machine's cores (at least one) for
+    an eager step: the float32 one runs beside the runtime's process, which takes the
+    other half; the float64 one, after it, keeps the count.
+
+    With more threads than free cores, torch's workers spin for cores they do not get:
+    GPT-2 small's eager float32 step took 16.0 s of processor time with two threads on a
+    2-core machine under load and 5.9 s with one (its float64 step 20.8 s and 14.5 s). A
+    check runs beside other work (an export, a test suite's other lane), so the cheaper
+    count is the default. The count moves the eager values by rounding at most (the order
+    in which a reduction adds its partial sums), which the bounds are made for."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(1, min(threads, (os.cpu_count() or 2) // 2)))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _eager(
     ref: Reference,
     recipe: Recipe,
@@ -343,7 +377,11 @@ def _eager(
     seed: int | None,
 ) -> tuple[Mapping[str, Any], dict[str, torch.Tensor], bool]:
     try:
-        with torch.random.fork_rng(devices=[]), _autocast_seen(model) as autocast:
+        with (
+            torch.random.fork_rng(devices=[]),
+            _autocast_seen(model) as autocast,
+            _threads_beside_the_runtime(),
+        ):
             metrics, state = ref.run(recipe, model, opt, batch, seed)
     except ExportError:
         raise
@@ -424,16 +462,20 @@ def check_bundle(
             }
         runtime = _Runtime(path, batch, work, init)
         try:
-            t_eager = time.perf_counter()
+            t_eager, cpu_eager = time.perf_counter(), time.process_time()
             # The state before the step: the user's own tensors, which nothing changes.
             before = state_by_name(recipe.model, recipe.optimizer, copy=False)
             model, opt = _copies(recipe)
             eager_metrics, eager_state, autocast = _eager(ref, recipe, model, opt, batch, seed)
             eager_seconds = time.perf_counter() - t_eager
+            eager_cpu = time.process_time() - cpu_eager
         except BaseException:
             runtime.stop()
             raise
+        runtime_cpu = _children_cpu_time()
         runtime_seconds = runtime.wait()
+        runtime_cpu = _children_cpu_time() - runtime_cpu
+        parts = json.loads((work / "seconds.json").read_text())
         from safetensors import safe_open
 
         after_file = safe_open(str(work / "after.safetensors"), framework="pt")
@@ -455,12 +497,16 @@ def check_bundle(
         failing = {v.name for v in found if v.ratio > 1.0}
         arbitrated = 0
         if failing and ref.float64 and bounds is FLOAT32:
-            t64 = time.perf_counter()
+            # Only the failing tensors of the float32 step are needed from here on: the
+            # rest is let go before the float64 copy is made (GPT-2 small: 2 GB).
+            eager_state = {k: v for k, v in eager_state.items() if k in failing}
+            t64, cpu64 = time.perf_counter(), time.process_time()
             model, opt = _copies(recipe)
             batch64 = _to_float64(model, opt, batch)
             m64, s64, _ = _eager(ref, recipe, model, opt, batch64, seed)
             del model, opt
             eager_seconds += time.perf_counter() - t64
+            eager_cpu += time.process_time() - cpu64
             # Only the tensors beyond their bound are arbitrated: compare those alone.
             fm = [n for n in metric_names if n in failing]
             fs = [n for n in state_names if n in failing]
@@ -504,6 +550,9 @@ def check_bundle(
         runtime_seconds=runtime_seconds,
         eager_seconds=eager_seconds,
         cpu_seconds=_cpu_time() - cpu0,
+        runtime_cpu_seconds=runtime_cpu,
+        eager_cpu_seconds=eager_cpu,
+        runtime_parts={k: float(v) for k, v in parts.items()},
         compared=len(found),
         closest=f"{worst.name} at {worst.ratio:.2g} of it"
         + (

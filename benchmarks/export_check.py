@@ -114,7 +114,10 @@ def child(name: str, frontend: str, out: str) -> None:
                 "check_s": chk.seconds,
                 "check_cpu_s": chk.cpu_seconds,
                 "runtime_s": chk.runtime_seconds,
+                "runtime_cpu_s": chk.runtime_cpu_seconds,
+                "runtime_parts_s": dict(chk.runtime_parts),
                 "eager_s": chk.eager_seconds,
+                "eager_cpu_s": chk.eager_cpu_seconds,
                 "closest": chk.closest,
                 "line": chk.line(),
                 "total_s": wall,
@@ -128,6 +131,28 @@ def _frontends() -> list[str]:
     import importlib.util
 
     return ["torch_xla"] if importlib.util.find_spec("torch_xla") else ["torch"]
+
+
+def _commit() -> str:
+    """The checkout's commit, with '+dirty' where the files measured differ from it."""
+    root = HERE.parent
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root,
+                          capture_output=True, text=True).stdout.strip()  # fmt: skip
+    measured = ["frontend_core", "cli/step_check.py", "benchmarks/export_check.py"]
+    dirty = subprocess.run(["git", "status", "--porcelain", "--", *measured], cwd=root,
+                           capture_output=True, text=True).stdout.strip()  # fmt: skip
+    return head + ("+dirty" if dirty else "")
+
+
+def _parts(got: dict[str, Any]) -> str:
+    """The runtime process's wall seconds by part: start (process and imports), compile,
+    state (read, verified, placed), step, write."""
+    p = got["runtime_parts_s"]
+    start = got["runtime_s"] - p["load"] - p["step"] - p["write"]
+    return " / ".join(
+        f"{v:.1f}"
+        for v in (start, p["load.compile"], p["load.state"] + p["load.open"], p["step"], p["write"])
+    )
 
 
 def _key(row: str) -> tuple[str, ...]:
@@ -161,6 +186,7 @@ def main() -> None:
     for frontend in _frontends():
         for name in args.models:
             out = str(work / f"{name}-{frontend}.stepbundle")
+            load = os.getloadavg()[0]
             proc = subprocess.run(
                 [sys.executable, __file__, "--child", name, frontend, out],
                 capture_output=True,
@@ -169,7 +195,8 @@ def main() -> None:
             if proc.returncode != 0:  # e.g. killed for memory (-9): said in the row
                 print(f"{name} on {frontend} failed:\n{proc.stderr[-4000:]}", flush=True)
                 rows.append(
-                    f"| {name} | {frontend} | failed: exit code {proc.returncode} | | | | | | |"
+                    f"| {name} | {frontend} | failed: exit code {proc.returncode} "
+                    f"| | | | | | | | | | | {_commit()} | {load:.1f} |"
                 )
             else:
                 got = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -180,7 +207,9 @@ def main() -> None:
                     f"| {name} | {frontend} | {got['export_s']:.1f} s "
                     f"| {got['export_cpu_s']:.1f} s | {got['check_s']:.1f} s "
                     f"| {got['runtime_s']:.1f} s | {got['eager_s']:.1f} s "
-                    f"| {got['check_cpu_s']:.1f} s | {ratio:.2f} | {closest} |"
+                    f"| {got['check_cpu_s']:.1f} s | {ratio:.2f} "
+                    f"| {got['runtime_cpu_s']:.1f} s | {got['eager_cpu_s']:.1f} s "
+                    f"| {_parts(got)} | {closest} | {_commit()} | {load:.1f} |"
                 )
             _write(rows)
 
@@ -197,11 +226,16 @@ def _write(rows: list[str]) -> None:
         "attention, AdamW, batch 2 x 128. Each export in a fresh process; wall seconds on a",
         "shared 2-core machine (inflated by other jobs), processor seconds of the exporting",
         "process and its children. 'check/export': the check's processor time over the",
-        "export's.",
+        "export's. 'runtime, cpu': the runtime's process (python -m stepbundle.cli.step_check);",
+        "'eager, cpu': the eager step(s) in the exporting process (float32, and float64 where",
+        "a tensor needed the arbiter). 'runtime parts': its wall seconds for start (process",
+        "and imports) / compile / state (read, SHA-256, placed) / step / write. 'load': the",
+        "machine's 1-minute load average when the row's export began (2 cores).",
         "",
         "| model | front-end | export, wall | export, cpu | check, wall "
-        "| runtime process, wall | eager, wall | check, cpu | check/export (cpu) | closest to its bound |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| runtime process, wall | eager, wall | check, cpu | check/export (cpu) "
+        "| runtime, cpu | eager, cpu | runtime parts, wall | closest to its bound | commit | load |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         *sorted(kept + rows),
     ]
     RESULTS.write_text("\n".join(lines) + "\n")

@@ -159,8 +159,17 @@ _RUNTIME_NAMES = (
 
 def __getattr__(name: str) -> Any:
     """``Recipe``, ``load``, ``LoadOptions`` (and its four records) and ``Trainer``,
-    imported on first use."""
+    imported on first use; ``Recipe`` without torch is a ``FrontendMissingError`` naming
+    the extra to install."""
     if name == "Recipe":
+        if not _installed("torch"):  # a Recipe holds torch objects: name the way out
+            raise FrontendMissingError(
+                "stepbundle.Recipe holds a torch model and optimizer, and torch is not "
+                "installed. Install a front-end to export: pip install "
+                "'stepbundle[export-torch]' (current torch and jax) or 'stepbundle[export]' "
+                "(torch 2.9 + torch_xla). Running bundles needs neither (load, LoadOptions, "
+                "Trainer)."
+            )
         from stepbundle.frontend.recipe import Recipe
 
         return Recipe

@@ -27,7 +27,7 @@ memory-maps the shards read-only: only the pages of the rows a batch gathers are
 read, so a dataset far larger than memory costs page cache, not process memory.
 ``Dataset.gather`` reads any set of rows with one fancy index per input per shard.
 Before reading a shard file it compares the file's size with the checked one (one
-``fstat`` per file read, ~1 us): a shard truncated or rewritten under a run is a
+``fstat`` per file read): a shard truncated or rewritten under a run is a
 ``DataError`` (``WRONG_SIZE``), not a SIGBUS. (A truncation landing in the microseconds
 between that check and the read can still fault: only a reader without memory maps
 could rule that out, at several times the cost per batch.)
@@ -106,7 +106,7 @@ class ShardFile:
 
     A mapped file that shrinks under its reader makes reads of the lost pages raise
     SIGBUS, which kills the process (no exception, no checkpoint). ``check`` compares
-    the file's size now (one ``fstat`` of the mapping's descriptor, ~0.7 us) with the
+    the file's size now (one ``fstat`` of the mapping's descriptor) with the
     checked one and raises a ``DataError`` instead; ``Dataset.gather`` calls it for
     every file a batch reads, just before reading it.
 

@@ -46,6 +46,12 @@ def test_exporting_without_torch_names_the_extra() -> None:
         choose_frontend()
     with pytest.raises(FrontendMissingError, match="torch_xla front-end needs torch and torch_xla"):
         stepbundle.export(None, "x.stepbundle", frontend="torch_xla")  # type: ignore[arg-type]
+    # The Recipe the README imports beside load: typed, with the extra, not "No module
+    # named 'torch'" (a ModuleNotFoundError under no root).
+    with pytest.raises(FrontendMissingError, match=r"torch is not installed.*export-torch"):
+        from stepbundle import Recipe  # noqa: F401
+    with pytest.raises(ImportError):  # and still the ImportError it was
+        stepbundle.Recipe  # noqa: B018
     with pytest.raises(ValueError, match="frontend must be one of"):
         choose_frontend("tensorflow")
     with pytest.raises(AttributeError, match="no attribute 'lod'"):

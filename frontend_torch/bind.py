@@ -13,7 +13,7 @@ Imports: torch, stepbundle.schema, stepbundle.exporter's torch_xla-free modules.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -130,8 +130,10 @@ def bind(
     batch_keys: Sequence[str],
     train: bool,
     what: str,
+    on_graph: Callable[[fx.Graph], None] | None = None,
 ) -> BoundProgram:
     """Compare two captures of one step and build its program and binding tables.
+    ``on_graph`` receives the functional graph while it is recorded (``functional``).
 
     Raises:
       ExportError: the captures differ, the step writes what it may not (a declared
@@ -146,7 +148,7 @@ def bind(
             "modes the same way every step (model.train(), then .eval() on the frozen "
             "modules)."
         )
-    f = functional(b, what)
+    f = functional(b, what, on_graph)
     gm = f.gm
     ph = g.placeholders(gm)
     n_state, n_hyper = len(slots), len(hypers)

@@ -324,10 +324,20 @@ class Functional:
     writes: Mapping[int, fx.Node]
 
 
-def functional(c: Capture, what: str) -> Functional:
-    """The capture without in-place updates: each becomes a value and an input write."""
+def functional(
+    c: Capture, what: str, on_graph: Callable[[fx.Graph], None] | None = None
+) -> Functional:
+    """The capture without in-place updates: each becomes a value and an input write.
+    ``on_graph``: as ``capture``'s, for the graph this records."""
+    pure = torch.func.functionalize(c.gm, remove="mutations_and_views")
+
+    def recorded(*args: Any) -> Any:
+        if on_graph is not None and (mode := get_proxy_mode()) is not None:
+            on_graph(mode.tracer.graph)
+        return pure(*args)
+
     gm = make_fx(
-        torch.func.functionalize(c.gm, remove="mutations_and_views"),
+        recorded,
         tracing_mode="fake",
         decomposition_table=DECOMPOSITIONS,
         _allow_non_fake_inputs=True,

@@ -156,6 +156,11 @@ def _trace(
         return _trace_in(recipe, sandbox, slots, hypers, batches, zero_grads=zero_grads, tick=tick)
 
 
+def _last_size(graphs: list[fx.Graph]) -> int:
+    """The node count of the last graph in ``graphs`` (0 before the first)."""
+    return len(graphs[-1].nodes) if graphs else 0
+
+
 def _trace_in(
     recipe: Recipe,
     sandbox: Sandbox,
@@ -182,7 +187,7 @@ def _trace_in(
             with ticking(
                 tick,
                 f"capturing the {what} ({k} of 2)",
-                lambda: len(graphs[-1].nodes) if graphs else 0,
+                functools.partial(_last_size, graphs),
                 total=total,
             ) as ticked:
                 c = capture(
@@ -195,11 +200,16 @@ def _trace_in(
         if zero_grads and first.dropped & grads:
             raise _GradientsDropped
         second, _ = once(2, recorded or None)
-        tick(f"comparing the captures, making the {what} functional", 0, None)
-        bound = bind(
-            first, second, slots=slots, hypers=hypers, batch_keys=list(batch), train=True,
-            what=what,
-        )  # fmt: skip
+        graphs: list[fx.Graph] = []  # how far: the functional graph's operators so far
+        with ticking(
+            tick,
+            f"comparing the captures, making the {what} functional",
+            functools.partial(_last_size, graphs),
+        ):
+            bound = bind(
+                first, second, slots=slots, hypers=hypers, batch_keys=list(batch),
+                train=True, what=what, on_graph=graphs.append,
+            )  # fmt: skip
         train.append((bound, batch_signature(batch)))
     fns = read_only_entries(recipe)
     evals: dict[str, _Bound] = {}

@@ -13,7 +13,6 @@ import os
 import pty
 import re
 import struct
-import subprocess
 import sys
 import termios
 import threading
@@ -143,18 +142,26 @@ def recipe():
 """
 
 
-def test_an_export_error_on_a_terminal_starts_a_line_of_its_own(tmp_path: Path) -> None:
+def test_an_export_error_on_a_terminal_starts_a_line_of_its_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from stepbundle.cli.main import main
+
     (tmp_path / "failing.py").write_text(_FAILING_RECIPE)
     master, slave = _terminal()
-    cli = "import sys; from stepbundle.cli.main import main; sys.exit(main(sys.argv[1:]))"
-    proc = subprocess.Popen(
-        [sys.executable, "-c", cli, "export", f"{tmp_path / 'failing.py'}:recipe",
-         "-o", str(tmp_path / "x.stepbundle"), "--frontend", "torch"],
-        stdout=subprocess.DEVNULL, stderr=slave, cwd=tmp_path,
-    )  # fmt: skip
-    os.close(slave)
-    text = _read_all(master)
-    assert proc.wait(timeout=300) == 1, text
+    read: list[str] = []
+    reader = threading.Thread(target=lambda: read.append(_read_all(master)))
+    reader.start()
+    with os.fdopen(slave, "w") as term:
+        monkeypatch.setattr(sys, "stderr", term)  # the CLI's stderr is the terminal
+        code = main(
+            ["export", f"{tmp_path / 'failing.py'}:recipe", "-o", str(tmp_path / "x.stepbundle"),
+             "--frontend", "torch"]
+        )  # fmt: skip
+        monkeypatch.undo()
+    reader.join(timeout=60)
+    text = read[0]
+    assert code == 1, text
     screen = [s for s in _screen(text) if s]
     assert "capturing the training step (1 of 2)" in text  # a bar was drawn
     errors = [s for s in screen if "stepbundle: error:" in s]

@@ -68,11 +68,14 @@ class OfflineCompile:
         ``hlo_modules()`` the partitioned program.
       refused: ``"train[i]"`` -> why that bucket cannot run on these devices (its batch
         does not split over the data axis).
+      fused_attention: ``"train[i]"`` -> how many attentions the TPU rewrite fused in
+        that program (``load_info.fused_attention``); 0 on other platforms.
     """
 
     placement: Placement
     executables: dict[str, Any]
     refused: dict[str, str]
+    fused_attention: dict[str, int]
 
 
 def compile_offline(
@@ -117,6 +120,7 @@ def compile_offline(
     bundle = _open_bundle(path, opts.safety.expect_digest)
     executables: dict[str, Any] = {}
     refused: dict[str, str] = {}
+    fused: dict[str, int] = {}
     try:
         manifest = bundle.manifest
         wanted = _wanted_entries(manifest, opts)
@@ -150,6 +154,7 @@ def compile_offline(
                     _scalar_constants(bundle, program),
                 )
                 executables[label] = compiled.executable
+                fused[label] = compiled.fused_attention
     finally:
         bundle.close()
-    return OfflineCompile(placement, executables, refused)
+    return OfflineCompile(placement, executables, refused, fused)

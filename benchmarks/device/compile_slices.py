@@ -1,0 +1,386 @@
+"""Plan a TPU v5e slice without its chips: compile a bundle's train step for v5e-8 to
+v5e-256 in each parallel layout and read XLA's memory plan and collectives per chip.
+
+    # 1. the bundle: a Llama-style model, weights-free, one shape bucket per slice size
+    #    (rows = chips: one sequence per chip in every layout), torch front-end
+    .venv-torch/bin/python benchmarks/device/compile_slices.py export llama1b /tmp/l1b.stepbundle
+    # 2. the compiles, each in a child process, with libtpu (jax[tpu]) and no TPU
+    python benchmarks/device/compile_slices.py compile /tmp/l1b.stepbundle --model llama1b \\
+        --slices v5e:2x4 v5e:4x4 v5e:8x8 v5e:16x16 --layouts dp zero1 fsdp fsdp+tp:4
+    # 3. the markdown table (docs/parallel.md) from the results file
+    python benchmarks/device/compile_slices.py table
+
+``jax.experimental.topologies.get_topology_desc(platform="tpu", topology_name="v5e:4x4")``
+describes the chips of a slice; ``stepbundle.runtime.offline.compile_offline`` compiles the
+bundle for them as ``load`` would (the same shard plan, mesh, packs, rewrites and compile
+options; nothing placed, nothing loaded); ``+tp`` layouts split by ``LLAMA_TP_RULES``.
+The bucket compiled is the one whose batch has as many rows as the slice has chips (one
+2048-token sequence per chip). Per compile this records XLA's memory analysis of
+one chip (``get_compiled_memory_stats``: arguments, outputs, the outputs aliased to donated
+arguments, temporaries, generated code; the total is arguments + outputs - aliased +
+temporaries + code, what the chip must hold at the peak, against the v5e's 16 GiB of HBM)
+and the collectives of the partitioned program (``hlo_modules()``'s text: how many of each
+of all-gather, reduce-scatter, all-reduce, all-to-all and collective-permute, counting an
+async ``-start`` once, and the bytes of their results). A compile libtpu refuses (a
+program that does not fit the chip's memory is refused at compile time) is recorded with
+libtpu's own message. Each compile runs in a child process whose resident memory is
+watched (``--max-gb``: killed past it, and recorded so).
+
+Rows accumulate in ``benchmarks/results/parallel_offline-v5e.json``: a run replaces the
+rows of the (model, slice, layout) it measured.
+
+Imports: jax (with libtpu), stepbundle; ``export`` imports torch and the torch front-end.
+"""
+
+from __future__ import annotations
+
+import os
+
+# libtpu reads these when it loads; without a TPU it has no metadata server to ask.
+os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+
+import argparse  # noqa: E402
+import fcntl  # noqa: E402
+import json  # noqa: E402
+import re  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+from concurrent.futures import ThreadPoolExecutor  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent.parent
+RESULTS = ROOT / "benchmarks" / "results" / "parallel_offline-v5e.json"
+GIB = 1 << 30
+HBM = 16 * GIB  # a v5e chip
+GB = 1e9
+SLICES = ("v5e:2x4", "v5e:4x4", "v5e:8x8", "v5e:16x16")
+LAYOUTS = ("dp", "zero1", "fsdp", "fsdp+tp:4")
+# Megatron's split for llama.py's module names (DEFAULT_TP_RULES holds Hugging Face's and
+# Meta's names, not these): q, k, v, gate and up on their outputs, o and down on their
+# inputs, the embedding and the head on the vocabulary.
+LLAMA_TP_RULES = (
+    ("attn.q.weight", 0), ("attn.k.weight", 0), ("attn.v.weight", 0), ("attn.o.weight", 1),
+    ("gate.weight", 0), ("up.weight", 0), ("down.weight", 1),
+    ("embed.weight", 0), ("head.weight", 0),
+)  # fmt: skip
+COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
+# an instruction: "%name = SHAPE opcode(" where SHAPE is an array or a tuple of arrays
+_INSTRUCTION = re.compile(
+    r"=\s+(\(.*?\)|\S+)\s+(" + "|".join(COLLECTIVES) + r")(-start)?\(", re.MULTILINE
+)
+_ARRAY = re.compile(r"\b([a-z]+[0-9]*)\[([0-9,]*)\]")
+_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2, "s32": 4,
+          "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}  # fmt: skip
+
+
+# ------------------------------------------------------------------------- export
+def export(model: str, out: str, rows: list[int]) -> None:
+    """Export ``model`` (``llama.py``'s sizes) weights-free with one shape bucket per
+    entry of ``rows`` (global batch rows), the first one first."""
+    import dataclasses
+
+    import torch
+
+    sys.path.insert(0, str(HERE.parent))
+    import llama
+
+    from stepbundle.export_torch import export as export_bundle
+
+    cfg = dataclasses.replace(llama.SIZES[model], batch=rows[0])
+    recipe = llama.recipe(cfg)
+
+    def batch(n: int) -> dict[str, torch.Tensor]:
+        tokens = torch.randint(0, cfg.vocab, (n, cfg.context + 1))
+        return {"idx": tokens[:, :-1].contiguous(), "target": tokens[:, 1:].contiguous()}
+
+    recipe = dataclasses.replace(recipe, example_batches=[batch(n) for n in rows[1:]])
+    t0 = time.perf_counter()
+    report = export_bundle(recipe, out, check=False, progress=lambda m: print(m, file=sys.stderr))
+    print(
+        json.dumps(
+            {"model": model, "rows": rows, "export_s": time.perf_counter() - t0,
+             "bytes": report.size, "stages_s": report.stage_seconds}
+        )
+    )  # fmt: skip
+
+
+# ------------------------------------------------------------------------- child
+def collectives(hlo: str) -> dict[str, dict[str, int]]:
+    """Per collective kind, how many instructions the HLO text holds (an async pair
+    counted once, at its ``-start``; XLA combines many small ones into one over a tuple)
+    and the bytes of their results (every array of a combined one's tuple; of a
+    ``-start``'s tuple of operands and results, the results)."""
+    out = {c: {"count": 0, "bytes": 0} for c in COLLECTIVES}
+    for shape, op, start in _INSTRUCTION.findall(hlo):
+        sizes = [_BYTES.get(dtype, 0) * _numel(dims) for dtype, dims in _ARRAY.findall(shape)]
+        if start:
+            sizes = sizes[len(sizes) // 2 :]
+        out[op]["count"] += 1
+        out[op]["bytes"] += sum(sizes)
+    return out
+
+
+def _numel(dims: str) -> int:
+    n = 1
+    for d in dims.split(","):
+        if d:
+            n *= int(d)
+    return n
+
+
+def child(bundle: str, topology: str, layout: str) -> dict[str, Any]:
+    from jax.experimental import topologies
+
+    from stepbundle.runtime import CompileOptions, LoadOptions, ParallelOptions, ShardRule
+    from stepbundle.runtime.offline import compile_offline
+    from stepbundle.schema import open_bundle
+
+    devices = topologies.get_topology_desc(platform="tpu", topology_name=topology).devices
+    n = len(devices)
+    with open_bundle(bundle) as b:
+        programs = b.manifest.entries["train"].programs
+        rows = [p.batch[0].spec.shape[0] for p in programs]
+    if n not in rows:
+        raise SystemExit(f"the bundle has no train bucket of {n} rows (it has {rows})")
+    bucket = rows.index(n)
+    rules = tuple(ShardRule(p, d) for p, d in LLAMA_TP_RULES) if "+tp" in layout else None
+    options = LoadOptions(
+        compile=CompileOptions(entries=("train",)),
+        parallel=ParallelOptions(layout=layout, tp_rules=rules),
+    )
+    t0 = time.perf_counter()
+    out = compile_offline(bundle, devices, options, buckets=[bucket])
+    seconds = time.perf_counter() - t0
+    label = f"train[{bucket}]"
+    if label not in out.executables:
+        return {"refused": out.refused[label], "rows": n}
+    exe = out.executables[label]
+    m = exe.get_compiled_memory_stats()
+    total = (
+        m.argument_size_in_bytes
+        + m.output_size_in_bytes
+        - m.alias_size_in_bytes
+        + m.temp_size_in_bytes
+        + m.generated_code_size_in_bytes
+    )
+    hlo = "\n".join(mod.to_string() for mod in exe.hlo_modules())
+    plan = out.placement.plan
+    return {
+        "rows": n,
+        "compile_s": seconds,
+        "mesh": dict(out.placement.mesh_axes),
+        "split_state_tensors": len(plan.dims) if plan is not None else 0,
+        "fused_attention": out.fused_attention.get(label, 0),
+        "layout_notes": list(plan.notes) if plan is not None else [],
+        "memory": {
+            "arguments": m.argument_size_in_bytes,
+            "outputs": m.output_size_in_bytes,
+            "aliased": m.alias_size_in_bytes,
+            "temporaries": m.temp_size_in_bytes,
+            "generated_code": m.generated_code_size_in_bytes,
+            "host_temporaries": m.host_temp_size_in_bytes,
+            "total": total,
+        },
+        "fits_16gib": total <= HBM,
+        "collectives": collectives(hlo),
+    }
+
+
+# ------------------------------------------------------------------------- parent
+def _rss_watch(proc: subprocess.Popen[bytes], limit: float, state: dict[str, Any]) -> None:
+    """Kill ``proc`` when its resident memory passes ``limit`` bytes; keep the peak."""
+    status = Path(f"/proc/{proc.pid}/status")
+    while proc.poll() is None:
+        try:
+            text = status.read_text()
+        except OSError:
+            break
+        found = re.search(r"VmRSS:\s+(\d+)", text)
+        kb = int(found.group(1)) if found else 0
+        state["peak"] = max(state.get("peak", 0), kb * 1024)
+        if kb * 1024 > limit:
+            state["killed"] = True
+            proc.kill()
+            break
+        time.sleep(0.5)
+
+
+def run_one(
+    bundle: str, model: str, topology: str, layout: str, max_gb: float, timeout: float
+) -> dict[str, Any]:
+    row: dict[str, Any] = {"model": model, "slice": topology, "layout": layout}
+    log = Path(f"/tmp/compile_slices-{model}-{topology.replace(':', '_')}-{layout}.err")
+    t0 = time.perf_counter()
+    with open(log, "w") as err:
+        proc = subprocess.Popen(
+            [sys.executable, __file__, "child", bundle, topology, layout],
+            stdout=subprocess.PIPE,
+            stderr=err,
+            env={**os.environ, "TPU_STDERR_LOG_LEVEL": "2", "TPU_MIN_LOG_LEVEL": "2"},
+        )
+        watch: dict[str, Any] = {}
+        watcher = threading.Thread(target=_rss_watch, args=(proc, max_gb * GB, watch))
+        watcher.start()
+        try:
+            stdout, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            stdout, _ = proc.communicate()
+            watch["timed_out"] = True
+        watcher.join()
+    row["wall_s"] = time.perf_counter() - t0
+    row["peak_rss_gb"] = watch.get("peak", 0) / GB
+    lines = [s for s in stdout.decode().splitlines() if s.startswith("{")]
+    if proc.returncode == 0 and lines:
+        row.update(json.loads(lines[-1]))
+        return row
+    text = log.read_text()
+    oom = re.search(r"(RESOURCE_EXHAUSTED: [^\n]*|Ran out of memory[^\n]*)", text)
+    if watch.get("killed"):
+        row["failed"] = f"the compile passed {max_gb:g} GB of resident memory on this host"
+    elif watch.get("timed_out"):
+        row["failed"] = f"the compile took over {timeout:.0f} s"
+    elif oom:
+        row["failed"] = "libtpu: " + oom.group(1)[:600]
+        row["fits_16gib"] = False
+        used = re.search(r"Used ([0-9.]+[GMK]) of ([0-9.]+[GMK]) hbm", text)
+        if used:
+            row["hbm_used_by_compiler"], row["hbm_usable"] = used.group(1), used.group(2)
+        # libtpu's report of the largest allocations follows its message
+        row["libtpu_report"] = text[oom.start() : oom.start() + 3000]
+    else:
+        tail = [s for s in text.splitlines() if s.strip()][-3:]
+        row["failed"] = f"exit {proc.returncode}: {' | '.join(tail)[-600:]}"
+    return row
+
+
+def _libtpu_version() -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version("libtpu")
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _git() -> dict[str, Any]:
+    def git(*a: str) -> str:
+        return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout
+
+    dirty = [s[3:] for s in git("status", "--porcelain").splitlines()]
+    return {"commit": git("rev-parse", "HEAD").strip(), "dirty_files": dirty}
+
+
+def compile_all(a: argparse.Namespace) -> None:
+    import jax
+
+    path = Path(a.out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lock = threading.Lock()
+
+    def one(topology: str, layout: str) -> None:
+        print(f"{a.model} {topology} {layout} ...", file=sys.stderr, flush=True)
+        row = run_one(a.bundle, a.model, topology, layout, a.max_gb, a.timeout)
+        row["jax"], row["libtpu"] = jax.__version__, _libtpu_version()
+        row["git"] = _git()
+        row["host"] = {"cpus": os.cpu_count(), "load_average": os.getloadavg(), "jobs": a.jobs}
+        key = (a.model, topology, layout)
+        # read, replace the row, write: under a file lock, as runs of other models may
+        # write the same file at the same time
+        with lock, open(Path(tempfile.gettempdir()) / f"{path.name}.lock", "w") as held:
+            fcntl.flock(held, fcntl.LOCK_EX)
+            report = json.loads(path.read_text()) if path.exists() else {"rows": []}
+            report["rows"] = [
+                r for r in report["rows"] if (r["model"], r["slice"], r["layout"]) != key
+            ] + [row]
+            report["target"] = "TPU v5e (16 GiB HBM per chip), compile-only: libtpu without a chip"
+            path.write_text(json.dumps(report, indent=1) + "\n")
+            print("  " + _line(row), file=sys.stderr, flush=True)
+
+    # --jobs children at once (each compile is one process; libtpu uses several threads)
+    with ThreadPoolExecutor(a.jobs) as pool:
+        for f in [pool.submit(one, t, lay) for t in a.slices for lay in a.layouts]:
+            f.result()
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:.2f}"
+
+
+def _line(r: dict[str, Any]) -> str:
+    if "memory" not in r:
+        return f"{r['slice']} {r['layout']}: {r.get('failed') or r.get('refused')}"
+    m = r["memory"]
+    return (
+        f"{r['slice']} {r['layout']}: total {_gib(m['total'])} GiB (args {_gib(m['arguments'])}, "
+        f"temp {_gib(m['temporaries'])}) compile {r['compile_s']:.0f} s"
+    )
+
+
+def table(report: dict[str, Any]) -> str:
+    names = {"v5e:2x4": "v5e-8", "v5e:4x4": "v5e-16", "v5e:8x8": "v5e-64", "v5e:16x16": "v5e-256"}
+    lines = [
+        "| model | slice | layout | arguments | temporaries | total per chip (GiB) | fits 16 GiB | "
+        "all-gather | reduce-scatter | all-reduce | all-to-all | collective-permute |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in report["rows"]:
+        head = f"| {r['model']} | {names.get(r['slice'], r['slice'])} | `{r['layout']}` |"
+        if "memory" not in r:
+            why = r.get("failed") or r.get("refused")
+            fits = "no" if r.get("fits_16gib") is False else "?"
+            lines.append(f"{head} | | | {fits} | not compiled: {why} | | | | |")
+            continue
+        m, c = r["memory"], r["collectives"]
+        counts = " | ".join(
+            f"{c[k]['count']} ({c[k]['bytes'] / GIB:.2f} GiB)" if c[k]["count"] else "0"
+            for k in COLLECTIVES
+        )
+        lines.append(
+            f"{head} {_gib(m['arguments'])} | {_gib(m['temporaries'])} | {_gib(m['total'])} | "
+            f"{'yes' if r['fits_16gib'] else 'no'} | {counts} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    e = sub.add_parser("export", help="export a Llama-style bundle (torch front-end)")
+    e.add_argument("model")
+    e.add_argument("out")
+    e.add_argument("--rows", type=int, nargs="+", default=[8, 16, 64, 256])
+    c = sub.add_parser("compile", help="compile for each slice and layout (libtpu)")
+    c.add_argument("bundle")
+    c.add_argument("--model", required=True)
+    c.add_argument("--slices", nargs="+", default=list(SLICES))
+    c.add_argument("--layouts", nargs="+", default=list(LAYOUTS))
+    c.add_argument("--max-gb", type=float, default=10.0, help="per child")
+    c.add_argument("--jobs", type=int, default=1, help="children at once")
+    c.add_argument("--timeout", type=float, default=1800.0)
+    c.add_argument("--out", default=str(RESULTS))
+    t = sub.add_parser("table", help="print the markdown table of a results file")
+    t.add_argument("--out", default=str(RESULTS))
+    k = sub.add_parser("child")
+    k.add_argument("bundle")
+    k.add_argument("topology")
+    k.add_argument("layout")
+    a = p.parse_args()
+    if a.command == "export":
+        export(a.model, a.out, a.rows)
+    elif a.command == "compile":
+        compile_all(a)
+    elif a.command == "table":
+        print(table(json.loads(Path(a.out).read_text())))
+    else:
+        print(json.dumps(child(a.bundle, a.topology, a.layout)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

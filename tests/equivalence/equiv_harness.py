@@ -83,6 +83,7 @@ class CaseRuns:
     f64: Run | None = None  # (d), the recipe of (c) in float64; None without case.float64
     seconds: float = 0.0
     stages: dict[str, float] = field(default_factory=dict)
+    bundle_path: Path | None = None  # the bundle (b) ran: tests that run it otherwise reuse it
 
 
 def with_numerics(recipe_fn: Callable[[], Recipe], numerics: str) -> Callable[[], Recipe]:
@@ -175,7 +176,9 @@ def train_three_ways(case: Case, lean_python: str, workdir: Path) -> CaseRuns:
         t = time.perf_counter()
         bundle, bundle_cpu = bundle_f.result(), bundle_cpu_f.result()
         stages["wait for the lean runs"] = time.perf_counter() - t
-    return CaseRuns(case, xla, bundle, cpu, bundle_cpu, f64, time.perf_counter() - t0, stages)
+    seconds = time.perf_counter() - t0
+    b_path = path2 if bundle_f is not bundle_cpu_f else path
+    return CaseRuns(case, xla, bundle, cpu, bundle_cpu, f64, seconds, stages, b_path)
 
 
 # ------------------------------------------------------------------- comparing

@@ -1,8 +1,9 @@
 """Data parallelism on real models: one export, run on 1 and on 2 or 4 virtual CPU devices.
 
-The bundles are the ones the single-device equivalence cases export; nothing is
-re-exported for the data-parallel runs. Bounds are those of the single-device
-comparisons in fp32: 1e-5 relative for every metric at every step, and 1e-5 normwise
+The GPT is the single-device equivalence case's: its bundle (b) and its torch_xla eager
+run (a), made once per session (``equiv_runs``), are not made again here; the CNN's
+bucket recipe is exported here (no equivalence case has a second bucket). Bounds are
+those of the single-device comparisons in fp32: 1e-5 relative for every metric at every step, and 1e-5 normwise
 relative for every state tensor at the end (Adam's second moment 2e-5). The only
 difference from one device is the order in which partial sums from different devices
 are added; measured on the GPT: metrics 1.2e-7, state 1.2e-6 normwise (1.6e-5 for the
@@ -13,13 +14,14 @@ the 4-device run to torch_xla eager directly.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
-from equiv_harness import normwise_rel
+from equiv_harness import CaseRuns, normwise_rel
 from equiv_models import (
     CNN_BATCH,
     GPT_SCHEDULE,
@@ -31,7 +33,6 @@ from support import (
     assert_runs_close,
     export_recipe,
     make_batches,
-    train_eager_xla,
 )
 
 from stepbundle.exporter import Recipe
@@ -63,18 +64,25 @@ def _run(path: Path, batches: list[dict[str, np.ndarray]], steps: int, **kw: Any
     return Run(metrics, trainer.state_dict())
 
 
-def test_gpt_on_four_devices_matches_one_device_and_torch_xla(tmp_path: Path) -> None:
-    path = tmp_path / "gpt.stepbundle"
-    export_recipe(gpt_dropout, path)
-    batches = make_batches(gpt_dropout(), 3)
+GPT_CASE = "GPT (tied emb., dropout, clip, warmup-cosine)"
+
+
+def test_gpt_on_four_devices_matches_one_device_and_torch_xla(
+    equiv_runs: Callable[[str], CaseRuns],
+) -> None:
+    runs = equiv_runs(GPT_CASE)
+    assert runs.case.recipe is gpt_dropout and runs.case.seed == 4321 and runs.case.steps == 5
+    assert (runs.case.schedule, runs.case.schedule_offset) == (GPT_SCHEDULE, 0)
+    assert runs.bundle_path is not None
+    path = runs.bundle_path  # gpt_dropout's bundle, as (b) ran it
+    batches = make_batches(gpt_dropout(), runs.case.n_batches)  # the batches (a) and (b) took
     kw = {"seed": 4321, "schedule": GPT_SCHEDULE}
     one = _run(path, batches, 5, **kw)
     four = _run(path, batches, 5, devices=4, **kw)
     _assert_close(four, one, "GPT, 4 devices vs 1")
     # Dropout masks, tied embeddings, clipping (a global norm over sharded gradients)
     # and the schedule all carry over: the 4-device run replays torch_xla eager.
-    sched = parse_schedule(GPT_SCHEDULE)
-    xla = train_eager_xla(gpt_dropout, batches, 5, seed=4321, schedule=sched)
+    xla = runs.xla  # train_eager_xla(gpt_dropout, batches, 5, seed=4321, the schedule)
     _assert_close(four, xla, "GPT, 4 devices vs torch_xla eager")
     assert four.metrics[0]["loss"] != four.metrics[-1]["loss"]
 

@@ -36,6 +36,7 @@ def test_fsdp_compiles_the_program_load_compiles(four: list[object]) -> None:
     out = compile_offline(GPT, four, LoadOptions(parallel=ParallelOptions(layout="fsdp")))
     assert out.placement.layout == "fsdp" and out.placement.mesh_axes == [("data", 4)]
     assert set(out.executables) == {"train[0]"} and out.refused == {}
+    assert out.fused_attention == {"train[0]": 0}  # the fusion is a TPU rewrite
     exe = out.executables["train[0]"]
     trainer = load(GPT, options=options)
     batch = {"idx": np.zeros((8, 8), np.int64), "y": np.zeros((8, 8), np.int64)}

@@ -22,7 +22,6 @@ __all__ = [
     "devices",
     "hyperparameter",
     "positive_seconds",
-    "resume_path",
 ]
 
 _HEX64 = re.compile(r"[0-9a-f]{64}")
@@ -111,21 +110,6 @@ def checkpoint_path(text: str) -> str:
         raise argparse.ArgumentTypeError(
             f"{text!r} does not exist; give a .safetensors file, a "
             "model.safetensors.index.json or the folder save_pretrained wrote"
-        )
-    return text
-
-
-def resume_path(text: str) -> str:
-    """``--resume``: a URL or ``sha256:`` digest (read at load), or a local checkpoint
-    file or checkpoint folder that exists (what it holds is checked before the load)."""
-    if text.startswith("sha256:") or ("://" in text and not text.startswith("file://")):
-        return text
-    local = text.removeprefix("file://")
-    if not os.path.exists(local):
-        raise argparse.ArgumentTypeError(
-            f"{text!r} does not exist; give a checkpoint file (step-N.safetensors, or what "
-            "--save-state wrote) or the --checkpoint-dir folder of an earlier run (its "
-            "latest checkpoint is taken)"
         )
     return text
 

@@ -32,15 +32,19 @@ def _cmd_eval(args: RunConfig) -> int:
 
     from .data import DATA_ERRORS, eval_batches, is_dataset, read_npz
     from .init_from import state_options
-    from .paths import check_path_kinds, resume_from_folder
+    from .paths import check_path_kinds, refuse_missing_resume, resume_from_folder
     from .run import refuse_too_many_cpu_devices
 
     try:
         refuse_too_many_cpu_devices(args)
     except StepbundleError as e:  # before jax makes any device: a usage error, as in run
         return _die(str(e), 2)
+    try:  # --resume DIR: its latest checkpoint; a path with nothing there is refused
+        args = resume_from_folder(args)
+        refuse_missing_resume(args)
+    except UsageError as e:  # about --resume, not --data
+        return _die(str(e), 2)
     try:
-        args = resume_from_folder(args)  # --resume DIR: its latest checkpoint
         check_path_kinds(args)  # a FIFO or device would block the first open for ever
         if is_dataset(args.data):
             from stepbundle.runtime.data.dataset import open_dataset

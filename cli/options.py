@@ -19,7 +19,6 @@ __all__ = ["SHARED", "add", "add_device_options", "add_init_options"]
 
 SHARED: dict[str, dict[str, Any]] = {
     "--resume": {
-        "type": types.resume_path,
         "metavar": "CKPT",
         "help": "restore a checkpoint (a file or URL; a local --checkpoint-dir folder: its "
         "latest step-N checkpoint) before the first step",

@@ -30,7 +30,7 @@ from stepbundle.schema.errors import UsageError
 if TYPE_CHECKING:
     from .config import RunConfig
 
-__all__ = ["check_path_kinds", "resume_from_folder", "sink_path"]
+__all__ = ["check_path_kinds", "refuse_missing_resume", "resume_from_folder", "sink_path"]
 
 # argument -> (its flag, a regular file taken, a folder taken)
 _PATHS = {
@@ -70,6 +70,32 @@ def sink_path(flag: str, given: str) -> str:
             "is). Give a local path, and copy the output where it should go after the run."
         )
     return str(local)
+
+
+def refuse_missing_resume(config: RunConfig) -> None:
+    """Refuse a local ``--resume`` (a path, or a ``file://`` URL) that does not exist.
+
+    Not an argparse type: in a multi-process job the command checks it after joining,
+    so that the other processes hear of it (``stepbundle run``'s ``fail``) rather than
+    wait for this one until the coordinator gives up.
+
+    Raises:
+      UsageError: nothing is there.
+    """
+    given = config.resume
+    if not given or given.startswith("sha256:"):
+        return
+    local: str | Path | None = given
+    if "://" in given:
+        from stepbundle.runtime.io.remote import local_path
+
+        local = local_path(given)  # file:// URLs only; others are read at load
+    if local is not None and not Path(local).exists():
+        raise UsageError(
+            f"--resume {given!r} does not exist; give a checkpoint file (step-N.safetensors, "
+            "or what --save-state wrote) or the --checkpoint-dir folder of an earlier run "
+            "(its latest checkpoint is taken)."
+        )
 
 
 _CHECKPOINT_NAME = re.compile(r"step-\d{8,}\.safetensors")

@@ -110,14 +110,17 @@ def _cmd_run(args: RunConfig, signals: Signals) -> int:
 
     from .data import NOT_READ, check_steps_per_call, open_data
     from .outputs import check_outputs
-    from .paths import check_path_kinds, resume_from_folder
+    from .paths import check_path_kinds, refuse_missing_resume, resume_from_folder
 
     try:
         args = resume_from_folder(args)  # --resume DIR: its latest checkpoint
         check_path_kinds(args)  # a FIFO or device would block the first open for ever
         # A refused run creates no output folder or file: the data are read first. In a
-        # multi-process job they are read after joining, so that the others hear of it.
+        # multi-process job they (and --resume, in _open_trainer) are checked after
+        # joining, so that the others hear of it rather than wait for this process.
         alone = not (args.distributed or args.coordinator is not None)
+        if alone:
+            refuse_missing_resume(args)
         npz = open_data(args) if alone else NOT_READ
         args = check_outputs(args)  # a sha256: bundle's file, the sinks' local paths
         check_steps_per_call(args, npz)  # K batches that cannot fit in memory
@@ -235,6 +238,7 @@ def _open_trainer(args: RunConfig) -> Trainer:
     from stepbundle.runtime.train.schedule import named_schedule
 
     from .init_from import state_options
+    from .paths import refuse_missing_resume
 
     train = args.entry == "train"
     options = LoadOptions(
@@ -264,6 +268,10 @@ def _open_trainer(args: RunConfig) -> Trainer:
     # the load reads that file, held to the digest, rather than verify it again.
     trainer = load(args.bundle_file or args.bundle, args.device, options=options)
     if args.resume:
+        # Alone, checked before anything loads; in a job, here, where every process has
+        # loaded (the load's collectives need them all), so that a refusal reaches the
+        # others through fail() instead of leaving them waiting in the load.
+        refuse_missing_resume(args)
         trainer.load_checkpoint(args.resume, allow_other_bundle=args.allow_other_bundle)
         print(f"[run] resumed from {args.resume} (step {trainer.step_count})", file=sys.stderr)
     if args.seed is not None:

@@ -473,12 +473,17 @@ def test_a_checkpoint_process_0_cannot_write_fails_on_every_process(tmp_path: Pa
     assert "RAISED CheckpointError: Process 0 could not write" in logs[1], logs[1][-2000:]
 
 
-def test_cli_process_that_fails_to_start_stops_the_whole_job(tmp_path: Path) -> None:
-    """Process 1 is given a checkpoint it cannot restore: both processes exit with a
-    clear error instead of process 0 waiting for it in the first step's collective. (A
-    checkpoint that does not exist is refused while parsing, before the job is joined.)"""
-    damaged = tmp_path / "damaged.safetensors"
-    damaged.write_bytes(b"not a checkpoint")
+@pytest.mark.parametrize("given, code", [("damaged", 1), ("missing", 2)])
+def test_cli_process_that_fails_to_start_stops_the_whole_job(
+    tmp_path: Path, given: str, code: int
+) -> None:
+    """Process 1 is given a checkpoint it cannot restore, or one that is not there: both
+    processes exit with a clear error instead of process 0 waiting for it in the first
+    step's collective (or, for a missing one refused before joining, in the coordinator
+    until it gives up: what an argparse check did)."""
+    damaged = tmp_path / f"{given}.safetensors"
+    if given == "damaged":
+        damaged.write_bytes(b"not a checkpoint")
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     name = "dropout_sgd"
@@ -506,7 +511,7 @@ def test_cli_process_that_fails_to_start_stops_the_whole_job(tmp_path: Path) -> 
         for p in procs:
             if p.poll() is None:
                 p.kill()
-    assert procs[1].returncode == 1 and "damaged.safetensors" in errs[1], errs[1][-2000:]
+    assert procs[1].returncode == code and str(damaged) in errs[1], errs[1][-2000:]
     assert procs[0].returncode == 1, errs[0][-2000:]
     assert "another process of the job failed to start" in errs[0], errs[0][-2000:]
 

@@ -85,8 +85,19 @@ def test_the_command_exits_2_for_a_usage_error(
     for resume in (str(tmp_path / "missing") + "/", str(tmp_path / "missing.safetensors")):
         code, line = _command(capsys, *run, "--resume", resume)
         assert code == 2, line
-        assert f"argument --resume: {resume!r} does not exist" in line, line
+        assert f"--resume {resume!r} does not exist" in line, line
         assert "--checkpoint-dir folder of an earlier run" in line
+    # eval names --resume itself, not "cannot read --data" (as it did for an empty folder).
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    evaluate = ["eval", bundle, "--data", data, "--no-cache"]
+    for resume, said in (
+        (str(tmp_path / "missing.safetensors"), "does not exist"),
+        (str(empty), "holding no checkpoint"),
+    ):
+        code, line = _command(capsys, *evaluate, "--resume", resume)
+        assert code == 2 and line.startswith(f"stepbundle: error: --resume {resume!r}"), line
+        assert said in line, line
     # A bundle with no file: refused before the load by run, by the library for compile.
     missing = str(tmp_path / "missing.stepbundle")
     code, line = _command(capsys, "compile", missing)

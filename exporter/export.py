@@ -272,14 +272,19 @@ def export(
 def _refuse_meta(recipe: Recipe) -> None:
     """A model on the ``meta`` device (built for a weights-free export) cannot be traced
     by torch_xla, which copies every state tensor to its device first."""
-    meta = [
-        name
-        for name, t in [*recipe.model.named_parameters(), *recipe.model.named_buffers()]
-        if t.is_meta
-    ]
+    model, opt = recipe.model, recipe.optimizer
+    named = [*model.named_parameters(), *model.named_buffers()]
+    # optimizer state the user left on meta is copied to the device too
+    param_name = {id(p): n for n, p in model.named_parameters()}
+    for p, st in getattr(opt, "state", {}).items():
+        for key, v in st.items():
+            if isinstance(v, torch.Tensor):
+                named.append((f"optimizer.state.{param_name.get(id(p), '?')}.{key}", v))
+    meta = [name for name, t in named if t.is_meta]
     if meta:
         raise MetaTensorError(
-            f"{len(meta)} tensor(s) of the model are on the meta device (first: {meta[0]!r}); "
+            f"{len(meta)} tensor(s) of the model or its optimizer state are on the meta device "
+            f"(first: {meta[0]!r}); "
             "the torch_xla front-end copies the state to its device to trace, so it needs real "
             "tensors. Export a meta-device model with the torch front-end (`stepbundle export "
             "--frontend torch --no-state`, or stepbundle.export_torch.export with "

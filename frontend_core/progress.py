@@ -21,6 +21,7 @@ Imports: the standard library; tqdm when drawing on a terminal.
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import threading
 import time
@@ -38,19 +39,29 @@ UNKNOWN_LENGTH_EVERY_S = 30.0
 """Seconds between two log lines of a stage whose length is unknown (not on a terminal)."""
 
 
+def _has_width(file: TextIO) -> bool:
+    """Whether ``file`` is a terminal of a known width: tqdm draws nothing on one of 0
+    columns (a pseudo-terminal nobody sized: ``script`` run without a terminal, some CI
+    runners), where plain lines are what shows."""
+    try:
+        return os.get_terminal_size(file.fileno()).columns > 0
+    except (AttributeError, OSError, ValueError):
+        return False
+
+
 def no_ticks(stage: str, done: int, total: int | None) -> None:
     """The ticker of an export nobody watches."""
 
 
 class StageLine:
-    """A ``Ticker`` that shows the current stage on ``file``: a tqdm bar on a terminal,
-    else a line per stage, per quarter of it, and per half minute of a stage of unknown
+    """A ``Ticker`` that shows the current stage on ``file``: a tqdm bar on a terminal
+    (of a known width), else a line per stage, per quarter of it, and per half minute of a stage of unknown
     length. ``prefix`` starts every plain line. Safe to call from two threads."""
 
     def __init__(self, file: TextIO | None = None, *, prefix: str = "[export] ") -> None:
         self._file = file if file is not None else sys.stderr
         self._prefix = prefix
-        self._tty = bool(getattr(self._file, "isatty", lambda: False)())
+        self._tty = bool(getattr(self._file, "isatty", lambda: False)()) and _has_width(self._file)
         self._stage: str | None = None
         self._bar: Any = None
         self._quarter = -1

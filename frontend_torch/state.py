@@ -135,7 +135,8 @@ def state_slots(recipe: Recipe, *, zero_grads: bool) -> list[Slot]:
     step; a step that drops its gradients is traced again without.
 
     Raises:
-      MetaTensorError: a weights-holding export of a model on the meta device.
+      MetaTensorError: a weights-holding export of a model, optimizer state or gradient
+        on the meta device, or a non-persistent buffer on meta in any export.
     """
     model, opt = recipe.model, recipe.optimizer
     light = not recipe.include_state
@@ -193,6 +194,16 @@ def state_slots(recipe: Recipe, *, zero_grads: bool) -> list[Slot]:
             g = _zero(p) if light else torch.zeros_like(p)
         if g is not None:
             out.append(Slot(f"{names[0]}.grad", StateKind.GRADIENT, keep(g), param=pid))
+    if not light:  # optimizer state or gradients left on meta: refused before any tracing
+        on_meta = [s.name for s in out if s.value.is_meta]
+        if on_meta:
+            shown = ", ".join(repr(n) for n in on_meta[:3]) + (", ..." if len(on_meta) > 3 else "")
+            raise MetaTensorError(
+                f"{len(on_meta)} state tensor(s) are on the meta device ({shown}): they have "
+                "shapes but no values, and a bundle with its weights stores values. Export "
+                "without weights (Recipe(include_state=False), stepbundle export --no-state), "
+                "or give them values on the CPU first."
+            )
     return out
 
 

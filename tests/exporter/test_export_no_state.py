@@ -363,3 +363,30 @@ def test_a_meta_device_model_is_refused_with_the_way_out() -> None:
     with pytest.raises(MetaTensorError, match="--frontend torch") as e:
         export(recipe, "/nonexistent/never-written.stepbundle")
     assert "'weight'" in str(e.value)
+
+
+def test_meta_optimizer_state_of_a_real_model_is_refused_with_the_way_out() -> None:
+    # a real model whose optimizer state was left on meta: the workspace would copy it to
+    # the device ("Cannot copy out of meta tensor"); refused by name first
+    from stepbundle.frontend.errors import MetaTensorError
+
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1, capturable=True, foreach=False)
+    for p in model.parameters():
+        opt.state[p] = {
+            "step": torch.zeros((), device="meta"),
+            "exp_avg": torch.empty_like(p, device="meta"),
+            "exp_avg_sq": torch.empty_like(p, device="meta"),
+        }
+
+    def step(model: Any, optimizer: Any, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
+        optimizer.zero_grad()
+        loss = model(batch["x"]).square().mean()
+        loss.backward()
+        optimizer.step()
+        return {"loss": loss}
+
+    recipe = Recipe(model=model, optimizer=opt, step=step, example_batch={"x": torch.ones(3, 4)})
+    with pytest.raises(MetaTensorError, match="--frontend torch") as e:
+        export(recipe, "/nonexistent/never-written.stepbundle")
+    assert "'optimizer.state.weight.step'" in str(e.value)

@@ -179,3 +179,24 @@ def test_the_writer_refuses_any_meta_value_in_a_weights_holding_bundle() -> None
     s = Slot("optimizer.state.w.exp_avg", StateKind.OPTIMIZER_STATE, torch.empty(3, device="meta"))
     with pytest.raises(MetaTensorError, match="'optimizer.state.w.exp_avg' is on the meta"):
         initial_section(s, s.value, include_state=True, non_persistent=set())
+
+
+def test_meta_optimizer_state_of_a_real_model_is_refused_before_tracing(tmp_path: Path) -> None:
+    # a weights-holding export whose optimizer state was left on meta: refused by name
+    # when the state is collected, before the step is captured (it reached the writer,
+    # after both captures, before)
+    r = llama.recipe("tiny", device="cpu")
+    r.include_state = True
+    for p in r.model.parameters():
+        r.optimizer.state[p] = {
+            "step": torch.zeros((), device="meta"),
+            "exp_avg": torch.empty_like(p, device="meta"),
+            "exp_avg_sq": torch.empty_like(p, device="meta"),
+        }
+    with pytest.raises(MetaTensorError, match=r"'optimizer\.state\.embed\.weight\.step'"):
+        state_slots(r, zero_grads=True)
+    ticks: list[tuple[str, int, int | None]] = []
+    with pytest.raises(MetaTensorError, match="include_state=False"):
+        export(r, tmp_path / "x.stepbundle", check=False, ticker=lambda *a: ticks.append(a))
+    assert not any(stage.startswith("capturing") for stage, _, _ in ticks), ticks
+    assert not (tmp_path / "x.stepbundle").exists()

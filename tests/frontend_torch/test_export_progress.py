@@ -91,6 +91,23 @@ def test_whole_lines_stand_on_their_own_above_the_bar() -> None:
     assert screen[-1] == "stepbundle: error: the last line", screen  # the bar is gone
 
 
+def test_a_terminal_of_no_width_gets_plain_lines() -> None:
+    # a new pty has 0 columns (script run without a terminal, some CI runners): tqdm
+    # would draw nothing there, so the stage lines are printed as in a log
+    master, slave = pty.openpty()
+    with os.fdopen(slave, "w") as term:
+        line = StageLine(term)
+        assert not line._tty
+        line("lowering the train program 0", 0, 100)
+        line("lowering the train program 0", 50, 100)
+        line.write("[export] wrote x.stepbundle")
+        line.close()
+    screen = [s for s in _screen(_read_all(master)) if s]
+    assert screen[0] == "[export] lowering the train program 0 (100 operators) ...", screen
+    assert screen[1].startswith("[export] lowering the train program 0: 50% (50/100"), screen
+    assert screen[2] == "[export] wrote x.stepbundle", screen
+
+
 def test_a_log_hears_of_a_stage_of_unknown_length_while_it_runs(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

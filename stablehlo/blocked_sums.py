@@ -23,13 +23,10 @@ padded with +0.0 gives +0.0.) Sums that are not plain adds (max, variadic reduct
 integer and float64 sums, and short sums are left alone. A blocked sum's levels add at
 most ``BLOCK`` values each, so a second pass finds nothing long and changes nothing.
 
-Measured on an AVX2 EPYC (jax 0.10.2, YNNPACK off), a float32 sum over (N, H, W) of
-f32[32, 64, 64, 64] against float64, normwise over the 64 channels: 2.9e-7 (ReLU'd
-normals) to 1.5e-6 (normals) as written; with levels of 256 values 1.1e-7 to 2.1e-7; of
-64 values 3.9e-8 to 2.0e-7, as near as YNNPACK's own reduction (4.0e-8 to 1.2e-7) and
-numpy's pairwise sum (8.7e-8 to 1.4e-7). Sums over a row's contiguous values (f32[256, M])
-were within 9e-8 as written for every M up to 65,536: the loss is in sums over several
-non-contiguous dimensions, BatchNorm's.
+Sums over one row's contiguous values are accurate as written; the loss is in sums over
+several non-contiguous dimensions (BatchNorm's), and blocks of 64 bring those as near to
+float64 as YNNPACK's reduction and numpy's pairwise sum (docs/numerics.md, "Long sums in
+blocks", has what they change in training).
 
 The runtime applies it on the CPU only (``runtime/compile/rewrites.py``): a TPU's and a
 GPU's XLA already sum in trees (tiles and per-thread partial sums reduced pairwise).

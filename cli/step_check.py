@@ -78,8 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     t2 = time.perf_counter()
     # The state alone, as a plain safetensors file: the parent reads it once, from this
     # machine, right away. A checkpoint (save_checkpoint) would also copy every tensor
-    # from the device a second time for its SHA-256 digest, which on GPT-2 small's 1.5 GB
-    # of state took 4.1 s of processor time against 2.8 s for this.
+    # from the device a second time for its SHA-256 digest (what that costs:
+    # benchmarks/results/export_check_choices.md).
     write_safetensors(out / "after.safetensors", trainer.state_dict())
     t3 = time.perf_counter()
     values = {}

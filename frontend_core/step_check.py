@@ -15,8 +15,8 @@ Where it runs:
   front-ends may not import the runtime (``tests/test_layering.py``), and the child sets
   XLA's compile effort for its one program through ``XLA_FLAGS``, which XLA reads once per
   process (the torch front-end's own jax has started by then). In the child, the program's
-  CPU compile and its one step are most of the check's cost (its start and imports about
-  2 s of processor time); the eager step runs meanwhile, on half the cores.
+  CPU compile and its one step are most of the check's cost (its start is mostly jax's
+  import); the eager step runs meanwhile, on half the cores.
 - The eager reference is ``CPU_EAGER`` (PyTorch on the CPU), unless the front-end passes
   another: the torch_xla front-end steps torch_xla eagerly where only it computes what
   the bundle computes (random numbers drawn by XLA's generator; ``numerics="torch_xla"``).
@@ -354,9 +354,8 @@ def _threads_beside_the_runtime() -> Iterator[None]:
     an eager step: the float32 one runs beside the runtime's process, which takes the
     other half; the float64 one, after it, keeps the count.
 
-    With more threads than free cores, torch's workers spin for cores they do not get:
-    GPT-2 small's eager float32 step took 16.0 s of processor time with two threads on a
-    2-core machine under load and 5.9 s with one (its float64 step 20.8 s and 14.5 s). A
+    With more threads than free cores, torch's workers spin for cores they do not get
+    (benchmarks/results/export_check_choices.md measures it on GPT-2 small). A
     check runs beside other work (an export, a test suite's other lane), so the cheaper
     count is the default. The count moves the eager values by rounding at most (the order
     in which a reduction adds its partial sums), which the bounds are made for."""
@@ -498,7 +497,7 @@ def check_bundle(
         arbitrated = 0
         if failing and ref.float64 and bounds is FLOAT32:
             # Only the failing tensors of the float32 step are needed from here on: the
-            # rest is let go before the float64 copy is made (GPT-2 small: 2 GB).
+            # rest is let go before the float64 copy is made (GPT-2 small's float32 state is gigabytes).
             eager_state = {k: v for k, v in eager_state.items() if k in failing}
             t64, cpu64 = time.perf_counter(), time.process_time()
             model, opt = _copies(recipe)

@@ -221,7 +221,14 @@ def run_one(
             [sys.executable, __file__, "child", bundle, topology, layout],
             stdout=subprocess.PIPE,
             stderr=err,
-            env={**os.environ, "TPU_STDERR_LOG_LEVEL": "2", "TPU_MIN_LOG_LEVEL": "2"},
+            env={
+                **os.environ,
+                "TPU_STDERR_LOG_LEVEL": "2",
+                "TPU_MIN_LOG_LEVEL": "2",
+                # libtpu takes a lockfile per host unless told that several processes may
+                # load it (--jobs > 1, or another run beside this one): nothing runs here
+                "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",
+            },
         )
         watch: dict[str, Any] = {}
         watcher = threading.Thread(target=_rss_watch, args=(proc, max_gb * GB, watch))
@@ -329,12 +336,27 @@ def table(report: dict[str, Any]) -> str:
         "all-gather | reduce-scatter | all-reduce | all-to-all | collective-permute |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for r in report["rows"]:
+
+    def order(r: dict[str, Any]) -> tuple[Any, ...]:
+        slices, layouts = list(names), list(LAYOUTS) + ["dp+tp:4", "zero1+tp:4"]
+        return (
+            r["model"],
+            slices.index(r["slice"]) if r["slice"] in slices else len(slices),
+            layouts.index(r["layout"]) if r["layout"] in layouts else len(layouts),
+        )
+
+    for r in sorted(report["rows"], key=order):
         head = f"| {r['model']} | {names.get(r['slice'], r['slice'])} | `{r['layout']}` |"
         if "memory" not in r:
+            if "hbm_used_by_compiler" in r:  # libtpu's refusal: what it would need
+                usable = re.search(r"of ([0-9.]+[GMK]) hbm", r["failed"])
+                lines.append(
+                    f"{head} | | {r['hbm_used_by_compiler']} (libtpu) | no | refused by libtpu: "
+                    f"over the {usable.group(1) if usable else '?'} usable | | | | |"
+                )
+                continue
             why = r.get("failed") or r.get("refused")
-            fits = "no" if r.get("fits_16gib") is False else "?"
-            lines.append(f"{head} | | | {fits} | not compiled: {why} | | | | |")
+            lines.append(f"{head} | | | ? | not compiled: {why} | | | | |")
             continue
         m, c = r["memory"], r["collectives"]
         counts = " | ".join(

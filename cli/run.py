@@ -116,8 +116,9 @@ def _cmd_run(args: RunConfig, signals: Signals) -> int:
         args = resume_from_folder(args)  # --resume DIR: its latest checkpoint
         check_path_kinds(args)  # a FIFO or device would block the first open for ever
         # A refused run creates no output folder or file: the data are read first. In a
-        # multi-process job they (and --resume, in _open_trainer) are checked after
-        # joining, so that the others hear of it rather than wait for this process.
+        # multi-process job they (and --resume) are checked after the load, which needs
+        # every process, so that the others hear of a refusal through fail() rather than
+        # wait for this process inside the load.
         alone = not (args.distributed or args.coordinator is not None)
         if alone:
             refuse_missing_resume(args)
@@ -174,15 +175,12 @@ def _load_and_run(
 
     from .data import NOT_READ, open_data, training_batches
 
-    if npz is NOT_READ:
-        try:
-            npz = open_data(args)
-        except ValueError as e:
-            return fail(str(e), 2)
     try:
         t0 = time.perf_counter()
         trainer = _open_trainer(args)
         load_s = time.perf_counter() - t0
+        if npz is NOT_READ:  # a job's: read where every process has loaded (see fail)
+            npz = open_data(args)  # a UsageError: exit 2
         if args.eval_data and "eval" not in trainer.entries:
             return fail(
                 f"--eval-data evaluates the bundle's 'eval' entry, and {args.bundle} has "

@@ -473,27 +473,31 @@ def test_a_checkpoint_process_0_cannot_write_fails_on_every_process(tmp_path: Pa
     assert "RAISED CheckpointError: Process 0 could not write" in logs[1], logs[1][-2000:]
 
 
-@pytest.mark.parametrize("given, code", [("damaged", 1), ("missing", 2)])
+@pytest.mark.parametrize("given, code", [("damaged", 1), ("missing", 2), ("no-data", 2)])
 def test_cli_process_that_fails_to_start_stops_the_whole_job(
     tmp_path: Path, given: str, code: int
 ) -> None:
-    """Process 1 is given a checkpoint it cannot restore, or one that is not there: both
-    processes exit with a clear error instead of process 0 waiting for it in the first
-    step's collective (or, for a missing one refused before joining, in the coordinator
-    until it gives up: what an argparse check did)."""
+    """Process 1 is given a checkpoint it cannot restore, one that is not there, or --data
+    that is not there: both processes exit with a clear error instead of process 0 waiting
+    for it in the first step's collective, or in the load's (a refusal made before the
+    load, as an argparse check of --resume and the job's --data read were, left process 0
+    waiting there: measured, still waiting 90 s and 240 s on)."""
     damaged = tmp_path / f"{given}.safetensors"
     if given == "damaged":
         damaged.write_bytes(b"not a checkpoint")
+    data = str(GOLDEN_DIR / "dropout_sgd.inputs.npz")
+    bad = {"--data": str(damaged)} if given == "no-data" else {"--resume": str(damaged)}
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     name = "dropout_sgd"
     procs = []
     for i in range(2):
-        extra = ["--resume", str(damaged)] if i == 1 else []
+        given_here = {"--data": data, **(bad if i == 1 else {})}
+        extra = [part for flag, value in given_here.items() for part in (flag, value)]
         procs.append(
             subprocess.Popen(
                 [sys.executable, "-m", "stepbundle", "run", str(golden_bundle(name))]
-                + ["--steps", "2", "--data", str(GOLDEN_DIR / f"{name}.inputs.npz")]
+                + ["--steps", "2"]
                 + ["--no-cache", "--devices", "4", "--coordinator", f"localhost:{port}"]
                 + ["--num-processes", "2", "--process-id", str(i), *extra],
                 stdout=subprocess.PIPE,

@@ -23,7 +23,7 @@ import torch
 
 from stepbundle.frontend.errors import ExportError, MetaTensorError
 from stepbundle.frontend.initial_state import non_persistent_buffers
-from stepbundle.frontend.progress import Ticker, no_ticks, ticking
+from stepbundle.frontend.progress import CHECK_STAGE, Ticker, no_ticks, ticking
 from stepbundle.frontend.recipe import Recipe, checked_metadata, read_only_entries, step_label
 from stepbundle.frontend.schedulers import scheduler_notes
 from stepbundle.frontend.step_check import check_bundle, check_wanted
@@ -416,10 +416,14 @@ def export_running_traced_steps(
         close()
     if check_wanted(check):
         t1 = time.perf_counter()
+        # a stage of its own: it starts the runtime in a child and steps the model
+        tick(CHECK_STAGE, 0, None)
         plain, random = references(numerics, report.numerics_rewrites)
         report.check = check_bundle(
             recipe, report.path, report.manifest, reference=plain, random_reference=random, say=say
         )
+        if callable(close):
+            close()
         if not report.check.ran:
             say(report.check.line())
         times["check"] = time.perf_counter() - t1

@@ -29,11 +29,14 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TextIO
 
-__all__ = ["StageLine", "Ticked", "Ticker", "no_ticks", "ticking"]
+__all__ = ["CHECK_STAGE", "StageLine", "Ticked", "Ticker", "no_ticks", "ticking"]
 
 Ticker = Callable[[str, int, "int | None"], None]
 """``tick(stage, done, total)``: the export is in ``stage``, ``done`` of ``total`` (None:
 unknown) units through it."""
+
+CHECK_STAGE = "checking one step of the bundle against PyTorch eager"
+"""The export check's stage (both front-ends): it has no count, only its name."""
 
 UNKNOWN_LENGTH_EVERY_S = 30.0
 """Seconds between two log lines of a stage whose length is unknown (not on a terminal)."""

@@ -24,7 +24,7 @@ from stepbundle.frontend.dtypes import HYPERPARAMETER_DTYPE
 from stepbundle.frontend.errors import ExportError, MetaTensorError
 from stepbundle.frontend.fresh_state import take_capturable
 from stepbundle.frontend.hyperparameters import declared_values
-from stepbundle.frontend.progress import Ticker, no_ticks, ticking
+from stepbundle.frontend.progress import CHECK_STAGE, Ticker, no_ticks, ticking
 from stepbundle.frontend.recipe import Recipe, checked_metadata, read_only_entries, step_label
 from stepbundle.frontend.schedulers import scheduler_notes
 from stepbundle.frontend.step_check import check_bundle, check_wanted
@@ -421,9 +421,13 @@ def export(
         )
     elif not on_meta and check_wanted(check):
         t1 = time.perf_counter()
+        # a stage of its own: it starts the runtime in a child and steps the model
+        tick(CHECK_STAGE, 0, None)
         report.check = check_bundle(
             recipe, report.path, report.manifest, random_reference=_NO_RANDOM_REFERENCE, say=say
         )
+        if callable(close):
+            close()
         if not report.check.ran:
             say(report.check.line())
         times["check"] = time.perf_counter() - t1

@@ -11,21 +11,35 @@ from pathlib import Path
 from export_helpers import linear_sgd_recipe, mse_step
 
 from stepbundle.exporter import export
+from stepbundle.frontend.progress import CHECK_STAGE
 
 
 def test_the_export_says_which_stage_it_is_in_and_how_far(tmp_path: Path) -> None:
     ticks: list[tuple[str, int, int | None]] = []
-    export(
-        linear_sgd_recipe(mse_step), tmp_path / "x.stepbundle", check=False,
-        ticker=lambda *a: ticks.append(a),
-    )  # fmt: skip
+    closed: list[int] = []
+
+    class Line:  # a ticker the export closes when a stage's line ends, as the CLI's
+        def __call__(self, stage: str, done: int, total: int | None) -> None:
+            ticks.append((stage, done, total))
+
+        def close(self) -> None:
+            closed.append(len(ticks))
+
+    # the export check is a stage too (it starts the runtime in a child: seconds with
+    # nothing else on the line before)
+    report = export(
+        linear_sgd_recipe(mse_step), tmp_path / "x.stepbundle", check=True, ticker=Line()
+    )
+    assert report.check is not None and report.check.ran
     assert list(dict.fromkeys(stage for stage, _, _ in ticks)) == [
         "copying the model and optimizer to the XLA device",
         "tracing the training step (1 of 2)",
         "tracing the training step (2 of 2)",
         "comparing the traces of the training step",
         "lowering the train program 0",
+        CHECK_STAGE,
     ]
+    assert closed[-1] == len(ticks)  # the check's line is ended after it
     first = [(d, t) for s, d, t in ticks if s == "tracing the training step (1 of 2)"]
     second = [(d, t) for s, d, t in ticks if s == "tracing the training step (2 of 2)"]
     traced = first[-1][0]

@@ -344,9 +344,8 @@ def trace_train(
         # rebuilt by the step (transient) too, and gradients the step set to None
         # (zero_grad(set_to_none=True) at its end): backward had accumulated into them
         # in place before, and the records of the state before the step still hold them,
-        # so skip_step would find them pending and run the whole step (compiling it: 5x
-        # the export time and 3.5x the memory of the same step with zero_grad() first,
-        # issue #40). A step that also writes the user's own device tensors is run
+        # so skip_step would find them pending and run the whole step (compiling it: far
+        # more time and memory than the same step with zero_grad() first, issue #40). A step that also writes the user's own device tensors is run
         # instead, as torch_xla eager would (see skip_step).
         dropped = [
             t for n in vanished if n.endswith(".grad") and (t := obj_before[n]).device.type == "xla"

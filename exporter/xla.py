@@ -471,8 +471,8 @@ def ir_debug() -> Iterator[None]:
     """Within it, torch_xla records each IR node's Python source location (its
     ``XLA_IR_DEBUG`` metadata, ``_XLAC._set_ir_debug``), which ``ir_text`` shows.
 
-    Only for explaining a refusal: recording frames slows tracing (resnet18's two traced
-    steps: 10.5 s -> 17.8 s, measured) and the metadata reaches the lowered program.
+    Only for explaining a refusal: recording frames slows tracing markedly and the
+    metadata reaches the lowered program.
     """
     xlac = _xlac()
     before = bool(xlac._get_ir_debug())

@@ -3,11 +3,9 @@
 Written in PyTorch as ``softmax(q @ k.T * scale, masked) @ v``, attention reaches a
 bundle as two batched matrix products around a softmax over a (T, T) matrix per head,
 and its backward as four more products and the softmax's gradient over matrices of that
-size. On a TPU v5e the 55M GPT of ``benchmarks/device/gpt.py`` (context 512) spent about
-12 of its 37.5 ms per step in operations on those matrices (device profile,
-benchmarks/results/device/tpu-v5e/gpt-profile-bundle-ops.json), where a fused kernel
-reads only q, k and v: the same model written in JAX with jax's splash-attention kernel
-took 33.5 ms against 38.8 ms without (gpt-splash.json).
+size. On a TPU those operations are a large part of a small transformer's step, where a
+fused kernel reads only q, k and v (docs/tpu.md, "Fused attention", has the profile and
+the figures).
 
 ``find_attention`` matches the pattern torch_xla writes (matched op by op, with every
 intermediate's uses accounted for, so nothing else reads a value that would disappear):

@@ -4,10 +4,9 @@ torch_xla writes ``cross_entropy``'s negative log-likelihood with a one-hot of t
 targets, not a gather: ``onehot = select(target == iota, 1, 0)`` over (tokens, vocab),
 multiplied into the log-probabilities, with the ignore mask, and summed. A 55M GPT's step
 (benchmarks/device/gpt.py: 8,192 tokens, a 16,384 vocabulary) has three such sums, each
-a pass over 134M elements: the loss (reading the bf16 logits, 268 MB), the count of
-targets not ignored, and a per-token sum in the backward. On a TPU v5e they took 0.36,
-0.21 and 0.26 ms of the step's 30.3 ms (``fusion.6``, ``fusion.1`` and ``fusion.12`` in
-gpt-kv-layout-bundle-ops.json), where one value per token is all they read.
+a pass over 134M elements: the loss (reading the bf16 logits), the count of targets not
+ignored, and a per-token sum in the backward, where one value per token is all they read
+(docs/tpu.md has what they cost on a TPU).
 
 ``rewrite_onehot_reductions`` finds every ``reduce`` (add, from zero) over a dimension
 ``j`` whose operand is zero wherever index ``j`` differs from a target ``t`` (built

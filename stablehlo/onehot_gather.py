@@ -40,10 +40,9 @@ commute with evaluating at ``j = t``."""
 TUNING: dict[str, bool] = {}
 """Choices for benchmarks (``benchmarks/device/gpt.py bench --variant
 'NAME={"onehot": {...}}'``): ``through_reshapes`` gathers from a reshape's source when
-the class axis stays last (default False: on the GPT, 29.78 ms/step with it, 29.72
-without); ``per_token`` (default True) also rewrites sums over the class axis alone
-(the backward's), not only those over the tokens too (29.97 ms/step without them;
-gpt-onehot-variants.json)."""
+the class axis stays last (default False: no faster on the GPT); ``per_token`` (default
+True) also rewrites sums over the class axis alone (the backward's), not only those over
+the tokens too (docs/tpu.md cites gpt-onehot-variants.json for both)."""
 
 
 MAX_DEPTH = 64

@@ -20,14 +20,9 @@ between two float32 values; a CPU's ``powf`` is within an ulp (XLA:CPU misrounds
 rewrite, the golden Adam bundles were within 1.5e-7 and 5.4e-6 of the CPU. Any other
 exponent keeps the backend's own power (a ``select`` between the two). The powers of a
 block are computed together, on their operands concatenated, because the TPU compiler's
-time grows with the number of (emulated) float64 operations. Train-program compile times
-of examples/cifar_cnn.py (22 powers) on the v5e, medians, each against the same program
-without the rewrite in the same run (``benchmarks/device/compile_variants.py``):
-
-- float64 ``power`` per op: 13.0 s against 4.4 s (and a 55M GPT's 150 powers: 151 s, where
-  an earlier session's run without the rewrite compiled in 31 s); binary exponentiation
-  per op: 12.2 s against 4.3 s;
-- batched, as here: 6.4 s against 4.6 s (rounds of 7.4/6.4/2.9 s: the host is noisy).
+time grows with the number of (emulated) float64 operations: one float64 power per
+operation made a CNN's and a GPT's train programs compile several times slower, batched
+much less (docs/tpu.md, "Adam's powers", has the compile times).
 
 So the runtime applies it only where exactness is asked for: on accelerators under the
 "high" and "highest" matmul precisions (``runtime/compile/rewrites.py``). At the default a TPU's

@@ -190,8 +190,8 @@ def blocked_sums(stage: Stage, ctx: RewriteContext) -> Stage:
 
 def weight_gradients(stage: Stage, ctx: RewriteContext) -> Stage:
     """On TPUs, weight-gradient convolutions (a map-sized window) as a loop over rows: they
-    took the TPU compiler most of a minute, about 2x the eval program's time after this
-    (``stablehlo/conv_wgrad.py`` has the figures)."""
+    took the TPU compiler far longer than the eval program (docs/tpu.md, "Compile time",
+    has the figures)."""
     if ctx.platform != "tpu":
         return stage
     try:

@@ -160,7 +160,7 @@ def refuse_clash(restored: Mapping[str, str | None], name: str, spec: str | None
     given = f"The schedule {spec!r}" if spec is not None else "A Python function as the schedule"
     raise UsageError(
         f"{given} for {name!r} conflicts with the checkpoint, whose {full!r} follows "
-        f"{old!r}. A resumed run continues the checkpoint's schedule: drop the new one "
-        "(--lr-schedule), or give the same spec; to replace it on purpose, call "
-        "set_schedule(name, schedule, replace=True)."
+        f"{old!r}. A resumed run continues the checkpoint's schedule: give the same spec, or "
+        "none (drop --lr-schedule, or the set_schedule call); from Python, "
+        "set_schedule(name, schedule, replace=True) replaces it on purpose."
     )

@@ -128,9 +128,9 @@ def test_a_resumed_trainer_refuses_to_replace_its_schedule(resumable: Path) -> N
         trainer.set_schedule("lr", NEW)
     assert str(e.value) == (
         f"The schedule {NEW!r} for 'lr' conflicts with the checkpoint, whose {full!r} follows "
-        f"{OLD!r}. A resumed run continues the checkpoint's schedule: drop the new one "
-        "(--lr-schedule), or give the same spec; to replace it on purpose, call "
-        "set_schedule(name, schedule, replace=True)."
+        f"{OLD!r}. A resumed run continues the checkpoint's schedule: give the same spec, or "
+        "none (drop --lr-schedule, or the set_schedule call); from Python, "
+        "set_schedule(name, schedule, replace=True) replaces it on purpose."
     )
     with pytest.raises(UsageError, match="A Python function as the schedule for 'lr' conflicts"):
         trainer.set_schedule("lr", lambda step: 0.01)

@@ -5,11 +5,21 @@ Models: ``gpt55m`` (the 55M GPT of ``device/gpt.py``: bf16 autocast, AdamW, cont
 batch 16), and the Llama-style models of ``llama.py``: ``llama117m`` (context 1024, batch 8),
 ``llama1b`` (TinyLlama 1.1B's shapes, context 2048, batch 4) and ``llama8b`` (Llama 3 8B's
 shapes, context 2048, batch 1); ``tiny`` for the test. Every step starts with
-``optimizer.zero_grad()``.
+``optimizer.zero_grad()``, but ``gpt55m_zero_grad_last``'s: the same GPT whose step clears
+the gradients at its end instead (``optimizer.zero_grad(set_to_none=True)`` after
+``optimizer.step()``, nanoGPT's ``train.py``), the form that cost the torch_xla front-end
+5x the time and 3.5x the memory before 5d7b929.
 
 The torch front-end (``.venv-torch``) builds the Llama models on the meta device (no
 weights in memory; ``llama.recipe``) and the GPT on the CPU; the torch_xla front-end
 (``.venv``) needs a real model on its device, so it builds every model on the CPU.
+
+Where the memory goes: the child hears the export's stages (its ``ticker``) and reads its
+own peak and current resident set (``VmHWM``, ``VmRSS`` of ``/proc/self/status``) when
+each stage ends, after building the recipe and after the export; ``rss_after_stage_gb``
+lists them in order, with what each stage added to the peak (``added_gb``). The lowering
+of the last program and the writing of the bundle share the last reading (the torch_xla
+front-end lowers inside the writer).
 
 Each child runs under an address-space limit (``--max-gb``, default 12: the machine is
 shared); the parent reads the child's peak RSS and CPU time from ``os.wait4`` (that child's
@@ -52,7 +62,7 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-MODELS = ("gpt55m", "llama117m", "llama1b", "llama8b")
+MODELS = ("gpt55m", "gpt55m_zero_grad_last", "llama117m", "llama1b", "llama8b")
 FRONTENDS = ("torch", "torch_xla")
 PYTHON = {"torch": ROOT / ".venv-torch/bin/python", "torch_xla": ROOT / ".venv/bin/python"}
 GB = 1e9
@@ -62,10 +72,12 @@ GB = 1e9
 def _recipe(model: str, frontend: str) -> tuple[Any, str, int]:
     """The recipe, the device its model was built on, and its parameter count."""
     sys.path[:0] = [str(HERE), str(HERE / "device")]
-    if model == "gpt55m":
+    if model in ("gpt55m", "gpt55m_zero_grad_last"):
         import gpt
 
         r = gpt.recipe()
+        if model == "gpt55m_zero_grad_last":
+            r.step = _zero_grad_last(gpt)
         device = "cpu"
     else:
         import llama
@@ -73,6 +85,61 @@ def _recipe(model: str, frontend: str) -> tuple[Any, str, int]:
         device = "meta" if frontend == "torch" else "cpu"
         r = llama.recipe(model, device=device)
     return r, device, sum(p.numel() for p in r.model.parameters())
+
+
+def _zero_grad_last(gpt: Any) -> Any:
+    """``gpt.recipe``'s step with the gradients cleared at its end, as nanoGPT's
+    ``train.py`` does: ``optimizer.zero_grad(set_to_none=True)`` after ``optimizer.step()``."""
+    import torch
+
+    def step(model: Any, optimizer: Any, batch: dict[str, Any]) -> dict[str, Any]:
+        with torch.autocast(device_type=batch["idx"].device.type, dtype=torch.bfloat16):
+            logits = model(batch["idx"])
+        loss = torch.nn.functional.cross_entropy(
+            logits.float().reshape(-1, gpt.VOCAB), batch["target"].reshape(-1)
+        )
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), gpt.CLIP)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return {"loss": loss, "grad_norm": grad_norm}
+
+    return step
+
+
+def _memory_gb() -> tuple[float, float]:
+    """This process's peak and current resident set (``VmHWM``, ``VmRSS``), in GB."""
+    fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines())
+    peak, rss = (int(fields[k].split()[0]) * 1024 / GB for k in ("VmHWM", "VmRSS"))
+    return peak, rss
+
+
+class StageMemory:
+    """A ticker that reads the resident set when a stage ends (the next one starts)."""
+
+    def __init__(self) -> None:
+        self.readings: list[dict[str, Any]] = []
+        self._stage: str | None = None
+        self._lock = threading.Lock()
+
+    def end(self, stage: str) -> None:
+        peak, rss = _memory_gb()
+        before = self.readings[-1]["peak_gb"] if self.readings else 0.0
+        self.readings.append(
+            {"after": stage, "peak_gb": peak, "added_gb": peak - before, "rss_gb": rss}
+        )
+
+    def __call__(self, stage: str, done: int, total: int | None) -> None:
+        with self._lock:
+            if stage != self._stage:
+                if self._stage is not None:
+                    self.end(self._stage)
+                self._stage = stage
+
+    def finish(self) -> None:
+        with self._lock:
+            if self._stage is not None:
+                self.end(f"{self._stage}, then writing the bundle")
 
 
 def child(model: str, frontend: str, out: str) -> None:
@@ -86,8 +153,13 @@ def child(model: str, frontend: str, out: str) -> None:
         from stepbundle.export_torch import export
     r, device, params = _recipe(model, frontend)
     t1 = time.perf_counter()
-    report = export(r, out, check=False, progress=lambda m: print(m, file=sys.stderr))
+    memory = StageMemory()
+    memory.end("imports and building the recipe")
+    report = export(
+        r, out, check=False, progress=lambda m: print(m, file=sys.stderr), ticker=memory
+    )
     t2 = time.perf_counter()
+    memory.finish()
     line = {
         "imports_and_build_s": t1 - t0,
         "export_s": t2 - t1,
@@ -95,6 +167,7 @@ def child(model: str, frontend: str, out: str) -> None:
         "bundle_bytes": report.size,
         "parameters": params,
         "built_on": device,
+        "rss_after_stage_gb": memory.readings,
     }
     print(json.dumps(line))
 

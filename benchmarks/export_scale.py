@@ -298,14 +298,17 @@ def merge(
     (model, front-end) row of an earlier one. A row without its own git record takes its
     file's, or ``source_git``'s for that file ("COMMIT:clean" or "COMMIT:dirty").
     ``earlier`` (label -> file) keeps rows measured for a comparison (the same row before
-    a change) under ``earlier``, by label, out of the table; ``note`` says how the runs
+    a change) under ``earlier``, by label, out of the table (a merged file's own
+    ``earlier`` is kept); a command already listed is not listed again; ``note`` says how the runs
     were made where their commands do not."""
     rows: dict[tuple[str, str], dict[str, Any]] = {}
     commands: list[str] = []
     host: dict[str, Any] = {}
+    kept: dict[str, Any] = {}
     for f in files:
         result = json.loads(Path(f).read_text())
-        commands += result.get("commands") or [result["command"]]
+        commands += [c for c in result.get("commands") or [result["command"]] if c not in commands]
+        kept.update(result.get("earlier", {}))  # a merged file's comparison rows stay
         host = {k: v for k, v in result["host"].items() if k in ("cpus", "machine")}
         for row in _rows_of(f, result, source_git):
             rows[(row["model"], row["frontend"])] = row
@@ -318,12 +321,13 @@ def merge(
         "rows": ordered,
         "table": table(ordered),
     }
-    if earlier:
-        merged["earlier"] = {}
-        for label, f in earlier.items():
-            result = json.loads(Path(f).read_text())
-            merged["commands"].append(result["command"])
-            merged["earlier"][label] = _rows_of(f, result, source_git)
+    if kept:
+        merged["earlier"] = kept
+    for label, f in (earlier or {}).items():
+        result = json.loads(Path(f).read_text())
+        if result["command"] not in commands:
+            commands.append(result["command"])
+        merged.setdefault("earlier", {})[label] = _rows_of(f, result, source_git)
     return merged
 
 

@@ -33,7 +33,6 @@ import struct
 import subprocess
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -253,21 +252,16 @@ def runs(job: Job, tmp_path_factory: pytest.TempPathFactory) -> Runs:
     ref_dir, job_dir = root / "reference", root / "job"
     ref_dir.mkdir()
     job_dir.mkdir()
-    # The uninterrupted run and the killed-and-resumed job share nothing but the compile
-    # cache (which they only read): the reference runs beside the job, in a thread.
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        reference_f = pool.submit(
-            _run, _command(job, ref_dir, steps=STEPS, data=job.train), ref_dir / "run", cap=cap
-        )
-        cmd = _command(job, job_dir, steps=STEPS, data=job.train)
-        target = job_dir / "ckpt" / f"step-{KILL_AFTER:08d}.safetensors"
-        killed = _run(cmd, job_dir / "killed", cap=cap, kill_when=target.exists)
-        assert killed.returncode == -signal.SIGKILL, (killed.returncode, killed.stderr)
-        newest = _checkpoints(job_dir / "ckpt")[-1]
-        resumed = _run([*cmd, "--resume", str(newest)], job_dir / "resumed", cap=cap)
-        assert resumed.returncode == 0, resumed.stderr
-        reference = reference_f.result()
+    reference = _run(_command(job, ref_dir, steps=STEPS, data=job.train), ref_dir / "run", cap=cap)
     assert reference.returncode == 0, reference.stderr
+
+    cmd = _command(job, job_dir, steps=STEPS, data=job.train)
+    target = job_dir / "ckpt" / f"step-{KILL_AFTER:08d}.safetensors"
+    killed = _run(cmd, job_dir / "killed", cap=cap, kill_when=target.exists)
+    assert killed.returncode == -signal.SIGKILL, (killed.returncode, killed.stderr)
+    newest = _checkpoints(job_dir / "ckpt")[-1]
+    resumed = _run([*cmd, "--resume", str(newest)], job_dir / "resumed", cap=cap)
+    assert resumed.returncode == 0, resumed.stderr
     print(
         f"\n[cifar job] train set {job.train_bytes / 1e6:.1f} MB in "
         f"{TRAIN_ROWS // ROWS_PER_SHARD} shards, {STEPS} steps; export {job.export_s:.1f}s; "

@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -34,6 +36,15 @@ def test_export_scale_runs_on_a_tiny_model(tmp_path: Path) -> None:
         assert torch_row[key] > 0, key
     assert torch_row["wall_s"] >= torch_row["export_s"]
     assert set(torch_row["stages_s"]) >= {"trace", "lower", "write"}
+    # the resident set when each stage ended: the build first, the writing last, the peak
+    # never falling and never above what the parent read from the child's rusage
+    readings = torch_row["rss_after_stage_gb"]
+    assert readings[0]["after"] == "imports and building the recipe"
+    assert readings[-1]["after"].endswith(", then writing the bundle") and len(readings) >= 4
+    peaks = [r["peak_gb"] for r in readings]
+    assert peaks == sorted(peaks) and 0 < peaks[-1] <= torch_row["peak_rss_gb"]
+    assert all(0 < r["rss_gb"] <= r["peak_gb"] for r in readings)
+    assert sum(r["added_gb"] for r in readings) == pytest.approx(peaks[-1])
     assert xla_row == {"model": "tiny", "frontend": "torch_xla", "skipped": "not run in this test"}
     lines = result["table"].splitlines()
     assert lines[2].startswith("| tiny | 0M | torch | meta |")
@@ -70,5 +81,15 @@ def test_export_scale_runs_on_a_tiny_model(tmp_path: Path) -> None:
         "load_average_at_end": [1.0, 2.0, 3.0],
     }
     assert both["rows"][1] == xla_row  # skipped: nothing measured, no record
-    assert both["commands"] == ["x", result["command"], "x", "x"]
+    assert both["commands"] == ["x", result["command"]]  # each command once
     assert both["earlier"]["before"][0]["wall_s"] == 1.0 and both["note"] == "how"
+
+    # a merged file merged again keeps its comparison rows
+    again = tmp_path / "again.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "export_scale.py"), "--merge", str(merged),
+         "--out", str(again)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(again.read_text())["earlier"] == both["earlier"]

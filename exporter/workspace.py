@@ -90,7 +90,7 @@ def _move_value(
     # count) stays there; the tracer then sees it as a changing host value.
     if keep_on_host:
         return value.detach().cpu().clone()
-    moved = value.detach().to(device).clone()
+    moved = value.detach().to(device, copy=True)
     if host is not None:
         host.record(moved, value)
     return moved
@@ -140,7 +140,7 @@ def move_to_device(
             _set_buffer(model, alias, b)
     new_by_name = dict(model.named_parameters(remove_duplicate=False))
     for name, g in grads.items():
-        new_by_name[name].grad = g.detach().to(device).clone()
+        new_by_name[name].grad = g.detach().to(device, copy=True)
     if optimizer is None:
         return
     for group, old_params in zip(optimizer.param_groups, old_groups):
@@ -255,11 +255,11 @@ class Workspace(UserObjects):
                 new = params.get(id(p))
                 if new is None:
                     new = torch.nn.Parameter(
-                        p.detach().to(device).clone(), requires_grad=p.requires_grad
+                        p.detach().to(device, copy=True), requires_grad=p.requires_grad
                     )
                     host.record(new, p)
                     if p.grad is not None:
-                        new.grad = p.grad.detach().to(device).clone()
+                        new.grad = p.grad.detach().to(device, copy=True)
                         host.record(new.grad, p.grad)
                     params[id(p)] = new
                 m._parameters[k] = new
@@ -269,7 +269,7 @@ class Workspace(UserObjects):
                 if b is None:
                     continue
                 if id(b) not in buffers:
-                    buffers[id(b)] = b.detach().to(device).clone()
+                    buffers[id(b)] = b.detach().to(device, copy=True)
                     host.record(buffers[id(b)], b)
                 m._buffers[k] = buffers[id(b)]
         for group in optimizer.param_groups:

@@ -81,6 +81,19 @@ def _group_names(named: Iterator[tuple[str, torch.Tensor]]) -> dict[int, list[st
     return out
 
 
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """One copy of ``t`` on ``device``, made with ``to(device, copy=True)``: with
+    ``to(device).clone()`` torch_xla's lazy clone kept the first device copy alive beside
+    the clone, 4 bytes per float32 element more at the export's peak. A 0-d tensor keeps
+    the clone: copied directly, its value reached the first traced step as a constant and
+    an input only in the second (seen with a stepped ASGD's ``eta`` and NAdam's state), so
+    the two traces differed."""
+    t = t.detach()
+    if t.dim() == 0:
+        return t.to(device).clone()
+    return t.to(device, copy=True)
+
+
 def _move_value(
     value: Any, device: torch.device, *, keep_on_host: bool, host: _HostValues | None = None
 ) -> Any:
@@ -90,7 +103,7 @@ def _move_value(
     # count) stays there; the tracer then sees it as a changing host value.
     if keep_on_host:
         return value.detach().cpu().clone()
-    moved = value.detach().to(device, copy=True)
+    moved = _to_device(value, device)
     if host is not None:
         host.record(moved, value)
     return moved
@@ -140,7 +153,7 @@ def move_to_device(
             _set_buffer(model, alias, b)
     new_by_name = dict(model.named_parameters(remove_duplicate=False))
     for name, g in grads.items():
-        new_by_name[name].grad = g.detach().to(device, copy=True)
+        new_by_name[name].grad = _to_device(g, device)
     if optimizer is None:
         return
     for group, old_params in zip(optimizer.param_groups, old_groups):
@@ -254,12 +267,10 @@ class Workspace(UserObjects):
                     continue
                 new = params.get(id(p))
                 if new is None:
-                    new = torch.nn.Parameter(
-                        p.detach().to(device, copy=True), requires_grad=p.requires_grad
-                    )
+                    new = torch.nn.Parameter(_to_device(p, device), requires_grad=p.requires_grad)
                     host.record(new, p)
                     if p.grad is not None:
-                        new.grad = p.grad.detach().to(device, copy=True)
+                        new.grad = _to_device(p.grad, device)
                         host.record(new.grad, p.grad)
                     params[id(p)] = new
                 m._parameters[k] = new
@@ -269,7 +280,7 @@ class Workspace(UserObjects):
                 if b is None:
                     continue
                 if id(b) not in buffers:
-                    buffers[id(b)] = b.detach().to(device, copy=True)
+                    buffers[id(b)] = _to_device(b, device)
                     host.record(buffers[id(b)], b)
                 m._buffers[k] = buffers[id(b)]
         for group in optimizer.param_groups:

@@ -16,7 +16,6 @@ from runtime_helpers import golden_bundle
 
 import stepbundle.runtime as sr
 from stepbundle.runtime import (
-    BindingError,
     CompileOptions,
     LoadOptions,
     ParallelOptions,
@@ -99,7 +98,7 @@ def test_load_takes_options_only() -> None:
     dict in place of the options is refused in words that name the fix."""
     with pytest.raises(TypeError, match="unexpected keyword argument 'cache_dir'"):
         load(golden_bundle(BUNDLE), cache_dir=False)  # type: ignore[call-arg]
-    with pytest.raises(BindingError, match="LoadOptions.from_keywords"):
+    with pytest.raises(UsageError, match="LoadOptions.from_keywords"):
         load(golden_bundle(BUNDLE), "cpu", {"cache_dir": False})  # type: ignore[arg-type]
 
 

@@ -99,11 +99,16 @@ def _zero(p: torch.Tensor) -> torch.Tensor:
     return torch.zeros((), dtype=p.dtype).expand(p.shape)
 
 
+def _first_names(names: list[str]) -> str:
+    """The first three names, quoted, and "..." when there are more."""
+    return ", ".join(repr(n) for n in names[:3]) + (", ..." if len(names) > 3 else "")
+
+
 def _meta_refusal(recipe: Recipe) -> MetaTensorError | None:
     on_meta = [n for n, t in recipe.model.state_dict(keep_vars=True).items() if t.is_meta]
     if not on_meta:
         return None
-    shown = ", ".join(repr(n) for n in on_meta[:3]) + (", ..." if len(on_meta) > 3 else "")
+    shown = _first_names(on_meta)
     return MetaTensorError(
         f"{len(on_meta)} of the model's tensors are on the meta device ({shown}): they have "
         "shapes but no values, and a bundle with its weights stores values. Export without "
@@ -197,7 +202,7 @@ def state_slots(recipe: Recipe, *, zero_grads: bool) -> list[Slot]:
     if not light:  # optimizer state or gradients left on meta: refused before any tracing
         on_meta = [s.name for s in out if s.value.is_meta]
         if on_meta:
-            shown = ", ".join(repr(n) for n in on_meta[:3]) + (", ..." if len(on_meta) > 3 else "")
+            shown = _first_names(on_meta)
             raise MetaTensorError(
                 f"{len(on_meta)} state tensor(s) are on the meta device ({shown}): they have "
                 "shapes but no values, and a bundle with its weights stores values. Export "

@@ -341,6 +341,14 @@ def _mse(model: Any, optimizer: Any, batch: dict[str, torch.Tensor]) -> dict[str
     return {"loss": loss}
 
 
+def _square_step(model: Any, optimizer: Any, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
+    optimizer.zero_grad()
+    loss = model(batch["x"]).square().mean()
+    loss.backward()
+    optimizer.step()
+    return {"loss": loss}
+
+
 def test_a_meta_device_model_is_refused_with_the_way_out() -> None:
     # torch_xla copies the state to its device to trace: a model built on meta (for a
     # weights-free export) gets a typed refusal naming the torch front-end, not a
@@ -351,15 +359,10 @@ def test_a_meta_device_model_is_refused_with_the_way_out() -> None:
         model = torch.nn.Linear(4, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
 
-    def step(model: Any, optimizer: Any, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
-        optimizer.zero_grad()
-        loss = model(batch["x"]).square().mean()
-        loss.backward()
-        optimizer.step()
-        return {"loss": loss}
-
     batch = {"x": torch.ones(3, 4)}
-    recipe = Recipe(model=model, optimizer=opt, step=step, example_batch=batch, include_state=False)
+    recipe = Recipe(
+        model=model, optimizer=opt, step=_square_step, example_batch=batch, include_state=False
+    )
     with pytest.raises(MetaTensorError, match="--frontend torch") as e:
         export(recipe, "/nonexistent/never-written.stepbundle")
     assert "'weight'" in str(e.value)
@@ -379,14 +382,9 @@ def test_meta_optimizer_state_of_a_real_model_is_refused_with_the_way_out() -> N
             "exp_avg_sq": torch.empty_like(p, device="meta"),
         }
 
-    def step(model: Any, optimizer: Any, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
-        optimizer.zero_grad()
-        loss = model(batch["x"]).square().mean()
-        loss.backward()
-        optimizer.step()
-        return {"loss": loss}
-
-    recipe = Recipe(model=model, optimizer=opt, step=step, example_batch={"x": torch.ones(3, 4)})
+    recipe = Recipe(
+        model=model, optimizer=opt, step=_square_step, example_batch={"x": torch.ones(3, 4)}
+    )
     with pytest.raises(MetaTensorError, match="--frontend torch") as e:
         export(recipe, "/nonexistent/never-written.stepbundle")
     assert "'optimizer.state.weight.step'" in str(e.value)

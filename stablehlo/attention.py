@@ -48,6 +48,7 @@ from .graph import (
     splat_value,
     uses_of,
 )
+from .inline import inline_private_calls
 
 __all__ = ["NOT_CAUSAL", "Site", "StateValues", "count_score_products", "find_attention"]
 
@@ -172,14 +173,75 @@ def _reduce_kind(op: Any) -> str | None:
 
 
 def _rowwise(value: Any, reduce: Any) -> bool:
-    """``value`` is ``reduce``'s result broadcast back over the last dim."""
+    """``value`` is ``reduce``'s result broadcast back over the last dim: in one
+    broadcast (torch_xla), or first to a kept dim of 1 (a reshape or a broadcast) and
+    then over it (the torch front-end). A row max may pass through ``max(-inf, m)``
+    first (the torch front-end's ``amax``: the identity, NaN included)."""
     op = producer(value)
     rank = len(shape_of(value))
+    if op is None or op.name != "stablehlo.broadcast_in_dim":
+        return False
+    src, dims = op.operands[0], ints(op, "broadcast_dimensions")
+    if dims == list(range(rank)) and shape_of(src) == shape_of(value)[:-1] + [1]:
+        keep = producer(src)
+        if keep is None or not (
+            keep.name == "stablehlo.reshape"
+            or (
+                keep.name == "stablehlo.broadcast_in_dim"
+                and ints(keep, "broadcast_dimensions") == list(range(rank - 1))
+            )
+        ):
+            return False
+        src = keep.operands[0]
+    elif dims != list(range(rank - 1)):
+        return False
+    if shape_of(src) != shape_of(value)[:-1]:
+        return False
+    if src == reduce.result:
+        return True
+    floor = producer(src)
+    if floor is None or floor.name != "stablehlo.maximum" or _reduce_kind(reduce) != "max":
+        return False
+    a, b = floor.operands
+    return (a == reduce.result and splat_value(b, {}) == _INIT["max"]) or (
+        b == reduce.result and splat_value(a, {}) == _INIT["max"]
+    )
+
+
+def _in_type_of(dot: Any, like: Any) -> Any:
+    """The operation whose result is ``dot``'s product in ``like``'s element type:
+    ``dot`` itself, or the one convert that rounds its wider result to that type (the
+    torch front-end writes a bf16 product float32-out, then converts), else None."""
+    if element_type(dot.result) == element_type(like):
+        return dot
+    cv = only_user(dot.result, "stablehlo.convert")
+    if cv is None or element_type(cv.result) != element_type(like):
+        return None
+    return cv if element_type(dot.result) in ("f32", "f64") else None
+
+
+def _product_of(value: Any) -> Any:
+    """The batched product that ``value`` is, possibly through the convert of its
+    wider result (``_in_type_of``), else None."""
+    op = producer(value)
+    if op is not None and op.name == "stablehlo.convert" and not _batched_matmul(op):
+        op = producer(op.operands[0])
+    return op if _batched_matmul(op) else None
+
+
+def _same_mask(a: Any, b: Any) -> bool:
+    """``a`` and ``b`` are one predicate: the same value, or broadcasts of one value
+    the same way (an inlined ``where`` broadcasts its mask at each use)."""
+    if a == b:
+        return True
+    pa, pb = producer(a), producer(b)
     return (
-        op is not None
-        and op.name == "stablehlo.broadcast_in_dim"
-        and op.operands[0] == reduce.result
-        and ints(op, "broadcast_dimensions") == list(range(rank - 1))
+        pa is not None
+        and pb is not None
+        and pa.name == pb.name == "stablehlo.broadcast_in_dim"
+        and pa.operands[0] == pb.operands[0]
+        and ints(pa, "broadcast_dimensions") == ints(pb, "broadcast_dimensions")
+        and shape_of(pa.result) == shape_of(pb.result)
     )
 
 
@@ -267,16 +329,19 @@ def _mask_miss(
         return whole, ()
     rank = len(shape_of(bcast.result))
     mask = bcast.operands[0]
-    if ints(bcast, "broadcast_dimensions") != [rank - 2, rank - 1]:
+    dims, mask_shape = ints(bcast, "broadcast_dimensions"), shape_of(mask)
+    # (T, T) into the last two dims, or (1, .., 1, T, T) broadcast over the leading ones
+    # (the torch front-end keeps a buffer's unit dims)
+    if dims[-2:] != [rank - 2, rank - 1] or mask_shape[-2:] != [t, t]:
         return whole, ()
-    if shape_of(mask) != [t, t] or element_type(mask) != "i1":
+    if any(n != 1 for n in mask_shape[:-2]) or element_type(mask) != "i1":
         return whole, ()
     key = (producer(mask), fills_where_true)
     if key[0] is not None and key in seen:
         return seen[key]
     miss = ""
     reads: tuple[int, ...] = ()
-    if fills_where_true or not _iota_rows_ge_columns(mask, t):
+    if fills_where_true or mask_shape != [t, t] or not _iota_rows_ge_columns(mask, t):
         read: list[int] = []
 
         def reader(num: int) -> Callable[[], Sequence[Any] | None]:
@@ -355,7 +420,10 @@ def _forward(
         return None
     if shape_of(kt) != [bh, d, t] or t < 2:
         return None
-    rs = only_user(dot1.result, "stablehlo.reshape")
+    scores = _in_type_of(dot1, q)
+    if scores is None:
+        return None
+    rs = only_user(scores.result, "stablehlo.reshape")
     if rs is None or len(shape_of(rs.result)) != 4 or shape_of(rs.result)[2:] != [t, t]:
         return None
     b, h = shape_of(rs.result)[:2]
@@ -404,12 +472,16 @@ def _forward(
     if len(to_bf) != 1:
         return None
     rs2 = to_bf[0]
-    if rs2.name == "stablehlo.convert":
-        rs2 = only_user(rs2.result, "stablehlo.reshape")
+    if rs2.name == "stablehlo.convert":  # the probabilities rounded to q's type
+        shaped = [u for u in uses_of(rs2.result) if u.name == "stablehlo.reshape"]
+        rs2 = shaped[0] if len(shaped) == 1 else None
     if rs2 is None or shape_of(rs2.result) != [bh, t, t]:
         return None
     dot2 = next((u for u in uses_of(rs2.result) if _batched_matmul(u)), None)
     if dot2 is None or dot2.operands[0] != rs2.result or shape_of(dot2.operands[1]) != [bh, t, d]:
+        return None
+    out = _in_type_of(dot2, q)
+    if out is None:
         return None
     if (
         b * h != bh
@@ -418,19 +490,74 @@ def _forward(
     ):
         return None
     v = dot2.operands[1]
-    site = Site(b, h, t, d, element_type(q), element_type(scale), causal, q, kt, v, scale, dot2)
+    site = Site(b, h, t, d, element_type(q), element_type(scale), causal, q, kt, v, scale, out)
     site.divides = mul.name == "stablehlo.divide"
     site.fills_where_true, site.state_reads = inverted, reads
     site.probs, site.probs_product, site.mask_select = p32, rs2.result, sel
     return site
 
 
+def _softmax_grad(p: Any, users: list[Any]) -> tuple[Any, Any] | None:
+    """(dp, ds) where ``users`` (``p``'s two readers) compute the softmax's gradient
+    ``ds`` from the probabilities ``p`` and their gradient ``dp``: as ``p * (dp -
+    sum(dp * p))`` (torch_xla) or as ``dp * p - p * sum(dp * p)`` (torch's
+    ``_softmax_backward_data``, the torch front-end), the sum over the last dim."""
+    if len(users) != 2 or any(u.name != "stablehlo.multiply" for u in users):
+        return None
+
+    def other(m: Any) -> Any:
+        return m.operands[0] if m.operands[1] == p else m.operands[1]
+
+    for m1, m2 in ((users[0], users[1]), (users[1], users[0])):
+        red = next((u for u in uses_of(m1.result) if _reduce_kind(u) == "add"), None)
+        if red is None:
+            continue
+        dp, m1_users = other(m1), uses_of(m1.result)
+        if len(m1_users) == 1:  # p * (dp - rowwise(sum))
+            sub = producer(other(m2))
+            if (
+                sub is not None
+                and sub.name == "stablehlo.subtract"
+                and sub.operands[0] == dp
+                and _rowwise(sub.operands[1], red)
+            ):
+                return dp, m2.result
+        elif len(m1_users) == 2:  # dp * p - p * rowwise(sum)
+            sub = next(u for u in m1_users if u != red)
+            if (
+                sub.name == "stablehlo.subtract"
+                and sub.operands[0] == m1.result
+                and sub.operands[1] == m2.result
+                and _rowwise(other(m2), red)
+            ):
+                return dp, sub.result
+    return None
+
+
 def _backward(site: Site) -> bool:
     """Fill in ``site``'s backward; False when the probabilities have other readers."""
     p32, pb = site.probs, site.probs_product
+    dot2 = site.out if _batched_matmul(site.out) else producer(site.out.operands[0])
     fwd_users = [u for u in uses_of(p32) if u.name in ("stablehlo.convert", "stablehlo.reshape")]
     others = [u for u in uses_of(p32) if u not in fwd_users]
-    pb_others = [u for u in uses_of(pb) if u != site.out]
+    pb_others = [u for u in uses_of(pb) if u != dot2]
+    p_grad = p32
+    rounded = producer(pb).operands[0]  # the probabilities in q's type (or p32)
+    if not others and rounded != p32:
+        # The backward may read the rounded probabilities, widened again (torch's
+        # softmax gradient of a bf16 softmax, as the torch front-end lowers it)
+        back = [u for u in uses_of(rounded) if u != producer(pb)]
+        if len(back) > 1 or (
+            back
+            and not (
+                back[0].name == "stablehlo.convert"
+                and element_type(back[0].result) == element_type(p32)
+            )
+        ):
+            return False
+        if back:
+            p_grad = back[0].result
+            others = uses_of(p_grad)
     if not others and not pb_others:
         return True  # no backward: an eval program
     # dv = dot(transpose(pb), do)
@@ -440,43 +567,31 @@ def _backward(site: Site) -> bool:
     dv = only_user(tr.result, "stablehlo.dot_general")
     if dv is None or not _batched_matmul(dv) or dv.operands[0] != tr.result:
         return False
+    dv_out = _in_type_of(dv, site.q)
     do = dv.operands[1]
-    # the softmax gradient: m1 = dp * p; r = sum(m1); ds = p * (dp - r)
-    if len(others) != 2 or any(u.name != "stablehlo.multiply" for u in others):
+    # the softmax gradient
+    grad = _softmax_grad(p_grad, others)
+    if grad is None or dv_out is None:
         return False
-    m1 = next(
-        (u for u in others if _reduce_kind(only_user(u.result, "stablehlo.reduce")) == "add"),
-        None,
-    )
-    m2 = next((u for u in others if u is not m1), None)
-    if m1 is None or m2 is None:
-        return False
-    dp32 = m1.operands[0] if m1.operands[1] == p32 else m1.operands[1]
-    red = only_user(m1.result, "stablehlo.reduce")
-    if p32 not in (m2.operands[0], m2.operands[1]):
-        return False
-    sub = m2.operands[1] if m2.operands[0] == p32 else m2.operands[0]
-    sub_op = producer(sub)
-    if sub_op is None or sub_op.name != "stablehlo.subtract" or sub_op.operands[0] != dp32:
-        return False
-    if not _rowwise(sub_op.operands[1], red):
-        return False
+    dp32, ds = grad
     dp = source_of(dp32)
     rs = producer(dp)
     if rs is None or rs.name != "stablehlo.reshape":
         return False
-    dpdot = producer(rs.operands[0])
-    if not _batched_matmul(dpdot) or dpdot.operands[0] != do:
+    dpdot = _product_of(rs.operands[0])
+    if dpdot is None or dpdot.operands[0] != do:
         return False
     if not _transpose_of(dpdot.operands[1], site.v):
         return False
     # the mask's zeros and the scale, then ds's two products
-    x = skip_converts(m2.result)
+    x = skip_converts(ds)
     if site.causal:
         sel = only_user(x, "stablehlo.select")
         fwd_sel = site.mask_select
         x_at, zero_at = (2, 1) if site.fills_where_true else (1, 2)
-        if sel is None or sel.operands[0] != fwd_sel.operands[0] or sel.operands[x_at] != x:
+        if sel is None or not _same_mask(sel.operands[0], fwd_sel.operands[0]):
+            return False
+        if sel.operands[x_at] != x:
             return False
         if splat_value(sel.operands[zero_at], {}) != 0.0:
             return False
@@ -496,6 +611,10 @@ def _backward(site: Site) -> bool:
         return False
     if not (_transpose_of(dq.operands[1], site.kt) and _transpose_of(dkt.operands[0], site.q)):
         return False
+    dq_out, dkt_out = _in_type_of(dq, site.q), _in_type_of(dkt, site.q)
+    if dq_out is None or dkt_out is None:
+        return False
+    dq, dkt, dv = dq_out, dkt_out, dv_out
     # The backward call goes before the first of the three products: it must come after
     # the forward (whose residuals it reads) and after ``do``, in the same block.
     order = {o.operation: i for i, o in enumerate(site.out.block.operations)}
@@ -565,6 +684,7 @@ def find_attention(
     found = []
     seen: dict[Any, tuple[str, tuple[int, ...]]] = {}
     why: list[str] = [] if misses is None else misses
+    inline_private_calls(module)
     with module._ctx:
         for op in module._operations():
             if not _batched_matmul(op):

@@ -184,9 +184,10 @@ def evaluate(
     depth: int = 0,
     arrays: Mapping[int, Callable[[], Sequence[Any] | None]] | None = None,
 ) -> list[Any] | None:
-    """``value``'s elements in row-major order, computed on the host from splat
-    constants, iotas and known scalar arguments (``scalars``: @main argument number ->
-    value) through broadcasts, compares, selects, converts and logic; None for anything
+    """``value``'s elements in row-major order, computed on the host from constants
+    (splats, and integer or boolean arrays), iotas and known scalar arguments
+    (``scalars``: @main argument number -> value) through broadcasts, compares,
+    selects, converts, logic and integer sums and differences; None for anything
     else or anything larger than ``MAX_EVALUATED``. ``arrays`` gives @main arguments
     whose values are known when the program is compiled (state the step never writes:
     argument number -> its elements in row-major order, as the element type holds them,
@@ -211,7 +212,7 @@ def evaluate(
         return [scalars[num]] if num in scalars and shape == [] else None
     if op.name == "stablehlo.constant":
         v = splat_constant(op)
-        return None if v is None else [v] * math.prod(shape)
+        return _dense_integers(op) if v is None else [v] * math.prod(shape)
     if op.name == "stablehlo.iota":
         dim = int(ir.IntegerAttr(op.attributes["iota_dimension"]).value)
         elem = element_type(op.result)
@@ -254,6 +255,14 @@ def evaluate(
         return [not x for x in a]
     b = args[1]
     assert b is not None
+    if op.name in ("stablehlo.add", "stablehlo.subtract"):
+        # integers only (positions: ``j - i``), and only where the type holds the result
+        bounds = _int_range(element_type(op.result))
+        if bounds is None:
+            return None
+        sign = 1 if op.name == "stablehlo.add" else -1
+        out = [x + sign * y for x, y in zip(a, b)]
+        return out if all(bounds[0] <= x <= bounds[1] for x in out) else None
     if op.name == "stablehlo.compare":
         direction = comparison_direction(op)
         fn = COMPARISONS.get(direction)
@@ -349,8 +358,21 @@ _EVALUATED = frozenset(
         "stablehlo.select",
         "stablehlo.reshape",
         "stablehlo.slice",
+        "stablehlo.add",
+        "stablehlo.subtract",
     }
 )
+
+
+def _dense_integers(op: Any) -> list[Any] | None:
+    """A non-splat integer or boolean constant's elements in row-major order (the
+    positions ``torch.arange`` writes), or None for any other."""
+    elem = element_type(op.result)
+    if elem != "i1" and _int_range(elem) is None:
+        return None
+    attr = ir.DenseIntElementsAttr(op.attributes["value"])
+    values = [attr[i] for i in range(len(attr))]
+    return [bool(x) for x in values] if elem == "i1" else [int(x) for x in values]
 
 
 def insert_functions(module: Module, text: str, prefix: str) -> str:

@@ -651,6 +651,7 @@ def bench(args: argparse.Namespace) -> int:
 
 
 # ------------------------------------------------------------------ the docs' table
+FAMILY_LABELS = {"gpt55m": "55M GPT", "llama120m": "123M Llama", "gpt2": "GPT-2 small"}
 LABELS = {
     "gpt55m_forward_mask": "55M GPT, mask made in `forward`",
     "gpt55m_buffer_mask": "55M GPT, mask in a buffer (nanoGPT)",
@@ -694,7 +695,7 @@ def table(results: dict[str, Any]) -> str:
         last = [m for m in LABELS if MODELS[m][0] == family][-1]
         if model == last and "ms_per_step" in peer:  # once per family, after its models
             lines.append(
-                f"| {label.split(',')[0]}: the JAX peer, splash attention | - | - | "
+                f"| {FAMILY_LABELS[family]}: the JAX peer, splash attention | - | - | "
                 f"{peer['ms_per_step']:.2f} | {peer['mfu']:.1%} | 1.00x | |"
             )
     return "\n".join(lines) + "\n"

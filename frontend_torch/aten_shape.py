@@ -288,8 +288,18 @@ def _grid(index: Any, dim: int) -> tuple[Any, ...]:
 def _gather(ctx: OpContext, x: Any, dim: int, index: Any, *, sparse_grad: bool = False) -> Any:
     if x.ndim == 0:
         return x
+    d = _dim(dim, x.ndim)
+    if _one_per_row(x, index, d) and jnp.issubdtype(x.dtype, jnp.floating):
+        # One position per row, as in nll_loss's forward (the log-probability of each
+        # target): the largest of the row with every other position made -inf, the
+        # same value bit for bit (NaN, -inf and -0.0 included). A reduction, which XLA
+        # fuses with what computes x (the log-softmax); a gather made XLA write all of
+        # x first, on a TPU a float32 (tokens, vocabulary) tensor written only to read
+        # one value per row (docs/tpu.md, "The torch front-end on a TPU").
+        hit = lax.broadcasted_iota(index.dtype, x.shape, d) == index
+        return jnp.max(jnp.where(hit, x, -jnp.inf), axis=d, keepdims=True)
     # torch allows an index smaller than the input in the other dimensions.
-    return x[_grid(index, _dim(dim, x.ndim))]
+    return x[_grid(index, d)]
 
 
 def _one_per_row(x: Any, index: Any, d: int) -> bool:

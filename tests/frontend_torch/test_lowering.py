@@ -170,6 +170,10 @@ CASES: dict[str, tuple[Callable[..., Any], tuple[torch.Tensor, ...]]] = {
             x[:, idx[:2]],
             x.index_put((idx,), torch.ones(3, 4), accumulate=True),
             torch.gather(x, 1, idx[:2].reshape(1, 2).expand(5, 2)),
+            # one position per row (nll_loss's forward): lowered as a reduction
+            torch.gather(x[:3], 1, idx.reshape(3, 1)),
+            torch.gather(x[:, :3], 0, idx.reshape(1, 3) % 5),
+            torch.gather(x[:3].long(), 1, idx.reshape(3, 1)),
             torch.zeros(5, 4).scatter(0, idx.reshape(3, 1).expand(3, 4), src),
             torch.zeros(5, 4).scatter_add(0, idx.reshape(3, 1).expand(3, 4), src),
             # one position per row (nll_loss's backward): lowered as a comparison
@@ -250,10 +254,26 @@ def test_norms_embedding_attention_loss_forward_and_backward() -> None:
     check(fn, rand(3, 4, 2, 2), torch.tensor([[1, 2, 0], [4, 4, 1]]), rand(5, 4), rand(4))
 
 
-def test_cross_entropy_backward_has_no_scatter() -> None:
+def test_one_per_row_gather_is_bit_for_bit_torch() -> None:
+    # Lowered as a max over the row with the other positions made -inf: the picked value
+    # itself, whatever it is (-0.0, -inf, NaN), and whatever the rest of the row holds.
+    x = torch.tensor(
+        [[-0.0, 1.0, float("nan")], [float("-inf"), float("inf"), 2.0],
+         [float("nan"), -3.0, float("-inf")], [0.5, -0.0, float("inf")]]
+    )  # fmt: skip
+    idx = torch.tensor([[0], [0], [0], [1]])
+    (got,) = lowered(lambda x, i: [torch.gather(x, 1, i)], x, idx)
+    want = torch.gather(x, 1, idx).numpy()
+    assert got.dtype == want.dtype
+    assert got.tobytes() == want.tobytes(), (got, want)
+
+
+def test_cross_entropy_has_no_scatter_or_gather() -> None:
     # nll_loss's backward puts -1 at each target of a (tokens, classes) zero tensor: as a
     # scatter XLA wrote that tensor whole (on a TPU, flat and then relaid out: 3 ms of a
-    # 55M GPT's step); as a comparison it fuses into the consumers. Same values either way.
+    # 55M GPT's step); as a comparison it fuses into the consumers. Its forward gathers
+    # each target's log-probability: as a gather XLA wrote the whole float32 log-softmax
+    # to read one value per row; as a reduction it fuses. Same values either way.
     def fn(logits: torch.Tensor, target: torch.Tensor) -> Any:
         logits = _leaf(logits)
         loss = F.cross_entropy(logits, target, ignore_index=2)
@@ -268,6 +288,7 @@ def test_cross_entropy_backward_has_no_scatter() -> None:
         decomposition_table=DECOMPOSITIONS,
     )(*args)
     assert any(n.target is torch.ops.aten.scatter.value for n in gm.graph.nodes)
+    assert any(n.target is torch.ops.aten.gather.default for n in gm.graph.nodes)
     (out,) = [n for n in gm.graph.nodes if n.op == "output"]
     graph = ProgramGraph(gm, (0, 1), tuple(out.args[0]), seeded=False)
     with jax.enable_x64(True):
@@ -277,6 +298,7 @@ def test_cross_entropy_backward_has_no_scatter() -> None:
             .as_text()
         )
     assert "scatter" not in text
+    assert "gather" not in text
 
 
 def test_outer_products_are_multiplications() -> None:

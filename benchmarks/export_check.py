@@ -98,7 +98,10 @@ def child(name: str, frontend: str, out: str) -> None:
         from stepbundle.exporter import export
     else:
         from stepbundle.export_torch import export
+    from safetensors.torch import save_file
+
     recipe = _recipe(name)
+    save_file({k: v.contiguous() for k, v in recipe.example_batch.items()}, out + ".batch")
     cpu0, t0 = _cpu(), time.perf_counter()
     rep = export(recipe, out, check=True)
     wall, cpu = time.perf_counter() - t0, _cpu() - cpu0
@@ -125,6 +128,38 @@ def child(name: str, frontend: str, out: str) -> None:
             }
         )
     )
+
+
+def run_child(bundle: str) -> None:
+    """What a later ``stepbundle run`` of the bundle on this machine pays up to its first
+    step: ``load`` with run's CPU defaults (every entry, the compile cache of
+    ``STEPBUNDLE_CACHE_DIR``, one step per call) and one step."""
+    import numpy as np
+
+    from stepbundle.runtime import load
+    from stepbundle.runtime.io.tensor_file import open_safetensors
+
+    cpu0, t0 = _cpu(), time.perf_counter()
+    trainer = load(bundle, "cpu")
+    compile_s = trainer.load_info.seconds["compile"]
+    with open_safetensors(bundle + ".batch") as f:
+        batch = {n: np.array(f.array(n)) for n in f.records}
+    trainer.step(batch)
+    trainer.block_until_ready()
+    hits = trainer.load_info.cache_hits
+    print(json.dumps({"s": time.perf_counter() - t0, "cpu_s": _cpu() - cpu0,
+                      "compile_s": compile_s, "hits": hits}))  # fmt: skip
+
+
+def _run_after(bundle: str, cache: str) -> dict[str, Any]:
+    """``run_child`` in a fresh process, with ``cache`` as its compile cache."""
+    env = {**os.environ, "STEPBUNDLE_CACHE_DIR": cache, "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, __file__, "--run-child", bundle],
+                          capture_output=True, text=True, env=env)  # fmt: skip
+    if proc.returncode != 0:
+        raise SystemExit(f"the run after the export failed:\n{proc.stderr[-4000:]}")
+    got: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return got
 
 
 def _frontends() -> list[str]:
@@ -176,9 +211,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", nargs="*", default=list(MODELS))
     ap.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
+    ap.add_argument("--run-child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         child(*args.child)
+        return
+    if args.run_child:
+        run_child(args.run_child)
         return
     work = Path("/tmp/stepbundle-export-check")
     work.mkdir(exist_ok=True)
@@ -186,22 +225,31 @@ def main() -> None:
     for frontend in _frontends():
         for name in args.models:
             out = str(work / f"{name}-{frontend}.stepbundle")
+            # A compile cache of the row's own: the check fills it, a run after it reads it.
+            cache = work / f"{name}-{frontend}.cache"
+            subprocess.run(["rm", "-rf", str(cache), str(cache) + "-cold"], check=True)
             load = os.getloadavg()[0]
             proc = subprocess.run(
                 [sys.executable, __file__, "--child", name, frontend, out],
                 capture_output=True,
                 text=True,
+                env={**os.environ, "STEPBUNDLE_CACHE_DIR": str(cache)},
             )
             if proc.returncode != 0:  # e.g. killed for memory (-9): said in the row
                 print(f"{name} on {frontend} failed:\n{proc.stderr[-4000:]}", flush=True)
                 rows.append(
                     f"| {name} | {frontend} | failed: exit code {proc.returncode} "
-                    f"| | | | | | | | | | | {_commit()} | {load:.1f} |"
+                    f"| | | | | | | | | | | | | | {_commit()} | {load:.1f} |"
                 )
             else:
                 got = json.loads(proc.stdout.strip().splitlines()[-1])
                 print(name, frontend, json.dumps(got), flush=True)
+                warm = _run_after(out, str(cache))  # the cache as the check left it
+                cold = _run_after(out, str(cache) + "-cold")  # an empty one: no check before
+                print("run after", json.dumps(warm), "without", json.dumps(cold), flush=True)
                 ratio = got["check_cpu_s"] / got["export_cpu_s"]
+                net = got["check_cpu_s"] + warm["cpu_s"] - cold["cpu_s"]
+                net_wall = got["check_s"] + warm["s"] - cold["s"]
                 closest = re.sub(r"\s+", " ", got["closest"]).replace("|", "/")
                 rows.append(
                     f"| {name} | {frontend} | {got['export_s']:.1f} s "
@@ -209,7 +257,10 @@ def main() -> None:
                     f"| {got['runtime_s']:.1f} s | {got['eager_s']:.1f} s "
                     f"| {got['check_cpu_s']:.1f} s | {ratio:.2f} "
                     f"| {got['runtime_cpu_s']:.1f} s | {got['eager_cpu_s']:.1f} s "
-                    f"| {_parts(got)} | {closest} | {_commit()} | {load:.1f} |"
+                    f"| {_parts(got)} | {closest} "
+                    f"| {warm['cpu_s']:.1f} s ({warm['hits']} hit) / {cold['cpu_s']:.1f} s "
+                    f"| {net:.1f} s ({net / got['export_cpu_s']:.2f}) "
+                    f"| {net_wall:.1f} s | {_commit()} | {load:.1f} |"
                 )
             _write(rows)
 
@@ -231,11 +282,19 @@ def _write(rows: list[str]) -> None:
         "a tensor needed the arbiter). 'runtime parts': its wall seconds for start (process",
         "and imports) / compile / state (read, SHA-256, placed) / step / write. 'load': the",
         "machine's 1-minute load average when the row's export began (2 cores).",
+        "The runtime's process compiles the train program as `stepbundle run` does and leaves",
+        "it in the compile cache. 'run after, cpu': a later run's load (run's CPU defaults) and",
+        "first step, in a fresh process, with the cache the check filled (its hits) / with an",
+        "empty cache, as after an export without the check. 'net check, cpu': the check's",
+        "processor time plus the first of those minus the second: what the check adds from the",
+        "export's start to a run's first step on this machine (over the export's own, in",
+        "brackets); 'net check, wall': the same in wall seconds.",
         "",
         "| model | front-end | export, wall | export, cpu | check, wall "
         "| runtime process, wall | eager, wall | check, cpu | check/export (cpu) "
-        "| runtime, cpu | eager, cpu | runtime parts, wall | closest to its bound | commit | load |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| runtime, cpu | eager, cpu | runtime parts, wall | closest to its bound "
+        "| run after, cpu: warm / cold | net check, cpu | net check, wall | commit | load |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         *sorted(kept + rows),
     ]
     RESULTS.write_text("\n".join(lines) + "\n")

@@ -1,7 +1,9 @@
 """One step of a bundle on the CPU, for the export check (``stepbundle.frontend.step_check``).
 
 ``python -m stepbundle.cli.step_check BUNDLE BATCH OUT [--initial]`` loads ``BUNDLE``
-with the runtime on the CPU (train entry only, no compile cache), steps it once from its
+with the runtime on the CPU (train entry only, compiled with the options and into the
+compile cache ``stepbundle run`` uses by default, so that a run of the bundle on this
+machine does not compile its train program again), steps it once from its
 initial state (``--init-from FILE``: a bundle without weights takes its parameters and
 buffers from the exporting model's, written there) with the batch in ``BATCH`` (a
 safetensors file, one tensor per batch key) and writes, into the folder ``OUT``:
@@ -30,21 +32,8 @@ from pathlib import Path
 
 __all__ = ["main"]
 
-# The check runs the program once: compile it fast. These set LLVM's effort only (XLA's
-# own passes, which decide what is computed, all run); on resnet18's train program the
-# CPU compile took 14 s instead of 46 (wall, on a shared 2-core machine), and the state
-# moved by 2e-5 of its largest value at most (rounding), far inside the check's bounds
-# (the update within 1e-3, plus 4 float32 roundings of the value). Both jaxlibs the
-# project supports (0.7.1, 0.10.2) know them. The runtime itself turns YNNPACK's fusions
-# off on the CPU (CompileOptions, #39 item 5).
-_FAST_COMPILE = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true")
 
-
-def _fast_compile() -> None:
-    flags = os.environ.get("XLA_FLAGS", "")
-    extra = [f for f in _FAST_COMPILE if f.split("=")[0] not in flags]
-    if extra:
-        os.environ["XLA_FLAGS"] = " ".join([flags, *extra]).strip()
+def _cpu_only() -> None:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
@@ -55,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out")
     parser.add_argument("--init-from")
     args = parser.parse_args(argv)
-    _fast_compile()
+    _cpu_only()
 
     import numpy as np
 
@@ -66,7 +55,10 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     t0 = time.perf_counter()
     options = LoadOptions(
-        compile=CompileOptions(entries=("train",), cache_dir=False),
+        # The train program compiled as ``stepbundle run`` compiles it on the CPU (XLA's
+        # default effort, the default compile cache): a run of this bundle on this
+        # machine then finds the executable in the cache instead of compiling it again.
+        compile=CompileOptions(entries=("train",)),
         state=StateOptions(init_from=args.init_from, init_strict=False),
     )
     trainer = load(args.bundle, "cpu", options)

@@ -12,11 +12,13 @@ differs most, with both values.
 Where it runs:
 
 - The runtime runs in a child process, ``python -m stepbundle.cli.step_check``: the
-  front-ends may not import the runtime (``tests/test_layering.py``), and the child sets
-  XLA's compile effort for its one program through ``XLA_FLAGS``, which XLA reads once per
-  process (the torch front-end's own jax has started by then). In the child, the program's
-  CPU compile and its one step are most of the check's cost (its start is mostly jax's
-  import); the eager step runs meanwhile, on half the cores.
+  front-ends may not import the runtime (``tests/test_layering.py``), and the runtime
+  needs jax's 64-bit mode. In the child, the program's CPU compile and its one step are
+  most of the check's cost (its start is mostly jax's import); the eager step runs
+  meanwhile, on half the cores. The child compiles the train program as ``stepbundle
+  run`` does on the CPU and leaves the executable in the compile cache
+  (``STEPBUNDLE_CACHE_DIR``): a run of the bundle on this machine does not compile it
+  again.
 - The eager reference is ``CPU_EAGER`` (PyTorch on the CPU), unless the front-end passes
   another: the torch_xla front-end steps torch_xla eagerly where only it computes what
   the bundle computes (random numbers drawn by XLA's generator; ``numerics="torch_xla"``).
@@ -245,6 +247,28 @@ def _cpu_step(
 CPU_EAGER = Reference("PyTorch eager on the CPU", _cpu_step, float64=True)
 
 
+_TORCH_XLA_FLAG = "--xla_cpu_enable_fast_math=false"
+
+
+def _without_torch_xla_flag(env: dict[str, str]) -> None:
+    """``XLA_FLAGS`` as the user set it: without the flag torch_xla appends at its import.
+
+    The runtime's process compiles the train program into the compile cache that a later
+    ``stepbundle run`` reads, keyed by ``XLA_FLAGS`` among the rest; a run started from a
+    shell has no such flag, and would not find the executable. The flag is XLA's own
+    default (fast math off), so the executable is the same either way.
+    """
+    if "torch_xla" not in sys.modules or "XLA_FLAGS" not in env:
+        return
+    flags = env["XLA_FLAGS"].split()
+    if flags and flags[-1] == _TORCH_XLA_FLAG:  # torch_xla appends it when it is missing
+        flags = flags[:-1]
+    if flags:
+        env["XLA_FLAGS"] = " ".join(flags)
+    else:
+        del env["XLA_FLAGS"]
+
+
 class _Runtime:
     """The runtime's process, stepping the bundle while this process steps eagerly (the
     two overlap: the check costs about the longer of them, not their sum)."""
@@ -268,6 +292,7 @@ class _Runtime:
             cmd += ["--init-from", str(init_file)]
         env = dict(os.environ)
         env["JAX_PLATFORMS"] = "cpu"
+        _without_torch_xla_flag(env)
         self._log = work / "runtime.log"
         self._t0 = time.perf_counter()
         with open(self._log, "wb") as log:

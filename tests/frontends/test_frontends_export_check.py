@@ -222,6 +222,10 @@ def test_the_cli_says_the_check_ran_and_skips_it_with_no_check(
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "STEPBUNDLE_EXPORT_CHECK"}
+    # A shell's environment: without the flag torch_xla added when this process imported it.
+    flags = [f for f in env.pop("XLA_FLAGS", "").split() if f != "--xla_cpu_enable_fast_math=false"]
+    env.update({"XLA_FLAGS": " ".join(flags)} if flags else {})
+    env["STEPBUNDLE_CACHE_DIR"] = str(tmp_path / "cache")
     base = [sys.executable, "-m", "stepbundle", "export", "examples/linear_adamw.py:recipe",
             "--frontend", frontend.name]  # fmt: skip
     root = Path(__file__).resolve().parents[2]
@@ -230,6 +234,14 @@ def test_the_cli_says_the_check_ran_and_skips_it_with_no_check(
     assert on.returncode == 0, on.stderr[-2000:]
     assert "[export] checked: one step through the runtime on the CPU" in on.stderr
     assert "check " in on.stderr.split("[export] stages:")[1]  # its seconds among the stages
+    # The check compiled the train program as a run does, into the compile cache: a load
+    # with run's defaults, in a fresh process, finds it there.
+    load = ("from stepbundle.runtime import load; import sys; "
+            "i = load(sys.argv[1], 'cpu').load_info; print(i.cache_hits, i.compiled)")  # fmt: skip
+    run = subprocess.run([sys.executable, "-c", load, str(tmp_path / "a.stepbundle")], cwd=root,
+                         env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split() == ["1", "0"], run.stdout  # one hit, nothing compiled
     off = subprocess.run([*base, "-o", str(tmp_path / "b.stepbundle"), "--no-check"], cwd=root,
                          env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
     assert off.returncode == 0, off.stderr[-2000:]

@@ -323,18 +323,24 @@ def _mask_miss(
     Checked once per mask (the layers of a model share one), by its form or else by
     computing it with each value held as its element type holds it (``graph.evaluate``),
     state read as loaded (``state``)."""
-    bcast = producer(select.operands[0])
+    pred = select.operands[0]
+    bcast = producer(pred)
     whole = f"{NOT_CAUSAL} (not one (T, T) mask broadcast over the batch and heads)"
-    if bcast is None or bcast.name != "stablehlo.broadcast_in_dim":
+    rank = len(shape_of(pred))
+    if shape_of(pred)[:-2] == [1] * (rank - 2):
+        mask = pred  # one batch of one head: the mask is the whole predicate
+    elif bcast is None or bcast.name != "stablehlo.broadcast_in_dim":
         return whole, ()
-    rank = len(shape_of(bcast.result))
-    mask = bcast.operands[0]
-    dims, mask_shape = ints(bcast, "broadcast_dimensions"), shape_of(mask)
-    # (T, T) into the last two dims, or (1, .., 1, T, T) broadcast over the leading ones
-    # (the torch front-end keeps a buffer's unit dims)
-    if dims[-2:] != [rank - 2, rank - 1] or mask_shape[-2:] != [t, t]:
+    else:
+        mask = bcast.operands[0]
+        # (T, T) into the last two dims, or (1, .., 1, T, T) broadcast over the
+        # leading ones (the torch front-end keeps a buffer's unit dims)
+        if ints(bcast, "broadcast_dimensions")[-2:] != [rank - 2, rank - 1]:
+            return whole, ()
+    mask_shape = shape_of(mask)
+    if mask_shape[-2:] != [t, t] or any(n != 1 for n in mask_shape[:-2]):
         return whole, ()
-    if any(n != 1 for n in mask_shape[:-2]) or element_type(mask) != "i1":
+    if element_type(mask) != "i1":
         return whole, ()
     key = (producer(mask), fills_where_true)
     if key[0] is not None and key in seen:
@@ -369,6 +375,62 @@ def _mask_miss(
             )
         elif [bool(x) for x in values] != causal:
             miss = f"{NOT_CAUSAL} (computed, it is not the lower triangle)"
+    if key[0] is not None:
+        seen[key] = (miss, reads)
+    return miss, reads
+
+
+def _additive_miss(
+    add: Any,
+    x: Any,
+    t: int,
+    scalars: dict[int, float],
+    seen: dict[Any, tuple[str, tuple[int, ...]]],
+    state: StateValues,
+) -> tuple[str, tuple[int, ...]]:
+    """Why ``add`` (the scores ``x`` plus a mask) is not a causal additive mask, or ""
+    when it is, and the state arguments the mask was computed from. The mask is
+    broadcast into the scores' last two dims and each of its (T, T) slices (one per
+    batch row or head it holds) must be 0 on the lower triangle and at most
+    ``FILL_AT_MOST`` above it, computed as ``_mask_miss`` computes a mask."""
+    addend = add.operands[1] if add.operands[0] == x else add.operands[0]
+    bcast = producer(addend)
+    rank = len(shape_of(x))
+    whole = f"{NOT_CAUSAL} (an added mask that is not one (T, T) mask per batch row or head)"
+    mask = addend
+    if bcast is not None and bcast.name == "stablehlo.broadcast_in_dim":
+        if ints(bcast, "broadcast_dimensions")[-2:] != [rank - 2, rank - 1]:
+            return whole, ()
+        mask = bcast.operands[0]
+    if shape_of(mask)[-2:] != [t, t]:
+        return whole, ()
+    key = (producer(mask), "additive")
+    if key[0] is not None and key in seen:
+        return seen[key]
+    read: list[int] = []
+
+    def reader(num: int) -> Callable[[], Sequence[Any] | None]:
+        def values() -> Sequence[Any] | None:
+            read.append(num)
+            return state[num][1]()
+
+        return values
+
+    values = evaluate(mask, scalars, arrays={num: reader(num) for num in state})
+    reads = tuple(sorted(set(read)))
+    miss = ""
+    if values is None:
+        miss = (
+            f"{NOT_CAUSAL} (an added mask not computable when the program is compiled: "
+            "read from an input the step gives it or state the step writes, or too large)"
+        )
+    else:
+        ok = all(
+            (v == 0.0) if (n // t) % t >= n % t else (v <= FILL_AT_MOST)
+            for n, v in enumerate(values)
+        )
+        if not ok:
+            miss = f"{NOT_CAUSAL} (an added mask that, computed, is not the causal one)"
     if key[0] is not None:
         seen[key] = (miss, reads)
     return miss, reads
@@ -451,6 +513,14 @@ def _forward(
             return None
         causal = True
         x = skip_converts(sel.result)
+    add = only_user(x, "stablehlo.add")
+    if add is not None:  # an additive mask (Hugging Face's eager attention)
+        miss, more = _additive_miss(add, x, t, scalars, seen, state)
+        if miss:
+            misses.append(miss)
+            return None
+        causal, reads = True, tuple(sorted({*reads, *more}))
+        x = skip_converts(add.result)
     users = uses_of(x)
     if len(users) != 2 or element_type(x) != "f32":
         return None
@@ -585,7 +655,7 @@ def _backward(site: Site) -> bool:
         return False
     # the mask's zeros and the scale, then ds's two products
     x = skip_converts(ds)
-    if site.causal:
+    if site.mask_select is not None:
         sel = only_user(x, "stablehlo.select")
         fwd_sel = site.mask_select
         x_at, zero_at = (2, 1) if site.fills_where_true else (1, 2)

@@ -111,12 +111,15 @@ def skip_converts(value: Any) -> Any:
 
 
 def source_of(value: Any) -> Any:
-    """Follow float-to-float converts and broadcasts of a scalar backward to their
-    source (the scalar a splat repeats)."""
+    """Follow float-to-float converts, and broadcasts and reshapes of one element,
+    backward to their source (the scalar a splat repeats)."""
     op = producer(value)
     while op is not None and (
         _float_convert(op)
-        or (op.name == "stablehlo.broadcast_in_dim" and shape_of(op.operands[0]) == [])
+        or (
+            op.name in ("stablehlo.broadcast_in_dim", "stablehlo.reshape")
+            and math.prod(shape_of(op.operands[0])) == 1
+        )
     ):
         value = op.operands[0]
         op = producer(value)

@@ -5,7 +5,8 @@ with Shardy annotations on ``@main``: every batch input of rank >= 1 is split on
 first dimension over the mesh's ``data`` axis, every metric is replicated, and each
 state tensor is split as the layout's ``ShardPlan`` says (``shard_plan.py``: nothing for
 ``dp``, optimizer state for ZeRO-1, parameters and optimizer state for FSDP, large
-matmul weights over a ``model`` axis with ``+tp``), its update the same way. XLA's SPMD
+matmul weights over a ``model`` axis with ``+tp``), its update the same way; the batch's
+split propagates first (``BATCH_PRIORITY``), the state's after it. XLA's SPMD
 partitioner then runs each device on its slice of the global batch and of the state and
 inserts the collectives (the gradient all-reduce or reduce-scatter, the gathers of split
 parameters, the reductions of the loss and of BatchNorm statistics over the whole
@@ -38,9 +39,21 @@ AXIS = DATA
 MESH = "stepbundle_mesh"
 
 
-def _sdy(dims: Sequence[str | None]) -> str:
-    """A Shardy sharding on the mesh: one axis (or none) per dimension, as MLIR text."""
-    text = ", ".join("{}" if a is None else '{"' + a + '"}' for a in dims)
+BATCH_PRIORITY = 0
+"""The propagation priority of the batch's split: Shardy's ``p0``, propagated first."""
+STATE_PRIORITY = 1
+"""The propagation priority of the state's splits (``p1``), after the batch's. Where a
+weight's ``data`` split (FSDP) and the batch's meet on one product, the activations
+keep the batch's split and the partitioner gathers the weight. At one priority, Shardy
+gave the activations of a 2-D mesh (``fsdp+tp``) the weights' split and gathered the
+whole global batch onto every device (#41; docs/parallel.md has the figures)."""
+
+
+def _sdy(dims: Sequence[str | None], priority: int | None = None) -> str:
+    """A Shardy sharding on the mesh: one axis (or none) per dimension, as MLIR text;
+    ``priority`` marks each split dimension's propagation priority (``p0`` first)."""
+    mark = "" if priority is None else f"p{priority}"
+    text = ", ".join("{}" if a is None else '{"' + a + '"}' + mark for a in dims)
     return f"#sdy.sharding<@{MESH}, [{text}]>"
 
 
@@ -127,8 +140,14 @@ class Placement:
         ``stacked``: the program takes stacks of K batches (``multistep.py``), whose
         rows are their second dimension.
         """
-        args = [_sdy(self._input_dims(r, stacked)) for r in program.inputs]
-        results = [_sdy(self._output_dims(r)) for r in program.outputs]
+        args = [
+            _sdy(
+                self._input_dims(r, stacked),
+                BATCH_PRIORITY if isinstance(r, BatchInput) else STATE_PRIORITY,
+            )
+            for r in program.inputs
+        ]
+        results = [_sdy(self._output_dims(r), STATE_PRIORITY) for r in program.outputs]
         return args, results
 
     def output_shardings(self, program: Program) -> list[Any]:

@@ -13,6 +13,7 @@ of the wrong dimension moves the numbers by orders of magnitude more.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import weakref
@@ -150,6 +151,28 @@ def test_tensor_parallel_follows_megatrons_split(layouts_on_four: Any) -> None:
     buffers = dict(zip(trainer._store.layout.buffer_names, trainer._store.buffers))
     shards = buffers[h + "mlp.c_fc.weight"].addressable_shards  # [64, 16] over 2 x 2
     assert sorted(s.data.shape for s in shards) == [(32, 8)] * 4
+
+
+def test_tensor_parallel_keeps_the_batch_split_over_the_data_axis(layouts_on_four: Any) -> None:
+    """#41: with one priority for the batch's and the weights' splits, the partitioner
+    met them on the products and gathered the activations over ``data`` instead of the
+    weights: every device held all 8 sequences inside attention (``f32[8,4,8,4]`` on
+    this CPU, the global batch on a TPU slice). The batch's split now propagates first,
+    so each device's activations are its data group's 4 sequences and what is gathered
+    is weights (rank 2 at most)."""
+    trainer, _ = layouts_on_four["fsdp+tp"]
+    rows = _gpt_batches()[0]["idx"].shape[0]  # 8, over a data axis of 2
+    plan, _ = trainer._dispatcher.pick("train", _gpt_batches()[0])
+    hlo = plan.executable.hlo_modules()[0].to_string()
+    gathered = re.findall(r"=\s+([a-z]+[0-9]*)\[([0-9,]+)\]\S*\s+all-gather(?:-start)?\(", hlo)
+    assert gathered  # the weights split over data are gathered
+    # (the token ids, s32[8, 8, 1], are gathered whole for the embedding's lookup)
+    whole_batch = [
+        (t, d)
+        for t, d in gathered
+        if t.startswith(("f", "bf")) and d.count(",") >= 2 and int(d.split(",")[0]) == rows
+    ]
+    assert not whole_batch, whole_batch
 
 
 def test_state_bytes_per_device_shrink_with_each_layout(layouts_on_four: Any) -> None:

@@ -3,7 +3,8 @@
 ``python -m stepbundle.cli.step_check BUNDLE BATCH OUT [--initial]`` loads ``BUNDLE``
 with the runtime on the CPU (train entry only, compiled with the options and into the
 compile cache ``stepbundle run`` uses by default, so that a run of the bundle on this
-machine does not compile its train program again), steps it once from its
+machine does not compile its train program again; on jaxlib before 0.10, fast and
+without the cache: ``_FAST_COMPILE``), steps it once from its
 initial state (``--init-from FILE``: a bundle without weights takes its parameters and
 buffers from the exporting model's, written there) with the batch in ``BATCH`` (a
 safetensors file, one tensor per batch key) and writes, into the folder ``OUT``:
@@ -33,8 +34,36 @@ from pathlib import Path
 __all__ = ["main"]
 
 
-def _cpu_only() -> None:
+# Where compiling at XLA's default effort costs far more than the step it saves, the check
+# compiles its one program with LLVM's effort turned down (XLA's own passes, which decide
+# what is computed, all run) and leaves nothing in the compile cache: on jaxlib 0.7.1 the
+# check's process for resnet18 (the torch_xla front-end's bundle) took 39.7 s of processor
+# time at the default effort and 13.0 s at this one; on jaxlib 0.10.2, 16.8 s and 15.1 s
+# (benchmarks/results/export_check_choices.md). Remove with jaxlib 0.7 (the oldest the
+# runtime supports).
+_FAST_COMPILE = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true")
+_COMPILE_AS_RUN_FROM = (0, 10)
+
+
+def _compile_as_run() -> bool:
+    """Whether this jaxlib compiles the train program as ``stepbundle run`` does (into the
+    compile cache), or fast for the one step (``_FAST_COMPILE``, no cache)."""
+    from importlib.metadata import version
+
+    parts = []
+    for part in version("jaxlib").split(".")[:2]:
+        digits = "".join(c for c in part if c.isdigit())
+        parts.append(int(digits or 0))
+    return tuple(parts) >= _COMPILE_AS_RUN_FROM
+
+
+def _cpu_only(as_run: bool) -> None:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    if not as_run:  # before jax starts: XLA reads its flags once per process
+        flags = os.environ.get("XLA_FLAGS", "")
+        extra = [f for f in _FAST_COMPILE if f.split("=")[0] not in flags]
+        if extra:
+            os.environ["XLA_FLAGS"] = " ".join([flags, *extra]).strip()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -44,7 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out")
     parser.add_argument("--init-from")
     args = parser.parse_args(argv)
-    _cpu_only()
+    as_run = _compile_as_run()
+    _cpu_only(as_run)
 
     import numpy as np
 
@@ -57,8 +87,9 @@ def main(argv: list[str] | None = None) -> int:
     options = LoadOptions(
         # The train program compiled as ``stepbundle run`` compiles it on the CPU (XLA's
         # default effort, the default compile cache): a run of this bundle on this
-        # machine then finds the executable in the cache instead of compiling it again.
-        compile=CompileOptions(entries=("train",)),
+        # machine then finds the executable in the cache instead of compiling it again
+        # (not on a jaxlib where that costs far more: _FAST_COMPILE).
+        compile=CompileOptions(entries=("train",), cache_dir=as_run),
         state=StateOptions(init_from=args.init_from, init_strict=False),
     )
     trainer = load(args.bundle, "cpu", options)

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from jax import lax
 
-from .registry import OpContext, compute_dtype, is_array, lowers, to_dtype
+from .registry import OpContext, compute_dtype, is_array, lowers, select, to_dtype
 
 aten = torch.ops.aten
 
@@ -204,7 +204,7 @@ def _clamp(ctx: OpContext, x: Any, min: Any = None, max: Any = None) -> Any:
 @lowers(aten.where.self, aten.where.ScalarSelf, aten.where.ScalarOther, aten.where.Scalar)
 def _where(ctx: OpContext, cond: Any, a: Any, b: Any) -> Any:
     dt = ctx.out_dtype
-    return jnp.where(_c(cond, torch.bool), _c(a, dt), _c(b, dt))
+    return select(_c(cond, torch.bool), _c(a, dt), _c(b, dt))
 
 
 def _unary(fn: Any, *ops: Any) -> None:

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from jax import lax
 
-from .registry import OpContext, jax_dtype, lowers, to_dtype
+from .registry import OpContext, jax_dtype, lowers, select, to_dtype
 
 aten = torch.ops.aten
 
@@ -297,7 +297,7 @@ def _gather(ctx: OpContext, x: Any, dim: int, index: Any, *, sparse_grad: bool =
         # x first, on a TPU a float32 (tokens, vocabulary) tensor written only to read
         # one value per row (docs/tpu.md, "The torch front-end on a TPU").
         hit = lax.broadcasted_iota(index.dtype, x.shape, d) == index
-        return jnp.max(jnp.where(hit, x, -jnp.inf), axis=d, keepdims=True)
+        return jnp.max(select(hit, x, jnp.asarray(-jnp.inf, x.dtype)), axis=d, keepdims=True)
     # torch allows an index smaller than the input in the other dimensions.
     return x[_grid(index, d)]
 
@@ -322,7 +322,7 @@ def _scatter(ctx: OpContext, x: Any, dim: int, index: Any, src: Any) -> Any:
         # wrote the whole tensor instead; on a TPU as a flat array then relaid out
         # (docs/tpu.md, "The torch front-end on a TPU").
         hit = lax.broadcasted_iota(index.dtype, x.shape, d) == index
-        return jnp.where(hit, jnp.asarray(src, x.dtype), x)
+        return select(hit, jnp.asarray(src, x.dtype), x)
     return x.at[_grid(index, d)].set(jnp.asarray(src, x.dtype))
 
 

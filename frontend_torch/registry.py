@@ -31,6 +31,7 @@ __all__ = [
     "compute_dtype",
     "jax_dtype",
     "lowers",
+    "select",
     "to_dtype",
 ]
 
@@ -64,6 +65,14 @@ def jax_dtype(dtype: torch.dtype) -> Any:
 def to_dtype(x: Any, dtype: torch.dtype) -> Any:
     """``x`` (an array or a Python number) as an array of the torch dtype ``dtype``."""
     return jnp.asarray(x).astype(jax_dtype(dtype))
+
+
+def select(cond: Any, a: Any, b: Any) -> Any:
+    """``jnp.where(cond, a, b)`` for arrays of one dtype, written as the ``select`` itself:
+    jnp.where lowers to a call of a private function, one per shape, which hides the
+    select from the runtime's pattern rewrites (``stablehlo/onehot.py``'s one-hot sums)."""
+    shape = jnp.broadcast_shapes(jnp.shape(cond), jnp.shape(a), jnp.shape(b))
+    return jax.lax.select(*(jnp.broadcast_to(x, shape) for x in (cond, a, b)))
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:

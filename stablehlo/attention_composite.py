@@ -27,7 +27,9 @@ Imports: jaxlib's MLIR bindings.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+import math
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,7 +39,16 @@ from stepbundle.schema.errors import UsageError
 
 from .artifact import Module, ProgramError
 from .build import verify
-from .graph import call, element_type, function_type, insert_functions, shape_of
+from .graph import (
+    call,
+    element_type,
+    evaluate,
+    function_type,
+    insert_functions,
+    ints,
+    producer,
+    shape_of,
+)
 
 __all__ = [
     "GRAD_NAME",
@@ -46,6 +57,7 @@ __all__ = [
     "VERSION",
     "Attention",
     "attributes",
+    "causal_mask_reads",
     "count_composites",
     "find_composites",
     "rewrite_composites",
@@ -186,17 +198,77 @@ def count_composites(module: Module) -> int:
     return len(find_composites(module))
 
 
+FILL_AT_MOST = -1e30
+"""An additive mask's masked entries must be at most this (-inf, or a dtype's minimum)."""
+
+StateValues = Mapping[int, tuple[str, Callable[[], Sequence[Any] | None]]]
+"""As ``attention.StateValues``: state arguments the step never writes, as loaded."""
+
+
+def causal_mask_reads(
+    mask: Any, att: Attention, scalars: Mapping[int, float], state: StateValues
+) -> tuple[int, ...] | None:
+    """The state arguments read, when the composite's ``mask`` operand computes (when
+    the program is compiled, ``graph.evaluate``) to PyTorch's ``is_causal`` for every
+    batch row and head it holds: the top-left lower triangle of (Tq, Tk), True where
+    kept for a boolean mask, 0 there and at most ``FILL_AT_MOST`` elsewhere for an
+    additive one. None when it does not, or cannot be computed (read from the step's
+    inputs, or too large). Broadcasts over the leading dims are read through."""
+    tq, tk = att.q_len, att.kv_len
+    src, op = mask, producer(mask)
+    while op is not None and op.name == "stablehlo.broadcast_in_dim":
+        rank, dims = len(shape_of(op.result)), ints(op, "broadcast_dimensions")
+        if shape_of(op.operands[0])[-2:] != [tq, tk] or dims[-2:] != [rank - 2, rank - 1]:
+            break
+        src, op = op.operands[0], producer(op.operands[0])
+    if shape_of(src)[-2:] != [tq, tk]:
+        return None
+    read: list[int] = []
+
+    def reader(num: int) -> Callable[[], Sequence[Any] | None]:
+        def values() -> Sequence[Any] | None:
+            read.append(num)
+            return state[num][1]()
+
+        return values
+
+    values = evaluate(src, scalars, arrays={num: reader(num) for num in state})
+    if values is None or len(values) != math.prod(shape_of(src)):
+        return None
+    boolean = element_type(src) == "i1"
+    for n, v in enumerate(values):
+        i, j = (n // tk) % tq, n % tk
+        if boolean and bool(v) != (j <= i):
+            return None
+        if not boolean and not (v == 0.0 if j <= i else v <= FILL_AT_MOST):
+            return None
+    return tuple(sorted(set(read)))
+
+
 Kernels = Callable[[Attention], str]
 """Attention -> the text of a module whose ``@main`` takes the composite's operands
 and returns its results."""
 
 
 def rewrite_composites(
-    module: Module, kernels: Kernels, supported: Callable[[Attention], str | None]
+    module: Module,
+    kernels: Kernels,
+    supported: Callable[[Attention], str | None],
+    scalars: Mapping[int, float] | None = None,
+    state: StateValues | None = None,
+    state_reads: set[int] | None = None,
 ) -> tuple[list[Attention], list[str]]:
     """Replace each attention composite that ``supported`` takes (returns None for) by
     a call of the function ``kernels`` gives, in place; the rest keep their
     decomposition. Returns those replaced and, for each kept, why in words.
+
+    A boolean or additive mask that computes to the causal triangle
+    (``causal_mask_reads``: from constants, ``scalars`` (@main's scalar constant
+    arguments) and ``state`` (buffers the step never writes, as loaded)) is read as
+    ``is_causal``: the kernels get no mask (Hugging Face's SDPA path, through torch_xla,
+    passes its causal mask so). ``state_reads`` gets the state arguments the replaced
+    composites' masks were computed from (the program assumes them: the caller must
+    hold the state to them).
 
     Raises:
       ValueError: a kernel function does not take and give the composite's types, or
@@ -205,6 +277,7 @@ def rewrite_composites(
     """
     replaced: list[Attention] = []
     kept: list[str] = []
+    masks: dict[Any, tuple[int, ...] | None] = {}
     with module._ctx:
         made: dict[Attention, str] = {}
         for op, att in find_composites(module):
@@ -214,6 +287,18 @@ def rewrite_composites(
             if att.version != VERSION:
                 kept.append(f"{att.describe()}: composite version {att.version}, not {VERSION}")
                 continue
+            operands = list(op.operands)
+            reads: tuple[int, ...] = ()
+            at = 6 if att.grad else 3  # the mask operand (module docstring)
+            if att.mask in ("boolean", "additive") and not att.causal and len(operands) > at:
+                if operands[at] not in masks:  # a forward and its backward share one
+                    masks[operands[at]] = causal_mask_reads(
+                        operands[at], att, scalars or {}, state or {}
+                    )
+                causal = masks[operands[at]]
+                if causal is not None:
+                    att = dataclasses.replace(att, causal=True, mask="causal")
+                    operands, reads = operands[:at], causal
             why = supported(att)
             if why is not None:
                 kept.append(f"{att.describe()}: {why}")
@@ -224,7 +309,7 @@ def rewrite_composites(
                     module, kernels(att), f"stepbundle_sdpa{len(made)}_{kind}"
                 )
             ft = function_type(module, made[att])
-            want_in = [str(v.type) for v in op.operands]
+            want_in = [str(v.type) for v in operands]
             want_out = [str(r.type) for r in op.results]
             got_in, got_out = [str(t) for t in ft.inputs], [str(t) for t in ft.results]
             # A forward whose lse no one reads may give ``out`` alone (module docstring)
@@ -233,11 +318,13 @@ def rewrite_composites(
                     f"the fused {att.describe()} takes {got_in} -> {got_out}, the "
                     f"composite {want_in} -> {want_out}"
                 )
-            new = call(module, made[att], list(op.operands), op)
+            new = call(module, made[att], operands, op)
             for result, value in zip(op.results, new):
                 result.replace_all_uses_with(value)
             op.erase()
             replaced.append(att)
+            if state_reads is not None:
+                state_reads.update(reads)
         if replaced:
             verify(module._module, "fusing attention composites")
     return replaced, kept

@@ -182,9 +182,11 @@ def composite_supported(att: Attention) -> str | None:
     if att.dropout_p:
         return f"dropout on the attention probabilities (p={att.dropout_p:g}) is not fused"
     if att.mask in ("boolean", "additive"):
+        article = "an" if att.mask == "additive" else "a"
         return (
-            f"an {att.mask} attn_mask is not fused (a causal mask given as attn_mask: pass "
-            "is_causal=True instead)"
+            f"{article} {att.mask} attn_mask that is not the causal triangle when the program "
+            "is compiled is not fused (made from the step's inputs, too large to compute, "
+            "or another mask; for causal attention pass is_causal=True)"
         )
     if att.mask not in ("none", "causal"):
         return f"the mask kind {att.mask!r} is unknown"

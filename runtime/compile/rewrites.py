@@ -239,11 +239,11 @@ def fuse_attention(
     skipped: list[str] = []
     copy = mlir.Module.parse_text(stage.module, stage.module.text())
     scalars = dict(ctx.scalar_constants)
-    composites = _fuse_composites(copy, platform, interpret, ctx.kept_attention)
+    reads: set[int] = set()  # state arguments a fused mask was computed from
+    composites = _fuse_composites(copy, platform, interpret, ctx.kept_attention, ctx, reads)
     if composites is None:  # a failure: the program is as it was
         return stage
     misses: list[str] = []  # attention seen and not taken, and why
-    reads: set[int] = set()  # state arguments a fused mask was computed from
     try:
         n = rewrite_attention(
             copy,
@@ -259,8 +259,8 @@ def fuse_attention(
         if not composites:
             return stage
         copy, n = mlir.Module.parse_text(stage.module, stage.module.text()), 0
-        composites = _fuse_composites(copy, platform, interpret, []) or 0
         reads = set()
+        composites = _fuse_composites(copy, platform, interpret, [], ctx, reads) or 0
     n += composites
     ctx.kept_attention.extend(dict.fromkeys(misses))
     ctx.pinned_state.extend(ctx.state_values[i][0] for i in sorted(reads))
@@ -283,20 +283,33 @@ def fuse_attention(
 
 
 def _fuse_composites(
-    module: mlir.Module, platform: str, interpret: bool, kept_out: list[str]
+    module: mlir.Module,
+    platform: str,
+    interpret: bool,
+    kept_out: list[str],
+    ctx: RewriteContext,
+    reads: set[int],
 ) -> int | None:
     """Attention composites (``stablehlo/attention_composite.py``: what a front-end
     writes for ``F.scaled_dot_product_attention``) as the kernels, in place where their
     attributes allow; each kept says where and why (a warning, once per reason). The
     number of forward attentions fused, or None when the rewrite failed (``module`` may
-    then be partly rewritten); the sites kept, in words, are added to ``kept_out``."""
+    then be partly rewritten); the sites kept, in words, are added to ``kept_out``. A
+    mask that computes to the causal triangle (from constants, ``ctx``'s scalar
+    constants and unwritten state) is fused as causal; the state arguments it was
+    computed from are added to ``reads``."""
     from .fused_attention import composite_kernels_for, composite_supported
 
     if not count_composites(module):
         return 0
     try:
         fused, kept = rewrite_composites(
-            module, composite_kernels_for(platform, interpret), composite_supported
+            module,
+            composite_kernels_for(platform, interpret),
+            composite_supported,
+            dict(ctx.scalar_constants),
+            ctx.state_values,
+            reads,
         )
     except Exception as e:  # lowering or verification: keep the decompositions
         warn_once(

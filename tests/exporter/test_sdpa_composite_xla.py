@@ -11,7 +11,9 @@ The tracer writes each SDPA, forward and backward, as the ``stepbundle.attention
   without composites);
 - the TPU's swap (splash kernels, interpreted by Pallas on the CPU) takes them, in a
   training step and in an eval program (whose forward composite has no lse result);
-- what the kernels do not take keeps its decomposition and says why.
+- what the kernels do not take keeps its decomposition and says why;
+- a causal mask given as ``attn_mask`` (kept in the bundle as a boolean mask) is
+  computed when the program is compiled and fused as ``is_causal``.
 """
 
 from __future__ import annotations
@@ -59,6 +61,8 @@ class _Block(nn.Module):
             kw["scale"] = self.form["scale"]
         if self.form.get("mask") == "padding":  # keys of token 0 masked: from the batch
             kw["attn_mask"] = (idx != 0)[:, None, None, :]
+        elif self.form.get("mask") == "tril":  # a causal mask given as attn_mask
+            kw["attn_mask"] = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
         else:
             kw["is_causal"] = self.form.get("causal", True)
         y = F.scaled_dot_product_attention(q, k, v, **kw)
@@ -124,6 +128,7 @@ FORMS: dict[str, dict[str, Any]] = {
     "unmasked": {"causal": False},
     "scale-gqa": {"scale": 0.2, "kv_heads": 1},
     "padding": {"mask": "padding"},
+    "tril-mask": {"mask": "tril"},
 }
 
 
@@ -253,7 +258,7 @@ def test_the_decomposition_runs_bit_for_bit_the_unmarked_math(bundles: dict[str,
     assert all(np.array_equal(state_a[k], state_b[k]) for k in state_a)
 
 
-@pytest.mark.parametrize("form", ["causal", "scale-gqa", "padding"])
+@pytest.mark.parametrize("form", ["causal", "scale-gqa", "padding", "tril-mask"])
 def test_the_decomposition_and_the_kernels_match_float64_as_torch_xlas_sdpa_does(
     bundles: dict[str, Path], form: str
 ) -> None:

@@ -1,8 +1,9 @@
 """Written-out attention exported by the torch front-end, fused on a TPU (#38 item 2).
 
 The torch front-end lowers written-out attention its own way (products float32-out then
-converted, ``torch.where`` as a private function call, ``amax`` through ``max(-inf,
-m)``, broadcasts in two steps, torch's softmax gradient); the matcher
+converted, ``amax`` through ``max(-inf, m)``, broadcasts in two steps, torch's softmax
+gradient; before 7013169, ``torch.where`` as a private function call, which the matcher
+inlines); the matcher
 (``stablehlo/attention.py``) reads those forms as it reads torch_xla's. The model of
 ``tests/attention_forms.py`` writes its causal mask four ways (``tril`` in forward,
 nanoGPT's buffer, ``arange`` positions in a layer of one head, an added float mask;
@@ -42,8 +43,8 @@ def test_every_form_is_matched_with_its_backward(bundle: tuple[Path, dict]) -> N
             for i, inp in enumerate(program.inputs)
             if getattr(inp, "name", None) in forms.MASK_BUFFERS
         }
-    assert "call @_where" in module.text()  # the front-end's own form, read as it is
     sites = find_attention(module, {}, state=buffers)
+    assert "call @" not in module.text()  # private functions inlined before matching
     assert sorted(s.heads for s in sites) == sorted(h for _, h in forms.FORMS)
     assert all(s.causal and s.do is not None and s.batch == 1 for s in sites)
     # the buffer's mask read as loaded: the upper triangle is not causal

@@ -371,7 +371,8 @@ def _dense_integers(op: Any) -> list[Any] | None:
     """A non-splat integer or boolean constant's elements in row-major order (the
     positions ``torch.arange`` writes), or None for any other."""
     elem = element_type(op.result)
-    if elem != "i1" and _int_range(elem) is None:
+    # unsigned types left out: the bindings read their elements as signed
+    if elem != "i1" and (_int_range(elem) is None or elem.startswith("ui")):
         return None
     attr = ir.DenseIntElementsAttr(op.attributes["value"])
     values = [attr[i] for i in range(len(attr))]

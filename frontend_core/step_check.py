@@ -499,13 +499,12 @@ def _float64_for(
         first.setdefault(id(p), name)
     kept = set()
     for name in failing:
-        p = owners.get(name)
-        if p is None and name.startswith("optimizer.state."):  # state the step created
-            stem = name[len("optimizer.state.") :].rpartition(".")[0]
-            p = owners.get(stem)
-        if p is None:
+        owner = owners.get(name)
+        if owner is None and name.startswith("optimizer.state."):  # state the step created
+            owner = owners.get(name[len("optimizer.state.") :].rpartition(".")[0])
+        if owner is None:
             return None
-        kept.add(first[id(p)])
+        kept.add(first[id(owner)])
     try:
         _, s32 = _pruned_step(ref, recipe, kept, batch, seed, float64=False)
         if not all(n in s32 and torch.equal(s32[n], eager_state[n]) for n in failing):
@@ -529,7 +528,8 @@ def check_bundle(
     compare every metric and state tensor.
 
     Where a tensor is further from the eager step than ``Bounds`` allow, and the
-    reference is PyTorch on the CPU, the step is run once more in float64: the bundle
+    reference is PyTorch on the CPU, the step is run once more in float64 (for the failing
+    parameters alone where that computes the same for them: ``_float64_for``): the bundle
     passes where it is no further from float64 than twice PyTorch float32's own distance
     (rounding that the step itself amplifies, such as Adam dividing a gradient that is
     zero in exact arithmetic by its own magnitude, moves PyTorch float32 as much).

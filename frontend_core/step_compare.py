@@ -96,6 +96,17 @@ def _norm(x: torch.Tensor) -> float:
     return math.sqrt(total)
 
 
+def _non_finite_mismatch(a: torch.Tensor, w: torch.Tensor) -> int | None:
+    """The first flat index where the flat tensors ``a`` and ``w`` are not the same kind
+    of value (finite, NaN, +inf, -inf), or None: a NaN where eager has an infinity, or
+    an infinity of the other sign, is a different step, not a rounding."""
+    bad = torch.isnan(a) != torch.isnan(w)
+    bad |= torch.isposinf(a) != torch.isposinf(w)
+    bad |= torch.isneginf(a) != torch.isneginf(w)
+    hits = torch.nonzero(bad)
+    return int(hits[0]) if hits.numel() else None
+
+
 def _compare_tensor(
     name: str, got: torch.Tensor, want: torch.Tensor, before: torch.Tensor | None, b: Bounds
 ) -> Verdict:
@@ -122,12 +133,11 @@ def _compare_tensor(
     norm_w = _norm(w)
     all_finite = math.isfinite(norm_w) and math.isfinite(_norm(a))
     if not all_finite:
-        fw = torch.isfinite(w)
-        if not torch.equal(torch.isfinite(a), fw):
-            d = (a.double() - w.double()).abs().nan_to_num(nan=math.inf)
-            i = int(torch.argmax(d))
-            return Verdict(name, math.inf, _where(i, shape), float(a[i]), float(w[i]),
+        bad = _non_finite_mismatch(a, w)
+        if bad is not None:
+            return Verdict(name, math.inf, _where(bad, shape), float(a[bad]), float(w[bad]),
                             "non-finite values differ")  # fmt: skip
+        fw = torch.isfinite(w)
         a, w = a[fw], w[fw]
         b0 = b0[fw] if b0 is not None else None
         norm_w = _norm(w)
@@ -150,9 +160,14 @@ def _compare_metric(name: str, got: list[float], want: torch.Tensor, b: Bounds) 
     a = torch.tensor(got, dtype=torch.float64)
     if a.shape != w.shape:
         return Verdict(name, math.inf, "", math.nan, math.nan, "shapes differ")
-    i = int(torch.argmax((a - w).abs().nan_to_num(nan=math.inf)))
+    bad = _non_finite_mismatch(a, w)
+    i = (
+        bad
+        if bad is not None
+        else int(torch.argmax(torch.where(torch.isfinite(w), (a - w).abs(), 0.0)))
+    )
     where, x, y = _where(i, tuple(w.shape)) if w.numel() > 1 else "", float(a[i]), float(w[i])
-    if not torch.equal(torch.isfinite(a), torch.isfinite(w)):
+    if bad is not None:
         return Verdict(name, math.inf, where, x, y, "non-finite values differ")
     fin = torch.isfinite(w)
     d = (a[fin] - w[fin]).abs()
@@ -162,7 +177,7 @@ def _compare_metric(name: str, got: list[float], want: torch.Tensor, b: Bounds) 
 
 
 def describe(v: Verdict) -> str:
-    at = f"[{v.where}]" if v.where else ""
+    at = v.where if v.where.startswith("[") else f" ({v.where})" if v.where else ""
     return f"{v.name}{at}: bundle {v.bundle!r}, eager {v.eager!r}"
 
 

@@ -3,11 +3,12 @@
 A normalization, not an optimization: XLA inlines every call when it compiles, so the
 values a program computes do not change. A pattern matcher that reads operations one
 by one (``attention.py``) sees the same graph however a front-end split it into
-functions: the torch front-end writes ``torch.where`` as ``call @_where_N(...)``, one
-function per shape, where torch_xla writes the ``select`` itself.
+functions: the torch front-end wrote ``torch.where`` as ``call @_where_N(...)``, one
+function per shape, before 7013169, where torch_xla writes the ``select`` itself.
 
-A callee is inlined only when none of its nested regions reads a value defined outside
-that region (a ``reduce``'s body reads its own arguments only): such a value would
+Functions named ``stepbundle_*`` (the fused kernels a rewrite moved in) keep their
+calls. A callee is inlined only when none of its nested regions reads a value defined
+outside that region (a ``reduce``'s body reads its own arguments only): such a value would
 need remapping that operation cloning does not do.
 
 Imports: jaxlib's MLIR bindings.
@@ -21,7 +22,12 @@ from jaxlib.mlir import ir
 
 from .artifact import Module
 
-__all__ = ["inline_private_calls"]
+__all__ = ["KEPT_PREFIX", "inline_private_calls"]
+
+
+KEPT_PREFIX = "stepbundle_"
+"""Functions the runtime moved in (the fused kernels, ``graph.insert_functions``) keep
+their calls: a rewrite found them by their calls, and they are large."""
 
 
 def _private_functions(module: Module) -> dict[str, Any]:
@@ -33,7 +39,9 @@ def _private_functions(module: Module) -> dict[str, Any]:
             continue
         if not op.regions[0].blocks:  # a declaration
             continue
-        found[ir.StringAttr(op.attributes["sym_name"]).value] = op.operation
+        name = ir.StringAttr(op.attributes["sym_name"]).value
+        if not name.startswith(KEPT_PREFIX):
+            found[name] = op.operation
     return found
 
 

@@ -1,6 +1,6 @@
 """One step of a bundle on the CPU, for the export check (``stepbundle.frontend.step_check``).
 
-``python -m stepbundle.cli.step_check BUNDLE BATCH OUT [--initial]`` loads ``BUNDLE``
+``python -m stepbundle.cli.step_check BUNDLE BATCH OUT [--init-from FILE]`` loads ``BUNDLE``
 with the runtime on the CPU (train entry only, compiled with the options and into the
 compile cache ``stepbundle run`` uses by default, so that a run of the bundle on this
 machine does not compile its train program again; on jaxlib before 0.10, fast and

@@ -26,7 +26,7 @@ from stepbundle.frontend.initial_state import non_persistent_buffers
 from stepbundle.frontend.progress import CHECK_STAGE, Ticker, no_ticks, ticking
 from stepbundle.frontend.recipe import Recipe, checked_metadata, read_only_entries, step_label
 from stepbundle.frontend.schedulers import scheduler_notes
-from stepbundle.frontend.step_check import check_bundle, check_wanted
+from stepbundle.frontend.step_check import UNCHECKED, check_bundle, check_wanted
 from stepbundle.frontend.step_io import batch_signature, checked_batch
 from stepbundle.frontend.writer import (
     ExportReport,
@@ -427,4 +427,6 @@ def export_running_traced_steps(
         if not report.check.ran:
             say(report.check.line())
         times["check"] = time.perf_counter() - t1
+    else:
+        say(UNCHECKED)
     return report

@@ -53,7 +53,7 @@ from stepbundle.schema.manifest import InputKind, Manifest, MetricOutput, StateK
 
 from .errors import ExportError
 from .recipe import Recipe
-from .step_compare import FLOAT32, LOW_PRECISION, Bounds, describe
+from .step_compare import FLOAT32, LOW_PRECISION, Bounds, describe, suspects, update_verdicts
 from .step_compare import verdicts as judge
 
 __all__ = [
@@ -63,6 +63,7 @@ __all__ = [
     "CheckFailed",
     "CheckReport",
     "Reference",
+    "UNCHECKED",
     "check_bundle",
     "check_wanted",
     "state_by_name",
@@ -102,8 +103,12 @@ class Reference:
     name: str
     run: StepRunner
     float64: bool = False
-    """The same step in float64 is the arbiter of a tensor beyond ``Bounds`` (PyTorch on
-    the CPU; not torch_xla eager, whose random numbers float64 does not draw)."""
+    """The same step in float64 is the arbiter of a tensor beyond ``Bounds``, and of a
+    suspect update under low-precision bounds (PyTorch on the CPU; not torch_xla eager's
+    random numbers, which float64 does not draw)."""
+    float64_run: StepRunner | None = None
+    """The step the arbiter runs in float64, where not ``run`` (torch_xla eager with
+    numerics='torch_xla': PyTorch on the CPU, where both BatchNorms are the same math)."""
     bounds: Bounds | None = None
     """Bounds of its own; None: ``FLOAT32``, or ``LOW_PRECISION`` for a step that computes
     in bfloat16 or float16."""
@@ -177,6 +182,18 @@ class CheckReport:
 
 
 _NO_CHECK = "export with check=False (stepbundle export --no-check) to skip the check"
+"""For a check that could not run (not for a divergence: ``_UNCHECKED_ADVICE``)."""
+
+_UNCHECKED_ADVICE = (
+    "check=False (stepbundle export --no-check) would write this bundle anyway, known to "
+    "differ from eager: it is meant for models too big to step on the CPU, not for this"
+)
+
+UNCHECKED = (
+    "written unchecked (check=False, --no-check or STEPBUNDLE_EXPORT_CHECK=0): nothing "
+    "compared the bundle's step with the recipe's eager step"
+)
+"""The export line of an export with the check turned off."""
 
 
 def state_by_name(
@@ -602,39 +619,62 @@ def check_bundle(
             metric_names, state_names, bundle, (eager_metrics, eager_state), before, bounds
         )
         failing = {v.name for v in found if v.ratio > 1.0}
+        # FLOAT32: the tensors beyond the bound; low-precision bounds: the updates that
+        # differ from eager's by more than their ``suspect`` fraction (a tensor beyond
+        # such a bound fails as it is).
+        ask = failing if bounds.suspect is None else set() if failing else suspects(found, bounds)
         arbitrated = 0
-        if failing and ref.float64 and bounds is FLOAT32:
-            # Only the failing tensors of the float32 step are needed from here on: the
+        unarbitrated = 0
+        if ask and not ref.float64:
+            unarbitrated = len(ask)
+        elif ask:
+            arbiter = (
+                ref if ref.float64_run is None else dataclasses.replace(ref, run=ref.float64_run)
+            )
+            # Only the asked tensors of the float32 step are needed from here on: the
             # rest is let go before the float64 copy is made (GPT-2 small's float32 state is gigabytes).
-            eager_state = {k: v for k, v in eager_state.items() if k in failing}
+            eager_state = {k: v for k, v in eager_state.items() if k in ask}
             t64, cpu64 = time.perf_counter(), time.process_time()
-            found64 = _float64_for(recipe, failing, metric_names, eager_state, ref, batch, seed)
+            found64 = (
+                _float64_for(recipe, ask, metric_names, eager_state, arbiter, batch, seed)
+                if arbiter is ref  # its pruned float32 step must match eager's bit for bit
+                else None
+            )
             if found64 is None:  # every parameter's gradient, every update: the whole step
                 model, opt = _copies(recipe)
                 batch64 = _to_float64(model, opt, batch)
-                m64, s64, _ = _eager(ref, recipe, model, opt, batch64, seed)
+                m64, s64, _ = _eager(arbiter, recipe, model, opt, batch64, seed)
                 del model, opt
             else:
                 m64, s64 = found64
             eager_seconds += time.perf_counter() - t64
             eager_cpu += time.process_time() - cpu64
-            # Only the tensors beyond their bound are arbitrated: compare those alone.
-            fm = [n for n in metric_names if n in failing]
-            fs = [n for n in state_names if n in failing]
-            e32 = {v.name: v for v in judge(fm, fs, (
-                {k: {"values": torch.as_tensor(v).double().reshape(-1).tolist()}
-                 for k, v in eager_metrics.items() if k in fm}, eager_state),
-                (m64, s64), before, bounds)}  # fmt: skip
-            b64 = {v.name: v for v in judge(fm, fs, bundle, (m64, s64), before, bounds)}
             kept = []
-            for v in found:
-                if v.name in failing:
-                    v64 = b64[v.name]
-                    own = e32[v.name].ratio  # PyTorch float32's own distance, in bounds
-                    if v64.ratio <= max(1.0, 2.0 * own):
-                        arbitrated += 1
-                        v = dataclasses.replace(v, ratio=v64.ratio / max(1.0, 2.0 * own))
-                kept.append(v)
+            if bounds.suspect is None:
+                # Only the tensors beyond their bound are arbitrated: compare those alone.
+                fm = [n for n in metric_names if n in ask]
+                fs = [n for n in state_names if n in ask]
+                e32 = {v.name: v for v in judge(fm, fs, (
+                    {k: {"values": torch.as_tensor(v).double().reshape(-1).tolist()}
+                     for k, v in eager_metrics.items() if k in fm}, eager_state),
+                    (m64, s64), before, bounds)}  # fmt: skip
+                b64 = {v.name: v for v in judge(fm, fs, bundle, (m64, s64), before, bounds)}
+                for v in found:
+                    if v.name in ask:
+                        v64 = b64[v.name]
+                        own = e32[v.name].ratio  # PyTorch float32's own distance, in bounds
+                        if v64.ratio <= max(1.0, 2.0 * own):
+                            arbitrated += 1
+                            v = dataclasses.replace(v, ratio=v64.ratio / max(1.0, 2.0 * own))
+                    kept.append(v)
+            else:
+                judged = update_verdicts(ask, after, eager_state, s64, before, bounds)
+                unarbitrated = len(ask) - len(judged)
+                for v in found:
+                    if v.name in judged:
+                        v = judged[v.name]
+                        arbitrated += v.ratio <= 1.0
+                    kept.append(v)
             found = kept
     seconds = time.perf_counter() - t0
     if not found:  # pragma: no cover - every train program has a loss metric
@@ -646,10 +686,10 @@ def check_bundle(
         raise CheckFailed(
             f"The exported step does not compute what the recipe's step computes: after one "
             f"step from the same state and batch, {describe(worst)} ({worst.detail}; "
-            f"{worst.ratio:.3g}x the bound float32 rounding explains). Compared against "
-            f"{ref.name}. The bundle at {os.fspath(path)!r} was removed. This is a bug of "
-            f"stepbundle or an unsupported pattern in the step: please report it with the "
-            f"recipe; {_NO_CHECK}.",
+            f"{worst.ratio:.3g}x {worst.against or f'the bound {bounds.label} explains'}). "
+            f"Compared against {ref.name}. The bundle at {os.fspath(path)!r} was removed. "
+            f"This is a bug of stepbundle or an unsupported pattern in the step: please "
+            f"report it with the recipe. {_UNCHECKED_ADVICE}.",
             worst.name,
             worst.bundle,
             worst.eager,
@@ -667,8 +707,15 @@ def check_bundle(
         compared=len(found),
         closest=f"{worst.name} at {worst.ratio:.2g} of it"
         + (
-            f"; {arbitrated} within PyTorch float32's own distance from float64"
+            f"; {arbitrated} within {'PyTorch float32' if bounds.suspect is None else 'eager'}"
+            f"'s own distance from float64"
             if arbitrated
+            else ""
+        )
+        + (
+            f"; {unarbitrated} updates further from eager's than rounding alone suggests, "
+            f"and no float64 step to decide (random numbers)"
+            if unarbitrated
             else ""
         ),
     )

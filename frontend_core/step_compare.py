@@ -14,7 +14,16 @@ from typing import Any
 
 import torch
 
-__all__ = ["FLOAT32", "LOW_PRECISION", "Bounds", "Verdict", "describe", "verdicts"]
+__all__ = [
+    "FLOAT32",
+    "LOW_PRECISION",
+    "Bounds",
+    "Verdict",
+    "describe",
+    "suspects",
+    "update_verdicts",
+    "verdicts",
+]
 
 
 @dataclass(frozen=True)
@@ -33,6 +42,12 @@ class Bounds:
     differs from PyTorch float32 by about 1e-6 of the update; resnet18's BatchNorm
     gradients 1e-5): ``docs/frontends.md`` has the figures. ``LOW_PRECISION`` is for steps
     that compute in bfloat16 or float16 (autocast, or such state or batches).
+
+    A value term of bfloat16's size is about 3% of the tensor's norm, more than one
+    ordinary step moves a weight: a dropped update would pass it. Bounds with ``suspect``
+    therefore also judge the update itself: a tensor whose update is further than
+    ``suspect`` of its size from eager's (``||a - b|| > suspect * ||b - b0||``) is
+    *suspect*, and the float64 step decides (``update_verdicts``).
     """
 
     update: float = 1e-3
@@ -40,11 +55,27 @@ class Bounds:
     eps: float = float(torch.finfo(torch.float32).eps)
     atol: float = 1e-7
     metric: float = 1e-4
+    suspect: float | None = None
+    """A tensor whose update differs from eager's by more than this fraction of it is
+    judged against the float64 step (``update_verdicts``); None: not asked (float32
+    bounds are tight enough on their own)."""
+    label: str = "float32 rounding"
+    """What the bound stands for, in a refusal ("4.2x the bound float32 rounding explains")."""
 
 
 FLOAT32 = Bounds()
 LOW_PRECISION = Bounds(update=5e-2, ulps=4.0, eps=float(torch.finfo(torch.bfloat16).eps),
-                       atol=1e-5, metric=3e-2)  # fmt: skip
+                       atol=1e-5, metric=3e-2, suspect=0.5,
+                       label="bfloat16 or float16 rounding")  # fmt: skip
+
+ARBITER_TIMES = 4.0
+"""A suspect tensor fails where its update is further from float64's than this many times
+eager's own distance from float64, plus ``ARBITER_FLOOR``."""
+ARBITER_FLOOR = 0.25
+"""...plus this fraction of float64's update. A dropped (or doubled) update is float64's
+whole update away; a tensor whose update is rounding noise (a convolution's bias before
+BatchNorm: its gradient is zero in exact arithmetic, and Adam scales the noise up to a
+full step) has eager itself about its whole update away, and passes."""
 
 
 @dataclass(frozen=True)
@@ -58,6 +89,10 @@ class Verdict:
         tensor within its bound, where it is not looked for).
       bundle, eager: the values there (nan where ``where`` was not looked for).
       detail: the distance and the bound, in words.
+      distance, update: a state tensor's normwise distance from eager, and eager's
+        update's norm (nan for a metric).
+      against: the bound in words ("the distance ... that rounding explains"), where not
+        "the bound <``Bounds.label``> explains".
     """
 
     name: str
@@ -66,6 +101,9 @@ class Verdict:
     bundle: float
     eager: float
     detail: str
+    distance: float = math.nan
+    update: float = math.nan
+    against: str = ""
 
 
 def _where(i: int, shape: tuple[int, ...]) -> str:
@@ -149,10 +187,10 @@ def _compare_tensor(
     ratio = dist / bound if bound > 0 else (0.0 if dist == 0 else math.inf)
     detail = f"normwise distance {dist:.3g}, bound {bound:.3g} (update {update:.3g})"
     if ratio <= 1.0:  # where it differs most is only said of a tensor that fails
-        return Verdict(name, ratio, "", math.nan, math.nan, detail)
+        return Verdict(name, ratio, "", math.nan, math.nan, detail, dist, update)
     i = int(torch.argmax(d.abs()))
     where = _where(i, shape) if all_finite else "a finite element"
-    return Verdict(name, ratio, where, float(a[i]), float(w[i]), detail)
+    return Verdict(name, ratio, where, float(a[i]), float(w[i]), detail, dist, update)
 
 
 def _compare_metric(name: str, got: list[float], want: torch.Tensor, b: Bounds) -> Verdict:
@@ -217,4 +255,69 @@ def _verdicts_of(
         if b0 is None and name.endswith(".grad"):
             b0 = torch.zeros_like(eager[1][name])
         out.append(_compare_tensor(name, bundle[1][name], eager[1][name], b0, bounds))
+    return out
+
+
+def suspects(found: list[Verdict], bounds: Bounds) -> set[str]:
+    """The state tensors within ``bounds`` whose update is further than ``bounds.suspect``
+    of its size from eager's (none where ``bounds.suspect`` is None)."""
+    if bounds.suspect is None:
+        return set()
+    frac = bounds.suspect
+    return {
+        v.name
+        for v in found
+        if v.ratio <= 1.0 and math.isfinite(v.distance) and v.distance > frac * v.update
+    }
+
+
+def _before(
+    name: str, before: Mapping[str, torch.Tensor], like: torch.Tensor
+) -> torch.Tensor | None:
+    b0 = before.get(name)
+    if b0 is None and name.endswith(".grad"):
+        return torch.zeros_like(like)
+    return b0 if b0 is not None and b0.shape == like.shape else None
+
+
+def update_verdicts(
+    names: set[str],
+    bundle: Mapping[str, torch.Tensor],
+    eager: Mapping[str, torch.Tensor],
+    float64: Mapping[str, torch.Tensor],
+    before: Mapping[str, torch.Tensor],
+    bounds: Bounds,
+) -> dict[str, Verdict]:
+    """Each suspect state tensor's update judged against the float64 step's: it fails
+    where ``||a - x|| > ARBITER_TIMES * ||b - x|| + ARBITER_FLOOR * ||x - b0|| + atol *
+    sqrt(n)`` (``a`` bundle, ``b`` eager, ``x`` float64, ``b0`` before the step). A
+    tensor with non-finite values, or one the float64 step did not make, is left out."""
+    out: dict[str, Verdict] = {}
+    for name in sorted(names):
+        if name not in float64:
+            continue
+        x = float64[name].detach().reshape(-1).double()
+        a = bundle[name].reshape(-1).double()
+        w = eager[name].reshape(-1).double()
+        if a.shape != x.shape or w.shape != x.shape:
+            continue
+        if not bool(torch.isfinite(torch.stack([a, w, x])).all()):
+            continue
+        b0 = _before(name, before, float64[name])
+        upd = _norm(x - b0.reshape(-1).double()) if b0 is not None else _norm(x)
+        dist_b, dist_e = _norm(a - x), _norm(w - x)
+        limit = ARBITER_TIMES * dist_e + ARBITER_FLOOR * upd + bounds.atol * math.sqrt(x.numel())
+        ratio = dist_b / limit if limit > 0 else (0.0 if dist_b == 0 else math.inf)
+        detail = (
+            f"its update is {dist_b:.3g} from float64's (whose norm is {upd:.3g}), eager's "
+            f"{dist_e:.3g}; allowed {limit:.3g}"
+        )
+        against = (
+            f"the distance from PyTorch float64's update that rounding explains "
+            f"({ARBITER_TIMES:g}x eager's own, plus {ARBITER_FLOOR:g} of the update)"
+        )
+        i = int(torch.argmax((a - w).abs()))
+        where = _where(i, tuple(eager[name].shape))
+        out[name] = Verdict(name, ratio, where, float(a[i]), float(w[i]), detail, dist_b, upd,
+                            against)  # fmt: skip
     return out

@@ -27,7 +27,7 @@ from stepbundle.frontend.hyperparameters import declared_values
 from stepbundle.frontend.progress import CHECK_STAGE, Ticker, no_ticks, ticking
 from stepbundle.frontend.recipe import Recipe, checked_metadata, read_only_entries, step_label
 from stepbundle.frontend.schedulers import scheduler_notes
-from stepbundle.frontend.step_check import check_bundle, check_wanted
+from stepbundle.frontend.step_check import UNCHECKED, check_bundle, check_wanted
 from stepbundle.frontend.step_io import batch_signature, checked_batch
 from stepbundle.frontend.writer import (
     ExportReport,
@@ -431,6 +431,8 @@ def export(
         if not report.check.ran:
             say(report.check.line())
         times["check"] = time.perf_counter() - t1
+    elif not check_wanted(check):
+        say(UNCHECKED)
     return report
 
 

@@ -250,6 +250,7 @@ def test_the_cli_says_the_check_ran_and_skips_it_with_no_check(
                          env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
     assert off.returncode == 0, off.stderr[-2000:]
     assert "checked:" not in off.stderr and (tmp_path / "b.stepbundle").exists()
+    assert "[export] written unchecked (check=False, --no-check" in off.stderr  # said, not silent
 
 
 def test_numerics_torch_xla_is_checked_against_torch_xla_eager(

@@ -551,6 +551,13 @@ def check_bundle(
     (rounding that the step itself amplifies, such as Adam dividing a gradient that is
     zero in exact arithmetic by its own magnitude, moves PyTorch float32 as much).
 
+    Under low-precision bounds (``Bounds.suspect``: bf16/f16 or autocast steps,
+    numerics='torch_xla') a tensor beyond them fails as it is; one within them whose
+    update is further than ``suspect`` of its size from eager's is judged against the
+    float64 step's update instead (``step_compare.update_verdicts``), where the reference
+    has a float64 step (``Reference.float64``; its ``float64_run`` where that is not
+    ``run``).
+
     Args:
       recipe: the recipe exported (its model and optimizer are deep-copied, never
         stepped; torch's RNG state is left as it was).

@@ -30,14 +30,14 @@ Imports: jaxlib's MLIR bindings.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from .artifact import Module
 from .graph import (
+    StateValues,
     element_type,
-    evaluate,
+    evaluate_reading,
     holds_integers,
     ints,
     only_user,
@@ -52,12 +52,6 @@ from .inline import inline_private_calls
 
 __all__ = ["NOT_CAUSAL", "Site", "StateValues", "count_score_products", "find_attention"]
 
-StateValues = Mapping[int, tuple[str, Callable[[], Sequence[Any] | None]]]
-"""@main arguments that are state the step never writes, known when the program is
-compiled: argument number -> (state name, a function giving its elements in row-major
-order, or None when unknown). A mask read from one (nanoGPT's ``bias`` buffer) is
-computed from the value loaded; the caller must see that the state keeps that value
-while the program runs (``Site.state_reads`` says which it read)."""
 
 FILL_AT_MOST = -1e30
 """A masked score at or below this gives exactly zero probability in float32 (with the
@@ -348,17 +342,7 @@ def _mask_miss(
     miss = ""
     reads: tuple[int, ...] = ()
     if fills_where_true or mask_shape != [t, t] or not _iota_rows_ge_columns(mask, t):
-        read: list[int] = []
-
-        def reader(num: int) -> Callable[[], Sequence[Any] | None]:
-            def values() -> Sequence[Any] | None:
-                read.append(num)
-                return state[num][1]()
-
-            return values
-
-        values = evaluate(mask, scalars, arrays={num: reader(num) for num in state})
-        reads = tuple(sorted(set(read)))
+        values, reads = evaluate_reading(mask, scalars, state)
         names = ", ".join(state[num][0] for num in reads)
         causal = [(i < j) if fills_where_true else (i >= j) for i in range(t) for j in range(t)]
         if values is None:
@@ -407,17 +391,7 @@ def _additive_miss(
     key = (producer(mask), "additive")
     if key[0] is not None and key in seen:
         return seen[key]
-    read: list[int] = []
-
-    def reader(num: int) -> Callable[[], Sequence[Any] | None]:
-        def values() -> Sequence[Any] | None:
-            read.append(num)
-            return state[num][1]()
-
-        return values
-
-    values = evaluate(mask, scalars, arrays={num: reader(num) for num in state})
-    reads = tuple(sorted(set(read)))
+    values, reads = evaluate_reading(mask, scalars, state)
     miss = ""
     if values is None:
         miss = (

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,9 +40,10 @@ from stepbundle.schema.errors import UsageError
 from .artifact import Module, ProgramError
 from .build import verify
 from .graph import (
+    StateValues,
     call,
     element_type,
-    evaluate,
+    evaluate_reading,
     function_type,
     insert_functions,
     ints,
@@ -201,9 +202,6 @@ def count_composites(module: Module) -> int:
 FILL_AT_MOST = -1e30
 """An additive mask's masked entries must be at most this (-inf, or a dtype's minimum)."""
 
-StateValues = Mapping[int, tuple[str, Callable[[], Sequence[Any] | None]]]
-"""As ``attention.StateValues``: state arguments the step never writes, as loaded."""
-
 
 def causal_mask_reads(
     mask: Any, att: Attention, scalars: Mapping[int, float], state: StateValues
@@ -223,16 +221,7 @@ def causal_mask_reads(
         src, op = op.operands[0], producer(op.operands[0])
     if shape_of(src)[-2:] != [tq, tk]:
         return None
-    read: list[int] = []
-
-    def reader(num: int) -> Callable[[], Sequence[Any] | None]:
-        def values() -> Sequence[Any] | None:
-            read.append(num)
-            return state[num][1]()
-
-        return values
-
-    values = evaluate(src, scalars, arrays={num: reader(num) for num in state})
+    values, reads = evaluate_reading(src, scalars, state)
     if values is None or len(values) != math.prod(shape_of(src)):
         return None
     boolean = element_type(src) == "i1"
@@ -242,7 +231,7 @@ def causal_mask_reads(
             return None
         if not boolean and not (v == 0.0 if j <= i else v <= FILL_AT_MOST):
             return None
-    return tuple(sorted(set(read)))
+    return reads
 
 
 Kernels = Callable[[Attention], str]

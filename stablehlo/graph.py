@@ -181,6 +181,32 @@ def _index(shape: list[int]) -> list[tuple[int, ...]]:
     return list(itertools.product(*(range(n) for n in shape)))
 
 
+StateValues = Mapping[int, tuple[str, Callable[[], Sequence[Any] | None]]]
+"""@main arguments that are state the step never writes, known when the program is
+compiled: argument number -> (state name, a function giving its elements in row-major
+order, or None when unknown). A mask read from one (nanoGPT's ``bias`` buffer) is
+computed from the value loaded; the caller must see that the state keeps that value
+while the program runs."""
+
+
+def evaluate_reading(
+    value: Any, scalars: Mapping[int, float], state: StateValues
+) -> tuple[list[Any] | None, tuple[int, ...]]:
+    """``evaluate(value, scalars)`` with ``state``'s values known, and the state
+    arguments it read (sorted): what a mask computed at load was computed from."""
+    read: set[int] = set()
+
+    def reader(num: int) -> Callable[[], Sequence[Any] | None]:
+        def values() -> Sequence[Any] | None:
+            read.add(num)
+            return state[num][1]()
+
+        return values
+
+    values = evaluate(value, scalars, arrays={num: reader(num) for num in state})
+    return values, tuple(sorted(read))
+
+
 def evaluate(
     value: Any,
     scalars: Mapping[int, float],

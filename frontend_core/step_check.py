@@ -552,11 +552,11 @@ def check_bundle(
     zero in exact arithmetic by its own magnitude, moves PyTorch float32 as much).
 
     Under low-precision bounds (``Bounds.suspect``: bf16/f16 or autocast steps,
-    numerics='torch_xla') a tensor beyond them fails as it is; one within them whose
-    update is further than ``suspect`` of its size from eager's is judged against the
-    float64 step's update instead (``step_compare.update_verdicts``), where the reference
-    has a float64 step (``Reference.float64``; its ``float64_run`` where that is not
-    ``run``).
+    numerics='torch_xla') a state tensor beyond them, and one within them whose update is
+    further than ``suspect`` of its size from eager's, is judged by its update against the
+    float64 step's (``step_compare.update_verdicts``), where the reference has a float64
+    step (``Reference.float64``; its ``float64_run`` where that is not ``run``); a metric
+    beyond them fails as it is.
 
     Args:
       recipe: the recipe exported (its model and optimizer are deep-copied, never
@@ -626,14 +626,17 @@ def check_bundle(
             metric_names, state_names, bundle, (eager_metrics, eager_state), before, bounds
         )
         failing = {v.name for v in found if v.ratio > 1.0}
-        # FLOAT32: the tensors beyond the bound; low-precision bounds: the updates that
-        # differ from eager's by more than their ``suspect`` fraction (a tensor beyond
-        # such a bound fails as it is).
-        ask = failing if bounds.suspect is None else set() if failing else suspects(found, bounds)
+        # FLOAT32: the tensors beyond the bound. Low-precision bounds: those, and the
+        # updates that differ from eager's by more than their ``suspect`` fraction, judged
+        # by their update against float64's (a failing metric fails as it is).
+        if bounds.suspect is None:
+            ask = failing
+        else:
+            ask = set() if failing & set(metric_names) else failing | suspects(found, bounds)
         arbitrated = 0
         unarbitrated = 0
         if ask and not ref.float64:
-            unarbitrated = len(ask)
+            unarbitrated = len(ask - failing)
         elif ask:
             arbiter = (
                 ref if ref.float64_run is None else dataclasses.replace(ref, run=ref.float64_run)
@@ -676,7 +679,7 @@ def check_bundle(
                     kept.append(v)
             else:
                 judged = update_verdicts(ask, after, eager_state, s64, before, bounds)
-                unarbitrated = len(ask) - len(judged)
+                unarbitrated = len(ask - failing - set(judged))
                 for v in found:
                     if v.name in judged:
                         v = judged[v.name]

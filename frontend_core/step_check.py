@@ -6,8 +6,9 @@ weights: the model's own parameters and buffers, handed to the runtime as its
 ``init_from``) with the recipe's example batch, and runs
 the recipe's own step once, eagerly, on a deep copy of the model and optimizer starting
 from the same state. Every metric and every state tensor must agree within what float32
-rounding explains (``Bounds``); otherwise ``CheckFailed`` names the metric or tensor that
-differs most, with both values.
+rounding explains (``Bounds``; for a bf16/f16 or autocast step, bf16 rounding of the value
+and an update that float64 finds as close as eager's); otherwise ``CheckFailed`` names
+the metric or tensor that differs most, with both values.
 
 Where it runs:
 
@@ -115,7 +116,8 @@ class Reference:
 
 
 class CheckFailed(ExportError):
-    """The bundle's step and the eager step disagree beyond float32 rounding.
+    """The bundle's step and the eager step disagree beyond what rounding explains
+    (float32's, or for a low-precision step its update against PyTorch float64's).
 
     Attributes:
       name: the metric or state tensor that differs most (against its bound).

@@ -28,7 +28,7 @@ __all__ = [
 
 @dataclass(frozen=True)
 class Bounds:
-    """How far the bundle may be from the eager step, from float32 rounding.
+    """How far the bundle may be from the eager step, from rounding.
 
     A state tensor ``a`` (bundle) against ``b`` (eager), which were ``b0`` before the
     step, passes when ``||a - b|| <= update * ||b - b0|| + ulps * eps * ||b|| + atol *

@@ -34,11 +34,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .artifact import Module
+from .attention_masks import FILL_AT_MOST, NOT_CAUSAL, additive_miss, mask_miss
 from .graph import (
     StateValues,
     element_type,
-    evaluate_reading,
-    holds_integers,
     ints,
     only_user,
     producer,
@@ -51,11 +50,6 @@ from .graph import (
 from .inline import inline_private_calls
 
 __all__ = ["NOT_CAUSAL", "Site", "StateValues", "count_score_products", "find_attention"]
-
-
-FILL_AT_MOST = -1e30
-"""A masked score at or below this gives exactly zero probability in float32 (with the
-causal mask every row keeps its diagonal, so its maximum is a real score)."""
 
 
 @dataclass
@@ -266,150 +260,6 @@ def _scalar_source(value: Any) -> Any:
 
 
 # -------------------------------------------------------------------------- matching
-def _iota_rows_ge_columns(value: Any, t: int) -> bool:
-    """``value`` is ``compare GE(broadcast(iota, [0]), broadcast(iota, [1]))`` over (T, T)
-    (what ``torch.ones(t, t).tril()`` traces to), possibly as ``select(it, true, false)``:
-    recognized without computing its T*T elements."""
-    op = producer(value)
-    if op is not None and op.name == "stablehlo.select":
-        if splat_value(op.operands[1], {}) != 1.0 or splat_value(op.operands[2], {}) != 0.0:
-            return False
-        op = producer(op.operands[0])
-    if (
-        op is None
-        or op.name != "stablehlo.compare"
-        or "GE" not in str(op.attributes["comparison_direction"])
-    ):
-        return False
-    sides = [producer(v) for v in op.operands]
-    if any(s is None or s.name != "stablehlo.broadcast_in_dim" for s in sides):
-        return False
-    if [ints(s, "broadcast_dimensions") for s in sides] != [[0], [1]]:
-        return False
-    iotas = [producer(s.operands[0]) for s in sides]
-    # The positions must be exact in the iota's type: 0..T-1 rounded to bf16 (T > 257)
-    # or wrapped in i8 (T > 128) compare into another mask.
-    return all(
-        i is not None
-        and i.name == "stablehlo.iota"
-        and shape_of(i.result) == [t]
-        and holds_integers(element_type(i.result), t)
-        for i in iotas
-    )
-
-
-NOT_CAUSAL = "a mask over the scores that is not provably causal"
-"""The start of every reason ``_mask_miss`` gives."""
-
-
-def _mask_miss(
-    select: Any,
-    t: int,
-    scalars: dict[int, float],
-    seen: dict[Any, tuple[str, tuple[int, ...]]],
-    state: StateValues,
-    fills_where_true: bool,
-) -> tuple[str, tuple[int, ...]]:
-    """Why ``select``'s predicate is not the causal mask of a (T, T) score broadcast over
-    the batch and heads (the last two dims exactly), or "" when it is, and the state
-    arguments it was computed from. The predicate keeps the scores where it is true (the
-    lower triangle), or with ``fills_where_true`` fills them (the strict upper one).
-    Checked once per mask (the layers of a model share one), by its form or else by
-    computing it with each value held as its element type holds it (``graph.evaluate``),
-    state read as loaded (``state``)."""
-    pred = select.operands[0]
-    bcast = producer(pred)
-    whole = f"{NOT_CAUSAL} (not one (T, T) mask broadcast over the batch and heads)"
-    rank = len(shape_of(pred))
-    if shape_of(pred)[:-2] == [1] * (rank - 2):
-        mask = pred  # one batch of one head: the mask is the whole predicate
-    elif bcast is None or bcast.name != "stablehlo.broadcast_in_dim":
-        return whole, ()
-    else:
-        mask = bcast.operands[0]
-        # (T, T) into the last two dims, or (1, .., 1, T, T) broadcast over the
-        # leading ones (the torch front-end keeps a buffer's unit dims)
-        if ints(bcast, "broadcast_dimensions")[-2:] != [rank - 2, rank - 1]:
-            return whole, ()
-    mask_shape = shape_of(mask)
-    if mask_shape[-2:] != [t, t] or any(n != 1 for n in mask_shape[:-2]):
-        return whole, ()
-    if element_type(mask) != "i1":
-        return whole, ()
-    key = (producer(mask), fills_where_true)
-    if key[0] is not None and key in seen:
-        return seen[key]
-    miss = ""
-    reads: tuple[int, ...] = ()
-    if fills_where_true or mask_shape != [t, t] or not _iota_rows_ge_columns(mask, t):
-        values, reads = evaluate_reading(mask, scalars, state)
-        names = ", ".join(state[num][0] for num in reads)
-        causal = [(i < j) if fills_where_true else (i >= j) for i in range(t) for j in range(t)]
-        if values is None:
-            miss = (
-                f"{NOT_CAUSAL} (not computable when the program is compiled: read from "
-                "an input the step gives it or state the step writes, too large, or built "
-                "from positions its element type does not hold exactly, such as positions "
-                "rounded to bf16 or wrapped in int8)"
-            )
-        elif [bool(x) for x in values] != causal and names:
-            miss = (
-                f"{NOT_CAUSAL} (computed from the loaded value of {names}, it is not the "
-                "causal triangle)"
-            )
-        elif [bool(x) for x in values] != causal:
-            miss = f"{NOT_CAUSAL} (computed, it is not the lower triangle)"
-    if key[0] is not None:
-        seen[key] = (miss, reads)
-    return miss, reads
-
-
-def _additive_miss(
-    add: Any,
-    x: Any,
-    t: int,
-    scalars: dict[int, float],
-    seen: dict[Any, tuple[str, tuple[int, ...]]],
-    state: StateValues,
-) -> tuple[str, tuple[int, ...]]:
-    """Why ``add`` (the scores ``x`` plus a mask) is not a causal additive mask, or ""
-    when it is, and the state arguments the mask was computed from. The mask is
-    broadcast into the scores' last two dims and each of its (T, T) slices (one per
-    batch row or head it holds) must be 0 on the lower triangle and at most
-    ``FILL_AT_MOST`` above it, computed as ``_mask_miss`` computes a mask."""
-    addend = add.operands[1] if add.operands[0] == x else add.operands[0]
-    bcast = producer(addend)
-    rank = len(shape_of(x))
-    whole = f"{NOT_CAUSAL} (an added mask that is not one (T, T) mask per batch row or head)"
-    mask = addend
-    if bcast is not None and bcast.name == "stablehlo.broadcast_in_dim":
-        if ints(bcast, "broadcast_dimensions")[-2:] != [rank - 2, rank - 1]:
-            return whole, ()
-        mask = bcast.operands[0]
-    if shape_of(mask)[-2:] != [t, t]:
-        return whole, ()
-    key = (producer(mask), "additive")
-    if key[0] is not None and key in seen:
-        return seen[key]
-    values, reads = evaluate_reading(mask, scalars, state)
-    miss = ""
-    if values is None:
-        miss = (
-            f"{NOT_CAUSAL} (an added mask not computable when the program is compiled: "
-            "read from an input the step gives it or state the step writes, or too large)"
-        )
-    else:
-        ok = all(
-            (v == 0.0) if (n // t) % t >= n % t else (v <= FILL_AT_MOST)
-            for n, v in enumerate(values)
-        )
-        if not ok:
-            miss = f"{NOT_CAUSAL} (an added mask that, computed, is not the causal one)"
-    if key[0] is not None:
-        seen[key] = (miss, reads)
-    return miss, reads
-
-
 def _row_max_of(value: Any, depth: int = 0) -> bool:
     """Whether ``value`` reaches a max over its last dim (a softmax's first step) through
     reshapes, converts, scalings, masks and additions only: a product's result that
@@ -481,7 +331,7 @@ def _forward(
         fill = splat_value(sel.operands[1 if inverted else 2], scalars)
         if fill is None or not fill <= FILL_AT_MOST:
             return None
-        miss, reads = _mask_miss(sel, t, scalars, seen, state, inverted)
+        miss, reads = mask_miss(sel, t, scalars, seen, state, inverted)
         if miss:
             misses.append(miss)
             return None
@@ -489,7 +339,7 @@ def _forward(
         x = skip_converts(sel.result)
     add = only_user(x, "stablehlo.add")
     if add is not None:  # an additive mask (Hugging Face's eager attention)
-        miss, more = _additive_miss(add, x, t, scalars, seen, state)
+        miss, more = additive_miss(add, x, t, scalars, seen, state)
         if miss:
             misses.append(miss)
             return None

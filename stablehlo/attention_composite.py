@@ -38,6 +38,7 @@ from jaxlib.mlir import ir
 from stepbundle.schema.errors import UsageError
 
 from .artifact import Module, ProgramError
+from .attention_masks import FILL_AT_MOST
 from .build import verify
 from .graph import (
     StateValues,
@@ -197,10 +198,6 @@ def stamp_version(module: Module) -> int:
 def count_composites(module: Module) -> int:
     """How many attention composites ``module`` holds (forward and backward)."""
     return len(find_composites(module))
-
-
-FILL_AT_MOST = -1e30
-"""An additive mask's masked entries must be at most this (-inf, or a dtype's minimum)."""
 
 
 def causal_mask_reads(

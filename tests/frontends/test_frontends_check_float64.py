@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from stepbundle.frontend.recipe import Recipe
-from stepbundle.frontend.step_check import CPU_EAGER, _copies, _eager, _float64_for, _to_float64
+from stepbundle.frontend.step_eager import CPU_EAGER, _copies, _eager, _float64_for, _to_float64
 
 
 class _Attention(nn.Module):

@@ -70,12 +70,15 @@ class OfflineCompile:
         does not split over the data axis).
       fused_attention: ``"train[i]"`` -> how many attentions the TPU rewrite fused in
         that program (``load_info.fused_attention``); 0 on other platforms.
+      attention_kept: ``"train[i]"`` -> the attention that program kept unfused on a
+        TPU, each with why (``load_info.attention_kept``); absent where none was.
     """
 
     placement: Placement
     executables: dict[str, Any]
     refused: dict[str, str]
     fused_attention: dict[str, int]
+    attention_kept: dict[str, list[str]] = dataclasses.field(default_factory=dict)
 
 
 def compile_offline(
@@ -121,6 +124,7 @@ def compile_offline(
     executables: dict[str, Any] = {}
     refused: dict[str, str] = {}
     fused: dict[str, int] = {}
+    kept: dict[str, list[str]] = {}
     try:
         manifest = bundle.manifest
         wanted = _wanted_entries(manifest, opts)
@@ -155,6 +159,8 @@ def compile_offline(
                 )
                 executables[label] = compiled.executable
                 fused[label] = compiled.fused_attention
+                if compiled.attention_kept:
+                    kept[label] = list(compiled.attention_kept)
     finally:
         bundle.close()
-    return OfflineCompile(placement, executables, refused, fused)
+    return OfflineCompile(placement, executables, refused, fused, kept)

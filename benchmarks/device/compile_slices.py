@@ -176,6 +176,7 @@ def child(bundle: str, topology: str, layout: str) -> dict[str, Any]:
         "mesh": dict(out.placement.mesh_axes),
         "split_state_tensors": len(plan.dims) if plan is not None else 0,
         "fused_attention": out.fused_attention.get(label, 0),
+        "attention_kept": out.attention_kept.get(label, []),
         "layout_notes": list(plan.notes) if plan is not None else [],
         "memory": {
             "arguments": m.argument_size_in_bytes,

@@ -52,6 +52,7 @@ from ..fallback import warn_once
 from ..placement import packing
 from ..placement.sharding import MESH, Placement
 from . import multistep
+from .mesh_attention import declares_mesh
 
 __all__ = ["REWRITES", "Rewrite", "RewriteContext", "Stage", "apply_rewrites"]
 
@@ -209,16 +210,16 @@ def weight_gradients(stage: Stage, ctx: RewriteContext) -> Stage:
 
 
 def fused_attention(stage: Stage, ctx: RewriteContext) -> Stage:
-    """On one TPU at the default precision, traced attention (bf16, causal or unmasked)
+    """On a TPU at the default precision, traced attention (bf16, causal or unmasked)
     as jax's splash-attention kernels, forward and backward: the (T, T) score matrices
     took about a third of a 55M GPT's step on a v5e (docs/tpu.md; ``stablehlo/attention.py``,
     ``runtime/compile/fused_attention.py``). Not under "high"/"highest" (the kernels' products
-    are bf16) nor over several devices (a Pallas call is not partitioned)."""
+    are bf16). Over several devices, attention composites only, one kernel call per
+    shard (``runtime/compile/mesh_attention.py``: a Pallas call is not partitioned)."""
     if (
         ctx.platform != "tpu"
         or not ctx.fused_attention
         or ctx.matmul_precision in ("high", "highest")
-        or ctx.placement.partitioned
     ):
         return stage
     return fuse_attention(stage, ctx, ctx.platform)
@@ -229,6 +230,10 @@ def fuse_attention(
 ) -> Stage:
     """``fused_attention``'s rewrite, unconditionally (the CPU tests run it with the
     kernels interpreted). A failure warns once and keeps the program as it is."""
+    if ctx.placement.partitioned:
+        from .mesh_attention import fuse_on_mesh
+
+        return fuse_on_mesh(stage, ctx, platform, interpret)
     from .fused_attention import kernels_for
 
     try:
@@ -367,7 +372,8 @@ def aliasing_and_sharding(stage: Stage, ctx: RewriteContext) -> Stage:
                 aliases[out.donates] = j
     placement = ctx.placement
     if placement.partitioned:
-        module.set_mesh(MESH, placement.mesh_axes)
+        if not declares_mesh(module, MESH):  # the fused attention's kernels declared it
+            module.set_mesh(MESH, placement.mesh_axes)
         args, results = placement.annotations(program, stacked=ctx.steps_per_call > 1)
         module.set_arg_attributes(aliases, args)
         module.set_result_shardings(results)

@@ -26,8 +26,16 @@ Where it runs:
   A capturable optimizer runs eagerly on the CPU with ``capturable=False``: torch refuses
   a capturable step on the CPU, and both settings compute the same update (torch's
   documentation; the capturable one keeps the step count a tensor).
-- Where no eager step can reproduce the bundle's random draws (the torch front-end draws
-  them from jax's threefry), the check is skipped and the report says why.
+- A step that draws random numbers is compared against an eager step that draws the same
+  ones (torch_xla eager from the bundle's seed; for the torch front-end, whose program
+  draws from jax's threefry, PyTorch on the CPU with the program's draws replayed:
+  ``stepbundle.export_torch.check``). Where the reference finds it cannot draw the same
+  (``CannotReproduce``), or the front-end has none, the check is skipped and the report
+  says why.
+- Before any number is compared, both sides must hold the same state: the same tensors
+  under the same names, in the same dtypes and shapes (``_unmatched``; a gradient the step
+  rebuilds, or state neither step made, is left out, and the export line says so).
+  Each state tensor is then judged whole and row by row (``step_compare``).
 
 Imports: torch, safetensors, stepbundle.schema (the runtime only as a child process).
 """
@@ -37,6 +45,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import subprocess
 import sys
@@ -48,15 +57,31 @@ from pathlib import Path
 
 import torch
 
-from stepbundle.schema.manifest import InputKind, Manifest, MetricOutput, StateKind
+from stepbundle.schema.manifest import (
+    InputKind,
+    Manifest,
+    MetricOutput,
+    Program,
+    StateKind,
+    StateUpdateOutput,
+)
 
 from .errors import ExportError
 from .recipe import Recipe
-from .step_compare import FLOAT32, LOW_PRECISION, Bounds, describe, suspects, update_verdicts
+from .step_compare import (
+    FLOAT32,
+    LOW_PRECISION,
+    Bounds,
+    Verdict,
+    describe,
+    suspects,
+    update_verdicts,
+)
 from .step_compare import verdicts as judge
 from .step_eager import (
     _NO_CHECK,
     CPU_EAGER,
+    CannotReproduce,
     CheckCouldNotRun,
     Reference,
     _copies,
@@ -70,6 +95,7 @@ from .step_eager import (
 __all__ = [
     "CPU_EAGER",
     "Bounds",
+    "CannotReproduce",
     "CheckCouldNotRun",
     "CheckFailed",
     "CheckReport",
@@ -129,6 +155,10 @@ class CheckReport:
         ``runtime_seconds`` is its start and imports).
       compared: metrics and state tensors compared.
       closest: the one nearest its bound, and how near (a fraction of the bound).
+      uncompared: state on one side only that the binding table explains, in words
+        (``_unmatched``; "" when none): gradients the step rebuilds, state neither step
+        made.
+      not_checked: what of the step was not checked, in words ("" when all was).
       reason: why it was skipped.
     """
 
@@ -143,6 +173,8 @@ class CheckReport:
     runtime_parts: Mapping[str, float] = dataclasses.field(default_factory=dict)
     compared: int = 0
     closest: str = ""
+    uncompared: str = ""
+    not_checked: str = ""
     reason: str = ""
 
     def line(self) -> str:
@@ -152,9 +184,18 @@ class CheckReport:
         return (
             f"checked: one step through the runtime on the CPU against {self.reference}: "
             f"{self.compared} metrics and state tensors agree (closest to its bound: "
-            f"{self.closest}); {self.seconds:.1f}s (runtime process {self.runtime_seconds:.1f}s, "
-            f"eager {self.eager_seconds:.1f}s; {self.cpu_seconds:.1f}s of processor time)"
+            f"{self.closest}){self._also()}; {self.seconds:.1f}s (runtime process "
+            f"{self.runtime_seconds:.1f}s, eager {self.eager_seconds:.1f}s; "
+            f"{self.cpu_seconds:.1f}s of processor time)"
         )
+
+    def _also(self) -> str:
+        said = ""
+        if self.uncompared:
+            said += f"; not compared, as the binding table explains: {self.uncompared}"
+        if self.not_checked:
+            said += f"; NOT CHECKED: {self.not_checked}"
+        return said
 
 
 _UNCHECKED_ADVICE = (
@@ -242,6 +283,79 @@ class _Runtime:
                 f"this machine's CPU, {_NO_CHECK}."
             )
         return seconds
+
+
+def _unmatched(
+    manifest: Manifest,
+    program: Program,
+    after: Mapping[str, torch.Tensor],
+    eager: Mapping[str, torch.Tensor],
+    before: Mapping[str, torch.Tensor],
+) -> tuple[list[Verdict], str]:
+    """State tensors on one side only: refusals (``Verdict.structural``), and what is
+    left uncompared because the binding table explains it, in words ("" if nothing).
+
+    Explained: a gradient eager holds that the bundle keeps no state for (the step
+    throws it away and rebuilds it: ``zero_grad()`` at its start), and a state tensor the
+    bundle holds, the train program does not write, and eager's step does not have where
+    it never made it or it is a gradient (the fresh optimizer state of a parameter no
+    gradient reached; a gradient the step set to None). Anything else on one side only
+    is refused: a tensor the runtime did not return, one the program writes and eager
+    has not, one eager has and the bundle's state table does not list."""
+    written = {o.state for o in program.outputs if isinstance(o, StateUpdateOutput)}
+    known = {n for e in manifest.state for n in (e.name, *e.aliases)}
+    params = {n for e in manifest.state if e.kind is StateKind.PARAMETER
+              for n in (e.name, *e.aliases)}  # fmt: skip
+    out: list[Verdict] = []
+    neither = rebuilt = 0
+
+    def refuse(name: str, why: str) -> None:
+        out.append(Verdict(name, math.inf, "", math.nan, math.nan, why, structural=True))
+
+    for e in manifest.state:
+        if e.name not in after:
+            refuse(e.name, "the bundle's state table lists it, and the runtime's step "
+                   "returned no value for it")  # fmt: skip
+        elif e.name not in eager:
+            if e.name in written:
+                refuse(e.name, "the bundle's step writes it, and eager's step ends without it")
+            elif e.kind is StateKind.GRADIENT or e.name not in before:
+                neither += 1
+            else:
+                refuse(e.name, "the bundle holds it, and eager's step ended without it "
+                       "(it was there before the step)")  # fmt: skip
+    for name in eager:
+        if name in known:
+            continue
+        if name.endswith(".grad") and name[: -len(".grad")] in params:
+            rebuilt += 1
+        else:
+            refuse(name, "eager's step ends with it, and the bundle's state table does not "
+                   "list it")  # fmt: skip
+    said = []
+    if rebuilt:
+        said.append(f"{rebuilt} gradients the step rebuilds every step (the bundle keeps no "
+                    "state for them)")  # fmt: skip
+    if neither:
+        said.append(f"{neither} state tensors the bundle holds unchanged and eager's step "
+                    "never made or set to None")  # fmt: skip
+    return out, "; ".join(said)
+
+
+def _refuse(path: Path, v: Verdict, reference: str) -> None:
+    """Remove the bundle and raise ``CheckFailed`` for ``v``, a structural difference."""
+    with contextlib.suppress(OSError):
+        path.unlink()
+    raise CheckFailed(
+        f"The exported step does not compute what the recipe's step computes: after one "
+        f"step from the same state and batch, state tensor {v.name!r}: {v.detail}; no "
+        f"rounding explains that. Compared against {reference}. The bundle at "
+        f"{os.fspath(path)!r} was removed. This is a bug of stepbundle or an unsupported "
+        f"pattern in the step: please report it with the recipe. {_UNCHECKED_ADVICE}.",
+        v.name,
+        v.bundle,
+        v.eager,
+    )
 
 
 def _low_precision(manifest: Manifest, autocast: bool) -> bool:
@@ -332,6 +446,10 @@ def check_bundle(
             eager_metrics, eager_state, autocast = _eager(ref, recipe, model, opt, batch, seed)
             eager_seconds = time.perf_counter() - t_eager
             eager_cpu = time.process_time() - cpu_eager
+        except CannotReproduce as e:  # its draws are not the bundle's: nothing to compare
+            runtime.stop()
+            return CheckReport(False, reference=ref.name, reason=f"{ref.name} cannot "
+                               f"reproduce the bundle's random numbers: {e}")  # fmt: skip
         except BaseException:
             runtime.stop()
             raise
@@ -351,12 +469,17 @@ def check_bundle(
             for o in program.outputs
             if isinstance(o, MetricOutput) and o.name in metrics and o.name in eager_metrics
         ]
-        # State eager never made (a parameter no gradient reached) is not compared.
+        unmatched, uncompared = _unmatched(manifest, program, after, eager_state, before)
         state_names = [e.name for e in manifest.state if e.name in after and e.name in eager_state]
         bundle = (metrics, after)
-        found = judge(
+        found = unmatched + judge(
             metric_names, state_names, bundle, (eager_metrics, eager_state), before, bounds
         )
+        # Another dtype or shape, or a tensor on one side only: no rounding explains it,
+        # and no float64 step is asked.
+        structural = [v for v in found if v.structural]
+        if structural:
+            _refuse(path, structural[0], ref.name)
         failing = {v.name for v in found if v.ratio > 1.0}
         # FLOAT32: the tensors beyond the bound. Low-precision bounds: those, and the
         # updates that differ from eager's by more than their ``suspect`` fraction, judged
@@ -399,8 +522,9 @@ def check_bundle(
                 e32 = {v.name: v for v in judge(fm, fs, (
                     {k: {"values": torch.as_tensor(v).double().reshape(-1).tolist()}
                      for k, v in eager_metrics.items() if k in fm}, eager_state),
-                    (m64, s64), before, bounds)}  # fmt: skip
-                b64 = {v.name: v for v in judge(fm, fs, bundle, (m64, s64), before, bounds)}
+                    (m64, s64), before, bounds, dtypes=False)}  # fmt: skip
+                b64 = {v.name: v for v in judge(fm, fs, bundle, (m64, s64), before, bounds,
+                                                dtypes=False)}  # fmt: skip
                 for v in found:
                     if v.name in ask:
                         v64 = b64[v.name]
@@ -447,6 +571,7 @@ def check_bundle(
         eager_cpu_seconds=eager_cpu,
         runtime_parts={k: float(v) for k, v in parts.items()},
         compared=len(found),
+        uncompared=uncompared,
         closest=f"{worst.name} at {worst.ratio:.2g} of it"
         + (
             f"; {arbitrated} within {'PyTorch float32' if bounds.suspect is None else 'eager'}"

@@ -93,6 +93,10 @@ class Verdict:
         update's norm (nan for a metric).
       against: the bound in words ("the distance ... that rounding explains"), where not
         "the bound <``Bounds.label``> explains".
+      structural: the two sides do not hold the same kind of tensor (dtype, shape, or a
+        tensor on one side only): no rounding explains it, and no float64 step is asked.
+      suspect: under bounds with ``Bounds.suspect``, the tensor's update (or one row's)
+        is further than that fraction of its size from eager's (``suspects``).
     """
 
     name: str
@@ -104,6 +108,8 @@ class Verdict:
     distance: float = math.nan
     update: float = math.nan
     against: str = ""
+    structural: bool = False
+    suspect: bool = False
 
 
 def _where(i: int, shape: tuple[int, ...]) -> str:
@@ -145,13 +151,53 @@ def _non_finite_mismatch(a: torch.Tensor, w: torch.Tensor) -> int | None:
     return int(hits[0]) if hits.numel() else None
 
 
+def _rows(shape: tuple[int, ...]) -> int:
+    """How many rows the local criterion splits a tensor of ``shape`` into: its first
+    dimension (an embedding's rows, a linear or convolution weight's output channels)
+    for a tensor of two or more dimensions; one (the whole) otherwise."""
+    return shape[0] if len(shape) >= 2 and shape[0] > 1 else 1
+
+
+def _row_norms(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """The 2-norms of the flat tensor ``x`` split into ``rows`` equal rows, in float64
+    (float32 rows are summed in float32 when short, in float64 chunks otherwise)."""
+    if rows == 1:
+        return torch.tensor([_norm(x)], dtype=torch.float64)
+    per = x.numel() // rows
+    if x.dtype == torch.float64 or per > _CHUNK:
+        return torch.tensor([_norm(r) for r in x.view(rows, per)], dtype=torch.float64)
+    out: torch.Tensor = torch.linalg.vector_norm(x.view(rows, per), dim=1).double()
+    big = torch.isinf(out)  # finite values whose squares overflow float32
+    if bool(big.any()):
+        out[big] = torch.linalg.vector_norm(x.view(rows, per)[big].double(), dim=1)
+    return out
+
+
+def _whole(rows: torch.Tensor) -> float:
+    return math.sqrt(float((rows * rows).sum()))
+
+
+def _dtype(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
 def _compare_tensor(
-    name: str, got: torch.Tensor, want: torch.Tensor, before: torch.Tensor | None, b: Bounds
+    name: str,
+    got: torch.Tensor,
+    want: torch.Tensor,
+    before: torch.Tensor | None,
+    b: Bounds,
+    dtypes: bool = True,
 ) -> Verdict:
     shape = tuple(want.shape)
     if tuple(got.shape) != shape:
         return Verdict(name, math.inf, "", math.nan, math.nan,
-                        f"shape {tuple(got.shape)} in the bundle, {shape} eager")  # fmt: skip
+                       f"shape {tuple(got.shape)} in the bundle, {shape} eager",
+                       structural=True)  # fmt: skip
+    if dtypes and got.dtype != want.dtype:
+        return Verdict(name, math.inf, "", math.nan, math.nan,
+                       f"dtype {_dtype(got)} in the bundle, {_dtype(want)} eager",
+                       structural=True)  # fmt: skip
     if got.numel() == 0:
         return Verdict(name, 0.0, "", 0.0, 0.0, "")
     if not (got.is_floating_point() or want.is_floating_point()):
@@ -168,6 +214,7 @@ def _compare_tensor(
     dt = torch.float64 if torch.float64 in (got.dtype, want.dtype) else torch.float32
     a, w = got.reshape(-1).to(dt), want.reshape(-1).to(dt)
     b0 = before.reshape(-1).to(dt) if before is not None and before.shape == shape else None
+    rows = _rows(shape)
     norm_w = _norm(w)
     all_finite = math.isfinite(norm_w) and math.isfinite(_norm(a))
     if not all_finite:
@@ -179,18 +226,46 @@ def _compare_tensor(
         a, w = a[fw], w[fw]
         b0 = b0[fw] if b0 is not None else None
         norm_w = _norm(w)
+        rows = 1  # the finite elements no longer fill whole rows
     d = a - w
-    dist = _norm(d)
+    # Row by row as well as whole (``_rows``): a tensor's norm hides one row's error
+    # (an embedding row or output channel whose update was dropped is a millionth of a
+    # large tensor), and each row is held to the same rule with its own norms.
+    per = d.numel() // rows
+    d_rows = _row_norms(d, rows)
     # No value before the step (state the step created): the value is the update.
-    update = _norm(w - b0) if b0 is not None else norm_w
+    u_rows = _row_norms(w - b0, rows) if b0 is not None else _row_norms(w, rows)
+    w_rows = _row_norms(w, rows) if rows > 1 else torch.tensor([norm_w], dtype=torch.float64)
+    dist, update = _whole(d_rows), _whole(u_rows)
     bound = b.update * update + b.ulps * b.eps * norm_w + b.atol * math.sqrt(w.numel())
     ratio = dist / bound if bound > 0 else (0.0 if dist == 0 else math.inf)
     detail = f"normwise distance {dist:.3g}, bound {bound:.3g} (update {update:.3g})"
+    suspect = b.suspect is not None and dist > b.suspect * update
+    row = -1
+    if rows > 1:
+        r_bound = b.update * u_rows + b.ulps * b.eps * w_rows + b.atol * math.sqrt(per)
+        r_ratio = d_rows / r_bound
+        r = int(torch.argmax(r_ratio))
+        if float(r_ratio[r]) > ratio:
+            ratio, row = float(r_ratio[r]), r
+            detail = (
+                f"row {r}: normwise distance {float(d_rows[r]):.3g}, bound "
+                f"{float(r_bound[r]):.3g} (its update {float(u_rows[r]):.3g}); the whole "
+                f"tensor: {detail}"
+            )
+        if b.suspect is not None:
+            floor = b.atol * math.sqrt(per)
+            suspect = suspect or bool((d_rows > b.suspect * u_rows + floor).any())
     if ratio <= 1.0:  # where it differs most is only said of a tensor that fails
-        return Verdict(name, ratio, "", math.nan, math.nan, detail, dist, update)
-    i = int(torch.argmax(d.abs()))
+        return Verdict(name, ratio, "", math.nan, math.nan, detail, dist, update,
+                       suspect=suspect)  # fmt: skip
+    if row >= 0:  # the element that differs most within the row that fails
+        i = row * per + int(torch.argmax(d.view(rows, per)[row].abs()))
+    else:
+        i = int(torch.argmax(d.abs()))
     where = _where(i, shape) if all_finite else "a finite element"
-    return Verdict(name, ratio, where, float(a[i]), float(w[i]), detail, dist, update)
+    return Verdict(name, ratio, where, float(a[i]), float(w[i]), detail, dist, update,
+                   suspect=suspect)  # fmt: skip
 
 
 def _compare_metric(name: str, got: list[float], want: torch.Tensor, b: Bounds) -> Verdict:
@@ -226,13 +301,19 @@ def verdicts(
     eager: tuple[Mapping[str, Any], Mapping[str, torch.Tensor]],
     before: Mapping[str, torch.Tensor],
     bounds: Bounds,
+    *,
+    dtypes: bool = True,
 ) -> list[Verdict]:
+    """Each metric's and state tensor's ``Verdict``: ``bundle`` against ``eager`` (each
+    ``(metrics, state)``), the state having been ``before`` before the step.
+    ``dtypes``: a state tensor in another dtype than eager's fails (False where ``eager``
+    is the float64 step)."""
     # A few elementwise passes over every state tensor: one thread each (torch's pool
     # churned on a busy machine, and the comparison of resnet18 took 44 s instead of 1).
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _verdicts_of(metric_names, state_names, bundle, eager, before, bounds)
+        return _verdicts_of(metric_names, state_names, bundle, eager, before, bounds, dtypes)
     finally:
         torch.set_num_threads(threads)
 
@@ -244,6 +325,7 @@ def _verdicts_of(
     eager: tuple[Mapping[str, Any], Mapping[str, torch.Tensor]],
     before: Mapping[str, torch.Tensor],
     bounds: Bounds,
+    dtypes: bool,
 ) -> list[Verdict]:
     out = []
     for name in metric_names:
@@ -254,21 +336,17 @@ def _verdicts_of(
         b0 = before.get(name)
         if b0 is None and name.endswith(".grad"):
             b0 = torch.zeros_like(eager[1][name])
-        out.append(_compare_tensor(name, bundle[1][name], eager[1][name], b0, bounds))
+        out.append(_compare_tensor(name, bundle[1][name], eager[1][name], b0, bounds, dtypes))
     return out
 
 
 def suspects(found: list[Verdict], bounds: Bounds) -> set[str]:
-    """The state tensors within ``bounds`` whose update is further than ``bounds.suspect``
-    of its size from eager's (none where ``bounds.suspect`` is None)."""
+    """The state tensors within ``bounds`` whose update, or one of whose rows' updates, is
+    further than ``bounds.suspect`` of its size from eager's (a row: also beyond
+    ``atol`` per element; none where ``bounds.suspect`` is None)."""
     if bounds.suspect is None:
         return set()
-    frac = bounds.suspect
-    return {
-        v.name
-        for v in found
-        if v.ratio <= 1.0 and math.isfinite(v.distance) and v.distance > frac * v.update
-    }
+    return {v.name for v in found if v.ratio <= 1.0 and math.isfinite(v.distance) and v.suspect}
 
 
 def _before(
@@ -290,8 +368,10 @@ def update_verdicts(
 ) -> dict[str, Verdict]:
     """Each suspect state tensor's update judged against the float64 step's: it fails
     where ``||a - x|| > ARBITER_TIMES * ||b - x|| + ARBITER_FLOOR * ||x - b0|| + atol *
-    sqrt(n)`` (``a`` bundle, ``b`` eager, ``x`` float64, ``b0`` before the step). A
-    tensor with non-finite values, or one the float64 step did not make, is left out."""
+    sqrt(n)`` (``a`` bundle, ``b`` eager, ``x`` float64, ``b0`` before the step), over
+    the whole tensor or over any one of its rows (``_rows``: a dropped update of one
+    embedding row or output channel). A tensor with non-finite values, or one the float64
+    step did not make, is left out."""
     out: dict[str, Verdict] = {}
     for name in sorted(names):
         if name not in float64:
@@ -303,21 +383,39 @@ def update_verdicts(
             continue
         if not bool(torch.isfinite(torch.stack([a, w, x])).all()):
             continue
+        shape = tuple(eager[name].shape)
+        rows = _rows(shape)
+        per = x.numel() // rows
         b0 = _before(name, before, float64[name])
-        upd = _norm(x - b0.reshape(-1).double()) if b0 is not None else _norm(x)
-        dist_b, dist_e = _norm(a - x), _norm(w - x)
+        u_rows = _row_norms(x - b0.reshape(-1).double() if b0 is not None else x, rows)
+        b_rows, e_rows = _row_norms(a - x, rows), _row_norms(w - x, rows)
+        upd, dist_b, dist_e = _whole(u_rows), _whole(b_rows), _whole(e_rows)
         limit = ARBITER_TIMES * dist_e + ARBITER_FLOOR * upd + bounds.atol * math.sqrt(x.numel())
         ratio = dist_b / limit if limit > 0 else (0.0 if dist_b == 0 else math.inf)
         detail = (
             f"its update is {dist_b:.3g} from float64's (whose norm is {upd:.3g}), eager's "
             f"{dist_e:.3g}; allowed {limit:.3g}"
         )
+        row = -1
+        if rows > 1:
+            r_limit = ARBITER_TIMES * e_rows + ARBITER_FLOOR * u_rows + bounds.atol * math.sqrt(per)
+            r_ratio = b_rows / r_limit
+            r = int(torch.argmax(r_ratio))
+            if float(r_ratio[r]) > ratio:
+                ratio, row = float(r_ratio[r]), r
+                detail = (
+                    f"row {r}: its update is {float(b_rows[r]):.3g} from float64's (whose norm "
+                    f"is {float(u_rows[r]):.3g}), eager's {float(e_rows[r]):.3g}; allowed "
+                    f"{float(r_limit[r]):.3g}; the whole tensor: {detail}"
+                )
         against = (
             f"the distance from PyTorch float64's update that rounding explains "
             f"({ARBITER_TIMES:g}x eager's own, plus {ARBITER_FLOOR:g} of the update)"
         )
-        i = int(torch.argmax((a - w).abs()))
-        where = _where(i, tuple(eager[name].shape))
-        out[name] = Verdict(name, ratio, where, float(a[i]), float(w[i]), detail, dist_b, upd,
-                            against)  # fmt: skip
+        if row >= 0:
+            i = row * per + int(torch.argmax((a - w).view(rows, per)[row].abs()))
+        else:
+            i = int(torch.argmax((a - w).abs()))
+        out[name] = Verdict(name, ratio, _where(i, shape), float(a[i]), float(w[i]), detail,
+                            dist_b, upd, against)  # fmt: skip
     return out

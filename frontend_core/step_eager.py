@@ -23,7 +23,14 @@ from .errors import ExportError
 from .recipe import Recipe
 from .step_compare import Bounds
 
-__all__ = ["CPU_EAGER", "CheckCouldNotRun", "Reference", "StepRunner", "state_by_name"]
+__all__ = [
+    "CPU_EAGER",
+    "CannotReproduce",
+    "CheckCouldNotRun",
+    "Reference",
+    "StepRunner",
+    "state_by_name",
+]
 
 StepRunner = Callable[
     [Recipe, torch.nn.Module, torch.optim.Optimizer, dict[str, torch.Tensor], int | None],
@@ -59,6 +66,12 @@ class Reference:
 class CheckCouldNotRun(ExportError):
     """The check itself could not run (the runtime's process failed, or the eager step
     raised); the message says what happened and how to export without the check."""
+
+
+class CannotReproduce(Exception):  # noqa: N818 - a verdict on the reference, not an error
+    """Raised by a ``Reference``'s step that finds it cannot compute what the bundle
+    computes (its random draws do not line up with the program's): the check is skipped,
+    its message the reason, and no steps whose random numbers differ are compared."""
 
 
 _NO_CHECK = "export with check=False (stepbundle export --no-check) to skip the check"
@@ -198,7 +211,7 @@ def _eager(
             _threads_beside_the_runtime(),
         ):
             metrics, state = ref.run(recipe, model, opt, batch, seed)
-    except ExportError:
+    except (ExportError, CannotReproduce):
         raise
     except Exception as e:
         raise CheckCouldNotRun(

@@ -20,8 +20,11 @@ rewrites, fused attention kernels and compile options) for a compile-only device
 program with one of its differences from torch_xla's taken away in the text
 (``layout-attributes``: torch_xla's ``result_layout``/``xla_shape`` on every transpose;
 ``bf16-products``: each bf16 x bf16 product written float32-out and then converted to
-bf16 written bf16-out), through the runtime's ``compile_program``, to see what that
-difference costs before changing a lowering for it.
+bf16 written bf16-out, which the runtime's ``bf16-products`` rewrite now does on a TPU;
+``fold-transposes``: each 2-D transpose a product reads folded into the product's
+contracting dimensions; ``swap-transposed-products``: torch's weight gradients ``g.t() @ x``
+written as torch_xla writes them, ``(x.t() @ g).t()``), through the runtime's ``compile_program`` (with every rewrite a
+TPU load makes), to see what that difference costs before changing a lowering for it.
 
 ``compare`` reads them. libtpu writes its cost model's ``estimated_cycles`` into the
 ``backend_config`` of every top-level operation it schedules; the sum, at the v5e's
@@ -210,7 +213,135 @@ def bf16_products(text: str) -> tuple[str, int]:
     return "\n".join(lines), n
 
 
-VARIANTS = {"layout-attributes": layout_attributes, "bf16-products": bf16_products}
+def fold_transposes(text: str) -> tuple[str, int]:
+    """Each matrix product (no batch dimensions) of a 2-D operand that is a transpose
+    written as the product of the transpose's operand, its contracting dimension moved
+    (no explicit transpose left for XLA to fold: it folded them already, the estimate
+    did not move)."""
+    from jaxlib.mlir import ir
+    from jaxlib.mlir.dialects import stablehlo as hlo
+
+    from stepbundle.stablehlo.graph import producer
+
+    n = 0
+    module = ir.Module.parse(text)  # in the program's own context (``_compile_variant``)
+    stack = [module.operation]
+    dots = []
+    while stack:
+        op = stack.pop()
+        if op.name == "stablehlo.dot_general":
+            dots.append(op)
+        for region in op.regions:
+            for block in region.blocks:
+                stack.extend(o.operation for o in block.operations)
+    for op in dots:
+        dn = hlo.DotDimensionNumbers(op.attributes["dot_dimension_numbers"])
+        if list(dn.lhs_batching_dimensions) or list(dn.rhs_batching_dimensions):
+            continue
+        contracting = [list(dn.lhs_contracting_dimensions), list(dn.rhs_contracting_dimensions)]
+        changed = False
+        for side in (0, 1):
+            t = producer(op.operands[side])
+            if t is None or t.name != "stablehlo.transpose":
+                continue
+            if list(ir.DenseI64ArrayAttr(t.attributes["permutation"])) != [1, 0]:
+                continue
+            op.operands[side] = t.operands[0]
+            contracting[side] = [1 - d for d in contracting[side]]
+            changed = True
+        if changed:
+            op.attributes["dot_dimension_numbers"] = hlo.DotDimensionNumbers.get(
+                lhs_batching_dimensions=[],
+                rhs_batching_dimensions=[],
+                lhs_contracting_dimensions=contracting[0],
+                rhs_contracting_dimensions=contracting[1],
+            )
+            n += 1
+    assert module.operation.verify()
+    return str(module), n
+
+
+def swap_transposed_products(text: str) -> tuple[str, int]:
+    """Each ``dot_general(transpose(g), x)`` without batch dimensions (torch's weight
+    gradient, ``g.t() @ x``) written ``transpose(dot_general(x, g))`` (torch_xla's form,
+    ``(x.t() @ g).t()``): the same sums of the same products, after the runtime's
+    ``bf16-products`` (as a rewrite after it would run). XLA made the same program of
+    both (the estimate did not move)."""
+    from jaxlib.mlir import ir
+    from jaxlib.mlir.dialects import stablehlo as hlo
+
+    from stepbundle.stablehlo.artifact import Module
+    from stepbundle.stablehlo.bf16_products import rewrite_bf16_products
+    from stepbundle.stablehlo.graph import producer, shape_of
+
+    def transposed(value: Any) -> Any:
+        t = producer(value)
+        if t is None or t.name != "stablehlo.transpose" or len(shape_of(value)) != 2:
+            return None
+        if list(ir.DenseI64ArrayAttr(t.attributes["permutation"])) != [1, 0]:
+            return None
+        return t.operands[0]
+
+    module = ir.Module.parse(text)  # in the program's own context (``_compile_variant``)
+    rewrite_bf16_products(Module(ir.Context.current, module))
+    stack, sites = [module.operation], []
+    while stack:
+        op = stack.pop()
+        if op.name == "stablehlo.dot_general":
+            dn = hlo.DotDimensionNumbers(op.attributes["dot_dimension_numbers"])
+            lhs, rhs = op.operands
+            if (
+                not list(dn.lhs_batching_dimensions)
+                and len(shape_of(lhs)) == len(shape_of(rhs)) == 2
+                and transposed(lhs) is not None
+                and transposed(rhs) is None
+            ):
+                sites.append(op)
+        for region in op.regions:
+            for block in region.blocks:
+                stack.extend(o.operation for o in block.operations)
+    with ir.Location.unknown():
+        for op in sites:
+            dn = hlo.DotDimensionNumbers(op.attributes["dot_dimension_numbers"])
+            (lc,), (rc,) = list(dn.lhs_contracting_dimensions), list(dn.rhs_contracting_dimensions)
+            lhs, x = op.operands
+            out = ir.RankedTensorType(op.result.type)
+            attributes = {
+                "dot_dimension_numbers": hlo.DotDimensionNumbers.get(
+                    lhs_batching_dimensions=[],
+                    rhs_batching_dimensions=[],
+                    lhs_contracting_dimensions=[rc],
+                    rhs_contracting_dimensions=[1 - lc],
+                )
+            }
+            if "precision_config" in op.attributes:
+                both = list(ir.ArrayAttr(op.attributes["precision_config"]))
+                attributes["precision_config"] = ir.ArrayAttr.get(both[::-1])
+            with ir.InsertionPoint(op):
+                product = ir.Operation.create(
+                    "stablehlo.dot_general",
+                    results=[ir.RankedTensorType.get(out.shape[::-1], out.element_type)],
+                    operands=[x, transposed(lhs)],
+                    attributes=attributes,
+                )
+                back = ir.Operation.create(
+                    "stablehlo.transpose",
+                    results=[out],
+                    operands=[product.result],
+                    attributes={"permutation": ir.DenseI64ArrayAttr.get([1, 0])},
+                )
+            op.result.replace_all_uses_with(back.result)
+            op.erase()
+    assert module.operation.verify()
+    return str(module), len(sites)
+
+
+VARIANTS = {
+    "layout-attributes": layout_attributes,
+    "bf16-products": bf16_products,
+    "fold-transposes": fold_transposes,
+    "swap-transposed-products": swap_transposed_products,
+}
 
 
 def _compile_variant(path: str, variant: str, device: Any) -> tuple[Any, int, int]:

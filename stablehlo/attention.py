@@ -30,6 +30,7 @@ Imports: jaxlib's MLIR bindings.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -292,6 +293,7 @@ def _forward(
     seen: dict[Any, tuple[str, tuple[int, ...]]],
     misses: list[str],
     state: StateValues,
+    names: Mapping[int, str] | None = None,
 ) -> Site | None:
     """The forward pattern from the scores' product ``dot1``, or None; why, in ``misses``,
     where the product is attention's scores that the kernels cannot take."""
@@ -331,7 +333,7 @@ def _forward(
         fill = splat_value(sel.operands[1 if inverted else 2], scalars)
         if fill is None or not fill <= FILL_AT_MOST:
             return None
-        miss, reads = mask_miss(sel, t, scalars, seen, state, inverted)
+        miss, reads = mask_miss(sel, t, scalars, seen, state, inverted, names)
         if miss:
             misses.append(miss)
             return None
@@ -339,7 +341,7 @@ def _forward(
         x = skip_converts(sel.result)
     add = only_user(x, "stablehlo.add")
     if add is not None:  # an additive mask (Hugging Face's eager attention)
-        miss, more = additive_miss(add, x, t, scalars, seen, state)
+        miss, more = additive_miss(add, x, t, scalars, seen, state, names)
         if miss:
             misses.append(miss)
             return None
@@ -568,13 +570,15 @@ def find_attention(
     scalars: dict[int, float] | None = None,
     misses: list[str] | None = None,
     state: StateValues | None = None,
+    names: Mapping[int, str] | None = None,
 ) -> list[Site]:
     """Every attention of ``module``'s functions that matches the pattern (module
     docstring) with its backward complete or absent. ``scalars`` gives @main's scalar
     constant arguments (argument number -> value), where the mask's fill may come from.
     ``misses``, when given, gets a reason for each attention seen and not taken that
     has one: a cross-attention, a mask not provably causal. ``state``: the state
-    arguments a mask may be computed from (``StateValues``)."""
+    arguments a mask may be computed from (``StateValues``); ``names``: what @main's
+    other arguments are (argument number -> "the batch input 'x'"), for the reasons."""
     found = []
     seen: dict[Any, tuple[str, tuple[int, ...]]] = {}
     why: list[str] = [] if misses is None else misses
@@ -583,7 +587,7 @@ def find_attention(
         for op in module._operations():
             if not _batched_matmul(op):
                 continue
-            site = _forward(op, scalars or {}, seen, why, state or {})
+            site = _forward(op, scalars or {}, seen, why, state or {}, names)
             if site is not None and _backward(site):
                 found.append(site)
     return found

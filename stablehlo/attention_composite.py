@@ -28,7 +28,6 @@ Imports: jaxlib's MLIR bindings.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -44,13 +43,11 @@ from .graph import (
     StateValues,
     call,
     element_type,
-    evaluate_reading,
     function_type,
     insert_functions,
-    ints,
-    producer,
     shape_of,
 )
+from .mask_values import compute_mask, is_causal
 
 __all__ = [
     "GRAD_NAME",
@@ -201,34 +198,33 @@ def count_composites(module: Module) -> int:
 
 
 def causal_mask_reads(
-    mask: Any, att: Attention, scalars: Mapping[int, float], state: StateValues
-) -> tuple[int, ...] | None:
+    mask: Any,
+    att: Attention,
+    scalars: Mapping[int, float],
+    state: StateValues,
+    names: Mapping[int, str] | None = None,
+) -> tuple[tuple[int, ...] | None, str]:
     """The state arguments read, when the composite's ``mask`` operand computes (when
-    the program is compiled, ``graph.evaluate``) to PyTorch's ``is_causal`` for every
-    batch row and head it holds: the top-left lower triangle of (Tq, Tk), True where
+    the program is compiled, ``mask_values.compute_mask``) to PyTorch's ``is_causal`` for
+    every batch row and head it holds: the top-left lower triangle of (Tq, Tk), True where
     kept for a boolean mask, 0 there and at most ``FILL_AT_MOST`` elsewhere for an
-    additive one. None when it does not, or cannot be computed (read from the step's
-    inputs, or too large). Broadcasts over the leading dims are read through."""
+    additive one; and "". None and why in words when it does not, or cannot be computed
+    (read from the step's inputs, named by ``names``; larger than the load computes)."""
     tq, tk = att.q_len, att.kv_len
-    src, op = mask, producer(mask)
-    while op is not None and op.name == "stablehlo.broadcast_in_dim":
-        rank, dims = len(shape_of(op.result)), ints(op, "broadcast_dimensions")
-        if shape_of(op.operands[0])[-2:] != [tq, tk] or dims[-2:] != [rank - 2, rank - 1]:
-            break
-        src, op = op.operands[0], producer(op.operands[0])
-    if shape_of(src)[-2:] != [tq, tk]:
-        return None
-    values, reads = evaluate_reading(src, scalars, state)
-    if values is None or len(values) != math.prod(shape_of(src)):
-        return None
-    boolean = element_type(src) == "i1"
-    for n, v in enumerate(values):
-        i, j = (n // tk) % tq, n % tk
-        if boolean and bool(v) != (j <= i):
-            return None
-        if not boolean and not (v == 0.0 if j <= i else v <= FILL_AT_MOST):
-            return None
-    return reads
+    if shape_of(mask)[-2:] != [tq, tk]:
+        return None, f"the mask is not of the scores' shape ({tq}, {tk})"
+    computed = compute_mask(mask, scalars, state, names)
+    if computed.values is None:
+        return None, computed.why
+    if element_type(mask) == "i1":
+        causal = is_causal(computed.values, bool, lambda v: not v)
+    else:
+        causal = is_causal(computed.values, lambda v: v == 0.0, lambda v: v <= FILL_AT_MOST)
+    if not causal:
+        loaded = ", ".join(state[num][0] for num in computed.reads)
+        where = f" (from the loaded value of {loaded})" if loaded else ""
+        return None, f"computed{where}, it is not the causal triangle"
+    return computed.reads, ""
 
 
 Kernels = Callable[[Attention], str]
@@ -243,6 +239,7 @@ def rewrite_composites(
     scalars: Mapping[int, float] | None = None,
     state: StateValues | None = None,
     state_reads: set[int] | None = None,
+    names: Mapping[int, str] | None = None,
 ) -> tuple[list[Attention], list[str]]:
     """Replace each attention composite that ``supported`` takes (returns None for) by
     a call of the function ``kernels`` gives, in place; the rest keep their
@@ -263,7 +260,7 @@ def rewrite_composites(
     """
     replaced: list[Attention] = []
     kept: list[str] = []
-    masks: dict[Any, tuple[int, ...] | None] = {}
+    masks: dict[Any, tuple[tuple[int, ...] | None, str]] = {}
     with module._ctx:
         made: dict[Attention, str] = {}
         for op, att in find_composites(module):
@@ -276,16 +273,22 @@ def rewrite_composites(
             operands = list(op.operands)
             reads: tuple[int, ...] = ()
             at = 6 if att.grad else 3  # the mask operand (module docstring)
+            folded = ""  # why a mask was not read as is_causal
             if att.mask in ("boolean", "additive") and not att.causal and len(operands) > at:
                 if operands[at] not in masks:  # a forward and its backward share one
                     masks[operands[at]] = causal_mask_reads(
-                        operands[at], att, scalars or {}, state or {}
+                        operands[at], att, scalars or {}, state or {}, names
                     )
-                causal = masks[operands[at]]
+                causal, folded = masks[operands[at]]
                 if causal is not None:
                     att = dataclasses.replace(att, causal=True, mask="causal")
                     operands, reads = operands[:at], causal
             why = supported(att)
+            if why is not None and folded and not att.dropout_p:
+                why = (
+                    f"{'an' if att.mask == 'additive' else 'a'} {att.mask} attn_mask that is "
+                    f"not the causal triangle is not fused: {folded}"
+                )
             if why is not None:
                 kept.append(f"{att.describe()}: {why}")
                 continue

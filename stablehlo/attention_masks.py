@@ -10,18 +10,19 @@ Imports: jaxlib's MLIR bindings (through ``graph``).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from .graph import (
     StateValues,
     element_type,
-    evaluate_reading,
     holds_integers,
     ints,
     producer,
     shape_of,
     splat_value,
 )
+from .mask_values import compute_mask, is_causal
 
 __all__ = ["FILL_AT_MOST", "NOT_CAUSAL", "additive_miss", "iota_rows_ge_columns", "mask_miss"]
 
@@ -73,6 +74,7 @@ def mask_miss(
     seen: dict[Any, tuple[str, tuple[int, ...]]],
     state: StateValues,
     fills_where_true: bool,
+    names: Mapping[int, str] | None = None,
 ) -> tuple[str, tuple[int, ...]]:
     """Why ``select``'s predicate is not the causal mask of a (T, T) score broadcast over
     the batch and heads (the last two dims exactly), or "" when it is, and the state
@@ -106,23 +108,19 @@ def mask_miss(
     miss = ""
     reads: tuple[int, ...] = ()
     if fills_where_true or mask_shape != [t, t] or not iota_rows_ge_columns(mask, t):
-        values, reads = evaluate_reading(mask, scalars, state)
-        names = ", ".join(state[num][0] for num in reads)
-        causal = [(i < j) if fills_where_true else (i >= j) for i in range(t) for j in range(t)]
-        if values is None:
-            miss = (
-                f"{NOT_CAUSAL} (not computable when the program is compiled: read from "
-                "an input the step gives it or state the step writes, too large, or built "
-                "from positions its element type does not hold exactly, such as positions "
-                "rounded to bf16 or wrapped in int8)"
+        computed = compute_mask(mask, scalars, state, names)
+        reads = computed.reads
+        loaded = ", ".join(state[num][0] for num in reads)
+        if computed.values is None:
+            miss = f"{NOT_CAUSAL} ({computed.why})"
+        elif not is_causal(
+            computed.values,
+            (lambda v: not v) if fills_where_true else bool,
+            bool if fills_where_true else (lambda v: not v),
+        ):
+            miss = f"{NOT_CAUSAL} (computed, it is not the causal triangle" + (
+                f"; from the loaded value of {loaded})" if loaded else ")"
             )
-        elif [bool(x) for x in values] != causal and names:
-            miss = (
-                f"{NOT_CAUSAL} (computed from the loaded value of {names}, it is not the "
-                "causal triangle)"
-            )
-        elif [bool(x) for x in values] != causal:
-            miss = f"{NOT_CAUSAL} (computed, it is not the lower triangle)"
     if key[0] is not None:
         seen[key] = (miss, reads)
     return miss, reads
@@ -135,6 +133,7 @@ def additive_miss(
     scalars: dict[int, float],
     seen: dict[Any, tuple[str, tuple[int, ...]]],
     state: StateValues,
+    names: Mapping[int, str] | None = None,
 ) -> tuple[str, tuple[int, ...]]:
     """Why ``add`` (the scores ``x`` plus a mask) is not a causal additive mask, or ""
     when it is, and the state arguments the mask was computed from. The mask is
@@ -155,20 +154,12 @@ def additive_miss(
     key = (producer(mask), "additive")
     if key[0] is not None and key in seen:
         return seen[key]
-    values, reads = evaluate_reading(mask, scalars, state)
-    miss = ""
-    if values is None:
-        miss = (
-            f"{NOT_CAUSAL} (an added mask not computable when the program is compiled: "
-            "read from an input the step gives it or state the step writes, or too large)"
-        )
-    else:
-        ok = all(
-            (v == 0.0) if (n // t) % t >= n % t else (v <= FILL_AT_MOST)
-            for n, v in enumerate(values)
-        )
-        if not ok:
-            miss = f"{NOT_CAUSAL} (an added mask that, computed, is not the causal one)"
+    computed = compute_mask(mask, scalars, state, names)
+    reads, miss = computed.reads, ""
+    if computed.values is None:
+        miss = f"{NOT_CAUSAL} (an added mask {computed.why})"
+    elif not is_causal(computed.values, lambda v: v == 0.0, lambda v: v <= FILL_AT_MOST):
+        miss = f"{NOT_CAUSAL} (an added mask that, computed, is not the causal one)"
     if key[0] is not None:
         seen[key] = (miss, reads)
     return miss, reads

@@ -1,7 +1,8 @@
 """Reading and extending a parsed StableHLO module: the helpers pattern rewrites share.
 
-Values and their uses, shapes, following converts; computing a small value on the host
-(a mask built from iotas and constants, a splat's number); and moving the functions of
+Values and their uses, shapes, following converts; a splat's number, and how each element
+type holds a number computed on the host (``converted``, ``holds_integers``: what
+``mask_values`` computes masks with); and moving the functions of
 another module in (named apart, private) and calling them. ``attention.py`` uses them.
 
 Imports: jaxlib's MLIR bindings.
@@ -9,7 +10,6 @@ Imports: jaxlib's MLIR bindings.
 
 from __future__ import annotations
 
-import itertools
 import math
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -25,7 +25,9 @@ __all__ = [
     "comparison_direction",
     "converted",
     "element_type",
-    "evaluate",
+    "dense_integers",
+    "FLOAT_BITS",
+    "int_range",
     "holds_integers",
     "insert_functions",
     "ints",
@@ -127,11 +129,6 @@ def source_of(value: Any) -> Any:
 
 
 # ---------------------------------------------------------------- evaluating values
-_EVAL_OPS = {"stablehlo.iota", "stablehlo.broadcast_in_dim", "stablehlo.compare"}
-_EVAL_OPS |= {"stablehlo.select", "stablehlo.convert", "stablehlo.constant", "stablehlo.not"}
-_EVAL_OPS |= {"stablehlo.and", "stablehlo.or"}
-
-
 def splat_value(value: Any, scalars: dict[int, float]) -> float | None:
     """The one number ``value`` repeats (a splat constant or a known scalar argument,
     through converts and broadcasts), or None."""
@@ -165,7 +162,8 @@ def comparison_direction(op: Any) -> str:
 
 
 MAX_EVALUATED = 1 << 20
-"""``evaluate`` computes values of at most this many elements (a (T, T) mask)."""
+"""The most elements a value computed at load holds over the dims it varies along
+(``mask_values``): a (T, T) mask of T = 1024."""
 
 COMPARISONS: dict[str, Callable[[Any, Any], bool]] = {
     "EQ": lambda a, b: a == b,
@@ -177,10 +175,6 @@ COMPARISONS: dict[str, Callable[[Any, Any], bool]] = {
 }
 
 
-def _index(shape: list[int]) -> list[tuple[int, ...]]:
-    return list(itertools.product(*(range(n) for n in shape)))
-
-
 StateValues = Mapping[int, tuple[str, Callable[[], Sequence[Any] | None]]]
 """@main arguments that are state the step never writes, known when the program is
 compiled: argument number -> (state name, a function giving its elements in row-major
@@ -189,128 +183,12 @@ computed from the value loaded; the caller must see that the state keeps that va
 while the program runs."""
 
 
-def evaluate_reading(
-    value: Any, scalars: Mapping[int, float], state: StateValues
-) -> tuple[list[Any] | None, tuple[int, ...]]:
-    """``evaluate(value, scalars)`` with ``state``'s values known, and the state
-    arguments it read (sorted): what a mask computed at load was computed from."""
-    read: set[int] = set()
-
-    def reader(num: int) -> Callable[[], Sequence[Any] | None]:
-        def values() -> Sequence[Any] | None:
-            read.add(num)
-            return state[num][1]()
-
-        return values
-
-    values = evaluate(value, scalars, arrays={num: reader(num) for num in state})
-    return values, tuple(sorted(read))
-
-
-def evaluate(
-    value: Any,
-    scalars: Mapping[int, float],
-    depth: int = 0,
-    arrays: Mapping[int, Callable[[], Sequence[Any] | None]] | None = None,
-) -> list[Any] | None:
-    """``value``'s elements in row-major order, computed on the host from constants
-    (splats, and integer or boolean arrays), iotas and known scalar arguments
-    (``scalars``: @main argument number -> value) through broadcasts, compares,
-    selects, converts, logic and integer sums and differences; None for anything
-    else or anything larger than ``MAX_EVALUATED``. ``arrays`` gives @main arguments
-    whose values are known when the program is compiled (state the step never writes:
-    argument number -> its elements in row-major order, as the element type holds them,
-    or None when unknown), read through reshapes and slices too. Plain Python: the
-    StableHLO layer stays free of numpy, and a mask is computed once per load.
-
-    Each value is held as its element type holds it: a convert to bf16 rounds as bf16
-    does, and an iota or a convert whose values the type cannot hold exactly (positions
-    past 256 in bf16, past 127 in i8: rounded or wrapped) or an element type not
-    modelled here makes the result None, as unknown (``converted``, ``holds_integers``)."""
-    shape = shape_of(value)
-    if math.prod(shape) > MAX_EVALUATED or depth > 12:
-        return None
-    op = producer(value)
-    if op is None:
-        num = main_argument(value)
-        if num is None:
-            return None
-        if arrays is not None and num in arrays:
-            known = arrays[num]()
-            return None if known is None or len(known) != math.prod(shape) else list(known)
-        return [scalars[num]] if num in scalars and shape == [] else None
-    if op.name == "stablehlo.constant":
-        v = splat_constant(op)
-        return _dense_integers(op) if v is None else [v] * math.prod(shape)
-    if op.name == "stablehlo.iota":
-        dim = int(ir.IntegerAttr(op.attributes["iota_dimension"]).value)
-        elem = element_type(op.result)
-        if not holds_integers(elem, shape[dim]):
-            return None  # positions rounded or wrapped by the type: not computed here
-        kind = float if elem in _PRECISION else int
-        return [kind(ix[dim]) for ix in _index(shape)]
-    if op.name not in _EVALUATED:
-        return None
-    args = [evaluate(v, scalars, depth + 1, arrays) for v in op.operands]
-    if any(a is None for a in args):
-        return None
-    a = args[0]
-    assert a is not None
-    if op.name == "stablehlo.reshape":  # row-major order is kept
-        return a
-    if op.name == "stablehlo.slice":
-        src = shape_of(op.operands[0])
-        starts, limits = ints(op, "start_indices"), ints(op, "limit_indices")
-        steps = ints(op, "strides")
-        strides = [math.prod(src[k + 1 :]) for k in range(len(src))]
-        ranges = [range(b, e, s) for b, e, s in zip(starts, limits, steps)]
-        return [a[sum(i * st for i, st in zip(ix, strides))] for ix in itertools.product(*ranges)]
-    if op.name == "stablehlo.broadcast_in_dim":
-        dims = ints(op, "broadcast_dimensions")
-        src = shape_of(op.operands[0])
-        strides = [math.prod(src[k + 1 :]) for k in range(len(src))]
-        return [
-            a[sum(ix[d] * strides[k] if src[k] > 1 else 0 for k, d in enumerate(dims))]
-            for ix in _index(shape)
-        ]
-    if op.name == "stablehlo.convert":
-        elem = element_type(op.result)
-        out = [converted(x, elem) for x in a]
-        return None if any(x is None for x in out) else out
-    logic = op.name in ("stablehlo.not", "stablehlo.and", "stablehlo.or")
-    if logic and element_type(op.result) != "i1":
-        return None  # bitwise on integers: not computed here
-    if op.name == "stablehlo.not":
-        return [not x for x in a]
-    b = args[1]
-    assert b is not None
-    if op.name in ("stablehlo.add", "stablehlo.subtract"):
-        # integers only (positions: ``j - i``), and only where the type holds the result
-        bounds = _int_range(element_type(op.result))
-        if bounds is None:
-            return None
-        sign = 1 if op.name == "stablehlo.add" else -1
-        out = [x + sign * y for x, y in zip(a, b)]
-        return out if all(bounds[0] <= x <= bounds[1] for x in out) else None
-    if op.name == "stablehlo.compare":
-        direction = comparison_direction(op)
-        fn = COMPARISONS.get(direction)
-        return None if fn is None else [fn(x, y) for x, y in zip(a, b)]
-    if op.name == "stablehlo.and":
-        return [x and y for x, y in zip(a, b)]
-    if op.name == "stablehlo.or":
-        return [x or y for x, y in zip(a, b)]
-    c = args[2]
-    assert c is not None
-    return [y if x else z for x, y, z in zip(a, b, c)]  # select
-
-
-_PRECISION = {"f64": 53, "f32": 24, "f16": 11, "bf16": 8}
-"""Significand bits of the float types ``evaluate`` models: every integer up to
+FLOAT_BITS = {"f64": 53, "f32": 24, "f16": 11, "bf16": 8}
+"""Significand bits of the float types the load's mask computation models: every integer up to
 2**bits is exact."""
 
 
-def _int_range(elem: str) -> tuple[int, int] | None:
+def int_range(elem: str) -> tuple[int, int] | None:
     """The values a signed (``i8``, ``si8``) or unsigned (``ui8``) integer type holds."""
     m = re.fullmatch(r"(s|u)?i(\d+)", elem)
     if m is None or elem == "i1":
@@ -327,9 +205,9 @@ def holds_integers(elem: str, n: int) -> bool:
     bits; False for a type not modelled here."""
     if n <= 0:
         return True
-    if elem in _PRECISION:
-        return n - 1 <= 1 << _PRECISION[elem]
-    span = _int_range(elem)
+    if elem in FLOAT_BITS:
+        return n - 1 <= 1 << FLOAT_BITS[elem]
+    span = int_range(elem)
     return span is not None and span[1] >= n - 1
 
 
@@ -364,9 +242,9 @@ def converted(x: Any, elem: str) -> Any:
         return bool(x)
     if isinstance(x, bool):
         x = int(x)
-    if elem in _PRECISION:
+    if elem in FLOAT_BITS:
         return _round_float(float(x), elem)
-    span = _int_range(elem)
+    span = int_range(elem)
     if span is None:
         return None
     if isinstance(x, float):
@@ -376,29 +254,12 @@ def converted(x: Any, elem: str) -> Any:
     return x if span[0] <= x <= span[1] else None
 
 
-_EVALUATED = frozenset(
-    {
-        "stablehlo.broadcast_in_dim",
-        "stablehlo.convert",
-        "stablehlo.not",
-        "stablehlo.compare",
-        "stablehlo.and",
-        "stablehlo.or",
-        "stablehlo.select",
-        "stablehlo.reshape",
-        "stablehlo.slice",
-        "stablehlo.add",
-        "stablehlo.subtract",
-    }
-)
-
-
-def _dense_integers(op: Any) -> list[Any] | None:
+def dense_integers(op: Any) -> list[Any] | None:
     """A non-splat integer or boolean constant's elements in row-major order (the
     positions ``torch.arange`` writes), or None for any other."""
     elem = element_type(op.result)
     # unsigned types left out: the bindings read their elements as signed
-    if elem != "i1" and (_int_range(elem) is None or elem.startswith("ui")):
+    if elem != "i1" and (int_range(elem) is None or elem.startswith("ui")):
         return None
     attr = ir.DenseIntElementsAttr(op.attributes["value"])
     values = [attr[i] for i in range(len(attr))]

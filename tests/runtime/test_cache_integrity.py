@@ -214,8 +214,9 @@ warnings.simplefilter("ignore")
 sys.path.insert(0, sys.argv[2])
 from runtime_helpers import golden_bundle
 from stepbundle.runtime import LoadOptions, load
-t = load(golden_bundle("linear_adamw"), options=LoadOptions.from_keywords(cache_dir=sys.argv[1], entry="eval"))
-print(" ".join(sorted(e.outcome.value for e in t.load_info.cache.values())))
+for _ in range(int(sys.argv[3])):  # each load reads the cache folder afresh
+    t = load(golden_bundle("linear_adamw"), options=LoadOptions.from_keywords(cache_dir=sys.argv[1], entry="eval"))
+    print(" ".join(sorted(e.outcome.value for e in t.load_info.cache.values())))
 """
 
 
@@ -224,23 +225,26 @@ def test_other_xla_flags_are_a_miss(tmp_path: Path) -> None:
     tests_runtime = str(Path(__file__).resolve().parent)
     cache = str(tmp_path / "cache")
 
-    def outcomes(**env: str) -> str:
+    def outcomes(loads: int = 1, **env: str) -> list[str]:
+        """What the cache did for each of ``loads`` loads in one child under ``env``."""
         child = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "LIBTPU_INIT_ARGS")}
         out = subprocess.run(
-            [sys.executable, "-c", KEY_CHILD, cache, tests_runtime],
+            [sys.executable, "-c", KEY_CHILD, cache, tests_runtime, str(loads)],
             env={**child, **env},
             capture_output=True,
             text=True,
             timeout=300,
         )
         assert out.returncode == 0, out.stderr[-3000:]
-        return out.stdout.strip()
+        return out.stdout.strip().splitlines()
 
-    assert outcomes() == "miss miss"
-    assert outcomes() == "hit hit"
-    assert outcomes(XLA_FLAGS="--xla_cpu_enable_fast_math=true") == "miss miss"
-    assert outcomes(XLA_FLAGS="--xla_cpu_enable_fast_math=true") == "hit hit"
-    assert outcomes(XLA_FLAGS="--xla_cpu_enable_fast_math=false") == "miss miss"
-    assert outcomes(LIBTPU_INIT_ARGS="--xla_tpu_some_flag=1") == "miss miss"
-    assert outcomes() == "hit hit"  # the first entries are still there, under their keys
+    # A second load under the same flags runs in the same child: a process of its own
+    # would read the same folder under the same key.
+    assert outcomes(2) == ["miss miss", "hit hit"]
+    fast = "--xla_cpu_enable_fast_math=true"
+    assert outcomes(2, XLA_FLAGS=fast) == ["miss miss", "hit hit"]
+    assert outcomes(XLA_FLAGS="--xla_cpu_enable_fast_math=false") == ["miss miss"]
+    assert outcomes(LIBTPU_INIT_ARGS="--xla_tpu_some_flag=1") == ["miss miss"]
+    # In a fresh process: the first entries are still there, under their keys.
+    assert outcomes() == ["hit hit"]
     assert len(entries(Path(cache))) == 8

@@ -56,7 +56,12 @@ def lean_python() -> str:
 def _private_compile_cache(
     tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Tests never share the user's compile cache."""
+    """Tests never share the user's compile cache: they share one of their own, a folder
+    per pytest session, reached the way a user's load reaches the default one
+    ($STEPBUNDLE_CACHE_DIR, inherited by child processes). A program compiled by one test
+    is a verified hit for the next (the hit computes the compiled executable's numbers:
+    tests/runtime/test_cache_integrity.py). Tests of the cache itself, and of compile
+    counts or a cache that is off, pass their own ``cache_dir`` (a tmp_path, or False)."""
     monkeypatch.setenv("STEPBUNDLE_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "xla-cache"))
 
 

@@ -12,7 +12,7 @@ import sys
 import pytest
 from runtime_helpers import golden_bundle
 
-from stepbundle.runtime import CompileOptions, LoadOptions, UsageError, load
+from stepbundle.runtime import CompileOptions, UsageError, load
 from stepbundle.runtime.compile import allocator
 
 # Allocates 20 blocks of 8 MB through libc's malloc, touches every page, frees them all,
@@ -161,7 +161,5 @@ def test_a_bad_setting_is_refused() -> None:
 def test_it_is_decided_for_tpus_only() -> None:
     assert CompileOptions().keep_freed_memory == "auto"
     # A CPU load leaves the allocator alone (what it changes was measured on a TPU host).
-    trainer = load(
-        golden_bundle("linear_adamw"), options=LoadOptions(compile=CompileOptions(cache_dir=False))
-    )
+    trainer = load(golden_bundle("linear_adamw"))
     assert trainer.load_info.kept_freed_memory is False and trainer.load_info.allocator == ""

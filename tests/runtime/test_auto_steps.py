@@ -145,7 +145,7 @@ def test_load_options_auto_probes_for_python_users_too() -> None:
     CLI: the golden step is dispatch-bound on any CPU, so K > 1, and load_info says why."""
     from stepbundle.runtime import CompileOptions, LoadOptions, load
 
-    options = LoadOptions(compile=CompileOptions(steps_per_call="auto", cache_dir=False))
+    options = LoadOptions(compile=CompileOptions(steps_per_call="auto"))
     trainer = load(golden_bundle(NAME), "cpu", options=options)
     found = re.fullmatch(
         r"steps per call (\d+) \(auto: ([\d.]+) ms/step at 1 per call, dispatch-bound\)",
@@ -154,7 +154,7 @@ def test_load_options_auto_probes_for_python_users_too() -> None:
     assert found, trainer.load_info.auto_steps
     k, ms = int(found.group(1)), float(found.group(2))
     assert trainer.steps_per_call == k == choose(ms)[0] > 1
-    eight = LoadOptions(compile=CompileOptions(steps_per_call=8, cache_dir=False))
+    eight = LoadOptions(compile=CompileOptions(steps_per_call=8))
     given = load(golden_bundle(NAME), "cpu", options=eight)
     assert given.load_info.auto_steps == "" and given.steps_per_call == 8
 
@@ -164,16 +164,14 @@ def test_auto_runs_nothing_where_the_load_runs_no_training_step() -> None:
     measures nothing there (no state read, no train entry compiled) and says so."""
     from stepbundle.runtime import CompileOptions, LoadOptions, load
 
-    only = LoadOptions(
-        compile=CompileOptions(steps_per_call="auto", compile_only=True, cache_dir=False)
-    )
+    only = LoadOptions(compile=CompileOptions(steps_per_call="auto", compile_only=True))
     compiled = load(golden_bundle(NAME), "cpu", options=only)
     assert (
         compiled.load_info.auto_steps
         == "steps per call 1 (auto: compile_only runs no step to measure)"
     )
     assert compiled.steps_per_call == 1
-    ev = LoadOptions(compile=CompileOptions(steps_per_call="auto", entries="eval", cache_dir=False))
+    ev = LoadOptions(compile=CompileOptions(steps_per_call="auto", entries="eval"))
     trainer = load(golden_bundle(NAME), "cpu", options=ev)
     assert trainer.load_info.auto_steps == "steps per call 1 (auto: the train entry is not loaded)"
     assert trainer.steps_per_call == 1
@@ -188,7 +186,7 @@ def test_the_cadences_are_the_librarys_for_python_and_the_command() -> None:
     from stepbundle.runtime import CompileOptions, LoadOptions, UsageError, load
 
     pattern = r"steps per call (\d+) \(auto: ([\d.]+) ms/step at 1 per call, (.*)\)"
-    options = CompileOptions(steps_per_call="auto", cadences=(12, 0), cache_dir=False)
+    options = CompileOptions(steps_per_call="auto", cadences=(12, 0))
     trainer = load(golden_bundle(NAME), "cpu", options=LoadOptions(compile=options))
     command = _open_trainer(
         RunConfig(

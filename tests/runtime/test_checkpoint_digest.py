@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from runtime_helpers import golden_batches, golden_bundle
 
-from stepbundle.runtime import CheckpointError, CompileOptions, LoadOptions, load
+from stepbundle.runtime import CheckpointError, load
 from stepbundle.runtime.dtypes import NUMPY_DTYPES, SAFETENSORS_CODES
 from stepbundle.runtime.state.checkpoint import read_checkpoint, write_checkpoint
 from stepbundle.schema.checkpoint_digest import NUMPY_DTYPE_STRINGS, file_digest, verify_file
@@ -41,9 +41,7 @@ def test_a_checkpoint_of_every_dtype_has_the_runtimes_digest(tmp_path: Path) -> 
 
 
 def test_a_flipped_byte_anywhere_in_a_tensor_is_refused(tmp_path: Path) -> None:
-    trainer = load(
-        golden_bundle("linear_adamw"), options=LoadOptions(compile=CompileOptions(cache_dir=False))
-    )
+    trainer = load(golden_bundle("linear_adamw"))
     trainer.run(golden_batches("linear_adamw"), 2)
     path = tmp_path / "c.safetensors"
     trainer.save_checkpoint(path)

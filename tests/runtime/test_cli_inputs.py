@@ -13,8 +13,6 @@ import numpy as np
 import pytest
 from runtime_helpers import GOLDEN_DIR, cli_here, golden_bundle
 
-from stepbundle.runtime import CompileOptions, LoadOptions
-
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
     """The command in a child process (``python -m stepbundle``). Refusals made before
@@ -31,7 +29,6 @@ def run_args(*extra: str, data: str | None = None) -> list[str]:
         str(golden_bundle("linear_adamw")),
         "--data",
         data or str(GOLDEN_DIR / "linear_adamw.inputs.npz"),
-        "--no-cache",
         *extra,
     ]
 
@@ -65,13 +62,15 @@ def test_bad_arguments_are_refused_while_parsing(flags: list[str], needle: str) 
 
 
 def test_a_digest_is_accepted_with_or_without_its_prefix() -> None:
-    digest = cli("inspect", str(golden_bundle("linear_adamw"))).stdout.splitlines()[1].split()[1]
+    digest = (
+        cli_here("inspect", str(golden_bundle("linear_adamw"))).stdout.splitlines()[1].split()[1]
+    )
     assert digest.startswith("sha256:")
     for given in (digest, digest.removeprefix("sha256:"), digest.upper().replace("SHA256:", "")):
-        result = cli(*run_args("--steps", "1", "--expect-digest", given))
+        result = cli_here(*run_args("--steps", "1", "--expect-digest", given))
         assert result.returncode == 0, result.stderr
     other = "sha256:" + "0" * 64
-    result = cli(*run_args("--steps", "1", "--expect-digest", other))
+    result = cli_here(*run_args("--steps", "1", "--expect-digest", other))
     assert result.returncode == 1
     assert other in one_line_error(result)
 
@@ -245,9 +244,7 @@ def test_a_missing_bundle_or_a_symlink_loop_is_one_line(tmp_path: Path) -> None:
 def test_a_batch_with_non_string_keys_is_a_binding_error() -> None:
     from stepbundle.runtime import BindingError, load
 
-    t = load(
-        golden_bundle("linear_adamw"), options=LoadOptions(compile=CompileOptions(cache_dir=False))
-    )
+    t = load(golden_bundle("linear_adamw"))
     x = np.zeros((8, 5), np.float32)
     y = np.zeros((8, 3), np.float32)
     with pytest.raises(BindingError, match="Batch input names are strings"):

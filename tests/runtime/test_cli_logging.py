@@ -24,7 +24,7 @@ from runtime_helpers import GOLDEN_DIR, golden_batches, golden_bundle
 from stepbundle.cli.main import main
 from stepbundle.cli.progress import ProgressBar
 from stepbundle.cli.report import Reporter
-from stepbundle.runtime import CompileOptions, LoadOptions, load
+from stepbundle.runtime import load
 
 BUNDLE = str(golden_bundle("batchnorm_lr"))  # has an lr hyperparameter
 DATA = str(GOLDEN_DIR / "batchnorm_lr.inputs.npz")
@@ -32,7 +32,7 @@ DATA = str(GOLDEN_DIR / "batchnorm_lr.inputs.npz")
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "stepbundle", "run", BUNDLE, "--data", DATA, "--no-cache", *args],
+        [sys.executable, "-m", "stepbundle", "run", BUNDLE, "--data", DATA, *args],
         capture_output=True,
         text=True,
         timeout=300,
@@ -50,7 +50,7 @@ def strict_json(line: str) -> dict[str, Any]:
 
 def api_steps(n: int) -> list[dict[str, float]]:
     """Loss and lr of the first ``n`` steps, through the Python API."""
-    t = load(BUNDLE, options=LoadOptions(compile=CompileOptions(cache_dir=False)))
+    t = load(BUNDLE)
     out = []
     for m in t.run(golden_batches("batchnorm_lr"), n):
         out.append({"loss": float(m["loss"]), "lr": t.hyperparameters["lr"]})
@@ -204,7 +204,7 @@ def test_the_metrics_file_is_strict_json_with_non_finite_values(tmp_path: Path) 
 def test_the_cli_draws_a_bar_on_a_terminal() -> None:
     controller, terminal = pty.openpty()
     fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
-    cmd = [sys.executable, "-m", "stepbundle", "run", BUNDLE, "--data", DATA, "--no-cache"]
+    cmd = [sys.executable, "-m", "stepbundle", "run", BUNDLE, "--data", DATA]
     proc = subprocess.Popen(
         [*cmd, "--steps", "40", "--log-every", "20"],
         stdin=subprocess.DEVNULL,
@@ -346,7 +346,7 @@ def test_a_resumed_run_continues_the_metrics_file_at_the_checkpoints_step(
 def test_refusals_before_loading(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    base = ["run", BUNDLE, "--data", DATA, "--steps", "1", "--no-cache"]
+    base = ["run", BUNDLE, "--data", DATA, "--steps", "1"]
     assert main([*base, "--metrics-file", str(tmp_path)]) == 2
     assert "is a folder" in capsys.readouterr().err
     (tmp_path / "file").write_text("")
@@ -376,7 +376,7 @@ def test_the_last_step_is_reported_when_the_data_ends_first(tmp_path: Path) -> N
     step is the last one logged, whatever --log-every says (it was never reported)."""
     data = _dataset("batchnorm_lr", tmp_path)
     r = subprocess.run(
-        [sys.executable, "-m", "stepbundle", "run", BUNDLE, "--data", str(data), "--no-cache",
+        [sys.executable, "-m", "stepbundle", "run", BUNDLE, "--data", str(data),
          "--steps", "100", "--epochs", "1", "--no-shuffle", "--log-every", "10", "--json"],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
@@ -391,7 +391,7 @@ def test_eval_entry_over_an_endless_dataset_takes_steps_batches(tmp_path: Path) 
     data = _dataset("linear_adamw", tmp_path)
     r = subprocess.run(
         [sys.executable, "-m", "stepbundle", "run", str(golden_bundle("linear_adamw")),
-         "--data", str(data), "--no-cache", "--entry", "eval", "--steps", "5"],
+         "--data", str(data), "--entry", "eval", "--steps", "5"],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert r.returncode == 0, r.stderr

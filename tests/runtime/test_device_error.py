@@ -10,13 +10,11 @@ import numpy as np
 import pytest
 from runtime_helpers import golden_batches, golden_bundle
 
-from stepbundle.runtime import BindingError, CompileOptions, DeviceError, LoadOptions, load
+from stepbundle.runtime import BindingError, DeviceError, load
 
 
 def test_a_device_failure_is_a_device_error_and_a_checkpoint_recovers(tmp_path: Path) -> None:
-    t = load(
-        golden_bundle("linear_adamw"), options=LoadOptions(compile=CompileOptions(cache_dir=False))
-    )
+    t = load(golden_bundle("linear_adamw"))
     batch = golden_batches("linear_adamw")[0]
     t.step(batch)
     t.save_checkpoint(tmp_path / "good.safetensors")
@@ -38,9 +36,7 @@ def test_a_device_failure_is_a_device_error_and_a_checkpoint_recovers(tmp_path: 
 
 
 def test_a_device_failure_during_evaluate_is_a_device_error_too() -> None:
-    t = load(
-        golden_bundle("linear_adamw"), options=LoadOptions(compile=CompileOptions(cache_dir=False))
-    )
+    t = load(golden_bundle("linear_adamw"))
     t._store.buffers[0].delete()  # fault injection, as above
     with pytest.raises(DeviceError, match="it donated nothing"):
         t.evaluate(golden_batches("linear_adamw")[0])

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from runtime_helpers import golden_bundle
 
-from stepbundle.runtime import BindingError, CompileOptions, LoadOptions, load
+from stepbundle.runtime import BindingError, load
 from stepbundle.runtime.data.dataset import open_dataset
 from stepbundle.runtime.data.dataset_writer import write_dataset
 from stepbundle.runtime.data.loader import Loader
@@ -40,9 +40,7 @@ def test_the_mean_over_every_row(
     data: tuple[Path, np.ndarray, np.ndarray], last_batch: str
 ) -> None:
     path, x, y = data
-    t = load(
-        golden_bundle("linear_adamw"), options=LoadOptions(compile=CompileOptions(cache_dir=False))
-    )
+    t = load(golden_bundle("linear_adamw"))
     loader = Loader(
         open_dataset(path), 8, shuffle=False, epochs=1, last_batch=last_batch, mask_key="mask"
     )
@@ -64,9 +62,7 @@ def test_evaluation_changes_no_state_and_refuses_nothing_to_do(
     data: tuple[Path, np.ndarray, np.ndarray],
 ) -> None:
     path, _, _ = data
-    t = load(
-        golden_bundle("linear_adamw"), options=LoadOptions(compile=CompileOptions(cache_dir=False))
-    )
+    t = load(golden_bundle("linear_adamw"))
     before = t.state_dict()
     t.evaluate_dataset(Loader(open_dataset(path), 8, shuffle=False, epochs=1, last_batch="drop"))
     for k, v in t.state_dict().items():

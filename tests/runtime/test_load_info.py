@@ -55,21 +55,15 @@ def test_the_fast_paths_are_reported() -> None:
 def test_a_failed_transfer_probe_falls_back_visibly(
     monkeypatch: pytest.MonkeyPatch, fresh_warnings: None
 ) -> None:
-    want = first_loss(
-        load(golden_bundle(BUNDLE), options=LoadOptions(compile=CompileOptions(cache_dir=False)))
-    )
+    want = first_loss(load(golden_bundle(BUNDLE)))
     # As if jaxlib's internal transfer had gone: probed again, it is missing.
     monkeypatch.setattr(_compat, "_FAST_PUT", [])
     monkeypatch.setattr(_compat, "_TRANSFER", [])
     monkeypatch.setattr(_compat, "_make_fast_put", lambda: (None, "probe says no"))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        first = load(
-            golden_bundle(BUNDLE), options=LoadOptions(compile=CompileOptions(cache_dir=False))
-        )
-        second = load(
-            golden_bundle(BUNDLE), options=LoadOptions(compile=CompileOptions(cache_dir=False))
-        )
+        first = load(golden_bundle(BUNDLE))
+        second = load(golden_bundle(BUNDLE))
     for t in (first, second):
         transfer = t.load_info.transfer
         assert transfer is not None and transfer.kind is PathKind.FALLBACK
@@ -82,15 +76,11 @@ def test_a_failed_transfer_probe_falls_back_visibly(
 def test_missing_result_handlers_fall_back_visibly(
     monkeypatch: pytest.MonkeyPatch, fresh_warnings: None
 ) -> None:
-    want = first_loss(
-        load(golden_bundle(BUNDLE), options=LoadOptions(compile=CompileOptions(cache_dir=False)))
-    )
+    want = first_loss(load(golden_bundle(BUNDLE)))
     monkeypatch.delattr(_compat.xla_client, "array_result_handler")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        t = load(
-            golden_bundle(BUNDLE), options=LoadOptions(compile=CompileOptions(cache_dir=False))
-        )
+        t = load(golden_bundle(BUNDLE))
     assert set(t.load_info.dispatch) == PROGRAMS
     for path in t.load_info.dispatch.values():
         assert path.kind is PathKind.FALLBACK
@@ -154,6 +144,4 @@ def test_a_read_only_cache_is_reported_and_warned_once(
     (warned,) = fallbacks(caught)  # eight failed writes, one warning
     assert warned.category is CacheWarning
     assert "cannot write the compile cache" in str(warned.message)
-    assert first_loss(second) == first_loss(
-        load(golden_bundle(BUNDLE), options=LoadOptions(compile=CompileOptions(cache_dir=False)))
-    )
+    assert first_loss(second) == first_loss(load(golden_bundle(BUNDLE)))

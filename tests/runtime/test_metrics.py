@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from runtime_helpers import golden_batches, golden_bundle
 
-from stepbundle.runtime import CompileOptions, LoadOptions, load
+from stepbundle.runtime import load
 from stepbundle.runtime.train.metrics import json_float, json_safe, to_floats, to_json_floats
 
 
@@ -49,9 +49,7 @@ def test_device_arrays_become_plain_floats_and_lists() -> None:
 
 
 def test_a_trainers_metrics_dump_as_json() -> None:
-    t = load(
-        golden_bundle("dropout_sgd"), options=LoadOptions(compile=CompileOptions(cache_dir=False))
-    )
+    t = load(golden_bundle("dropout_sgd"))
     metrics = t.step(golden_batches("dropout_sgd")[0])
     with pytest.raises(TypeError):
         json.dumps(metrics)  # what the helper is for

@@ -17,16 +17,14 @@ import numpy as np
 import pytest
 from runtime_helpers import GOLDEN_DIR, golden_batches, golden_bundle
 
-from stepbundle.runtime import BindingError, CheckpointError, CompileOptions, LoadOptions, load
+from stepbundle.runtime import BindingError, CheckpointError, load
 from stepbundle.runtime.state.checkpoint import CheckpointMeta
 from stepbundle.runtime.train.schedule import parse_schedule
 from stepbundle.schema import SchemaValidationError, open_bundle, validate
 
 
 def test_evaluate_refuses_an_entry_that_updates_state_and_keeps_it() -> None:
-    t = load(
-        golden_bundle("linear_adamw"), options=LoadOptions(compile=CompileOptions(cache_dir=False))
-    )
+    t = load(golden_bundle("linear_adamw"))
     batch = golden_batches("linear_adamw")[0]
     before = t.state_dict()
     with pytest.raises(BindingError, match="'train' updates the state") as refused:
@@ -55,9 +53,7 @@ def test_schedule_specs_with_bad_numbers_are_refused(spec: str, needle: str) -> 
 
 
 def test_a_schedule_function_that_returns_nan_is_refused_before_dispatch() -> None:
-    t = load(
-        golden_bundle("batchnorm_lr"), options=LoadOptions(compile=CompileOptions(cache_dir=False))
-    )
+    t = load(golden_bundle("batchnorm_lr"))
     batches = golden_batches("batchnorm_lr")
     t.step(batches[0])
     t.set_schedule("lr", lambda step: float("nan") if step == 1 else 0.01)
@@ -85,7 +81,6 @@ def test_cli_refuses_a_nan_schedule_in_one_line() -> None:
             str(GOLDEN_DIR / "linear_adamw.inputs.npz"),
             "--steps",
             "2",
-            "--no-cache",
             "--lr-schedule",
             "constant:value=nan",
         ],
@@ -116,9 +111,7 @@ def test_checkpoint_metadata_with_a_nan_hyperparameter_is_never_written(tmp_path
 
 
 def test_a_value_infinite_in_the_hyperparameters_dtype_is_refused() -> None:
-    t = load(
-        golden_bundle("batchnorm_lr"), options=LoadOptions(compile=CompileOptions(cache_dir=False))
-    )  # lr is float32
+    t = load(golden_bundle("batchnorm_lr"))  # lr is float32
     with pytest.raises(BindingError, match=r"is float32, and set_hyperparameter gave 1e\+39"):
         t.set_hyperparameter("lr", 1e39)
     with pytest.raises(BindingError, match="must be a finite number, got 1000"):
@@ -134,9 +127,7 @@ def test_a_value_infinite_in_the_hyperparameters_dtype_is_refused() -> None:
 
 
 def test_a_schedule_that_reaches_zero_is_refused_for_capturable_adam() -> None:
-    t = load(
-        golden_bundle("batchnorm_lr"), options=LoadOptions(compile=CompileOptions(cache_dir=False))
-    )  # capturable Adam
+    t = load(golden_bundle("batchnorm_lr"))  # capturable Adam
     with pytest.raises(
         BindingError, match=r"gave 'lr' = 0\. This bundle's optimizer is capturable"
     ):
@@ -154,6 +145,4 @@ def test_a_schedule_that_reaches_zero_is_refused_for_capturable_adam() -> None:
     assert t.step_count == 1
     # SGD allows an lr of 0: nothing is refused there (dropout_sgd declares no lr, so
     # the refusal is keyed on the optimizer's state, not on the name).
-    assert not load(
-        golden_bundle("dropout_sgd"), options=LoadOptions(compile=CompileOptions(cache_dir=False))
-    ).schedules
+    assert not load(golden_bundle("dropout_sgd")).schedules

@@ -14,7 +14,7 @@ import pytest
 from jax import lax
 from runtime_helpers import GOLDEN_STEPS, golden_batches, golden_bundle, golden_expected
 
-from stepbundle.runtime import CompileOptions, LoadOptions, _compat, load
+from stepbundle.runtime import _compat, load
 from stepbundle.schema.reader import open_bundle
 from stepbundle.stablehlo import artifact as mlir
 from stepbundle.stablehlo.rng_algorithm import pin_rng_algorithm
@@ -81,9 +81,7 @@ def test_on_the_cpu_default_is_philox_bit_for_bit(seed: int) -> None:
 
 def test_the_pinned_dropout_bundle_still_draws_torch_xla_eager_masks_on_the_cpu() -> None:
     # Other masks would put the losses O(1) apart (2.2 relative on a TPU before the pin).
-    t = load(
-        golden_bundle("dropout_sgd"), options=LoadOptions(compile=CompileOptions(cache_dir=False))
-    )
+    t = load(golden_bundle("dropout_sgd"))
     ms = t.run(golden_batches("dropout_sgd"), GOLDEN_STEPS["dropout_sgd"])
     losses = np.array([float(m["loss"]) for m in ms])
     expected = golden_expected("dropout_sgd")["metric/loss"]

@@ -22,7 +22,7 @@ from runtime_helpers import GOLDEN_DIR, cli_here, golden_bundle
 
 BUNDLE = golden_bundle("linear_adamw")  # has an "eval" entry
 NPZ = GOLDEN_DIR / "linear_adamw.inputs.npz"
-BASE = ["run", str(BUNDLE), "--data", str(NPZ), "--no-cache"]
+BASE = ["run", str(BUNDLE), "--data", str(NPZ)]
 
 
 def cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
@@ -43,8 +43,8 @@ def steps(path: Path) -> list[int]:
 def test_runs_that_write_no_rows_leave_the_metrics_file_alone(tmp_path: Path) -> None:
     """Before: both runs below printed "dropped 20 line(s)" and cut rows 10-29."""
     ck, metrics = tmp_path / "ck", tmp_path / "m.jsonl"
-    first = cli(*BASE, "--steps", "30", "--checkpoint-every", "10", "--checkpoint-dir", str(ck),
-                "--metrics-file", str(metrics))  # fmt: skip
+    first = cli_here(*BASE, "--steps", "30", "--checkpoint-every", "10",
+                     "--checkpoint-dir", str(ck), "--metrics-file", str(metrics))  # fmt: skip
     assert first.returncode == 0, first.stderr
     written = metrics.read_bytes()
     assert steps(metrics) == list(range(30))
@@ -53,12 +53,12 @@ def test_runs_that_write_no_rows_leave_the_metrics_file_alone(tmp_path: Path) ->
         ["--until-step", "10", "--save-state", str(tmp_path / "s.safetensors")],
         ["--entry", "eval", "--steps", "2"],
     ):
-        r = cli(*BASE, *resume, *flags)
+        r = cli_here(*BASE, *resume, *flags)
         assert r.returncode == 0, r.stderr
         assert "dropped" not in r.stderr, r.stderr
         assert metrics.read_bytes() == written, flags
     # A run that does write rows from step 10 on replaces the old ones.
-    r = cli(*BASE, *resume, "--steps", "3", "--checkpoint-dir", str(tmp_path / "ck2"))
+    r = cli_here(*BASE, *resume, "--steps", "3", "--checkpoint-dir", str(tmp_path / "ck2"))
     assert r.returncode == 0, r.stderr
     assert "dropped 20 line(s)" in r.stderr, r.stderr
     assert steps(metrics) == list(range(13))
@@ -82,7 +82,7 @@ def test_a_metrics_file_a_live_run_writes_is_refused_not_trimmed(tmp_path: Path)
             assert time.monotonic() < deadline, "run A wrote no checkpoint in 120 s"
             time.sleep(0.05)
         inode = metrics.stat().st_ino
-        b = cli(*BASE, "--steps", "3", "--resume", str(ck / "step-00000020.safetensors"),
+        b = cli_here(*BASE, "--steps", "3", "--resume", str(ck / "step-00000020.safetensors"),
                 "--checkpoint-dir", str(tmp_path / "ckB"), "--metrics-file", str(metrics))  # fmt: skip
         assert b.returncode == 2, b.stderr
         line = b.stderr.strip().splitlines()[-1]
@@ -141,7 +141,7 @@ def test_a_url_metrics_file_is_refused_and_file_urls_are_their_path(
     bundle.write_bytes(BUNDLE.read_bytes())
     work = tmp_path / "work"
     work.mkdir()
-    run = ["run", str(bundle), "--data", str(NPZ), "--no-cache", "--steps", "2"]
+    run = ["run", str(bundle), "--data", str(NPZ), "--steps", "2"]
     monkeypatch.chdir(work)  # the refusals run here (cli_here), in the child's folder
     for flag, url in (
         ("--metrics-file", "https://../x.stepbundle"),

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from runtime_helpers import GOLDEN_DIR, golden_batches, golden_bundle
+from runtime_helpers import GOLDEN_DIR, cli_here, golden_batches, golden_bundle
 
-from stepbundle.runtime import CompileOptions, LoadOptions, load
+from stepbundle.runtime import load
 from stepbundle.runtime.errors import BindingError
 from stepbundle.runtime.state.checkpoint import CheckpointError, read_checkpoint, write_checkpoint
 
@@ -27,16 +27,10 @@ ADAM = golden_bundle("batchnorm_lr")  # capturable Adam, lr a float32 hyperparam
 TINY = 1e-46  # positive as a Python float, 0 as float32
 
 
-def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "stepbundle", *args], capture_output=True, text=True, timeout=timeout
-    )
-
-
 # ------------------------------------------------------- 3: an lr that is 0 in float32
 def test_an_lr_that_is_zero_as_float32_is_refused_where_an_lr_enters(tmp_path: Path) -> None:
     assert np.float32(TINY) == 0 and TINY > 0
-    t = load(ADAM, options=LoadOptions(compile=CompileOptions(cache_dir=False)))
+    t = load(ADAM)
     with pytest.raises(BindingError, match=r"1e-46, which is 0 as float32"):
         t.set_hyperparameter("lr", TINY)
     with pytest.raises(BindingError, match=r"which is 0 as float32"):
@@ -51,7 +45,7 @@ def test_an_lr_that_is_zero_as_float32_is_refused_where_an_lr_enters(tmp_path: P
     good = tmp_path / "good.safetensors"
     t.save_checkpoint(good)
     values, meta = read_checkpoint(good)
-    fresh = load(ADAM, options=LoadOptions(compile=CompileOptions(cache_dir=False)))
+    fresh = load(ADAM)
     before = fresh.state_dict()
     for name, changed in {
         "lr": dataclasses.replace(meta, hyperparameters={"lr": TINY}),
@@ -69,9 +63,9 @@ def test_an_lr_that_is_zero_as_float32_is_refused_where_an_lr_enters(tmp_path: P
     # The CLI: refused after the load, before a step; nothing written.
     out = tmp_path / "final.safetensors"
     for flags in (["--set", f"lr={TINY}"], ["--lr-schedule", f"constant:value={TINY}"]):
-        r = cli(
+        r = cli_here(
             "run", str(ADAM), "--data", str(GOLDEN_DIR / "batchnorm_lr.inputs.npz"),
-            "--steps", "2", "--json", "--no-cache", "--save-state", str(out), *flags,
+            "--steps", "2", "--json", "--save-state", str(out), *flags,
         )  # fmt: skip
         assert r.returncode == 1, r.stderr
         assert "0 as float32" in r.stderr.strip().splitlines()[-1], r.stderr
@@ -82,7 +76,7 @@ def test_an_lr_that_is_a_float32_subnormal_is_refused(tmp_path: Path) -> None:
     """1e-44 is not 0 as float32, but it is subnormal, and a TPU flushes it to 0."""
     sub = 1e-44
     assert np.float32(sub) != 0 and abs(np.float32(sub)) < np.finfo(np.float32).tiny
-    t = load(ADAM, options=LoadOptions(compile=CompileOptions(cache_dir=False)))
+    t = load(ADAM)
     why = r"1e-44, which is a subnormal float32 .*flush subnormals to 0"
     with pytest.raises(BindingError, match=why):
         t.set_hyperparameter("lr", sub)
@@ -96,12 +90,10 @@ def test_an_lr_that_is_a_float32_subnormal_is_refused(tmp_path: Path) -> None:
     bad = tmp_path / "bad.safetensors"
     write_checkpoint(bad, values, dataclasses.replace(meta, hyperparameters={"lr": sub}))
     with pytest.raises(CheckpointError, match=r"subnormal float32"):
-        load(ADAM, options=LoadOptions(compile=CompileOptions(cache_dir=False))).load_checkpoint(
-            bad
-        )
-    r = cli(
+        load(ADAM).load_checkpoint(bad)
+    r = cli_here(
         "run", str(ADAM), "--data", str(GOLDEN_DIR / "batchnorm_lr.inputs.npz"),
-        "--steps", "2", "--json", "--no-cache", "--set", f"lr={sub}",
+        "--steps", "2", "--json", "--set", f"lr={sub}",
     )  # fmt: skip
     assert r.returncode == 1 and r.stdout == "", r.stderr
     assert "flush subnormals to 0" in r.stderr.strip().splitlines()[-1], r.stderr
@@ -115,7 +107,7 @@ def _rows(path: Path) -> list[dict[str, object]]:
 def test_metrics_file_holds_one_row_per_step_after_sigkill_and_resume(tmp_path: Path) -> None:
     ck, metrics = tmp_path / "ck", tmp_path / "metrics.jsonl"
     bundle, data = golden_bundle("linear_adamw"), GOLDEN_DIR / "linear_adamw.inputs.npz"
-    base = ["run", str(bundle), "--data", str(data), "--no-cache", "--metrics-file", str(metrics)]
+    base = ["run", str(bundle), "--data", str(data), "--metrics-file", str(metrics)]
     base += ["--checkpoint-dir", str(ck), "--eval-data", str(data), "--eval-every", "5"]
     run = subprocess.Popen(
         [sys.executable, "-m", "stepbundle", *base, "--steps", "10000000"]
@@ -150,7 +142,7 @@ def test_metrics_file_holds_one_row_per_step_after_sigkill_and_resume(tmp_path: 
     with metrics.open("a") as f:
         f.write('{"step": 9999, "time": 1.')
     end = resume_at + 7
-    resumed = cli(*base, "--until-step", str(end), "--resume", str(resume_from))
+    resumed = cli_here(*base, "--until-step", str(end), "--resume", str(resume_from))
     assert resumed.returncode == 0, resumed.stderr
     text = metrics.read_text()
     assert text.endswith("\n")
@@ -164,19 +156,19 @@ def test_metrics_file_holds_one_row_per_step_after_sigkill_and_resume(tmp_path: 
 def test_resume_from_a_folder_takes_its_latest_checkpoint(tmp_path: Path) -> None:
     bundle, data = golden_bundle("linear_adamw"), str(GOLDEN_DIR / "linear_adamw.inputs.npz")
     ck = tmp_path / "ck"
-    common = ("--data", data, "--no-cache", "--json")
-    first = cli("run", str(bundle), *common, "--steps", "20", "--checkpoint-dir", str(ck),
+    common = ("--data", data, "--json")
+    first = cli_here("run", str(bundle), *common, "--steps", "20", "--checkpoint-dir", str(ck),
                 "--checkpoint-every", "8")  # fmt: skip
     assert first.returncode == 0, first.stderr
     # 8, 16 and the final 20; a checkpoint kept before a non-finite step is taken by name only.
     (ck / "step-00000099-before-nonfinite.safetensors").write_bytes(b"not taken")
     (ck / "step-00000098.safetensors").mkdir()  # not a file: not taken
     (ck / "step-00000097.safetensors").symlink_to(tmp_path / "nowhere")  # dangling: not taken
-    by_folder = cli("run", str(bundle), *common, "--until-step", "24", "--resume", ck.as_uri(),
+    by_folder = cli_here("run", str(bundle), *common, "--until-step", "24", "--resume", ck.as_uri(),
                     "--save-state", str(tmp_path / "a.safetensors"))  # fmt: skip
     assert by_folder.returncode == 0, by_folder.stderr
     assert f"resumed from {ck / 'step-00000020.safetensors'} (step 20)" in by_folder.stderr
-    by_file = cli("run", str(bundle), *common, "--until-step", "24", "--resume",
+    by_file = cli_here("run", str(bundle), *common, "--until-step", "24", "--resume",
                   str(ck / "step-00000020.safetensors"), "--save-state",
                   str(tmp_path / "b.safetensors"))  # fmt: skip
     assert by_file.returncode == 0, by_file.stderr
@@ -184,6 +176,8 @@ def test_resume_from_a_folder_takes_its_latest_checkpoint(tmp_path: Path) -> Non
     assert (tmp_path / "a.safetensors").read_bytes() == (tmp_path / "b.safetensors").read_bytes()
 
     (tmp_path / "empty").mkdir()
-    empty = cli("run", str(bundle), *common, "--steps", "2", "--resume", str(tmp_path / "empty"))
+    empty = cli_here(
+        "run", str(bundle), *common, "--steps", "2", "--resume", str(tmp_path / "empty")
+    )
     assert empty.returncode == 2
     assert "is a folder holding no checkpoint" in empty.stderr.strip().splitlines()[-1]

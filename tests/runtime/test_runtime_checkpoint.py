@@ -15,7 +15,6 @@ from runtime_helpers import golden_batches, golden_bundle
 
 from stepbundle.runtime import (
     CheckpointError,
-    CompileOptions,
     LoadOptions,
     OtherBundleError,
     load,
@@ -32,17 +31,17 @@ from stepbundle.runtime.state.checkpoint import (
 @pytest.mark.parametrize("name", ["dropout_sgd", "batchnorm_lr"])
 def test_resume_is_equivalent_to_never_stopping(name: str, tmp_path: Path) -> None:
     batches = golden_batches(name)
-    whole = load(golden_bundle(name), options=LoadOptions(compile=CompileOptions(cache_dir=False)))
+    whole = load(golden_bundle(name))
     whole.set_schedule("lr", (lambda s: 0.01 / (1 + s))) if name == "batchnorm_lr" else None
     losses = [float(m["loss"]) for m in whole.run(batches, 6)]
 
-    first = load(golden_bundle(name), options=LoadOptions(compile=CompileOptions(cache_dir=False)))
+    first = load(golden_bundle(name))
     first.set_schedule("lr", (lambda s: 0.01 / (1 + s))) if name == "batchnorm_lr" else None
     part1 = [float(m["loss"]) for m in first.run(batches, 3)]
     ckpt = tmp_path / "ckpt.safetensors"
     first.save_checkpoint(ckpt)
 
-    second = load(golden_bundle(name), options=LoadOptions(compile=CompileOptions(cache_dir=False)))
+    second = load(golden_bundle(name))
     second.set_schedule("lr", (lambda s: 0.01 / (1 + s))) if name == "batchnorm_lr" else None
     second.load_checkpoint(ckpt)
     assert second.step_count == 3
@@ -56,9 +55,7 @@ def test_resume_is_equivalent_to_never_stopping(name: str, tmp_path: Path) -> No
 def test_checkpoint_is_plain_safetensors(tmp_path: Path) -> None:
     import safetensors.numpy as safetensors_numpy
 
-    t = load(
-        golden_bundle("linear_adamw"), options=LoadOptions(compile=CompileOptions(cache_dir=False))
-    )
+    t = load(golden_bundle("linear_adamw"))
     t.step(golden_batches("linear_adamw")[0])
     path = tmp_path / "c.safetensors"
     t.save_checkpoint(path)
@@ -79,12 +76,8 @@ def test_checkpoint_is_plain_safetensors(tmp_path: Path) -> None:
 
 
 def test_foreign_checkpoint_is_refused_and_state_kept(tmp_path: Path) -> None:
-    linear = load(
-        golden_bundle("linear_adamw"), options=LoadOptions(compile=CompileOptions(cache_dir=False))
-    )
-    other = load(
-        golden_bundle("dropout_sgd"), options=LoadOptions(compile=CompileOptions(cache_dir=False))
-    )
+    linear = load(golden_bundle("linear_adamw"))
+    other = load(golden_bundle("dropout_sgd"))
     path = tmp_path / "other.safetensors"
     other.save_checkpoint(path)
     before = linear.state_dict()
@@ -107,9 +100,7 @@ def test_foreign_checkpoint_is_refused_and_state_kept(tmp_path: Path) -> None:
 
 
 def test_wrong_dtype_in_state_is_refused(tmp_path: Path) -> None:
-    t = load(
-        golden_bundle("linear_adamw"), options=LoadOptions(compile=CompileOptions(cache_dir=False))
-    )
+    t = load(golden_bundle("linear_adamw"))
     sd = t.state_dict()
     sd["weight"] = sd["weight"].astype(np.float64)
     with pytest.raises(CheckpointError, match="'weight' is float64"):
@@ -152,17 +143,13 @@ def _without_digest(src: Path, dst: Path) -> Path:
 def test_a_checkpoint_of_another_bundle_loads_only_when_allowed(tmp_path: Path) -> None:
     # The same model and optimizer exported again: another digest, the same state table.
     batches = golden_batches("linear_adamw")
-    first = load(
-        golden_bundle("linear_adamw"), options=LoadOptions(compile=CompileOptions(cache_dir=False))
-    )
+    first = load(golden_bundle("linear_adamw"))
     first.run(batches, 2)
     path = tmp_path / "c.safetensors"
     first.save_checkpoint(path)
     other = "sha256:" + "0" * 64
     moved = _with_metadata(path, tmp_path / "moved.safetensors", bundle_digest=other)
-    second = load(
-        golden_bundle("linear_adamw"), options=LoadOptions(compile=CompileOptions(cache_dir=False))
-    )
+    second = load(golden_bundle("linear_adamw"))
     with pytest.raises(OtherBundleError, match="allow_other_bundle=True") as refused:
         second.load_checkpoint(moved)
     assert other in str(refused.value) and second.digest in str(refused.value)
@@ -175,9 +162,7 @@ def test_a_checkpoint_of_another_bundle_loads_only_when_allowed(tmp_path: Path) 
 
 @pytest.mark.parametrize("found", [CHECKPOINT_FORMAT + 1, 0, "1", None])
 def test_an_unknown_checkpoint_format_is_refused(tmp_path: Path, found: Any) -> None:
-    t = load(
-        golden_bundle("linear_adamw"), options=LoadOptions(compile=CompileOptions(cache_dir=False))
-    )
+    t = load(golden_bundle("linear_adamw"))
     path = tmp_path / "c.safetensors"
     t.save_checkpoint(path)
     changed = _with_metadata(path, tmp_path / "new.safetensors", format=found)
@@ -192,9 +177,7 @@ def test_an_unknown_checkpoint_format_is_refused(tmp_path: Path, found: Any) -> 
 
 @pytest.mark.parametrize("umask", [0o022, 0o027, 0o002])
 def test_checkpoint_files_get_the_umasks_permissions(tmp_path: Path, umask: int) -> None:
-    t = load(
-        golden_bundle("linear_adamw"), options=LoadOptions(compile=CompileOptions(cache_dir=False))
-    )
+    t = load(golden_bundle("linear_adamw"))
     old = os.umask(umask)
     try:
         t.save_checkpoint(tmp_path / "c.safetensors")
@@ -206,9 +189,7 @@ def test_checkpoint_files_get_the_umasks_permissions(tmp_path: Path, umask: int)
 
 
 def test_a_flipped_tensor_byte_is_refused_and_format_1_still_loads(tmp_path: Path) -> None:
-    t = load(
-        golden_bundle("linear_adamw"), options=LoadOptions(compile=CompileOptions(cache_dir=False))
-    )
+    t = load(golden_bundle("linear_adamw"))
     t.step(golden_batches("linear_adamw")[0])
     path = tmp_path / "c.safetensors"
     t.save_checkpoint(path)
@@ -216,9 +197,7 @@ def test_a_flipped_tensor_byte_is_refused_and_format_1_still_loads(tmp_path: Pat
     data[-3] ^= 0x10  # inside the last tensor's bytes: the header still parses
     flipped = tmp_path / "flipped.safetensors"
     flipped.write_bytes(bytes(data))
-    fresh = load(
-        golden_bundle("linear_adamw"), options=LoadOptions(compile=CompileOptions(cache_dir=False))
-    )
+    fresh = load(golden_bundle("linear_adamw"))
     with pytest.raises(CheckpointError, match="its metadata or tensors do not match the digest"):
         fresh.load_checkpoint(flipped)
     assert fresh.step_count == 0
@@ -235,9 +214,7 @@ def test_a_flipped_tensor_byte_is_refused_and_format_1_still_loads(tmp_path: Pat
 
 
 def test_an_edited_step_or_lr_in_the_metadata_is_refused(tmp_path: Path) -> None:
-    t = load(
-        golden_bundle("batchnorm_lr"), options=LoadOptions(compile=CompileOptions(cache_dir=False))
-    )
+    t = load(golden_bundle("batchnorm_lr"))
     t.step(golden_batches("batchnorm_lr")[0])
     path = tmp_path / "c.safetensors"
     t.save_checkpoint(path)
@@ -245,7 +222,7 @@ def test_an_edited_step_or_lr_in_the_metadata_is_refused(tmp_path: Path) -> None
         edited = _with_metadata(path, tmp_path / "edited.safetensors", sign=False, **change)
         fresh = load(
             golden_bundle("batchnorm_lr"),
-            options=LoadOptions(compile=CompileOptions(cache_dir=False)),
+            options=LoadOptions(),
         )
         with pytest.raises(CheckpointError, match="do not match the digest"):
             fresh.load_checkpoint(edited)

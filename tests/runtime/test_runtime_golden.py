@@ -22,7 +22,7 @@ from runtime_helpers import (
     rel,
 )
 
-from stepbundle.runtime import CompileOptions, LoadOptions, load
+from stepbundle.runtime import load
 from stepbundle.runtime.train.schedule import parse_schedule
 from stepbundle.schema import open_bundle
 
@@ -49,9 +49,7 @@ def test_golden_bundle_verifies(version: tuple[int, int], name: str) -> None:
 
 @pytest.mark.parametrize(("version", "name"), EVERY_GOLDEN)
 def test_golden_bundle_reproduces_eager_training(version: tuple[int, int], name: str) -> None:
-    trainer = load(
-        golden_bundle(name, version), options=LoadOptions(compile=CompileOptions(cache_dir=False))
-    )
+    trainer = load(golden_bundle(name, version))
     if name in GOLDEN_SCHEDULES:
         trainer.set_schedule("lr", parse_schedule(GOLDEN_SCHEDULES[name]))
     expected = golden_expected(name, version)
@@ -75,9 +73,7 @@ def test_golden_bundle_reproduces_eager_training(version: tuple[int, int], name:
 
 
 def test_golden_eval_entry_reads_state_without_changing_it() -> None:
-    trainer = load(
-        golden_bundle("linear_adamw"), options=LoadOptions(compile=CompileOptions(cache_dir=False))
-    )
+    trainer = load(golden_bundle("linear_adamw"))
     expected = golden_expected("linear_adamw")
     batch = golden_batches("linear_adamw")[1]
     before = trainer.state_dict()
@@ -94,9 +90,7 @@ def test_golden_eval_entry_reads_state_without_changing_it() -> None:
 
 
 def test_short_last_batch_picks_its_own_bucket() -> None:
-    trainer = load(
-        golden_bundle("linear_adamw"), options=LoadOptions(compile=CompileOptions(cache_dir=False))
-    )
+    trainer = load(golden_bundle("linear_adamw"))
     full = golden_batches("linear_adamw")[0]
     short = {k: v[:5] for k, v in full.items()}
     w, b = trainer.state_dict()["weight"], trainer.state_dict()["bias"]

@@ -10,16 +10,14 @@ import numpy as np
 import pytest
 from runtime_helpers import golden_batches, golden_bundle
 
-from stepbundle.runtime import BindingError, CompileOptions, LoadOptions, StateOptions, load
+from stepbundle.runtime import BindingError, LoadOptions, StateOptions, load
 from stepbundle.schema import BundleError
 from stepbundle.schema.rng import TORCH_XLA_MARK_STEP, advance_seed
 
 
 @pytest.fixture
 def linear():
-    return load(
-        golden_bundle("linear_adamw"), options=LoadOptions(compile=CompileOptions(cache_dir=False))
-    )
+    return load(golden_bundle("linear_adamw"))
 
 
 def test_binding_error_is_a_bundle_error() -> None:
@@ -38,9 +36,7 @@ def test_binding_error_is_a_bundle_error() -> None:
 )
 def test_rejected_batch_loses_nothing(linear, mutate, expect: str) -> None:
     batches = golden_batches("linear_adamw")
-    reference = load(
-        golden_bundle("linear_adamw"), options=LoadOptions(compile=CompileOptions(cache_dir=False))
-    )
+    reference = load(golden_bundle("linear_adamw"))
     ref_losses = [float(reference.step(b)["loss"]) for b in batches[:2]]
 
     linear.step(batches[0])
@@ -67,9 +63,7 @@ def test_unknown_entry_and_non_mapping_batch(linear) -> None:
 def test_state_buffers_are_donated() -> None:
     t = load(
         golden_bundle("linear_adamw"),
-        options=LoadOptions(
-            compile=CompileOptions(cache_dir=False), state=StateOptions(pack_state=False)
-        ),
+        options=LoadOptions(state=StateOptions(pack_state=False)),
     )
     before = list(t._store.buffers)
     t.step(golden_batches("linear_adamw")[0])
@@ -99,12 +93,10 @@ def test_packed_state_buffers_are_donated(linear) -> None:
 @pytest.mark.parametrize("name", ["linear_adamw", "dropout_sgd", "batchnorm_lr"])
 def test_packing_changes_nothing_but_speed(name: str) -> None:
     batches = golden_batches(name)
-    packed = load(golden_bundle(name), options=LoadOptions(compile=CompileOptions(cache_dir=False)))
+    packed = load(golden_bundle(name))
     plain = load(
         golden_bundle(name),
-        options=LoadOptions(
-            compile=CompileOptions(cache_dir=False), state=StateOptions(pack_state=False)
-        ),
+        options=LoadOptions(state=StateOptions(pack_state=False)),
     )
     assert packed._store.layout.packs and not plain._store.layout.packs
     a = [float(m["loss"]) for m in packed.run(batches, 4)]
@@ -126,14 +118,10 @@ def test_packed_members_are_read_at_offsets_xla_cannot_fold() -> None:
     the cold compile of a deep model ~6-8x slower). If XLA learns to fold them, the
     members are read by static slices again, and this fails before the compile times
     show it."""
-    packed = load(
-        golden_bundle("batchnorm_lr"), options=LoadOptions(compile=CompileOptions(cache_dir=False))
-    )
+    packed = load(golden_bundle("batchnorm_lr"))
     plain = load(
         golden_bundle("batchnorm_lr"),
-        options=LoadOptions(
-            compile=CompileOptions(cache_dir=False), state=StateOptions(pack_state=False)
-        ),
+        options=LoadOptions(state=StateOptions(pack_state=False)),
     )
     members = len(packed._store.layout.packs[0].members)
     assert members >= 4
@@ -166,21 +154,15 @@ def test_metrics_are_device_arrays_read_on_demand(linear) -> None:
 
 def test_device_arrays_are_accepted_as_batches(linear) -> None:
     batches = golden_batches("linear_adamw")
-    reference = load(
-        golden_bundle("linear_adamw"), options=LoadOptions(compile=CompileOptions(cache_dir=False))
-    )
+    reference = load(golden_bundle("linear_adamw"))
     on_device = {k: jax.device_put(v, linear.device) for k, v in batches[0].items()}
     assert float(linear.step(on_device)["loss"]) == float(reference.step(batches[0])["loss"])
 
 
 def test_run_equals_stepping_one_by_one() -> None:
     batches = golden_batches("dropout_sgd")
-    a = load(
-        golden_bundle("dropout_sgd"), options=LoadOptions(compile=CompileOptions(cache_dir=False))
-    )
-    b = load(
-        golden_bundle("dropout_sgd"), options=LoadOptions(compile=CompileOptions(cache_dir=False))
-    )
+    a = load(golden_bundle("dropout_sgd"))
+    b = load(golden_bundle("dropout_sgd"))
     seen: list[int] = []
     run_losses = [float(m["loss"]) for m in a.run(batches, 7, on_step=lambda i, m: seen.append(i))]
     step_losses = [float(b.step(batches[i % len(batches)])["loss"]) for i in range(7)]
@@ -197,9 +179,7 @@ def test_seed_follows_torch_xla_rule() -> None:
     assert advance_seed(TORCH_XLA_MARK_STEP, 101, 2) == 4973168205254853
     s = 2**64 - 1
     assert advance_seed(TORCH_XLA_MARK_STEP, s) == (1012031 + s * 7012063) % 2**64
-    t = load(
-        golden_bundle("dropout_sgd"), options=LoadOptions(compile=CompileOptions(cache_dir=False))
-    )
+    t = load(golden_bundle("dropout_sgd"))
     assert t.manifest.rng is not None and t.manifest.rng.rule == TORCH_XLA_MARK_STEP
     assert t.seed == 12345
     t.step(golden_batches("dropout_sgd")[0])
@@ -208,15 +188,9 @@ def test_seed_follows_torch_xla_rule() -> None:
 
 def test_setting_the_seed_replays_dropout_masks() -> None:
     batches = golden_batches("dropout_sgd")
-    a = load(
-        golden_bundle("dropout_sgd"), options=LoadOptions(compile=CompileOptions(cache_dir=False))
-    )
-    b = load(
-        golden_bundle("dropout_sgd"), options=LoadOptions(compile=CompileOptions(cache_dir=False))
-    )
-    c = load(
-        golden_bundle("dropout_sgd"), options=LoadOptions(compile=CompileOptions(cache_dir=False))
-    )
+    a = load(golden_bundle("dropout_sgd"))
+    b = load(golden_bundle("dropout_sgd"))
+    c = load(golden_bundle("dropout_sgd"))
     c.seed = 999
     la = [float(a.step(x)["loss"]) for x in batches]
     lb = [float(b.step(x)["loss"]) for x in batches]
@@ -228,19 +202,15 @@ def test_setting_the_seed_replays_dropout_masks() -> None:
     with pytest.raises(BindingError, match="no seed to set"):
         load(
             golden_bundle("linear_adamw"),
-            options=LoadOptions(compile=CompileOptions(cache_dir=False)),
+            options=LoadOptions(),
         ).seed = 3
 
 
 def test_hyperparameters_set_and_schedule(linear) -> None:
-    t = load(
-        golden_bundle("batchnorm_lr"), options=LoadOptions(compile=CompileOptions(cache_dir=False))
-    )
+    t = load(golden_bundle("batchnorm_lr"))
     assert t.hyperparameters == {"lr": pytest.approx(0.01)}
     batches = golden_batches("batchnorm_lr")
-    frozen = load(
-        golden_bundle("batchnorm_lr"), options=LoadOptions(compile=CompileOptions(cache_dir=False))
-    )
+    frozen = load(golden_bundle("batchnorm_lr"))
     # An lr of exactly 0 is refused for capturable Adam (0/0 in its update); a tiny one
     # leaves the float32 weights where they were: the hyperparameter reaches the graph.
     with pytest.raises(BindingError, match="capturable Adam/AdamW, whose update with an lr"):
@@ -263,9 +233,7 @@ def test_hyperparameters_set_and_schedule(linear) -> None:
 
 
 def test_run_can_drop_metrics_for_long_runs() -> None:
-    t = load(
-        golden_bundle("dropout_sgd"), options=LoadOptions(compile=CompileOptions(cache_dir=False))
-    )
+    t = load(golden_bundle("dropout_sgd"))
     seen: list[float] = []
     out = t.run(
         golden_batches("dropout_sgd"),

@@ -41,10 +41,10 @@ STEPS = 11  # two calls of 4, then three single steps
 
 
 def _pair(name: str, **kw: Any) -> tuple[Any, Any]:
-    one = load(golden_bundle(name), options=LoadOptions.from_keywords(cache_dir=False, **kw))
+    one = load(golden_bundle(name), options=LoadOptions.from_keywords(**kw))
     many = load(
         golden_bundle(name),
-        options=LoadOptions.from_keywords(cache_dir=False, steps_per_call=K, **kw),
+        options=LoadOptions.from_keywords(steps_per_call=K, **kw),
     )
     for t in (one, many):
         if name in GOLDEN_SCHEDULES:
@@ -125,7 +125,7 @@ def test_a_stack_of_the_wrong_shape_is_refused_before_anything_is_donated() -> N
     name = "linear_adamw"
     t = load(
         golden_bundle(name),
-        options=LoadOptions(compile=CompileOptions(cache_dir=False, steps_per_call=K)),
+        options=LoadOptions(compile=CompileOptions(steps_per_call=K)),
     )
     batches = _first(name, K)
     before = t.state_dict()
@@ -148,9 +148,7 @@ def test_a_stack_of_the_wrong_shape_is_refused_before_anything_is_donated() -> N
 
 
 def test_step_many_needs_steps_per_call_and_bad_values_are_refused() -> None:
-    t = load(
-        golden_bundle("linear_adamw"), options=LoadOptions(compile=CompileOptions(cache_dir=False))
-    )
+    t = load(golden_bundle("linear_adamw"))
     assert t.steps_per_call == 1
     b = golden_batches("linear_adamw")[0]
     with pytest.raises(BatchStackError, match="steps_per_call=1"):
@@ -159,7 +157,7 @@ def test_step_many_needs_steps_per_call_and_bad_values_are_refused() -> None:
         with pytest.raises(UsageError, match="steps_per_call must be a whole number"):
             load(
                 golden_bundle("linear_adamw"),
-                options=LoadOptions(compile=CompileOptions(cache_dir=False, steps_per_call=bad)),
+                options=LoadOptions(compile=CompileOptions(steps_per_call=bad)),
             )
 
 
@@ -187,7 +185,7 @@ def test_a_nonfinite_step_inside_a_call_stops_at_that_step() -> None:
 def test_request_stop_ends_the_run_after_the_call() -> None:
     t = load(
         golden_bundle("linear_adamw"),
-        options=LoadOptions(compile=CompileOptions(cache_dir=False, steps_per_call=K)),
+        options=LoadOptions(compile=CompileOptions(steps_per_call=K)),
     )
     seen: list[int] = []
 
@@ -247,7 +245,6 @@ def test_cli_steps_per_call_prints_the_same_lines_and_checkpoints(tmp_path: Path
         "--lr-schedule",
         GOLDEN_SCHEDULES[name],
         "--json",
-        "--no-cache",
         "--checkpoint-every",
         "4",
     ]
@@ -315,7 +312,7 @@ def _with_step_draws(tmp_path: Any, draws: int) -> Any:
 @pytest.mark.parametrize("k", [1, 3])
 def test_seed_advances_after_the_bundles_draws_per_step(tmp_path: Any, k: int) -> None:
     path = _with_step_draws(tmp_path, 2)
-    t = load(path, options=LoadOptions(compile=CompileOptions(cache_dir=False, steps_per_call=k)))
+    t = load(path, options=LoadOptions(compile=CompileOptions(steps_per_call=k)))
     assert t.seed == 12345
     t.run(golden_batches("dropout_sgd"), 3)
     # The oracle: two in-step draws, then the step rule, each step, one at a time.

@@ -2,14 +2,31 @@
 # Create the three environments this project uses, from nothing, idempotently:
 #   .venv       exporter + tests: torch 2.9.0, torch_xla 2.9.0, jax 0.7.1 (pinned)
 #   .venv-torch the torch front-end: current torch and jax 0.10.2, no torch_xla
-#   .venv-lean  runtime only: the newest jax/jaxlib pip offers, and no torch at all
+#   .venv-lean  runtime only: the newest jax/jaxlib the index offers, and no torch at all
 # Re-running is cheap: an environment is rebuilt only when pyproject.toml changed.
-# The three are built at once, each logging to its own file, shown only if it fails:
-# on a fresh 2-core machine, 2.1 minutes against about 6.5 one after another.
+# The three are built at once, each logging to its own file, shown only if it fails.
+# They are built with uv (PyPI's `uv`: parallel downloads and unpacking, one shared cache),
+# found on PATH or installed once into build/uv from PyPI with the interpreter's own pip;
+# UV=/path/to/uv picks another. uv reads no pip.conf: UV_DEFAULT_INDEX, UV_INDEX,
+# UV_FIND_LINKS and the like configure it. `uv venv --seed` puts pip and setuptools in each
+# environment as `python -m venv` did (torch.compile's C++ builder imports setuptools).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 stamp=$(sha256sum pyproject.toml | cut -c1-16)
+
+if [ -z "${UV:-}" ]; then
+  UV=$(command -v uv || true)
+fi
+if [ -z "$UV" ]; then
+  UV=build/uv/bin/uv
+  if ! [ -x "$UV" ]; then
+    echo "[setup] installing uv into build/uv" >&2
+    rm -rf build/uv
+    "$PY" -m venv build/uv
+    build/uv/bin/python -m pip install -q 'uv>=0.8,<1'
+  fi
+fi
 
 make_env() {  # make_env DIR SPEC
   local dir=$1 spec=$2
@@ -22,9 +39,8 @@ make_env() {  # make_env DIR SPEC
   fi
   echo "[setup] creating $dir ($spec)" >&2
   rm -rf "$dir"
-  "$PY" -m venv "$dir"
-  "$dir/bin/python" -m pip install -q --upgrade pip
-  "$dir/bin/python" -m pip install -q -e "$spec"
+  "$UV" venv -q --seed --python "$PY" "$dir"
+  "$UV" pip install -q --python "$dir/bin/python" -e "$spec"
   touch "$dir/.stepbundle-$stamp"
 }
 

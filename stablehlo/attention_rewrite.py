@@ -12,7 +12,7 @@ Imports: jaxlib's MLIR bindings.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from .artifact import Module, ProgramError
@@ -60,19 +60,21 @@ def rewrite_attention(
     misses: list[str] | None = None,
     state: StateValues | None = None,
     state_reads: set[int] | None = None,
+    names: Mapping[int, str] | None = None,
 ) -> int:
     """Replace every attention ``find_attention`` finds by calls of the fused functions
     ``kernels`` gives, in place (those ``accept`` takes). Returns the number replaced.
     ``misses`` gets ``find_attention``'s reasons for the attentions it did not take.
     ``state``: the state arguments a mask may be read from, as loaded; ``state_reads``
     gets those the replaced sites' masks were computed from (the program now assumes
-    them: the caller must hold the state to them).
+    them: the caller must hold the state to them). ``names``: what @main's other
+    arguments are, for the reasons (``find_attention``).
 
     Raises:
       ValueError: the module does not verify afterwards (it may be partly rewritten:
         the runtime rewrites a copy).
     """
-    sites = [s for s in find_attention(module, scalars, misses, state) if accept(s)]
+    sites = [s for s in find_attention(module, scalars, misses, state, names) if accept(s)]
     if not sites:
         return 0
     if state_reads is not None:

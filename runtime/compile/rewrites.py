@@ -54,6 +54,7 @@ from ..placement import packing
 from ..placement.sharding import MESH, Placement
 from . import multistep
 from .mesh_attention import declares_mesh
+from .state_masks import argument_names
 
 __all__ = ["REWRITES", "Rewrite", "RewriteContext", "Stage", "apply_rewrites"]
 
@@ -246,7 +247,8 @@ def fuse_attention(
     copy = mlir.Module.parse_text(stage.module, stage.module.text())
     scalars = dict(ctx.scalar_constants)
     reads: set[int] = set()  # state arguments a fused mask was computed from
-    composites = _fuse_composites(copy, platform, interpret, ctx.kept_attention, ctx, reads)
+    names = argument_names(stage.program)  # what a mask read, for the reasons
+    composites = _fuse_composites(copy, platform, interpret, ctx.kept_attention, ctx, reads, names)
     if composites is None:  # a failure: the program is as it was
         return stage
     misses: list[str] = []  # attention seen and not taken, and why
@@ -259,6 +261,7 @@ def fuse_attention(
             misses=misses,
             state=ctx.state_values,
             state_reads=reads,
+            names=names,
         )
     except Exception as e:  # lowering or verification: keep the traced attention
         warn_once("fused-attention", f"stepbundle kept traced attention as it is: {e}")
@@ -266,7 +269,7 @@ def fuse_attention(
             return stage
         copy, n = mlir.Module.parse_text(stage.module, stage.module.text()), 0
         reads = set()
-        composites = _fuse_composites(copy, platform, interpret, [], ctx, reads) or 0
+        composites = _fuse_composites(copy, platform, interpret, [], ctx, reads, names) or 0
     n += composites
     ctx.kept_attention.extend(dict.fromkeys(misses))
     ctx.pinned_state.extend(ctx.state_values[i][0] for i in sorted(reads))
@@ -295,6 +298,7 @@ def _fuse_composites(
     kept_out: list[str],
     ctx: RewriteContext,
     reads: set[int],
+    names: Mapping[int, str] | None = None,
 ) -> int | None:
     """Attention composites (``stablehlo/attention_composite.py``: what a front-end
     writes for ``F.scaled_dot_product_attention``) as the kernels, in place where their
@@ -316,6 +320,7 @@ def _fuse_composites(
             dict(ctx.scalar_constants),
             ctx.state_values,
             reads,
+            names,
         )
     except Exception as e:  # lowering or verification: keep the decompositions
         warn_once(

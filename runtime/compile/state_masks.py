@@ -23,14 +23,20 @@ from typing import Any
 
 import numpy as np
 
-from stepbundle.schema.bindings import StateInput, StateUpdateOutput
+from stepbundle.schema.bindings import (
+    BatchInput,
+    HyperparameterInput,
+    RngSeedInput,
+    StateInput,
+    StateUpdateOutput,
+)
 from stepbundle.schema.manifest import Program
 from stepbundle.stablehlo.attention import StateValues
 from stepbundle.stablehlo.graph import MAX_EVALUATED
 
 from ..errors import BindingError
 
-__all__ = ["FusedMaskError", "MaskPins", "digest_of", "unwritten_state"]
+__all__ = ["FusedMaskError", "MaskPins", "argument_names", "digest_of", "unwritten_state"]
 
 
 class FusedMaskError(BindingError):
@@ -71,6 +77,26 @@ def unwritten_state(
             return list(flat.astype(np.float64).tolist())
 
         out[i] = (inp.name, values)
+    return out
+
+
+def argument_names(program: Program) -> dict[int, str]:
+    """What each of the program's arguments is, in the words the load's reasons use when
+    an attention mask reads one (``stablehlo.mask_values``): a batch input, state the
+    step writes or state it never writes, a hyperparameter, the random seed."""
+    written = {o.state for o in program.outputs if isinstance(o, StateUpdateOutput)}
+    out: dict[int, str] = {}
+    for i, inp in enumerate(program.inputs):
+        if isinstance(inp, BatchInput):
+            out[i] = f"the batch input {inp.name!r}"
+        elif isinstance(inp, StateInput) and inp.name in written:
+            out[i] = f"the state {inp.name!r}, which the step writes"
+        elif isinstance(inp, StateInput):
+            out[i] = f"the state {inp.name!r}"
+        elif isinstance(inp, HyperparameterInput):
+            out[i] = f"the hyperparameter {inp.name!r}"
+        elif isinstance(inp, RngSeedInput):
+            out[i] = "the step's random seed"
     return out
 
 

@@ -158,7 +158,6 @@ class CheckReport:
       uncompared: state on one side only that the binding table explains, in words
         (``_unmatched``; "" when none): gradients the step rebuilds, state neither step
         made.
-      not_checked: what of the step was not checked, in words ("" when all was).
       reason: why it was skipped.
     """
 
@@ -174,28 +173,24 @@ class CheckReport:
     compared: int = 0
     closest: str = ""
     uncompared: str = ""
-    not_checked: str = ""
     reason: str = ""
 
     def line(self) -> str:
         """The export line."""
         if not self.ran:
             return f"check skipped: {self.reason}"
+        uncompared = (
+            f"; not compared, as the binding table explains: {self.uncompared}"
+            if self.uncompared
+            else ""
+        )
         return (
             f"checked: one step through the runtime on the CPU against {self.reference}: "
             f"{self.compared} metrics and state tensors agree (closest to its bound: "
-            f"{self.closest}){self._also()}; {self.seconds:.1f}s (runtime process "
+            f"{self.closest}){uncompared}; {self.seconds:.1f}s (runtime process "
             f"{self.runtime_seconds:.1f}s, eager {self.eager_seconds:.1f}s; "
             f"{self.cpu_seconds:.1f}s of processor time)"
         )
-
-    def _also(self) -> str:
-        said = ""
-        if self.uncompared:
-            said += f"; not compared, as the binding table explains: {self.uncompared}"
-        if self.not_checked:
-            said += f"; NOT CHECKED: {self.not_checked}"
-        return said
 
 
 _UNCHECKED_ADVICE = (
@@ -481,11 +476,12 @@ def check_bundle(
         if structural:
             _refuse(path, structural[0], ref.name)
         failing = {v.name for v in found if v.ratio > 1.0}
-        # FLOAT32: the tensors beyond the bound. Low-precision bounds: those, and the
-        # updates that differ from eager's by more than their ``suspect`` fraction, judged
-        # by their update against float64's (a failing metric fails as it is).
+        # The tensors beyond the bound, and the suspect ones within it (a row's update
+        # further than half its size from eager's; under low-precision bounds also the
+        # whole update), judged by their update against float64's. Under low-precision
+        # bounds a failing metric fails as it is.
         if bounds.suspect is None:
-            ask = failing
+            ask = failing | suspects(found, bounds)
         else:
             ask = set() if failing & set(metric_names) else failing | suspects(found, bounds)
         arbitrated = 0
@@ -516,9 +512,13 @@ def check_bundle(
             eager_cpu += time.process_time() - cpu64
             kept = []
             if bounds.suspect is None:
-                # Only the tensors beyond their bound are arbitrated: compare those alone.
-                fm = [n for n in metric_names if n in ask]
-                fs = [n for n in state_names if n in ask]
+                # The tensors beyond their bound: PyTorch float32's own distance decides.
+                fm = [n for n in metric_names if n in failing]
+                fs = [n for n in state_names if n in failing]
+                # The suspect ones within it: their updates (and their rows') against
+                # float64's.
+                judged = update_verdicts(ask - failing, after, eager_state, s64, before, bounds)
+                unarbitrated = len(ask - failing - set(judged))
                 e32 = {v.name: v for v in judge(fm, fs, (
                     {k: {"values": torch.as_tensor(v).double().reshape(-1).tolist()}
                      for k, v in eager_metrics.items() if k in fm}, eager_state),
@@ -526,7 +526,10 @@ def check_bundle(
                 b64 = {v.name: v for v in judge(fm, fs, bundle, (m64, s64), before, bounds,
                                                 dtypes=False)}  # fmt: skip
                 for v in found:
-                    if v.name in ask:
+                    if v.name in judged:
+                        v = judged[v.name]
+                        arbitrated += v.ratio <= 1.0
+                    elif v.name in failing:
                         v64 = b64[v.name]
                         own = e32[v.name].ratio  # PyTorch float32's own distance, in bounds
                         if v64.ratio <= max(1.0, 2.0 * own):

@@ -439,17 +439,16 @@ class _Compiler:
 
 
 def _scalar_constants(bundle: codec.Bundle, program: Program) -> dict[int, float]:
-    """The program's one-element floating constant arguments: argument number -> value
-    (a rewrite may depend on one, e.g. an attention mask's fill value)."""
+    """The program's one-element constant arguments: argument number -> value, a float
+    for a floating type and an int for an integer or boolean one (a rewrite may depend
+    on one: an attention mask's fill value, or the integer offset torch_xla captures
+    into the positions Hugging Face's causal masks are built from)."""
     out: dict[int, float] = {}
     for i, inp in enumerate(program.inputs):
-        if (
-            isinstance(inp, ConstantInput)
-            and inp.spec.numel == 1
-            and inp.spec.dtype.value in ("f64", "f32", "f16", "bf16")
-        ):
-            value = array_from_section(bundle.section(inp.section), inp.spec)
-            out[i] = float(value.reshape(-1)[0])
+        if isinstance(inp, ConstantInput) and inp.spec.numel == 1:
+            value = array_from_section(bundle.section(inp.section), inp.spec).reshape(-1)[0]
+            floating = inp.spec.dtype.value in ("f64", "f32", "f16", "bf16")
+            out[i] = float(value) if floating else int(value)
     return out
 
 

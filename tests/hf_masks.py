@@ -83,7 +83,7 @@ def sites(path: Path, net: nn.Module) -> tuple[int, int, list[str]]:
     """What the load makes of the bundle's attention: the written-out attentions matched
     as causal (``find_attention``), the composites whose mask folds to ``is_causal``
     (``causal_mask_reads``), and the reasons for the rest."""
-    from stepbundle.runtime.dtypes import array_from_section
+    from stepbundle.runtime.load import _scalar_constants
     from stepbundle.schema.reader import open_bundle
     from stepbundle.stablehlo import artifact as mlir
     from stepbundle.stablehlo.attention import find_attention
@@ -93,11 +93,10 @@ def sites(path: Path, net: nn.Module) -> tuple[int, int, list[str]]:
     with open_bundle(path) as b:
         program = b.manifest.entries["train"].programs[0]
         module = mlir.parse_artifact(bytes(b.section(program.section)))
-        scalars = {
-            i: float(array_from_section(b.section(inp.section), inp.spec).item())
-            for i, inp in enumerate(program.inputs)
-            if inp.kind.value == "constant" and inp.spec.numel == 1
-        }
+        # the scalar constants the load hands the rewrites: torch_xla captures an
+        # integer offset into the positions HF's masks are built from, and a load that
+        # gave the rewrites floating constants only left every layer unfused on the v5e
+        scalars = _scalar_constants(b, program)
     state = {
         i: (inp.name, lambda n=inp.name: buffers[n].reshape(-1).tolist())
         for i, inp in enumerate(program.inputs)

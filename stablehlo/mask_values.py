@@ -191,7 +191,11 @@ class _Evaluator:
                 raise _Unknown(f"read from the state {name!r}, whose value the load does not have")
             return _squeezed(shape, range(len(shape)), list(known))
         if num in self.scalars and shape == ():
-            return Values(shape, (), [self.scalars[num]])
+            # held as the argument's type holds it (a caller may give integers as floats)
+            x = converted(self.scalars[num], element_type(v))
+            if x is None or x != self.scalars[num]:
+                raise _Unknown(f"@main's argument {num} is not a {element_type(v)} value")
+            return Values(shape, (), [x])
         what = self.names.get(num, f"@main's argument {num}")
         raise _Unknown(f"read from {what}, not known when the program is compiled")
 

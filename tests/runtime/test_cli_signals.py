@@ -29,7 +29,6 @@ def run_cmd(*extra: str) -> list[str]:
         str(golden_bundle(NAME)),
         "--data",
         str(GOLDEN_DIR / f"{NAME}.inputs.npz"),
-        "--no-cache",
         *extra,
     ]
 

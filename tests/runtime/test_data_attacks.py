@@ -41,7 +41,7 @@ def run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
         resource.setrlimit(resource.RLIMIT_AS, (16 * 2**30, 16 * 2**30))
 
     return subprocess.run(
-        [sys.executable, "-m", "stepbundle", "run", BUNDLE, "--no-cache", *args],
+        [sys.executable, "-m", "stepbundle", "run", BUNDLE, *args],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -98,7 +98,7 @@ def test_a_shard_truncated_under_the_run_stops_it_cleanly(tmp_path: Path) -> Non
     ds = dataset(tmp_path / "ds", 8192, rows_per_shard=2048)
     ck = tmp_path / "ck"
     cmd = [
-        sys.executable, "-m", "stepbundle", "run", BUNDLE, "--no-cache", "--data", str(ds),
+        sys.executable, "-m", "stepbundle", "run", BUNDLE, "--data", str(ds),
         "--steps", "10000000", "--checkpoint-every", "100", "--checkpoint-dir", str(ck),
     ]  # fmt: skip
     p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)

@@ -52,7 +52,7 @@ HERE = Path(__file__).resolve().parent
 
 
 def _run(name: str, steps: int | None = None, **kw):
-    trainer = load(golden_bundle(name), options=LoadOptions.from_keywords(cache_dir=False, **kw))
+    trainer = load(golden_bundle(name), options=LoadOptions.from_keywords(**kw))
     if name in GOLDEN_SCHEDULES:
         trainer.set_schedule("lr", parse_schedule(GOLDEN_SCHEDULES[name]))
     metrics = trainer.run(golden_batches(name), steps or GOLDEN_STEPS[name])
@@ -113,7 +113,6 @@ def test_state_is_replicated_and_donated_on_every_device() -> None:
     t = load(
         golden_bundle("linear_adamw"),
         options=LoadOptions(
-            compile=CompileOptions(cache_dir=False),
             state=StateOptions(pack_state=False),
             parallel=ParallelOptions(devices=4),
         ),
@@ -134,9 +133,7 @@ def test_rejected_batch_donates_nothing_on_any_device() -> None:
     reference, _ = _run("linear_adamw", steps=2, devices=4)
     t = load(
         golden_bundle("linear_adamw"),
-        options=LoadOptions(
-            compile=CompileOptions(cache_dir=False), parallel=ParallelOptions(devices=4)
-        ),
+        options=LoadOptions(parallel=ParallelOptions(devices=4)),
     )
     t.step(batches[0])
     held = list(t._store.buffers)
@@ -152,15 +149,11 @@ def test_rejected_batch_donates_nothing_on_any_device() -> None:
 def test_batch_already_split_over_the_devices_is_used_in_place() -> None:
     t = load(
         golden_bundle("linear_adamw"),
-        options=LoadOptions(
-            compile=CompileOptions(cache_dir=False), parallel=ParallelOptions(devices=4)
-        ),
+        options=LoadOptions(parallel=ParallelOptions(devices=4)),
     )
     ref = load(
         golden_bundle("linear_adamw"),
-        options=LoadOptions(
-            compile=CompileOptions(cache_dir=False), parallel=ParallelOptions(devices=4)
-        ),
+        options=LoadOptions(parallel=ParallelOptions(devices=4)),
     )
     batch = golden_batches("linear_adamw")[0]
     on_devices = {k: t.placement.put_batch(v) for k, v in batch.items()}
@@ -174,7 +167,6 @@ def test_nonfinite_loss_stops_a_data_parallel_step_and_keeps_the_state() -> None
     t = load(
         golden_bundle("linear_adamw"),
         options=LoadOptions(
-            compile=CompileOptions(cache_dir=False),
             safety=SafetyOptions(stop_on_nonfinite=True),
             parallel=ParallelOptions(devices=4),
         ),
@@ -233,14 +225,10 @@ def test_compile_cache_keeps_data_parallel_executables_apart(tmp_path: Path) -> 
 
 
 def test_eval_entry_and_short_bucket_on_four_devices() -> None:
-    one = load(
-        golden_bundle("linear_adamw"), options=LoadOptions(compile=CompileOptions(cache_dir=False))
-    )
+    one = load(golden_bundle("linear_adamw"))
     four = load(
         golden_bundle("linear_adamw"),
-        options=LoadOptions(
-            compile=CompileOptions(cache_dir=False), parallel=ParallelOptions(devices=4)
-        ),
+        options=LoadOptions(parallel=ParallelOptions(devices=4)),
     )
     batch = golden_batches("linear_adamw")[1]
     want, got = one.evaluate(batch), four.evaluate(batch)
@@ -262,9 +250,7 @@ def test_bucket_that_does_not_split_is_refused() -> None:
     with pytest.raises(PlatformError) as err:
         load(
             golden_bundle("batchnorm_lr"),
-            options=LoadOptions(
-                compile=CompileOptions(cache_dir=False), parallel=ParallelOptions(devices=4)
-            ),
+            options=LoadOptions(parallel=ParallelOptions(devices=4)),
         )
     msg = str(err.value)
     assert "batch input 'x' has 10 rows" in msg and "4 devices" in msg
@@ -275,30 +261,22 @@ def test_device_requests_that_cannot_be_met_are_clear_errors() -> None:
     with pytest.raises(PlatformError, match="needs 64 cpu devices, but the job has 4"):
         load(
             golden_bundle("linear_adamw"),
-            options=LoadOptions(
-                compile=CompileOptions(cache_dir=False), parallel=ParallelOptions(devices=64)
-            ),
+            options=LoadOptions(parallel=ParallelOptions(devices=64)),
         )
     with pytest.raises(PlatformError, match="either one device"):
         load(
             golden_bundle("linear_adamw"),
             device="cpu:1",
-            options=LoadOptions(
-                compile=CompileOptions(cache_dir=False), parallel=ParallelOptions(devices=2)
-            ),
+            options=LoadOptions(parallel=ParallelOptions(devices=2)),
         )
     with pytest.raises(UsageError, match="a number or 'all'"):
         load(
             golden_bundle("linear_adamw"),
-            options=LoadOptions(
-                compile=CompileOptions(cache_dir=False), parallel=ParallelOptions(devices="most")
-            ),
+            options=LoadOptions(parallel=ParallelOptions(devices="most")),
         )
     t = load(
         golden_bundle("linear_adamw"),
-        options=LoadOptions(
-            compile=CompileOptions(cache_dir=False), parallel=ParallelOptions(devices="all")
-        ),
+        options=LoadOptions(parallel=ParallelOptions(devices="all")),
     )
     assert len(t.devices) == len(jax.devices("cpu"))
 
@@ -310,18 +288,14 @@ def test_checkpoints_move_between_device_counts(first: int, second: int, tmp_pat
     straight, losses = _run(name, steps=5)
     a = load(
         golden_bundle(name),
-        options=LoadOptions(
-            compile=CompileOptions(cache_dir=False), parallel=ParallelOptions(devices=first)
-        ),
+        options=LoadOptions(parallel=ParallelOptions(devices=first)),
     )
     a.run(batches, 2)
     ckpt = tmp_path / "mid.safetensors"
     a.save_checkpoint(ckpt)
     b = load(
         golden_bundle(name),
-        options=LoadOptions(
-            compile=CompileOptions(cache_dir=False), parallel=ParallelOptions(devices=second)
-        ),
+        options=LoadOptions(parallel=ParallelOptions(devices=second)),
     )
     b.load_checkpoint(ckpt)
     assert b.step_count == 2 and b.seed == a.seed
@@ -341,11 +315,9 @@ def test_scalar_state_keeps_its_shape_on_several_devices(zero1: bool, tmp_path: 
     for name in ("batchnorm_lr", "linear_adamw"):
         one = load(
             golden_bundle(name),
-            options=LoadOptions(
-                compile=CompileOptions(cache_dir=False), state=StateOptions(pack_state=False)
-            ),
+            options=LoadOptions(state=StateOptions(pack_state=False)),
         )
-        two = load(golden_bundle(name), options=LoadOptions(compile=CompileOptions(cache_dir=False), state=StateOptions(pack_state=False), parallel=ParallelOptions(devices=2, shard_optimizer_state=zero1)))  # fmt: skip
+        two = load(golden_bundle(name), options=LoadOptions(state=StateOptions(pack_state=False), parallel=ParallelOptions(devices=2, shard_optimizer_state=zero1)))  # fmt: skip
         shapes = {k: v.shape for k, v in one.state_dict().items()}
         assert any(s == () for s in shapes.values())
         for buf in two._store.buffers:
@@ -387,7 +359,7 @@ def test_zero1_splits_optimizer_state_and_computes_the_same(tmp_path: Path) -> N
     values, _ = read_safetensors(tmp_path / "z.safetensors")
     for k, v in replicated.state_dict().items():
         assert values[k].shape == v.shape
-    one = load(golden_bundle(name), options=LoadOptions(compile=CompileOptions(cache_dir=False)))
+    one = load(golden_bundle(name))
     one.load_checkpoint(tmp_path / "z.safetensors")
     _assert_close(one.state_dict(), replicated.state_dict())
 
@@ -453,7 +425,7 @@ def test_two_processes_run_one_data_parallel_job(name: str, zero1: bool, tmp_pat
     state = {k[len("state/") :]: v for k, v in results[0].items() if k.startswith("state/")}
     _assert_close(state, one.state_dict(), results[0]["losses"], losses)
     # Process 0's checkpoint resumes in a single-device run.
-    single = load(golden_bundle(name), options=LoadOptions(compile=CompileOptions(cache_dir=False)))
+    single = load(golden_bundle(name))
     single.load_checkpoint(tmp_path / "checkpoint.safetensors")
     assert single.step_count == GOLDEN_STEPS[name]
     _assert_close(single.state_dict(), one.state_dict())
@@ -498,7 +470,7 @@ def test_cli_process_that_fails_to_start_stops_the_whole_job(
             subprocess.Popen(
                 [sys.executable, "-m", "stepbundle", "run", str(golden_bundle(name))]
                 + ["--steps", "2"]
-                + ["--no-cache", "--devices", "4", "--coordinator", f"localhost:{port}"]
+                + ["--devices", "4", "--coordinator", f"localhost:{port}"]
                 + ["--num-processes", "2", "--process-id", str(i), *extra],
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
@@ -556,7 +528,6 @@ def test_cli_runs_data_parallel_on_virtual_cpu_devices(
                 "--data",
                 str(golden_bundle(name).with_suffix("").with_suffix(".inputs.npz")),
                 "--json",
-                "--no-cache",
                 "--devices",
                 n,
                 "--save-state",
@@ -623,9 +594,7 @@ def test_two_processes_read_disjoint_rows_of_a_dataset_and_match_one_device(
     for step in range(6):
         ra, rb = a["rows"][4 * step : 4 * step + 4], b["rows"][4 * step : 4 * step + 4]
         assert not set(ra) & set(rb)
-    one = load(
-        golden_bundle("linear_adamw"), options=LoadOptions(compile=CompileOptions(cache_dir=False))
-    )
+    one = load(golden_bundle("linear_adamw"))
     loader = Loader(open_dataset(data), 8, seed=3)
     want = [float(m["loss"]) for m in one.run(loader, 6)]
     np.testing.assert_allclose(a["losses"], want, rtol=1e-5)
@@ -645,7 +614,7 @@ def test_cli_sigterm_stops_every_process_of_a_job(tmp_path: Path) -> None:
         subprocess.Popen(
             [sys.executable, "-m", "stepbundle", "run", str(golden_bundle(name))]
             + ["--steps", "1000000", "--json", "--data", str(GOLDEN_DIR / f"{name}.inputs.npz")]
-            + ["--no-cache", "--devices", "4", "--coordinator", f"localhost:{port}"]
+            + ["--devices", "4", "--coordinator", f"localhost:{port}"]
             + ["--num-processes", "2", "--process-id", str(i)],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,

@@ -151,7 +151,7 @@ def test_a_flipped_manifest_byte_is_caught_before_any_field_is_read(
         with pytest.raises(IntegrityError, match="does not match the SHA-256 in its header"):
             open_bundle(path)
         with pytest.raises(IntegrityError, match="does not match the SHA-256 in its header"):
-            load(path, options=LoadOptions(compile=CompileOptions(cache_dir=False)))
+            load(path)
     assert decoded == []
     with open_bundle(golden_bundle(name)):  # the spy works: an intact bundle is decoded
         assert len(decoded) == 1
@@ -216,18 +216,14 @@ def test_load_with_expect_digest(tmp_path: Path) -> None:
         other_digest = b.digest
     trainer = load(
         pinned,
-        options=LoadOptions(
-            compile=CompileOptions(cache_dir=False), safety=SafetyOptions(expect_digest=digest)
-        ),
+        options=LoadOptions(safety=SafetyOptions(expect_digest=digest)),
     )
     assert trainer.digest == digest
     trainer.step(golden_batches("linear_adamw")[0])
     with pytest.raises(BindingError) as info:
         load(
             other,
-            options=LoadOptions(
-                compile=CompileOptions(cache_dir=False), safety=SafetyOptions(expect_digest=digest)
-            ),
+            options=LoadOptions(safety=SafetyOptions(expect_digest=digest)),
         )
     assert digest in str(info.value) and other_digest in str(info.value)
     # A digest spelled another way is another digest: no normalisation, no prefix match.
@@ -236,7 +232,6 @@ def test_load_with_expect_digest(tmp_path: Path) -> None:
             load(
                 pinned,
                 options=LoadOptions(
-                    compile=CompileOptions(cache_dir=False),
                     safety=SafetyOptions(expect_digest=spelling),
                 ),
             )
@@ -258,13 +253,12 @@ def test_cli_run_expect_digest_refuses_another_bundle_and_accepts_its_own() -> N
     with open_bundle(other) as b:
         other_digest = b.digest
     data = str(GOLDEN_DIR / "linear_adamw.inputs.npz")
-    refused = _run_cli(str(other), "--steps", "2", "--data", data, "--no-cache",
-                       "--expect-digest", digest)  # fmt: skip
+    refused = _run_cli(str(other), "--steps", "2", "--data", data, "--expect-digest", digest)
     assert refused.returncode != 0
     assert digest in refused.stderr and other_digest in refused.stderr
     assert refused.stdout == ""  # not a single step ran
     data = str(GOLDEN_DIR / "dropout_sgd.inputs.npz")
-    accepted = _run_cli(str(pinned), "--steps", "2", "--data", data, "--no-cache",
+    accepted = _run_cli(str(pinned), "--steps", "2", "--data", data,
                         "--expect-digest", digest, "--json")  # fmt: skip
     assert accepted.returncode == 0, accepted.stderr
     assert [json.loads(line)["step"] for line in accepted.stdout.splitlines()] == [0, 1]

@@ -123,7 +123,7 @@ def test_cli_stop_on_nonfinite_exits_nonzero_and_checkpoints(tmp_path: Path) -> 
     ckpt = tmp_path / "ckpt"
     out = subprocess.run(
         [sys.executable, "-m", "stepbundle", "run", str(golden_bundle("linear_adamw")),
-         "--steps", "5", "--data", str(data), "--json", "--no-cache", "--stop-on-nonfinite",
+         "--steps", "5", "--data", str(data), "--json", "--stop-on-nonfinite",
          "--checkpoint-dir", str(ckpt)],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip

@@ -54,7 +54,7 @@ def test_an_unknown_precision_is_refused() -> None:
     with pytest.raises(UsageError, match="matmul_precision must be one of"):
         load(
             BUNDLE,
-            options=LoadOptions(compile=CompileOptions(cache_dir=False, matmul_precision="fast")),
+            options=LoadOptions(compile=CompileOptions(matmul_precision="fast")),
         )
 
 
@@ -62,18 +62,14 @@ def test_results_are_bit_identical_on_cpu_across_precisions() -> None:
     want = _losses(
         load(
             BUNDLE,
-            options=LoadOptions(
-                compile=CompileOptions(cache_dir=False, matmul_precision="default")
-            ),
+            options=LoadOptions(compile=CompileOptions(matmul_precision="default")),
         )
     )
     for precision in ("high", "highest"):
         got = _losses(
             load(
                 BUNDLE,
-                options=LoadOptions(
-                    compile=CompileOptions(cache_dir=False, matmul_precision=precision)
-                ),
+                options=LoadOptions(compile=CompileOptions(matmul_precision=precision)),
             )
         )
         np.testing.assert_array_equal(np.array(got), np.array(want), err_msg=precision)
@@ -123,11 +119,11 @@ def test_cli_inspect_shows_and_run_takes_the_precision() -> None:
     assert "matmul    precision default" in shown.stdout
     data = str(BUNDLE.parent / f"{NAME}.inputs.npz")
     out = _cli(
-        "run", str(BUNDLE), "--steps", "2", "--data", data, "--json", "--no-cache",
+        "run", str(BUNDLE), "--steps", "2", "--data", data, "--json",
         "--matmul-precision", "highest",
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
-    want = _losses(load(BUNDLE, options=LoadOptions(compile=CompileOptions(cache_dir=False))))[:2]
+    want = _losses(load(BUNDLE))[:2]
     assert [json.loads(line)["loss"] for line in out.stdout.splitlines()] == want
     bad = cli_here("run", str(BUNDLE), "--steps", "1", "--data", data, "--matmul-precision", "tf32")
     assert bad.returncode != 0 and "--matmul-precision" in bad.stderr
@@ -176,16 +172,14 @@ def test_a_bundle_older_than_the_field_keeps_its_programs_own_precision(
 
     monkeypatch.setattr(program_module, "set_matmul_precision", spy)
     old = golden(NAME, (1, 1))
-    t = load(old, options=LoadOptions(compile=CompileOptions(cache_dir=False, entries="train")))
+    t = load(old, options=LoadOptions(compile=CompileOptions(entries="train")))
     assert t.load_info.matmul_precision is None and calls == []
     t = load(
         old,
-        options=LoadOptions(
-            compile=CompileOptions(cache_dir=False, entries="train", matmul_precision="highest")
-        ),
+        options=LoadOptions(compile=CompileOptions(entries="train", matmul_precision="highest")),
     )
     assert t.load_info.matmul_precision == "highest" and calls and set(calls) == {"highest"}
     t = load(
-        BUNDLE, options=LoadOptions(compile=CompileOptions(cache_dir=False, entries="train"))
+        BUNDLE, options=LoadOptions(compile=CompileOptions(entries="train"))
     )  # 1.2 records one: it is applied
     assert calls[-1] == codec.open_bundle(BUNDLE).manifest.matmul_precision

@@ -8,7 +8,6 @@ import pytest
 from runtime_helpers import golden_batches, golden_bundle
 
 from stepbundle.runtime import (
-    CompileOptions,
     LoadOptions,
     NonFiniteLossError,
     SafetyOptions,
@@ -27,7 +26,6 @@ def test_a_nan_input_is_stopped_before_it_reaches_the_state() -> None:
     t = load(
         golden_bundle("batchnorm_lr"),
         options=LoadOptions(
-            compile=CompileOptions(cache_dir=False),
             safety=SafetyOptions(stop_on_nonfinite=True, check_state=True),
         ),
     )
@@ -41,9 +39,7 @@ def test_a_nan_input_is_stopped_before_it_reaches_the_state() -> None:
     for k, v in t.state_dict().items():
         np.testing.assert_array_equal(v, before[k], err_msg=k)
     # Without the watch the same batch turns state tensors into NaN: the test has teeth.
-    unwatched = load(
-        golden_bundle("batchnorm_lr"), options=LoadOptions(compile=CompileOptions(cache_dir=False))
-    )
+    unwatched = load(golden_bundle("batchnorm_lr"))
     unwatched.step(golden_batches("batchnorm_lr")[0])
     unwatched.step(poisoned("batchnorm_lr"))
     spoiled = [k for k, v in unwatched.state_dict().items() if not np.isfinite(v).all()]
@@ -55,9 +51,7 @@ def test_every_metric_is_watched_not_only_the_loss() -> None:
     # a NaN target: the loss itself is NaN and named in the message.
     t = load(
         golden_bundle("linear_adamw"),
-        options=LoadOptions(
-            compile=CompileOptions(cache_dir=False), safety=SafetyOptions(stop_on_nonfinite=True)
-        ),
+        options=LoadOptions(safety=SafetyOptions(stop_on_nonfinite=True)),
     )
     batch = {k: v.copy() for k, v in golden_batches("linear_adamw")[0].items()}
     batch["y"][0, 0] = np.inf
@@ -70,7 +64,5 @@ def test_check_state_needs_stop_on_nonfinite() -> None:
     with pytest.raises(UsageError, match="check_state=True needs stop_on_nonfinite=True"):
         load(
             golden_bundle("linear_adamw"),
-            options=LoadOptions(
-                compile=CompileOptions(cache_dir=False), safety=SafetyOptions(check_state=True)
-            ),
+            options=LoadOptions(safety=SafetyOptions(check_state=True)),
         )

@@ -22,7 +22,7 @@ from runtime_helpers import (
     run_on_cpu,
 )
 
-from stepbundle.runtime import CompileOptions, LoadOptions, load
+from stepbundle.runtime import LoadOptions, load
 from stepbundle.runtime.compile import rewrites
 from stepbundle.runtime.placement.sharding import Placement
 from stepbundle.schema.reader import open_bundle
@@ -182,7 +182,7 @@ def test_the_adam_golden_bundle_keeps_its_numbers_with_the_rewrite() -> None:
     try:
         t = load(
             golden_bundle("linear_adamw"),
-            options=LoadOptions(compile=CompileOptions(cache_dir=False)),
+            options=LoadOptions(),
         )
     finally:
         rewrites.REWRITES = kept

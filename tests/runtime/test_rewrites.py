@@ -50,7 +50,7 @@ def test_an_added_rewrite_runs_on_every_program_before_packing(
         return stage
 
     monkeypatch.setattr(rewrites, "REWRITES", _with(("spy", spy)))
-    t = load(golden_bundle(BUNDLE), options=LoadOptions(compile=CompileOptions(cache_dir=False)))
+    t = load(golden_bundle(BUNDLE))
     assert len(seen) == len(PROGRAMS)
     assert all(platform == "cpu" and not wrapped for platform, _, wrapped in seen)
     t.step(golden_batches(BUNDLE)[0])

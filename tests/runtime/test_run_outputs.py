@@ -23,7 +23,6 @@ import numpy as np
 import pytest
 from runtime_helpers import GOLDEN_DIR, cli_here, golden_bundle
 
-from stepbundle.runtime import CompileOptions, LoadOptions
 from stepbundle.runtime.state.checkpoint import read_checkpoint
 
 BUNDLE = golden_bundle("linear_adamw")
@@ -54,7 +53,7 @@ def make_inputs(tmp_path: Path) -> dict[str, Path]:
         rows = {k: z[k].reshape(-1, *z[k].shape[2:]) for k in z.files}
     dataset = tmp_path / "val"
     write_dataset(dataset, rows, rows_per_shard=10)
-    trainer = load(bundle, options=LoadOptions(compile=CompileOptions(cache_dir=False)))
+    trainer = load(bundle)
     with np.load(NPZ) as z:
         trainer.step({k: z[k][0] for k in z.files})
     ckpt = tmp_path / "ckpt.safetensors"
@@ -72,7 +71,7 @@ def test_a_checkpoint_folder_a_live_run_holds_is_refused_and_freed_by_its_death(
 ) -> None:
     ck = tmp_path / "ck"
     metrics = tmp_path / "a.jsonl"
-    base = ["run", str(BUNDLE), "--data", str(NPZ), "--no-cache", "--checkpoint-dir", str(ck)]
+    base = ["run", str(BUNDLE), "--data", str(NPZ), "--checkpoint-dir", str(ck)]
     a = subprocess.Popen(
         [sys.executable, "-m", "stepbundle", *base, "--steps", "10000000"]
         + ["--checkpoint-every", "20", "--metrics-file", str(metrics)],
@@ -115,7 +114,7 @@ def test_a_refused_run_removes_none_of_the_live_run_s_temp_files(tmp_path: Path)
     from stepbundle.schema.atomic import _HOST
 
     ck = tmp_path / "ck"
-    base = ["run", str(BUNDLE), "--data", str(NPZ), "--no-cache", "--checkpoint-dir", str(ck)]
+    base = ["run", str(BUNDLE), "--data", str(NPZ), "--checkpoint-dir", str(ck)]
     a = subprocess.Popen(
         [sys.executable, "-m", "stepbundle", *base, "--steps", "10000000"],
         stdout=subprocess.DEVNULL,
@@ -158,7 +157,7 @@ def test_a_lock_file_that_is_a_link_is_refused_untouched(tmp_path: Path, kind: s
         os.link(precious, lock)
     else:
         os.mkfifo(lock)
-    r = cli_here("run", str(BUNDLE), "--data", str(NPZ), "--no-cache", "--steps", "1",
+    r = cli_here("run", str(BUNDLE), "--data", str(NPZ), "--steps", "1",
                  "--checkpoint-dir", str(ck))  # fmt: skip
     assert r.returncode == 2, r.stderr
     line = last_line(r)
@@ -173,7 +172,7 @@ def test_every_output_that_is_an_input_is_refused_before_loading(tmp_path: Path)
     bundle, npz, dataset, ckpt = (str(inputs[k]) for k in ("bundle", "npz", "dataset", "ckpt"))
     index = str(Path(dataset) / "dataset.json")
     shard = str(next(p for p in Path(dataset).iterdir() if p.suffix == ".npy"))
-    base = ["run", bundle, "--data", npz, "--steps", "1", "--no-cache"]
+    base = ["run", bundle, "--data", npz, "--steps", "1"]
     cases = [
         (["--metrics-file", bundle], "--metrics-file", "the bundle"),
         (["--metrics-file", npz], "--metrics-file", "--data"),
@@ -225,7 +224,7 @@ def test_every_output_that_is_an_input_is_refused_before_loading(tmp_path: Path)
     ],
 )
 def test_a_process_local_file_system_is_refused_as_an_output(flags: list[str]) -> None:
-    result = cli_here("run", str(BUNDLE), "--data", str(NPZ), "--steps", "2", "--no-cache", *flags)
+    result = cli_here("run", str(BUNDLE), "--data", str(NPZ), "--steps", "2", *flags)
     assert result.returncode == 2, result.stderr
     line = last_line(result)
     assert "memory://" in line and "only in this process" in line, line
@@ -236,7 +235,7 @@ def test_a_process_local_file_system_is_refused_as_an_output(flags: list[str]) -
 def test_a_url_whose_file_system_fails_to_start_is_one_sentence() -> None:
     """Before: ``stepbundle: error: /x`` (fsspec's FileNotFoundError, as it was)."""
     url = "reference::memory://x"
-    result = cli_here("run", str(BUNDLE), "--data", str(NPZ), "--no-cache", "--steps", "1",
+    result = cli_here("run", str(BUNDLE), "--data", str(NPZ), "--steps", "1",
                       "--checkpoint-dir", url)  # fmt: skip
     assert result.returncode == 2, result.stderr
     line = last_line(result)
@@ -254,7 +253,7 @@ def test_eval_data_is_refused_before_the_first_step(tmp_path: Path, kind: str) -
     elif kind == "dataset without index":
         bad.mkdir()
     result = cli_here(
-        "run", str(BUNDLE), "--data", str(NPZ), "--no-cache", "--json", "--steps", "4",
+        "run", str(BUNDLE), "--data", str(NPZ), "--json", "--steps", "4",
         "--eval-every", "3", "--eval-data", str(bad),
     )  # fmt: skip
     assert result.returncode == 2, result.stderr
@@ -267,10 +266,12 @@ def test_eval_data_is_refused_before_the_first_step(tmp_path: Path, kind: str) -
 # ------------------------------------- 20: --save-state when --until-step is already reached
 def test_save_state_is_written_when_until_step_is_already_reached(tmp_path: Path) -> None:
     first = tmp_path / "first.safetensors"
-    base = ["run", str(BUNDLE), "--data", str(NPZ), "--no-cache"]
-    assert cli(*base, "--steps", "2", "--save-state", str(first)).returncode == 0
+    base = ["run", str(BUNDLE), "--data", str(NPZ)]
+    assert cli_here(*base, "--steps", "2", "--save-state", str(first)).returncode == 0
     again = tmp_path / "again.safetensors"
-    result = cli(*base, "--until-step", "2", "--resume", str(first), "--save-state", str(again))
+    result = cli_here(
+        *base, "--until-step", "2", "--resume", str(first), "--save-state", str(again)
+    )
     assert result.returncode == 0, result.stderr
     assert "nothing to do" in result.stderr and f"wrote state to {again}" in result.stderr
     want_values, want_meta = read_checkpoint(first)
@@ -285,11 +286,10 @@ def test_save_state_is_written_when_until_step_is_already_reached(tmp_path: Path
 def test_eval_takes_the_eval_batch_size_under_run_s_name(tmp_path: Path) -> None:
     inputs = make_inputs(tmp_path)
     base = ["eval", str(inputs["bundle"]), "--data", str(inputs["dataset"]), "--json"]
-    base += ["--no-cache"]
-    new = cli(*base, "--eval-batch-size", "5")
+    new = cli_here(*base, "--eval-batch-size", "5")
     assert new.returncode == 0, new.stderr
     assert "deprecated" not in new.stderr
-    old = cli(*base, "--batch-size", "5")
+    old = cli_here(*base, "--batch-size", "5")
     assert old.returncode == 0, old.stderr
     notes = [line for line in old.stderr.splitlines() if "--batch-size" in line]
     assert notes == [
@@ -298,17 +298,17 @@ def test_eval_takes_the_eval_batch_size_under_run_s_name(tmp_path: Path) -> None
     ], old.stderr
     assert json.loads(new.stdout) == json.loads(old.stdout)
     assert json.loads(new.stdout)["rows"] == 24
-    default = cli(*base)
+    default = cli_here(*base)
     assert default.returncode == 0, default.stderr
     assert json.loads(default.stdout)["rows"] == 24
     # The batch size is used, not only accepted: 24 rows are 5 batches of 5 (the last
     # padded), and 3 of the bundle's own 8 without the option. The plain line says so.
     plain = [arg for arg in base if arg != "--json"]
     for flags, batches in ((["--eval-batch-size", "5"], 5), (["--batch-size", "5"], 5), ([], 3)):
-        r = cli(*plain, *flags)
+        r = cli_here(*plain, *flags)
         assert r.returncode == 0, r.stderr
         assert r.stdout.rstrip().endswith(f"(24 rows, {batches} batches)"), (flags, r.stdout)
-    help_text = cli("eval", "--help").stdout
+    help_text = cli_here("eval", "--help").stdout
     assert "--eval-batch-size" in help_text and "--batch-size" not in help_text.replace(
         "--eval-batch-size", ""
     )

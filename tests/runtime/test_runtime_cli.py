@@ -39,15 +39,12 @@ def test_run_json_lines_match_the_api(tmp_path: Path) -> None:
         "--data",
         str(data),
         "--json",
-        "--no-cache",
     )
     assert out.returncode == 0, out.stderr
     lines = [json.loads(line) for line in out.stdout.splitlines()]
     assert [r["step"] for r in lines] == [0, 1, 2, 3]
     assert set(lines[0]) == {"step", "loss", "accuracy"}
-    t = load(
-        golden_bundle("dropout_sgd"), options=LoadOptions(compile=CompileOptions(cache_dir=False))
-    )
+    t = load(golden_bundle("dropout_sgd"))
     want = [float(m["loss"]) for m in t.run(golden_batches("dropout_sgd"), 4)]
     assert [r["loss"] for r in lines] == pytest.approx(want, rel=1e-6)
 
@@ -66,7 +63,6 @@ def test_run_checkpoints_resume_and_save_state(tmp_path: Path) -> None:
         "--json",
         "--lr-schedule",
         sched,
-        "--no-cache",
     )
     assert whole.returncode == 0, whole.stderr
     ck = tmp_path / "ck"
@@ -84,7 +80,6 @@ def test_run_checkpoints_resume_and_save_state(tmp_path: Path) -> None:
         "2",
         "--checkpoint-dir",
         str(ck),
-        "--no-cache",
     )
     assert part.returncode == 0, part.stderr
     assert sorted(p.name for p in ck.iterdir()) == [
@@ -105,7 +100,6 @@ def test_run_checkpoints_resume_and_save_state(tmp_path: Path) -> None:
         str(ck / "step-00000004.safetensors"),
         "--save-state",
         str(tmp_path / "final.safetensors"),
-        "--no-cache",
     )
     assert rest.returncode == 0, rest.stderr
     resumed = [json.loads(x) for x in part.stdout.splitlines()] + [
@@ -122,10 +116,10 @@ def test_run_refuses_bad_input_clearly(tmp_path: Path) -> None:
     bundle = str(golden_bundle("linear_adamw"))
     bad = tmp_path / "bad.npz"
     np.savez(bad, x=np.zeros((2, 8, 5), np.float64), y=np.zeros((2, 8, 3), np.float32))
-    out = cli("run", bundle, "--steps", "1", "--data", str(bad), "--no-cache")
+    out = cli("run", bundle, "--steps", "1", "--data", str(bad))
     assert out.returncode == 1
     assert "Dtype mismatch for batch input 'x'" in out.stderr
-    out = cli("run", bundle, "--steps", "1", "--data", str(tmp_path / "nope.npz"), "--no-cache")
+    out = cli("run", bundle, "--steps", "1", "--data", str(tmp_path / "nope.npz"))
     assert out.returncode == 2 and "cannot read --data" in out.stderr
     out = cli(
         "run",
@@ -202,7 +196,7 @@ def test_compile_cache_skips_compilation_and_keys_on_jaxlib(
     assert float(again.step(b)["loss"]) == float(
         load(
             golden_bundle("linear_adamw"),
-            options=LoadOptions(compile=CompileOptions(cache_dir=False)),
+            options=LoadOptions(),
         ).step(b)["loss"]
     )
 
@@ -233,13 +227,11 @@ def test_unsupported_device_requests_are_clear_errors() -> None:
     with pytest.raises(PlatformError, match="needs 64 cpu devices, but the job has 4"):
         load(
             golden_bundle("linear_adamw"),
-            options=LoadOptions(
-                compile=CompileOptions(cache_dir=False), parallel=ParallelOptions(devices=64)
-            ),
+            options=LoadOptions(parallel=ParallelOptions(devices=64)),
         )
     with pytest.raises(PlatformError, match=r"Device cpu:7 does not exist"):
         load(
             golden_bundle("linear_adamw"),
             device="cpu:7",
-            options=LoadOptions(compile=CompileOptions(cache_dir=False)),
+            options=LoadOptions(),
         )

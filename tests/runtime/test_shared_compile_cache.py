@@ -48,9 +48,7 @@ def _losses(trainer: object) -> list[float]:
 
 @pytest.fixture(scope="module")
 def want() -> list[float]:
-    return _losses(
-        load(BUNDLE, options=LoadOptions(compile=CompileOptions(cache_dir=False, entries="train")))
-    )
+    return _losses(load(BUNDLE, options=LoadOptions(compile=CompileOptions(entries="train"))))
 
 
 def test_a_second_process_compiles_nothing(tmp_path: Path) -> None:

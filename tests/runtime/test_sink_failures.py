@@ -53,7 +53,7 @@ def full_filesystem(where: Path, free_bytes: int) -> Iterator[Path]:
 
 
 def run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-m", "stepbundle", "run", BUNDLE, "--data", DATA, "--no-cache"]
+    cmd = [sys.executable, "-m", "stepbundle", "run", BUNDLE, "--data", DATA]
     return subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=timeout)
 
 
@@ -170,7 +170,7 @@ def test_sigkill_right_after_a_checkpoint_leaves_no_hole_in_tensorboard(tmp_path
     """
     ck, tb = tmp_path / "ck", tmp_path / "tb"
     cmd = [
-        sys.executable, "-m", "stepbundle", "run", BUNDLE, "--data", DATA, "--no-cache",
+        sys.executable, "-m", "stepbundle", "run", BUNDLE, "--data", DATA,
         "--steps", "1000000", "--log-every", "50", "--checkpoint-every", "100",
         "--checkpoint-dir", str(ck), "--tensorboard", str(tb),
     ]  # fmt: skip

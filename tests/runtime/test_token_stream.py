@@ -85,7 +85,7 @@ def test_bad_token_data_is_refused_in_words(tmp_path: Path) -> None:
 
 def _run(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "stepbundle", "run", str(BUNDLE), "--no-cache", "--json", *args],
+        [sys.executable, "-m", "stepbundle", "run", str(BUNDLE), "--json", *args],
         capture_output=True,
         text=True,
         timeout=600,
@@ -126,7 +126,7 @@ def test_run_trains_from_a_token_file_and_resumes_bit_for_bit(tmp_path: Path) ->
 def test_run_refuses_a_token_file_for_a_bundle_that_takes_no_tokens(tmp_path: Path) -> None:
     golden = HERE.parent / "golden" / "v1.2" / "linear_adamw.stepbundle"
     out = subprocess.run(
-        [sys.executable, "-m", "stepbundle", "run", str(golden), "--no-cache",
+        [sys.executable, "-m", "stepbundle", "run", str(golden),
          "--data", str(_tokens(tmp_path)), "--steps", "1"],
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip

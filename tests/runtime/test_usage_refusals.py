@@ -73,9 +73,9 @@ def test_the_command_exits_2_for_a_usage_error(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     bundle, data = str(golden_bundle(NAME)), str(GOLDEN_DIR / f"{NAME}.inputs.npz")
-    run = ["run", bundle, "--data", data, "--steps", "1", "--no-cache"]
+    run = ["run", bundle, "--data", data, "--steps", "1"]
     # Found by the library at load (ParallelOptions), before anything is compiled.
-    for command in (run, ["eval", bundle, "--data", data, "--no-cache"]):
+    for command in (run, ["eval", bundle, "--data", data]):
         code, line = _command(capsys, *command, "--layout", "fsdpp")
         assert code == 2, line
         assert line.startswith("stepbundle: error: Unknown layout part 'fsdpp'"), line
@@ -90,7 +90,7 @@ def test_the_command_exits_2_for_a_usage_error(
     # eval names --resume itself, not "cannot read --data" (as it did for an empty folder).
     empty = tmp_path / "empty"
     empty.mkdir()
-    evaluate = ["eval", bundle, "--data", data, "--no-cache"]
+    evaluate = ["eval", bundle, "--data", data]
     for resume, said in (
         (str(tmp_path / "missing.safetensors"), "does not exist"),
         (str(empty), "holding no checkpoint"),
@@ -109,7 +109,7 @@ def test_the_command_exits_2_for_a_usage_error(
 @pytest.fixture(scope="module")
 def resumable(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A checkpoint whose lr follows the spec OLD, one step in."""
-    trainer = load(golden_bundle(SCHEDULED), options=NO_CACHE)
+    trainer = load(golden_bundle(SCHEDULED))
     trainer.set_schedule("lr", OLD)
     trainer.step(golden_batches(SCHEDULED)[0])
     path = tmp_path_factory.mktemp("sched") / "step1.safetensors"
@@ -118,7 +118,7 @@ def resumable(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_a_resumed_trainer_refuses_to_replace_its_schedule(resumable: Path) -> None:
-    trainer = load(golden_bundle(SCHEDULED), options=NO_CACHE)
+    trainer = load(golden_bundle(SCHEDULED))
     trainer.set_schedule("lr", NEW)  # a fresh trainer continues nothing: any schedule
     trainer.load_checkpoint(resumable)
     restored = trainer.schedules
@@ -153,7 +153,7 @@ def test_the_command_leaves_the_clash_to_the_trainer(
     capsys: pytest.CaptureFixture[str], resumable: Path, tmp_path: Path
 ) -> None:
     data = str(GOLDEN_DIR / f"{SCHEDULED}.inputs.npz")
-    run = ["run", str(golden_bundle(SCHEDULED)), "--data", data, "--steps", "1", "--no-cache"]
+    run = ["run", str(golden_bundle(SCHEDULED)), "--data", data, "--steps", "1"]
     out = tmp_path / "after.safetensors"
     code, line = _command(
         capsys, *run, "--resume", str(resumable), "--lr-schedule", NEW, "--save-state", str(out)

@@ -212,7 +212,11 @@ def causal_mask_reads(
     (read from the step's inputs, named by ``names``; larger than the load computes)."""
     tq, tk = att.q_len, att.kv_len
     if shape_of(mask)[-2:] != [tq, tk]:
-        return None, f"the mask is not of the scores' shape ({tq}, {tk})"
+        shape = tuple(shape_of(mask))
+        return None, (
+            f"the mask is {shape}, not one ({tq}, {tk}) slice of the scores per batch row "
+            "and head (a key-padding mask is broadcast over the queries)"
+        )
     computed = compute_mask(mask, scalars, state, names)
     if computed.values is None:
         return None, computed.why
@@ -287,7 +291,8 @@ def rewrite_composites(
             if why is not None and folded and not att.dropout_p:
                 why = (
                     f"{'an' if att.mask == 'additive' else 'a'} {att.mask} attn_mask that is "
-                    f"not the causal triangle is not fused: {folded}"
+                    f"not the causal triangle is not fused: {folded}; if the attention is "
+                    "causal, pass is_causal=True and no mask"
                 )
             if why is not None:
                 kept.append(f"{att.describe()}: {why}")

@@ -59,8 +59,8 @@ class Bounds:
     metric: float = 1e-4
     suspect: float | None = None
     """A tensor whose update differs from eager's by more than this fraction of it is
-    judged against the float64 step (``update_verdicts``); None: not asked (float32
-    bounds are tight enough on their own)."""
+    judged against the float64 step (``update_verdicts``); None: only the tensors beyond
+    their bound and those with a suspect row (``ROW_SUSPECT``) are."""
     label: str = "float32 rounding"
     """What the bound stands for, in a refusal ("4.2x the bound float32 rounding explains")."""
 
@@ -159,11 +159,24 @@ def _non_finite_mismatch(a: torch.Tensor, w: torch.Tensor) -> int | None:
     return int(hits[0]) if hits.numel() else None
 
 
+MIN_ROW = 16
+"""Rows narrower than this many elements are not judged one by one (``_rows``). Where a
+state's gradient is zero in exact arithmetic (a per-head offset that softmax cancels),
+Adam turns each element's rounding noise into a full step of either sign, on eager's
+side and the bundle's alike; float64 tells them apart only by eager's own distance from
+it, which is zero for a row of n elements where eager's n signs all happen to agree with
+float64's (about 2**-n), and a row of a few elements would then be refused. A tensor of
+such rows is judged as a whole."""
+
+
 def _rows(shape: tuple[int, ...]) -> int:
     """How many rows the local criterion splits a tensor of ``shape`` into: its first
     dimension (an embedding's rows, a linear or convolution weight's output channels)
-    for a tensor of two or more dimensions; one (the whole) otherwise."""
-    return shape[0] if len(shape) >= 2 and shape[0] > 1 else 1
+    for a tensor of two or more dimensions whose rows hold at least ``MIN_ROW``
+    elements; one (the whole) otherwise."""
+    if len(shape) < 2 or shape[0] <= 1 or math.prod(shape[1:]) < MIN_ROW:
+        return 1
+    return shape[0]
 
 
 def _row_norms(x: torch.Tensor, rows: int) -> torch.Tensor:

@@ -237,6 +237,36 @@ def test_one_row_of_a_large_tensor_is_judged_on_its_own() -> None:
     assert not suspects([v], FLOAT32), v
 
 
+def test_narrow_rows_of_rounding_noise_are_judged_whole() -> None:
+    """A (16, 1) state whose gradient is zero in exact arithmetic (a per-head offset
+    softmax cancels), Adam: each element moves a whole step of rounding noise's sign,
+    eager's and the bundle's each agreeing with float64's about half the time. Judged row
+    by row, a row where eager happens to agree and the bundle not is a refusal (its
+    update its whole size from float64's, eager's own distance zero); judged whole, the
+    two are equally far from float64, and the tensor passes."""
+    w0 = torch.zeros(16, 1)
+    lr = 1e-3
+    sign = torch.tensor([1.0, -1.0] * 8).reshape(16, 1)
+    exact = {"w": (w0 - lr * sign).double()}
+    eager = exact["w"].float().clone()
+    eager[1::3] = w0[1::3] + lr * sign[1::3]  # eager's noise: 5 of 16 the other way
+    bundle = exact["w"].float().clone()
+    bundle[::3] = w0[::3] + lr * sign[::3]  # the bundle's: 6 of 16, other rows
+    before = {"w": w0}
+    for b in (FLOAT32, LOW_PRECISION):
+        judged = update_verdicts({"w"}, {"w": bundle}, {"w": eager}, exact, before, b)["w"]
+        assert judged.ratio <= 1.0 and not judged.detail.startswith("row "), judged
+    # the same rows 16 elements wide are judged one by one: a whole row the other way
+    w0 = torch.zeros(16, 16)
+    sign = torch.ones(16, 16)
+    exact = {"w": (w0 - lr * sign).double()}
+    eager = exact["w"].float()
+    bundle = eager.clone()
+    bundle[5] = w0[5] + lr * sign[5]
+    judged = update_verdicts({"w"}, {"w": bundle}, {"w": eager}, exact, {"w": w0}, FLOAT32)["w"]
+    assert judged.ratio > 1.0 and judged.detail.startswith("row 5:"), judged
+
+
 class _Table(nn.Module):
     """An embedding of 16384 x 64 (1M elements) and a head."""
 

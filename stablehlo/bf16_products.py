@@ -7,10 +7,9 @@ CPU: accumulated in float32 and rounded to bf16 once, which it spells
 accumulates bf16 products in float32 and rounds the sum once, on the way out), but XLA
 treats them differently: between a float32-out product and the reshapes and transposes
 around it, the convert keeps XLA's TPU layout assignment from folding them into the
-product, and it writes float32 results twice the size. Compiled for a v5e, the 55M GPT's
-torch front-end program with its 51 such products written bf16-out was estimated at
-34.22 ms a step against 37.05 as written (``benchmarks/device/torch_frontend_hlo.py``;
-docs/tpu.md has the table).
+product, and it writes float32 results twice the size. What that costs a step is
+measured by ``benchmarks/device/torch_frontend_hlo.py`` (libtpu's estimate) and on the
+chip by ``benchmarks/device/attention_table.py``; docs/tpu.md has both.
 
 ``rewrite_bf16_products`` rewrites every ``dot_general`` whose operands are both bf16,
 whose result is float32 and whose one use is a ``convert`` to bf16 of the same shape:

@@ -289,6 +289,7 @@ def _reduce_window(op: Any, shape: tuple[int, ...], args: list[Values]) -> Value
         len(ops) != 2
         or ops[0].name != "stablehlo.add"
         or list(ops[0].operands) != list(body.arguments)
+        or list(ops[1].operands) != [ops[0].result]  # the body returns the sum
         or init.data != [0]
         or bounds is None
         or len(long) != 1

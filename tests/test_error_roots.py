@@ -45,6 +45,9 @@ INTERNAL = {
     "stepbundle.export_torch.export._GradientsDropped": "frontend_torch/export.py retraces",
     "stepbundle.export_torch.lowering.UnsupportedOperator": "an ExportError in export.py",
     "stepbundle.export_torch.lowering.LoweringError": "an ExportError in export.py",
+    "stepbundle.stablehlo.mask_values._Unknown": "compute_mask says why it computed nothing",
+    "stepbundle.frontend.step_eager.CannotReproduce": "frontend_core/step_check.py skips or "
+    "leaves unarbitrated",
 }
 
 # A builtin exception of these kinds may be raised: the protocols and programming errors.

@@ -38,7 +38,7 @@ from ..placement.sharding import MESH
 from .fused_attention import _NAMES, _lower, composite_kernel, composite_supported
 
 if TYPE_CHECKING:
-    from .rewrites import RewriteContext, Stage
+    from .stage import RewriteContext, Stage
 
 __all__ = ["declares_mesh", "fuse_on_mesh", "mesh_kernels_for", "mesh_refusal", "share_mesh"]
 
@@ -182,8 +182,6 @@ def fuse_on_mesh(
     from stepbundle.stablehlo.attention import find_attention
     from stepbundle.stablehlo.attention_composite import find_composites, rewrite_composites
 
-    from .rewrites import Stage
-
     axes = ctx.placement.mesh_axes
     found = [att for _, att in find_composites(stage.module)]
     kept: list[str] = []
@@ -221,4 +219,4 @@ def fuse_on_mesh(
             f"stepbundle kept attention as its decomposition (slower on a TPU): {why}",
         )
     ctx.notes["fused_attention"] = fused
-    return Stage(copy, stage.program) if fused else stage
+    return dataclasses.replace(stage, module=copy) if fused else stage

@@ -33,11 +33,10 @@ Imports: stepbundle.schema, stepbundle.stablehlo, the runtime's wrappers.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 
-from stepbundle.schema.manifest import Program, StateUpdateOutput
+from stepbundle.schema.manifest import StateUpdateOutput
 from stepbundle.stablehlo import artifact as mlir
-from stepbundle.stablehlo.attention import Site, StateValues, count_score_products
+from stepbundle.stablehlo.attention import Site, count_score_products
 from stepbundle.stablehlo.attention_composite import count_composites, rewrite_composites
 from stepbundle.stablehlo.attention_rewrite import rewrite_attention
 from stepbundle.stablehlo.bf16_products import count_bf16_products, rewrite_bf16_products
@@ -51,63 +50,13 @@ from stepbundle.stablehlo.rng_algorithm import pin_rng_algorithm
 
 from ..fallback import warn_once
 from ..placement import packing
-from ..placement.sharding import MESH, Placement
+from ..placement.sharding import MESH
 from . import multistep
 from .mesh_attention import declares_mesh
+from .stage import RewriteContext, Stage
 from .state_masks import argument_names
 
 __all__ = ["REWRITES", "Rewrite", "RewriteContext", "Stage", "apply_rewrites"]
-
-
-@dataclass(frozen=True)
-class RewriteContext:
-    """What a rewrite may depend on besides the module and its manifest record.
-
-    Attributes:
-      platform: the PJRT platform compiled for ("cpu", "cuda", "rocm", "tpu").
-      placement: the devices, and how each argument and result is sharded over them.
-      layout: how the trainer holds the state (packs of small tensors), or None.
-      donate: whether state inputs are donated to their updates.
-      steps_per_call: K > 1 compiles the step behind a loop of K steps.
-      matmul_precision: "default", "high" or "highest" for every matmul and
-        convolution, or None to keep the program's own.
-      fused_attention: whether a TPU runs traced attention as fused kernels.
-      blocked_sums: whether a CPU program's long float sums are summed in blocks
-        (``cpu_numerics.py``).
-      scalar_constants: @main's scalar constant arguments (argument number -> value,
-        from the bundle's constant sections): an attention mask's fill value is one.
-      state_values: the state arguments the step never writes, as loaded
-        (``stablehlo.attention.StateValues``): a causal mask held in a buffer is one.
-        A rewrite that depends on one names it in ``pinned_state``.
-      notes: what rewrites report back to the load (``"fused_attention"``: how many
-        attentions were fused); filled in by the rewrites, not part of the key.
-      kept_attention: attention composites kept as their decomposition on a platform
-        that fuses, each with why (``fused-attention``); filled in like ``notes``.
-      pinned_state: the state (by name) whose loaded value the rewritten program
-        assumes (``runtime/compile/state_masks.py``); filled in like ``notes``.
-    """
-
-    platform: str
-    placement: Placement
-    layout: packing.Layout | None = None
-    donate: bool = False
-    steps_per_call: int = 1
-    matmul_precision: str | None = None
-    fused_attention: bool = True
-    blocked_sums: bool = True
-    scalar_constants: Mapping[int, float] = field(default_factory=dict)
-    state_values: StateValues = field(default_factory=dict)
-    notes: dict[str, int] = field(default_factory=dict)
-    kept_attention: list[str] = field(default_factory=list)
-    pinned_state: list[str] = field(default_factory=list)
-
-
-@dataclass(frozen=True)
-class Stage:
-    """A module on its way to the compiler, and the record of its arguments and results."""
-
-    module: mlir.Module
-    program: Program
 
 
 Rewrite = Callable[[Stage, RewriteContext], Stage]

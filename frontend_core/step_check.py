@@ -12,7 +12,7 @@ the metric or tensor that differs most, with both values.
 
 Where it runs:
 
-- The runtime runs in a child process, ``python -m stepbundle.cli.step_check``: the
+- The runtime runs in a child process (``step_runtime.py``), ``python -m stepbundle.cli.step_check``: the
   front-ends may not import the runtime (``tests/test_layering.py``), and the runtime
   needs jax's 64-bit mode. In the child, the program's CPU compile and its one step are
   most of the check's cost (its start is mostly jax's import); the eager step runs
@@ -47,8 +47,6 @@ import dataclasses
 import json
 import math
 import os
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Mapping
@@ -79,7 +77,6 @@ from .step_compare import (
 )
 from .step_compare import verdicts as judge
 from .step_eager import (
-    _NO_CHECK,
     CPU_EAGER,
     CannotReproduce,
     CheckCouldNotRun,
@@ -91,6 +88,7 @@ from .step_eager import (
     _to_float64,
     state_by_name,
 )
+from .step_runtime import RuntimeStep, children_cpu_time, cpu_time
 
 __all__ = [
     "CPU_EAGER",
@@ -205,81 +203,6 @@ UNCHECKED = (
 """The export line of an export with the check turned off."""
 
 
-_TORCH_XLA_FLAG = "--xla_cpu_enable_fast_math=false"
-
-
-def _without_torch_xla_flag(env: dict[str, str]) -> None:
-    """``XLA_FLAGS`` as the user set it: without the flag torch_xla appends at its import.
-
-    The runtime's process compiles the train program into the compile cache that a later
-    ``stepbundle run`` reads, keyed by ``XLA_FLAGS`` among the rest; a run started from a
-    shell has no such flag, and would not find the executable. The flag is XLA's own
-    default (fast math off), so the executable is the same either way.
-    """
-    if "torch_xla" not in sys.modules or "XLA_FLAGS" not in env:
-        return
-    flags = env["XLA_FLAGS"].split()
-    if flags and flags[-1] == _TORCH_XLA_FLAG:  # torch_xla appends it when it is missing
-        flags = flags[:-1]
-    if flags:
-        env["XLA_FLAGS"] = " ".join(flags)
-    else:
-        del env["XLA_FLAGS"]
-
-
-class _Runtime:
-    """The runtime's process, stepping the bundle while this process steps eagerly (the
-    two overlap: the check costs about the longer of them, not their sum)."""
-
-    def __init__(
-        self,
-        path: Path,
-        batch: Mapping[str, torch.Tensor],
-        work: Path,
-        init: Mapping[str, torch.Tensor],
-    ) -> None:
-        from safetensors.torch import save_file
-
-        batch_file = work / "batch.safetensors"
-        save_file({k: v.detach().cpu().contiguous() for k, v in batch.items()}, str(batch_file))
-        cmd = [sys.executable, "-m", "stepbundle.cli.step_check", str(path), str(batch_file),
-               str(work)]  # fmt: skip
-        if init:
-            init_file = work / "init.safetensors"
-            save_file({k: v.contiguous() for k, v in init.items()}, str(init_file))
-            cmd += ["--init-from", str(init_file)]
-        env = dict(os.environ)
-        env["JAX_PLATFORMS"] = "cpu"
-        _without_torch_xla_flag(env)
-        self._log = work / "runtime.log"
-        self._t0 = time.perf_counter()
-        with open(self._log, "wb") as log:
-            self._proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-
-    def stop(self) -> None:
-        """End the process (the eager step failed); nothing of it is needed."""
-        if self._proc.poll() is None:
-            self._proc.kill()
-            self._proc.wait()
-
-    def wait(self) -> float:
-        """Wait for the process; its wall time.
-
-        Raises:
-          CheckCouldNotRun: it failed.
-        """
-        code = self._proc.wait()
-        seconds = time.perf_counter() - self._t0
-        if code != 0:
-            tail = self._log.read_text(errors="replace").strip()[-2000:]
-            raise CheckCouldNotRun(
-                f"The export check could not run the bundle's step on the CPU (the runtime's "
-                f"process exited with {code}):\n{tail}\nIf the model is too big to step on "
-                f"this machine's CPU, {_NO_CHECK}."
-            )
-        return seconds
-
-
 def _unmatched(
     manifest: Manifest,
     program: Program,
@@ -360,19 +283,6 @@ def _low_precision(manifest: Manifest, autocast: bool) -> bool:
     return autocast or any(str(getattr(s.dtype, "value", s.dtype)) in low for s in specs)
 
 
-def _children_cpu_time() -> float:
-    """Processor time of this process's finished children, in seconds."""
-    import resource
-
-    children = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return children.ru_utime + children.ru_stime
-
-
-def _cpu_time() -> float:
-    """Processor time of this process and its finished children, in seconds."""
-    return time.process_time() + _children_cpu_time()
-
-
 def check_bundle(
     recipe: Recipe,
     path: str | os.PathLike[str],
@@ -414,7 +324,7 @@ def check_bundle(
       CheckCouldNotRun: the runtime's process failed, or the eager step raised.
     """
     t0 = time.perf_counter()
-    cpu0 = _cpu_time()
+    cpu0 = cpu_time()
     program = manifest.entries["train"].programs[0]
     draws = any(i.kind is InputKind.RNG_SEED for i in program.inputs)
     if draws and isinstance(random_reference, str):
@@ -432,7 +342,7 @@ def check_bundle(
             init = {
                 e.name: held[e.name] for e in manifest.state if e.kind in kinds and e.name in held
             }
-        runtime = _Runtime(path, batch, work, init)
+        runtime = RuntimeStep(path, batch, work, init)
         try:
             t_eager, cpu_eager = time.perf_counter(), time.process_time()
             # The state before the step: the user's own tensors, which nothing changes.
@@ -448,9 +358,9 @@ def check_bundle(
         except BaseException:
             runtime.stop()
             raise
-        runtime_cpu = _children_cpu_time()
+        runtime_cpu = children_cpu_time()
         runtime_seconds = runtime.wait()
-        runtime_cpu = _children_cpu_time() - runtime_cpu
+        runtime_cpu = children_cpu_time() - runtime_cpu
         parts = json.loads((work / "seconds.json").read_text())
         from safetensors import safe_open
 
@@ -578,7 +488,7 @@ def check_bundle(
         seconds=seconds,
         runtime_seconds=runtime_seconds,
         eager_seconds=eager_seconds,
-        cpu_seconds=_cpu_time() - cpu0,
+        cpu_seconds=cpu_time() - cpu0,
         runtime_cpu_seconds=runtime_cpu,
         eager_cpu_seconds=eager_cpu,
         runtime_parts={k: float(v) for k, v in parts.items()},

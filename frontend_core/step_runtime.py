@@ -1,0 +1,114 @@
+"""The export check's runtime side: the bundle's first step, run by the runtime in a child
+process (``python -m stepbundle.cli.step_check``) while the exporting process steps
+eagerly, and the processor time the two take.
+
+A child process because the front-ends may not import the runtime
+(``tests/test_layering.py``) and the runtime needs jax's 64-bit mode; it runs on the CPU
+(``JAX_PLATFORMS=cpu``) with ``XLA_FLAGS`` as the user set them, so the executable it
+leaves in the compile cache is the one a later ``stepbundle run`` looks for.
+
+Imports: torch, safetensors.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+
+from .step_eager import _NO_CHECK, CheckCouldNotRun
+
+__all__ = ["RuntimeStep", "children_cpu_time", "cpu_time", "without_torch_xla_flag"]
+
+
+_TORCH_XLA_FLAG = "--xla_cpu_enable_fast_math=false"
+
+
+def without_torch_xla_flag(env: dict[str, str]) -> None:
+    """``XLA_FLAGS`` as the user set it: without the flag torch_xla appends at its import.
+
+    The runtime's process compiles the train program into the compile cache that a later
+    ``stepbundle run`` reads, keyed by ``XLA_FLAGS`` among the rest; a run started from a
+    shell has no such flag, and would not find the executable. The flag is XLA's own
+    default (fast math off), so the executable is the same either way.
+    """
+    if "torch_xla" not in sys.modules or "XLA_FLAGS" not in env:
+        return
+    flags = env["XLA_FLAGS"].split()
+    if flags and flags[-1] == _TORCH_XLA_FLAG:  # torch_xla appends it when it is missing
+        flags = flags[:-1]
+    if flags:
+        env["XLA_FLAGS"] = " ".join(flags)
+    else:
+        del env["XLA_FLAGS"]
+
+
+class RuntimeStep:
+    """The runtime's process, stepping the bundle while this process steps eagerly (the
+    two overlap: the check costs about the longer of them, not their sum)."""
+
+    def __init__(
+        self,
+        path: Path,
+        batch: Mapping[str, torch.Tensor],
+        work: Path,
+        init: Mapping[str, torch.Tensor],
+    ) -> None:
+        from safetensors.torch import save_file
+
+        batch_file = work / "batch.safetensors"
+        save_file({k: v.detach().cpu().contiguous() for k, v in batch.items()}, str(batch_file))
+        cmd = [sys.executable, "-m", "stepbundle.cli.step_check", str(path), str(batch_file),
+               str(work)]  # fmt: skip
+        if init:
+            init_file = work / "init.safetensors"
+            save_file({k: v.contiguous() for k, v in init.items()}, str(init_file))
+            cmd += ["--init-from", str(init_file)]
+        env = dict(os.environ)
+        env["JAX_PLATFORMS"] = "cpu"
+        without_torch_xla_flag(env)
+        self._log = work / "runtime.log"
+        self._t0 = time.perf_counter()
+        with open(self._log, "wb") as log:
+            self._proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+
+    def stop(self) -> None:
+        """End the process (the eager step failed); nothing of it is needed."""
+        if self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait()
+
+    def wait(self) -> float:
+        """Wait for the process; its wall time.
+
+        Raises:
+          CheckCouldNotRun: it failed.
+        """
+        code = self._proc.wait()
+        seconds = time.perf_counter() - self._t0
+        if code != 0:
+            tail = self._log.read_text(errors="replace").strip()[-2000:]
+            raise CheckCouldNotRun(
+                f"The export check could not run the bundle's step on the CPU (the runtime's "
+                f"process exited with {code}):\n{tail}\nIf the model is too big to step on "
+                f"this machine's CPU, {_NO_CHECK}."
+            )
+        return seconds
+
+
+def children_cpu_time() -> float:
+    """Processor time of this process's finished children, in seconds."""
+    import resource
+
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return children.ru_utime + children.ru_stime
+
+
+def cpu_time() -> float:
+    """Processor time of this process and its finished children, in seconds."""
+    return time.process_time() + children_cpu_time()

@@ -49,6 +49,7 @@ Imports: numpy; jax and optax for ``bench``; torch, transformers and a front-end
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import math
@@ -485,6 +486,44 @@ def gpt_names() -> set[str]:
 
 
 # ------------------------------------------------------------------ bench (device)
+VARIANTS = {
+    "no-bf16-products": "the runtime's rewrites without bf16-products (A/B of that rewrite)",
+    "f32-kernels": "float32 attention composites handed to the kernels as float32",
+    "bf16-kernels": "float32 attention composites handed to the kernels rounded to bf16, "
+    "the results returned as float32",
+}
+"""Experiments ``--extra STEM,fused,PRECISION,VARIANT`` loads a bundle under: each patches
+the runtime's rewrites for that one load only (nothing here is a product option)."""
+
+
+@contextlib.contextmanager
+def variant(name: str | None = None) -> Any:
+    """Patch the runtime for the experiment ``name`` (``VARIANTS``) while loading."""
+    import dataclasses
+
+    from stepbundle.runtime.compile import fused_attention as fa
+    from stepbundle.runtime.compile import rewrites
+
+    saved = (rewrites.REWRITES, fa.composite_supported, fa.composite_kernel)
+    if name == "no-bf16-products":
+        rewrites.REWRITES = tuple(r for r in rewrites.REWRITES if r[0] != "bf16-products")
+    elif name in ("f32-kernels", "bf16-kernels"):
+        supported, kernel = fa.composite_supported, fa.composite_kernel
+
+        def as_bf16(att: Any) -> Any:
+            return dataclasses.replace(att, dtype="bf16") if att.dtype == "f32" else att
+
+        fa.composite_supported = lambda att: supported(as_bf16(att))  # type: ignore[assignment]
+        if name == "bf16-kernels":
+            fa.composite_kernel = lambda att, *a, **k: kernel(as_bf16(att), *a, **k)  # type: ignore[assignment]
+    elif name is not None:
+        raise SystemExit(f"unknown variant {name!r}; one of {sorted(VARIANTS)}")
+    try:
+        yield
+    finally:
+        rewrites.REWRITES, fa.composite_supported, fa.composite_kernel = saved
+
+
 def bench(args: argparse.Namespace) -> int:
     import jax
     import jax.profiler
@@ -535,14 +574,17 @@ def bench(args: argparse.Namespace) -> int:
                 (p, p.name.removesuffix(".stepbundle") + "+unfused", False, args.precision)
                 for p in paths
             ]
-        for spec in args.extra:  # one bundle once more: STEM,fused|unfused,PRECISION
-            stem, how, precision = spec.split(",")
+        for spec in args.extra:  # one bundle once more: STEM,fused|unfused,PRECISION[,VARIANT]
+            stem, how, precision, *var = spec.split(",")
             for p in paths:
                 if p.name == f"{stem}.stepbundle":
-                    loads.append((p, f"{stem}+{how}+{precision}", how == "fused", precision))
-        for path, name, fused, precision in loads:
+                    name = "+".join([stem, how, precision, *var])
+                    loads.append((p, name, how == "fused", precision, *var))
+        for path, name, fused, precision, *var in loads:
             row: dict[str, Any] = {"family": fam_name, "bundle": path.name}
-            with warnings.catch_warnings(record=True) as caught:
+            if var:
+                row["variant"] = var[0]
+            with warnings.catch_warnings(record=True) as caught, variant(*var):
                 warnings.simplefilter("always")
                 t0 = time.perf_counter()
                 try:
@@ -592,20 +634,24 @@ def bench(args: argparse.Namespace) -> int:
         out["rows"][pname] = prow
         print(f"{pname}: {json.dumps(prow)[:600]}", flush=True)
 
-        def time_run(name: str, n: int, runs: Any = runs, data: Any = data) -> float:
+        last_loss: dict[str, float] = {}  # every row takes the same steps on the same batches
+
+        def time_run(
+            name: str, n: int, runs: Any = runs, data: Any = data, last_loss: Any = last_loss
+        ) -> float:
             kind, obj = runs[name]
             t0 = time.perf_counter()
             if kind == "bundle":
                 m = None
                 for i in range(n):
                     m = obj.step(data[i % len(data)])
-                float(m["loss"])  # type: ignore[index]
+                last_loss[name] = float(m["loss"])  # type: ignore[index]
             else:
                 f, carry, dev32 = obj
                 for i in range(n):
                     b = dev32[i % len(dev32)]
                     carry, loss = f(carry, b["idx"], b["target"])
-                float(loss)
+                last_loss[name] = float(loss)
                 obj[1] = carry
             return (time.perf_counter() - t0) / n * 1e3
 
@@ -618,7 +664,9 @@ def bench(args: argparse.Namespace) -> int:
         for name, s in samples.items():
             ms = float(np.median(s))
             mfu = family.step_flops() / (ms / 1e3) / (args.peak_tflops * 1e12)
-            out["rows"][name].update(ms_per_step=ms, mfu=mfu, samples_ms=s)
+            out["rows"][name].update(
+                ms_per_step=ms, mfu=mfu, samples_ms=s, last_loss=last_loss.get(name)
+            )
             fused = sum((out["rows"][name].get("fused_attention") or {}).values())
             print(f"{name:36s} {ms:8.2f} ms/step  MFU {mfu:.1%}  fused {fused}", flush=True)
         if args.profile:
@@ -727,8 +775,8 @@ def main() -> int:
         "--extra",
         action="append",
         default=[],
-        metavar="STEM,fused|unfused,PRECISION",
-        help="also the bundle STEM.stepbundle loaded so",
+        metavar="STEM,fused|unfused,PRECISION[,VARIANT]",
+        help="also the bundle STEM.stepbundle loaded so (VARIANT: one of VARIANTS)",
     )
     b.add_argument("--profile", default=None, help="trace 5 steps of each, per-op sums here")
     t = sub.add_parser("table", help="print the docs' markdown table of a results file")

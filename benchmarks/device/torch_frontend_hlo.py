@@ -20,7 +20,8 @@ rewrites, fused attention kernels and compile options) for a compile-only device
 program with one of its differences from torch_xla's taken away in the text
 (``layout-attributes``: torch_xla's ``result_layout``/``xla_shape`` on every transpose;
 ``bf16-products``: each bf16 x bf16 product written float32-out and then converted to
-bf16 written bf16-out, which the runtime's ``bf16-products`` rewrite now does on a TPU;
+bf16 written bf16-out (``bf16_products.py``; the runtime did so on TPUs until the chip
+measured it slower);
 ``fold-transposes``: each 2-D transpose a product reads folded into the product's
 contracting dimensions; ``swap-transposed-products``: torch's weight gradients ``g.t() @ x``
 written as torch_xla writes them, ``(x.t() @ g).t()``), through the runtime's ``compile_program`` (with every rewrite a
@@ -264,14 +265,14 @@ def fold_transposes(text: str) -> tuple[str, int]:
 def swap_transposed_products(text: str) -> tuple[str, int]:
     """Each ``dot_general(transpose(g), x)`` without batch dimensions (torch's weight
     gradient, ``g.t() @ x``) written ``transpose(dot_general(x, g))`` (torch_xla's form,
-    ``(x.t() @ g).t()``): the same sums of the same products, after the runtime's
-    ``bf16-products`` (as a rewrite after it would run). XLA made the same program of
+    ``(x.t() @ g).t()``): the same sums of the same products, after ``bf16_products.py``'s
+    rewrite. XLA made the same program of
     both (the estimate did not move)."""
+    from bf16_products import rewrite_bf16_products
     from jaxlib.mlir import ir
     from jaxlib.mlir.dialects import stablehlo as hlo
 
     from stepbundle.stablehlo.artifact import Module
-    from stepbundle.stablehlo.bf16_products import rewrite_bf16_products
     from stepbundle.stablehlo.graph import producer, shape_of
 
     def transposed(value: Any) -> Any:

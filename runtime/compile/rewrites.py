@@ -39,7 +39,6 @@ from stepbundle.stablehlo import artifact as mlir
 from stepbundle.stablehlo.attention import Site, count_score_products
 from stepbundle.stablehlo.attention_composite import count_composites, rewrite_composites
 from stepbundle.stablehlo.attention_rewrite import rewrite_attention
-from stepbundle.stablehlo.bf16_products import count_bf16_products, rewrite_bf16_products
 from stepbundle.stablehlo.blocked_sums import block_long_sums, count_long_sums
 from stepbundle.stablehlo.conv_layout import canonicalize_convolutions
 from stepbundle.stablehlo.conv_wgrad import count_weight_gradients, rewrite_weight_gradients
@@ -294,29 +293,6 @@ def _accept(site: Site, skipped: list[str]) -> bool:
     return why is None
 
 
-def bf16_products(stage: Stage, ctx: RewriteContext) -> Stage:
-    """On TPUs, a bf16 x bf16 product written float32-out and rounded to bf16 by its one
-    use (the torch front-end's form: PyTorch's CPU accumulates in float32 and rounds
-    once) as a bf16-out product (torch_xla's form), the same values on a TPU's matrix
-    unit, which also accumulates in float32 and rounds once: the convert kept XLA from
-    folding the relayouts around the product into it (``stablehlo/bf16_products.py``;
-    docs/tpu.md has the estimate). A product with a bias added in float32 before the
-    rounding is left as written. Not on a CPU, whose bf16-out product rounds otherwise.
-    Runs after ``fused-attention``, whose matchers read the program as the front-end
-    wrote it."""
-    if ctx.platform != "tpu":
-        return stage
-    try:
-        if not count_bf16_products(stage.module):
-            return stage
-        copy = mlir.Module.parse_text(stage.module, stage.module.text())
-        ctx.notes["bf16_products"] = rewrite_bf16_products(copy)
-    except Exception as e:  # any failure keeps the program as it is: it is only slower
-        warn_once("bf16-products", f"stepbundle kept a program's bf16 products as written: {e}")
-        return stage
-    return Stage(copy, stage.program)
-
-
 def pack_state(stage: Stage, ctx: RewriteContext) -> Stage:
     """Wrap the step in a function that takes and returns the state's packs."""
     if ctx.layout is None or not ctx.layout.packs:
@@ -370,7 +346,6 @@ REWRITES: tuple[tuple[str, Rewrite], ...] = (
     ("blocked-sums", blocked_sums),
     ("weight-gradients", weight_gradients),
     ("fused-attention", fused_attention),
-    ("bf16-products", bf16_products),
     ("pack-state", pack_state),
     ("canonical-convolutions", canonical_convolutions),
     ("steps-per-call", steps_per_call),

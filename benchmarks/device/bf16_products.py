@@ -1,4 +1,5 @@
-"""bf16 products written float32-out and then rounded, as bf16-out products.
+"""An experiment, not a runtime rewrite: bf16 products written float32-out and then
+rounded, as bf16-out products.
 
 The torch front-end writes a bf16 x bf16 matrix product as PyTorch computes it on the
 CPU: accumulated in float32 and rounded to bf16 once, which it spells
@@ -21,9 +22,13 @@ followed by a bf16 add rounds twice, so that rewrite would change values (XLA fu
 float32 add and the rounding into the product's output on a TPU as written).
 
 On a CPU the two forms do not give the same bits (XLA:CPU rounds a bf16-out product
-differently), so the runtime applies this on TPUs only (``runtime/compile/rewrites.py``).
+differently). The runtime ran this on TPUs from 7ec9420 until the chip measured it
+(docs/tpu.md): on the 55M GPT's torch front-end bundle the step took longer with it than
+without, in one run, and the first loss changed, so on the chip the two forms did not
+compute the same values either. It is kept here for ``torch_frontend_hlo.py``'s variants
+and ``attention_table.py``'s ``bf16-products`` experiment.
 
-Imports: jaxlib's MLIR bindings, stepbundle.stablehlo.artifact.
+Imports: jaxlib's MLIR bindings, stepbundle.stablehlo.
 """
 
 from __future__ import annotations
@@ -32,9 +37,9 @@ from typing import Any
 
 from jaxlib.mlir import ir
 
-from .artifact import Module
-from .build import verify
-from .graph import element_type, shape_of, uses_of
+from stepbundle.stablehlo.artifact import Module
+from stepbundle.stablehlo.build import verify
+from stepbundle.stablehlo.graph import element_type, shape_of, uses_of
 
 __all__ = ["count_bf16_products", "rewrite_bf16_products"]
 

@@ -22,6 +22,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 # checks that it is on by default without this variable. Child processes inherit it.
 os.environ.setdefault("STEPBUNDLE_EXPORT_CHECK", "0")
 
+# Tests compile at XLA's lowest LLVM code-generation effort: most of a test's processor
+# time is XLA:CPU compiling programs that then run for a few steps, and LLVM at -O0
+# compiles them faster (tests/runtime/test_runtime_cli.py + test_layouts.py: 103.5 s ->
+# 74.0 s of processor time). XLA's own HLO passes all still run, so a program computes
+# what it computes by default, within rounding; no test's bound moved for it. This is a
+# setting of the tests only: the product's defaults are unchanged. Appended to any
+# XLA_FLAGS already set, before torch_xla and jaxlib read them (once per process); child
+# processes inherit it. STEPBUNDLE_TEST_FAST_COMPILE=0 turns it off. The files in
+# DEFAULT_COMPILE assert what the product's default compile computes: a session that
+# collects any of them takes the flag back out before jax starts (see
+# pytest_collection_modifyitems), and scripts/test.sh runs them in sessions of their own.
+FAST_COMPILE = ("--xla_backend_optimization_level=0",)
+DEFAULT_COMPILE = ("runtime/test_cpu_numerics.py",)
+FAST_COMPILE_ON = os.environ.get("STEPBUNDLE_TEST_FAST_COMPILE", "1").strip() != "0"
+if FAST_COMPILE_ON:
+    os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), *FAST_COMPILE]).strip()
+
 try:
     import torch_xla  # noqa: F401
 
@@ -41,6 +58,51 @@ if HAVE_TORCH:
     import torch_xla as _txla
 
     _txla.device()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "default_compile: asserts what the product's default XLA compile computes; its "
+        "session runs without the tests' fast-compile flag (tests/conftest.py)",
+    )
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    return f"XLA_FLAGS: {os.environ.get('XLA_FLAGS', '(unset)')}"
+
+
+def _without_fast_compile(flags: str) -> str:
+    return " ".join(f for f in flags.split() if f not in FAST_COMPILE)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Marks DEFAULT_COMPILE's tests; if any is collected, the session's XLA_FLAGS lose
+    the fast-compile flag before any test runs: jaxlib reads XLA_FLAGS once, when its
+    backend starts (after collection), and children read what this process holds then.
+    torch_xla read them at import and keeps -O0; these tests do not use it."""
+    tests = Path(__file__).resolve().parent
+    marked = False
+    for item in items:
+        if any(item.path == tests / name for name in DEFAULT_COMPILE):
+            item.add_marker(pytest.mark.default_compile)
+            marked = True
+    if not (marked and FAST_COMPILE_ON):
+        return
+    from jax._src import xla_bridge
+
+    if xla_bridge.backends_are_initialized():
+        raise pytest.UsageError(
+            "jax's backend started during collection, under the tests' fast-compile "
+            "XLA_FLAGS, and this session collected tests that need the default compile "
+            f"({', '.join(DEFAULT_COMPILE)}): run those in a session of their own, or set "
+            "STEPBUNDLE_TEST_FAST_COMPILE=0."
+        )
+    flags = _without_fast_compile(os.environ.get("XLA_FLAGS", ""))
+    if flags:
+        os.environ["XLA_FLAGS"] = flags
+    else:
+        os.environ.pop("XLA_FLAGS", None)
 
 
 @pytest.fixture(scope="session")

@@ -98,6 +98,9 @@ class Attention:
       dtype: q's element type as MLIR prints it (``bf16``).
       causal, scale, mask, dropout_p, groups: the composite's attributes.
       version: the composite's version.
+      k_dtype, v_dtype: k's and v's element types where they are not q's ("" where they
+        are): torch_xla's Hugging Face Llama under autocast gives float32 q and k (after
+        the rotary embedding) and a bf16 v.
     """
 
     grad: bool
@@ -115,15 +118,23 @@ class Attention:
     dropout_p: float
     groups: int
     version: int
+    k_dtype: str = ""
+    v_dtype: str = ""
+
+    def dtypes(self) -> tuple[str, str, str]:
+        """q's, k's and v's element types."""
+        return self.dtype, self.k_dtype or self.dtype, self.v_dtype or self.dtype
 
     def describe(self) -> str:
         """The site in words (for a message)."""
         what = "attention backward" if self.grad else "attention"
         mask = "causal" if self.causal else self.mask
+        q, k, v = self.dtypes()
+        types = q if q == k == v else f"q {q}, k {k}, v {v}"
         return (
             f"{what} (batch {self.batch}, {self.heads} heads of {self.head_dim}, "
             f"{self.kv_heads} key/value heads, Tq {self.q_len}, Tk {self.kv_len}, "
-            f"{self.dtype}, mask {mask}, dropout {self.dropout_p:g})"
+            f"{types}, mask {mask}, dropout {self.dropout_p:g})"
         )
 
 
@@ -155,11 +166,13 @@ def _read(op: Any) -> Attention | None:
     if len(qkv) != 3 or any(len(shape_of(v)) != 4 for v in qkv):
         return None
     (b, h, tq, d), (_, hk, tk, _), v_dim = shape_of(qkv[0]), shape_of(qkv[1]), shape_of(qkv[2])[3]
+    tq_, tk_, tv_ = (element_type(x) for x in qkv)
     try:
         return Attention(
-            grad, b, h, hk, tq, tk, d, v_dim, element_type(qkv[0]),
+            grad, b, h, hk, tq, tk, d, v_dim, tq_,
             bool(attrs["causal"]), float(attrs["scale"]), str(attrs["mask"]),
             float(attrs["dropout_p"]), int(attrs["groups"]), int(version),
+            "" if tk_ == tq_ else tk_, "" if tv_ == tq_ else tv_,
         )  # fmt: skip
     except (KeyError, TypeError, ValueError):
         return None

@@ -489,9 +489,8 @@ def gpt_names() -> set[str]:
 VARIANTS = {
     "bf16-products": "bf16 products written float32-out and rounded, compiled bf16-out "
     "(bf16_products.py: the runtime did so on TPUs from 7ec9420 until this measured it)",
-    "f32-kernels": "float32 attention composites handed to the kernels as float32",
-    "bf16-kernels": "float32 attention composites handed to the kernels rounded to bf16, "
-    "the results returned as float32",
+    "bf16-kernels": "attention composites with float32 operands computed in bf16 inside "
+    "the kernels (fused_attention.FLOAT32_COMPUTE; float32 is the default)",
 }
 """Experiments ``--extra STEM,fused,PRECISION,VARIANT`` loads a bundle under: each patches
 the runtime's rewrites for that one load only (nothing here is a product option)."""
@@ -500,12 +499,11 @@ the runtime's rewrites for that one load only (nothing here is a product option)
 @contextlib.contextmanager
 def variant(name: str | None = None) -> Any:
     """Patch the runtime for the experiment ``name`` (``VARIANTS``) while loading."""
-    import dataclasses
 
     from stepbundle.runtime.compile import fused_attention as fa
     from stepbundle.runtime.compile import rewrites
 
-    saved = (rewrites.REWRITES, fa.composite_supported, fa.composite_kernel)
+    saved = (rewrites.REWRITES, fa.FLOAT32_COMPUTE)
     if name == "bf16-products":
         from bf16_products import count_bf16_products, rewrite_bf16_products
 
@@ -525,21 +523,14 @@ def variant(name: str | None = None) -> Any:
             ("bf16-products", bf16_out),
             *rewrites.REWRITES[at:],
         )
-    elif name in ("f32-kernels", "bf16-kernels"):
-        supported, kernel = fa.composite_supported, fa.composite_kernel
-
-        def as_bf16(att: Any) -> Any:
-            return dataclasses.replace(att, dtype="bf16") if att.dtype == "f32" else att
-
-        fa.composite_supported = lambda att: supported(as_bf16(att))  # type: ignore[assignment]
-        if name == "bf16-kernels":
-            fa.composite_kernel = lambda att, *a, **k: kernel(as_bf16(att), *a, **k)  # type: ignore[assignment]
+    elif name == "bf16-kernels":
+        fa.FLOAT32_COMPUTE = "bf16"
     elif name is not None:
         raise SystemExit(f"unknown variant {name!r}; one of {sorted(VARIANTS)}")
     try:
         yield
     finally:
-        rewrites.REWRITES, fa.composite_supported, fa.composite_kernel = saved
+        rewrites.REWRITES, fa.FLOAT32_COMPUTE = saved
 
 
 def bench(args: argparse.Namespace) -> int:

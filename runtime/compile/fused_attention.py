@@ -34,7 +34,9 @@ __all__ = [
     "attention_function",
     "block_sizes",
     "composite_kernel",
+    "composite_avals",
     "composite_kernels_for",
+    "compute_dtype",
     "composite_supported",
     "kernels_for",
     "supported",
@@ -190,13 +192,32 @@ def composite_supported(att: Attention) -> str | None:
         )
     if att.mask not in ("none", "causal"):
         return f"the mask kind {att.mask!r} is unknown"
-    if att.dtype != "bf16":
-        return f"q is {att.dtype}, not bf16 (run the model under bf16 autocast)"
+    if any(t not in KERNEL_TYPES for t in att.dtypes()):
+        q, k, v = att.dtypes()
+        return f"q, k and v are {q}, {k} and {v}: the kernels take bf16 and f32"
     if att.head_dim not in HEAD_SIZES or att.v_dim != att.head_dim:
         return f"the head size ({att.head_dim}, v {att.v_dim}) is not one of {HEAD_SIZES}"
     if att.kv_heads < 1 or att.heads % att.kv_heads or att.heads // att.kv_heads != att.groups:
         return f"{att.heads} query heads do not share {att.kv_heads} key/value heads evenly"
     return None
+
+
+KERNEL_TYPES = ("bf16", "f32")
+"""The element types of q, k and v the kernels take."""
+
+FLOAT32_COMPUTE = "f32"
+"""What a composite with a float32 q, k or v computes in inside the kernels (its results
+are given back in the composite's types). torch_xla does not autocast SDPA, so a model
+under bf16 autocast can hand it float32 operands (Hugging Face's Llama: q and k come out
+of the float32 rotary embedding, v is bf16). Fused attention runs at the default
+precision only, where a TPU's float32 product rounds its operands to bf16 anyway
+(docs/tpu.md has what each choice measured)."""
+
+
+def compute_dtype(att: Attention) -> str:
+    """The element type the kernels compute ``att`` in: bf16 when q, k and v all are,
+    else ``FLOAT32_COMPUTE``."""
+    return "bf16" if set(att.dtypes()) == {"bf16"} else FLOAT32_COMPUTE
 
 
 def _padded(n: int) -> int:
@@ -250,25 +271,28 @@ def composite_kernel(
             interpret=interpret,
         )
 
-    dt = jnp.dtype(_NAMES[att.dtype])
+    dt = jnp.dtype(_NAMES[compute_dtype(att)])
 
     def prepare(q: Any, k: Any, v: Any) -> tuple[Any, Any, Any]:
         # The scale is applied to q in float32, rounded once to q's type; grouped
         # key/value heads repeated (their gradients summed back by the vjp).
+        # (converted before the repeat: its gradient sums the groups in the kernels' type)
         q = (q.astype(jnp.float32) * jnp.float32(att.scale)).astype(dt)
+        k, v = k.astype(dt), v.astype(dt)
         if att.groups > 1:
             k, v = (jnp.repeat(x, att.groups, axis=1) for x in (k, v))
         pad = ((0, 0), (0, 0))
         q = jnp.pad(q, (*pad, (0, pq - tq), (0, 0)))
         k, v = (jnp.pad(x, (*pad, (0, pk - tk), (0, 0))) for x in (k, v))
-        return q, k.astype(dt), v.astype(dt)
+        return q, k, v
 
     if not att.grad:
         kernel = make(True)
 
         def forward(q: Any, k: Any, v: Any) -> Any:
             out, (lse,) = jax.vmap(kernel)(*prepare(q, k, v))
-            return out[:, :, :tq].astype(q.dtype), lse[:, :, :tq].astype(jnp.float32)
+            out_type = jnp.result_type(q.dtype, k.dtype, v.dtype)  # as the composite's
+            return out[:, :, :tq].astype(out_type), lse[:, :, :tq].astype(jnp.float32)
 
         return forward
     kernel = make(False)
@@ -286,21 +310,31 @@ def composite_kernel(
 
 def composite_kernels_for(platform: str, interpret: bool = False) -> Any:
     """A ``stablehlo.attention_composite.Kernels`` callable for ``platform``."""
+
+    def make(att: Attention) -> str:
+        q, k, v, out, lse = composite_avals(att)
+        fn = composite_kernel(att, interpret)
+        if not att.grad:
+            return _lower(fn, platform, q, k, v)
+        return _lower(fn, platform, out, q, k, v, out, lse)
+
+    return make
+
+
+def composite_avals(att: Attention, batch: int | None = None) -> tuple[Any, ...]:
+    """The ``jax.ShapeDtypeStruct`` of ``att``'s q, k, v, output and lse, for a batch of
+    ``batch`` rows (default: the composite's)."""
     import jax
     import jax.numpy as jnp
 
-    def make(att: Attention) -> str:
-        dt = jnp.dtype(_NAMES[att.dtype])
-        aval: Any = jax.ShapeDtypeStruct
-        q = aval((att.batch, att.heads, att.q_len, att.head_dim), dt)
-        k = aval((att.batch, att.kv_heads, att.kv_len, att.head_dim), dt)
-        fn = composite_kernel(att, interpret)
-        if not att.grad:
-            return _lower(fn, platform, q, k, k)
-        lse = aval((att.batch, att.heads, att.q_len), jnp.float32)
-        return _lower(fn, platform, q, q, k, k, q, lse)
-
-    return make
+    b = att.batch if batch is None else batch
+    qt, kt, vt = (jnp.dtype(_NAMES[t]) for t in att.dtypes())
+    aval: Any = jax.ShapeDtypeStruct
+    q = aval((b, att.heads, att.q_len, att.head_dim), qt)
+    k = aval((b, att.kv_heads, att.kv_len, att.head_dim), kt)
+    v = aval((b, att.kv_heads, att.kv_len, att.v_dim), vt)
+    out = aval((b, att.heads, att.q_len, att.v_dim), jnp.result_type(qt, kt, vt))
+    return q, k, v, out, aval((b, att.heads, att.q_len), jnp.float32)
 
 
 def _lower(fn: Any, platform: str, *avals: Any) -> str:

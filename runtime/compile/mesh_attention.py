@@ -35,7 +35,7 @@ from stepbundle.stablehlo.attention_composite import Attention
 from ..fallback import warn_once
 from ..placement.shard_plan import DATA, MODEL
 from ..placement.sharding import MESH
-from .fused_attention import _NAMES, _lower, composite_kernel, composite_supported
+from .fused_attention import _lower, composite_avals, composite_kernel, composite_supported
 
 if TYPE_CHECKING:
     from .stage import RewriteContext, Stage
@@ -81,8 +81,6 @@ def mesh_kernels_for(platform: str, axes: Axes, interpret: bool = False) -> Any:
     ``jax.shard_map``, the arrays split on batch over ``data`` and on heads over
     ``model``. Raises ImportError or AttributeError on a jax without ``jax.shard_map``
     or abstract meshes."""
-    import jax
-    import jax.numpy as jnp
     from jax.sharding import AbstractMesh
     from jax.sharding import PartitionSpec as _P
 
@@ -98,16 +96,12 @@ def mesh_kernels_for(platform: str, axes: Axes, interpret: bool = False) -> Any:
             att, batch=att.batch // data, heads=att.heads // model, kv_heads=att.kv_heads // model
         )
         fn = composite_kernel(local, interpret)
-        dt = jnp.dtype(_NAMES[att.dtype])
-        aval: Any = jax.ShapeDtypeStruct
-        q = aval((att.batch, att.heads, att.q_len, att.head_dim), dt)
-        k = aval((att.batch, att.kv_heads, att.kv_len, att.head_dim), dt)
+        q, k, v, out, lse = composite_avals(att)
         if not att.grad:
             sharded = _shard_map(fn, mesh, (split,) * 3, (split, split))
-            return _lower(sharded, platform, q, k, k)
-        lse = aval((att.batch, att.heads, att.q_len), jnp.float32)
+            return _lower(sharded, platform, q, k, v)
         sharded = _shard_map(fn, mesh, (split,) * 6, (split,) * 3)
-        return _lower(sharded, platform, q, q, k, k, q, lse)
+        return _lower(sharded, platform, out, q, k, v, out, lse)
 
     return make
 

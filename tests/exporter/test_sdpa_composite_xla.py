@@ -12,6 +12,8 @@ The tracer writes each SDPA, forward and backward, as the ``stepbundle.attention
 - the TPU's swap (splash kernels, interpreted by Pallas on the CPU) takes them, in a
   training step and in an eval program (whose forward composite has no lse result);
 - what the kernels do not take keeps its decomposition and says why;
+- float32 q and k with a bf16 v (Hugging Face's Llama under autocast: torch_xla does not
+  autocast SDPA) reach the kernels too, their results in the composite's types;
 - a causal mask given as ``attn_mask`` (kept in the bundle as a boolean mask) is
   computed when the program is compiled and fused as ``is_causal``.
 """
@@ -56,6 +58,9 @@ class _Block(nn.Module):
             a.view(b, t, self.kv_heads, HEAD).transpose(1, 2)
             for a in self.kv(x).split(self.kv_heads * HEAD, dim=2)
         )
+        if self.form.get("f32_qk"):  # Hugging Face's Llama under autocast: q and k come
+            # out of its float32 rotary embedding, v stays bf16 (torch_xla takes the mix)
+            q, k = (a.float() if a.dtype == torch.bfloat16 else a for a in (q, k))
         kw: dict[str, Any] = {"enable_gqa": self.kv_heads != HEADS}
         if self.form.get("scale") is not None:
             kw["scale"] = self.form["scale"]
@@ -129,6 +134,7 @@ FORMS: dict[str, dict[str, Any]] = {
     "scale-gqa": {"scale": 0.2, "kv_heads": 1},
     "padding": {"mask": "padding"},
     "tril-mask": {"mask": "tril"},
+    "f32-qk": {"f32_qk": True},
 }
 
 
@@ -240,7 +246,8 @@ def test_the_composites_carry_the_torch_front_ends_attributes(
         causal = spec.get("causal", True) and spec.get("mask") is None
         mask = "boolean" if spec.get("mask") else ("causal" if causal else "none")
         assert (att.causal, att.mask, att.dropout_p) == (causal, mask, 0.0)
-        assert (att.q_len, att.kv_len, att.head_dim, att.dtype) == (T, T, HEAD, "bf16")
+        assert (att.q_len, att.kv_len, att.head_dim) == (T, T, HEAD)
+        assert att.dtypes() == (("f32", "f32", "bf16") if spec.get("f32_qk") else ("bf16",) * 3)
         assert att.groups == HEADS // spec.get("kv_heads", HEADS)
         assert att.kv_heads == spec.get("kv_heads", HEADS)
         assert att.scale == pytest.approx(spec.get("scale") or HEAD**-0.5)
@@ -258,7 +265,7 @@ def test_the_decomposition_runs_bit_for_bit_the_unmarked_math(bundles: dict[str,
     assert all(np.array_equal(state_a[k], state_b[k]) for k in state_a)
 
 
-@pytest.mark.parametrize("form", ["causal", "scale-gqa", "padding", "tril-mask"])
+@pytest.mark.parametrize("form", ["causal", "scale-gqa", "padding", "tril-mask", "f32-qk"])
 def test_the_decomposition_and_the_kernels_match_float64_as_torch_xlas_sdpa_does(
     bundles: dict[str, Path], form: str
 ) -> None:

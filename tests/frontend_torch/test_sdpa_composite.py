@@ -40,11 +40,22 @@ HEAD = WIDTH // HEADS  # 64: a head size the kernels take
 
 
 # ------------------------------------------------------------------ the kernels alone
-def _attention(grad: bool, h: int, hk: int, tq: int, tk: int, causal: bool, scale: float) -> Any:
+def _attention(
+    grad: bool,
+    h: int,
+    hk: int,
+    tq: int,
+    tk: int,
+    causal: bool,
+    scale: float,
+    types: tuple[str, str, str] = ("bf16", "bf16", "bf16"),
+) -> Any:
     mask = "causal" if causal else "none"
+    q, k, v = types
     return Attention(
-        grad, 1, h, hk, tq, tk, HEAD, HEAD, "bf16", causal, scale, mask, 0.0, h // hk, 1
-    )
+        grad, 1, h, hk, tq, tk, HEAD, HEAD, q, causal, scale, mask, 0.0, h // hk, 1,
+        "" if k == q else k, "" if v == q else v,
+    )  # fmt: skip
 
 
 FORMS = {
@@ -59,18 +70,31 @@ FORMS = {
 }
 
 
-def _kernel_errors(form: str, **kernel: Any) -> dict[str, float]:
+_JNP = {"bf16": jnp.bfloat16, "f32": jnp.float32}
+
+
+def _kernel_errors(
+    form: str, types: tuple[str, str, str] = ("bf16", "bf16", "bf16"), **kernel: Any
+) -> dict[str, float]:
     """Each kernel result's largest error against PyTorch float64, relative to the
-    largest value; ``kernel`` changes the kernels' attributes (not the reference's)."""
+    largest value; ``types``: q's, k's and v's element types; ``kernel`` changes the
+    kernels' attributes (not the reference's)."""
     h, hk, tq, tk, causal, scale = FORMS[form]
     keys = jax.random.split(jax.random.key(7), 4)
-    q, do = (jax.random.normal(k, (1, h, tq, HEAD), jnp.bfloat16) for k in keys[:2])
-    k, v = (jax.random.normal(k, (1, hk, tk, HEAD), jnp.bfloat16) for k in keys[2:])
+    qt, kt, vt = (_JNP[t] for t in types)
+    q = jax.random.normal(keys[0], (1, h, tq, HEAD), qt)
+    do = jax.random.normal(keys[1], (1, h, tq, HEAD), jnp.result_type(qt, kt, vt))
+    k = jax.random.normal(keys[2], (1, hk, tk, HEAD), kt)
+    v = jax.random.normal(keys[3], (1, hk, tk, HEAD), vt)
     kc, ks = kernel.get("causal", causal), kernel.get("scale", scale)
-    fwd = fa.composite_kernel(_attention(False, h, hk, tq, tk, kc, ks), interpret=True)
-    bwd = fa.composite_kernel(_attention(True, h, hk, tq, tk, kc, ks), interpret=True)
+    fwd = fa.composite_kernel(_attention(False, h, hk, tq, tk, kc, ks, types), interpret=True)
+    bwd = fa.composite_kernel(_attention(True, h, hk, tq, tk, kc, ks, types), interpret=True)
     out, lse = jax.jit(fwd)(q, k, v)
     grads = jax.jit(bwd)(do, q, k, v, out, lse)
+    # the results in the composite's types: out as q, k and v promote; each gradient
+    # as its operand
+    assert (out.dtype, lse.dtype) == (do.dtype, jnp.float32)
+    assert [g.dtype for g in grads] == [qt, kt, vt]
 
     # PyTorch float64: its own SDPA (is_causal is the top-left triangle of (Tq, Tk)).
     def t64(x: Any) -> torch.Tensor:
@@ -103,6 +127,20 @@ def test_the_kernels_match_pytorch_float64(form: str) -> None:
     assert max(errors.values()) <= 2**-6, errors
 
 
+@pytest.mark.parametrize("types", [("f32", "f32", "f32"), ("f32", "f32", "bf16")])
+def test_float32_operands_are_computed_in_float32(types: tuple[str, str, str]) -> None:
+    # torch_xla hands SDPA float32 q and k under autocast (Hugging Face's Llama, after
+    # its rotary embedding) with a bf16 v. The kernels compute them in float32
+    # (fa.FLOAT32_COMPUTE): the float32 results (out, lse, dq, dk) as close to float64
+    # as float32 sums of these sizes get (measured: at most 5e-7 of the largest value),
+    # each bf16 gradient within one rounding to bf16 (bf16's unit roundoff, 2**-8).
+    errors = _kernel_errors("gqa", types)
+    print(types, {k: f"{v:.1e}" for k, v in errors.items()})
+    rounded = {"dv"} if types[2] == "bf16" else set()
+    assert all(e <= 1e-5 for k, e in errors.items() if k not in rounded), errors
+    assert all(errors[k] <= 2**-8 for k in rounded), errors
+
+
 def test_a_kernel_computing_something_else_fails_that_bound() -> None:
     # the bound above tells a right kernel from a wrong one
     assert max(_kernel_errors("tq<tk", causal=False).values()) > 4 * 2**-6
@@ -121,7 +159,8 @@ def test_what_the_kernels_do_not_take_is_named() -> None:
     assert "boolean attn_mask" in str(why(mask="boolean", causal=False))
     assert "additive attn_mask" in str(why(mask="additive", causal=False))
     assert "dropout" in str(why(dropout_p=0.1))
-    assert "f32" in str(why(dtype="f32"))
+    assert why(dtype="f32") is None and why(k_dtype="f32") is None
+    assert "f16" in str(why(v_dtype="f16"))
     assert "head size" in str(why(head_dim=32, v_dim=32))
     assert "evenly" in str(why(heads=3, kv_heads=2, groups=1))
 

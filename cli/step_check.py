@@ -66,6 +66,14 @@ def _cpu_only(as_run: bool) -> None:
             os.environ["XLA_FLAGS"] = " ".join([flags, *extra]).strip()
 
 
+def _cpu() -> float:
+    """Processor seconds (user + system) of this process since it started."""
+    import resource
+
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m stepbundle.cli.step_check")
     parser.add_argument("bundle")
@@ -83,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     from stepbundle.runtime.state.checkpoint import write_safetensors
 
     out = Path(args.out)
-    t0 = time.perf_counter()
+    t0, c1 = time.perf_counter(), _cpu()
     options = LoadOptions(
         # The train program compiled as ``stepbundle run`` compiles it on the CPU (XLA's
         # default effort, the default compile cache): a run of this bundle on this
@@ -93,18 +101,20 @@ def main(argv: list[str] | None = None) -> int:
         state=StateOptions(init_from=args.init_from, init_strict=False),
     )
     trainer = load(args.bundle, "cpu", options)
-    t1 = time.perf_counter()
+    t1, c2 = time.perf_counter(), _cpu()
     with open_safetensors(args.batch) as f:
         batch = {name: np.array(f.array(name)) for name in f.records}
     metrics = trainer.step(batch)
     trainer.block_until_ready()
-    t2 = time.perf_counter()
+    t2, c3 = time.perf_counter(), _cpu()
     # The state alone, as a plain safetensors file: the parent reads it once, from this
     # machine, right away. A checkpoint (save_checkpoint) would also copy every tensor
-    # from the device a second time for its SHA-256 digest (what that costs:
-    # benchmarks/results/export_check_choices.md).
-    write_safetensors(out / "after.safetensors", trainer.state_dict())
-    t3 = time.perf_counter()
+    # from the device a second time for its SHA-256 digest, and state_dict() copies each
+    # buffer to the host before it is written; on the CPU the buffers are written from
+    # where they lie (copy=False: no step follows). What each costs:
+    # benchmarks/results/export_check_choices.md.
+    write_safetensors(out / "after.safetensors", trainer.state_dict(copy=False))
+    t3, c4 = time.perf_counter(), _cpu()
     values = {}
     for name, v in metrics.items():
         a = np.asarray(v).astype(np.float64)
@@ -112,6 +122,10 @@ def main(argv: list[str] | None = None) -> int:
     (out / "metrics.json").write_text(json.dumps(values))
     seconds = {"load": t1 - t0, "step": t2 - t1, "write": t3 - t2}
     seconds.update({f"load.{k}": v for k, v in trainer.load_info.seconds.items()})
+    # Processor seconds by part: the interpreter's start and the imports (up to ``c1``),
+    # load (compile included), step, write.
+    seconds.update({"cpu.start": c1, "cpu.load": c2 - c1, "cpu.step": c3 - c2,
+                    "cpu.write": c4 - c3})  # fmt: skip
     (out / "seconds.json").write_text(json.dumps(seconds))
     return 0
 

@@ -88,7 +88,7 @@ from .step_eager import (
     _to_float64,
     state_by_name,
 )
-from .step_runtime import RuntimeStep, children_cpu_time, cpu_time
+from .step_runtime import RuntimeStep, children_cpu_time, cpu_time, scratch_dir
 
 __all__ = [
     "CPU_EAGER",
@@ -333,7 +333,7 @@ def check_bundle(
     seed = manifest.rng.seed if draws and manifest.rng is not None else None
     path = Path(path)
     batch = dict(recipe.example_batch)
-    with tempfile.TemporaryDirectory(prefix="stepbundle-check-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="stepbundle-check-", dir=scratch_dir(manifest)) as tmp:
         work = Path(tmp)
         init: dict[str, torch.Tensor] = {}
         if not recipe.include_state:  # the runtime takes the weights from the model's

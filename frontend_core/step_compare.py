@@ -236,8 +236,17 @@ def _compare_tensor(
     a, w = got.reshape(-1).to(dt), want.reshape(-1).to(dt)
     b0 = before.reshape(-1).to(dt) if before is not None and before.shape == shape else None
     rows = _rows(shape)
-    norm_w = _norm(w)
-    all_finite = math.isfinite(norm_w) and math.isfinite(_norm(a))
+    # Row by row as well as whole (``_rows``): a tensor's norm hides one row's error
+    # (an embedding row or output channel whose update was dropped is a millionth of a
+    # large tensor); a row that looks dropped makes the tensor suspect (below).
+    w_rows = _row_norms(w, rows)
+    norm_w = _whole(w_rows)
+    d = a - w
+    d_rows = _row_norms(d, rows)
+    # Where eager's values and the difference are finite, so are the bundle's.
+    all_finite = math.isfinite(norm_w) and (
+        math.isfinite(_whole(d_rows)) or bool(torch.isfinite(a).all())
+    )
     if not all_finite:
         bad = _non_finite_mismatch(a, w)
         if bad is not None:
@@ -246,17 +255,14 @@ def _compare_tensor(
         fw = torch.isfinite(w)
         a, w = a[fw], w[fw]
         b0 = b0[fw] if b0 is not None else None
-        norm_w = _norm(w)
         rows = 1  # the finite elements no longer fill whole rows
-    d = a - w
-    # Row by row as well as whole (``_rows``): a tensor's norm hides one row's error
-    # (an embedding row or output channel whose update was dropped is a millionth of a
-    # large tensor); a row that looks dropped makes the tensor suspect (below).
+        w_rows = _row_norms(w, rows)
+        norm_w = _whole(w_rows)
+        d = a - w
+        d_rows = _row_norms(d, rows)
     per = d.numel() // rows
-    d_rows = _row_norms(d, rows)
     # No value before the step (state the step created): the value is the update.
-    u_rows = _row_norms(w - b0, rows) if b0 is not None else _row_norms(w, rows)
-    w_rows = _row_norms(w, rows) if rows > 1 else torch.tensor([norm_w], dtype=torch.float64)
+    u_rows = _row_norms(w - b0, rows) if b0 is not None else w_rows
     dist, update = _whole(d_rows), _whole(u_rows)
     bound = b.update * update + b.ulps * b.eps * norm_w + b.atol * math.sqrt(w.numel())
     ratio = dist / bound if bound > 0 else (0.0 if dist == 0 else math.inf)

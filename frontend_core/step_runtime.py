@@ -7,12 +7,13 @@ A child process because the front-ends may not import the runtime
 (``JAX_PLATFORMS=cpu``) with ``XLA_FLAGS`` as the user set them, so the executable it
 leaves in the compile cache is the one a later ``stepbundle run`` looks for.
 
-Imports: torch, safetensors.
+Imports: torch, safetensors, stepbundle.schema.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -21,9 +22,51 @@ from pathlib import Path
 
 import torch
 
+from stepbundle.schema.manifest import Manifest
+
 from .step_eager import _NO_CHECK, CheckCouldNotRun
 
-__all__ = ["RuntimeStep", "children_cpu_time", "cpu_time", "without_torch_xla_flag"]
+__all__ = [
+    "RuntimeStep",
+    "children_cpu_time",
+    "cpu_time",
+    "scratch_dir",
+    "without_torch_xla_flag",
+]
+
+_SHM = "/dev/shm"
+
+
+def scratch_dir(manifest: Manifest) -> str | None:
+    """Where the check's files go (the batch, a weights-free bundle's initial weights,
+    the state after the runtime's step): ``/dev/shm`` (memory) where it has room for
+    twice the bundle's state and the machine has four times that available, else the
+    system's temporary folder (``None``).
+
+    The files are written once and read once by the other process right away: on a
+    disk they are written out (and synced) for nothing. Memory is the cheaper road
+    (GPT-2 small's state, 1.5 GB: benchmarks/results/export_check_choices.md); a
+    container's small ``/dev/shm`` (Docker's default is 64 MB) or a state that would
+    crowd the machine's memory takes the disk.
+    """
+    state = sum(e.spec.nbytes * (1 + len(e.aliases)) for e in manifest.state)
+    try:
+        free = shutil.disk_usage(_SHM).free
+        available = _mem_available()
+    except OSError:
+        return None
+    if free >= 2 * state + (64 << 20) and available >= 4 * state:
+        return _SHM
+    return None
+
+
+def _mem_available() -> int:
+    """``MemAvailable`` of ``/proc/meminfo``, in bytes (0 where there is none)."""
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 0
 
 
 _TORCH_XLA_FLAG = "--xla_cpu_enable_fast_math=false"

@@ -47,6 +47,7 @@ __all__ = [
     "single_device_sharding",
     "to_host",
     "to_host_uncached",
+    "to_host_view",
     "transfer_path",
     "x64_scope",
 ]
@@ -289,6 +290,21 @@ def to_host(a: Array) -> np.ndarray[Any, Any]:
     from jax.experimental import multihost_utils
 
     return np.array(multihost_utils.process_allgather(a, tiled=True), copy=True)
+
+
+def to_host_view(a: Array) -> np.ndarray[Any, Any]:
+    """The value of ``a`` without a copy where its one piece already lies in this
+    process's memory (a CPU device): a read-only view of the device buffer, valid while
+    the buffer lives (not after a step that donates it). Anything else is copied
+    (``to_host_uncached``)."""
+    if a.is_fully_addressable:
+        shards = a.addressable_shards
+        if len(shards) == 1 and tuple(shards[0].data.shape) == tuple(a.shape):
+            fetch = getattr(shards[0].data, "_single_device_array_to_np_array_did_copy", None)
+            if fetch is not None:
+                view: np.ndarray[Any, Any] = fetch()[0]
+                return view
+    return to_host_uncached(a)
 
 
 def to_host_uncached(a: Array) -> np.ndarray[Any, Any]:

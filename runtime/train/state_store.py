@@ -61,14 +61,19 @@ class StateStore:
         if self.broken is not None:
             raise BindingError(self.broken)
 
-    def state_dict(self, *, include_aliases: bool = True) -> dict[str, np.ndarray[Any, Any]]:
+    def state_dict(
+        self, *, include_aliases: bool = True, copy: bool = True
+    ) -> dict[str, np.ndarray[Any, Any]]:
         """The current state as numpy arrays (copies), under PyTorch's names; tied
-        weights under each of their names with ``include_aliases``."""
+        weights under each of their names with ``include_aliases``. ``copy=False``: views
+        of the buffers that lie in this process's memory (CPU devices), valid until the
+        next step (``Trainer.state_dict``)."""
         self.check_usable()
         # One transfer per buffer, each when its turn comes.
         # Uncached: jax would otherwise keep a host copy of every buffer until the next
         # step replaces it, the whole state twice on the host with the copies returned.
-        values = named_values(self.layout, (_compat.to_host_uncached(b) for b in self.buffers))
+        host = _compat.to_host_uncached if copy else _compat.to_host_view
+        values = named_values(self.layout, (host(b) for b in self.buffers))
         out: dict[str, np.ndarray[Any, Any]] = {}
         for name in self.names:
             out[name] = values[name]

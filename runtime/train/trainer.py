@@ -300,12 +300,18 @@ class Trainer:
         return evaluate_dataset(self, batches, entry=entry, mask_key=mask_key)
 
     # ----------------------------------------------------------------- state
-    def state_dict(self, *, include_aliases: bool = True) -> dict[str, np.ndarray[Any, Any]]:
+    def state_dict(
+        self, *, include_aliases: bool = True, copy: bool = True
+    ) -> dict[str, np.ndarray[Any, Any]]:
         """The current state as numpy arrays (copies), under PyTorch's names.
 
         Tied weights appear under each of their names, as in ``module.state_dict()``.
+        ``copy=False`` skips the copy where a buffer already lies in this process's
+        memory (a CPU device): those arrays are read-only views of the device buffers,
+        valid only until the next step (which donates them), for reading the state once
+        right away (the export check's child writes it so); the rest are copies.
         """
-        return self._store.state_dict(include_aliases=include_aliases)
+        return self._store.state_dict(include_aliases=include_aliases, copy=copy)
 
     def load_state_dict(self, values: Mapping[str, np.ndarray[Any, Any]]) -> None:
         """Replace the state with ``values`` (every state name, exact dtypes and shapes)."""

@@ -190,6 +190,13 @@ def _parts(got: dict[str, Any]) -> str:
     )
 
 
+def _cpu_parts(got: dict[str, Any]) -> str:
+    """The runtime process's processor seconds by part: start (interpreter and imports),
+    load (compile and state), step, write."""
+    p = got["runtime_parts_s"]
+    return " / ".join(f"{p[k]:.1f}" for k in ("cpu.start", "cpu.load", "cpu.step", "cpu.write"))
+
+
 def _key(row: str) -> tuple[str, ...]:
     """A row's model and front-end."""
     return tuple(c.strip() for c in row.split("|")[1:3])
@@ -239,7 +246,7 @@ def main() -> None:
                 print(f"{name} on {frontend} failed:\n{proc.stderr[-4000:]}", flush=True)
                 rows.append(
                     f"| {name} | {frontend} | failed: exit code {proc.returncode} "
-                    f"| | | | | | | | | | | | | | {_commit()} | {load:.1f} |"
+                    f"| | | | | | | | | | | | | | | {_commit()} | {load:.1f} |"
                 )
             else:
                 got = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -257,7 +264,7 @@ def main() -> None:
                     f"| {got['runtime_s']:.1f} s | {got['eager_s']:.1f} s "
                     f"| {got['check_cpu_s']:.1f} s | {ratio:.2f} "
                     f"| {got['runtime_cpu_s']:.1f} s | {got['eager_cpu_s']:.1f} s "
-                    f"| {_parts(got)} | {closest} "
+                    f"| {_parts(got)} | {_cpu_parts(got)} | {closest} "
                     f"| {warm['cpu_s']:.1f} s ({warm['hits']} hit) / {cold['cpu_s']:.1f} s "
                     f"| {net:.1f} s ({net / got['export_cpu_s']:.2f}) "
                     f"| {net_wall:.1f} s | {_commit()} | {load:.1f} |"
@@ -280,8 +287,9 @@ def _write(rows: list[str]) -> None:
         "export's. 'runtime, cpu': the runtime's process (python -m stepbundle.cli.step_check);",
         "'eager, cpu': the eager step(s) in the exporting process (float32, and float64 where",
         "a tensor needed the arbiter). 'runtime parts': its wall seconds for start (process",
-        "and imports) / compile / state (read, SHA-256, placed) / step / write. 'load': the",
-        "machine's 1-minute load average when the row's export began (2 cores).",
+        "and imports) / compile / state (read, SHA-256, placed) / step / write; 'runtime parts,",
+        "cpu': its processor seconds for start / load (compile and state) / step / write.",
+        "'load': the machine's 1-minute load average when the row's export began (2 cores).",
         "The runtime's process compiles the train program as `stepbundle run` does and leaves",
         "it in the compile cache (on jaxlib 0.10 and later; on 0.7.1, the torch_xla rows, it",
         "compiles fast and leaves no entry). 'run after, cpu': a later run's load (run's CPU defaults) and",
@@ -293,9 +301,10 @@ def _write(rows: list[str]) -> None:
         "",
         "| model | front-end | export, wall | export, cpu | check, wall "
         "| runtime process, wall | eager, wall | check, cpu | check/export (cpu) "
-        "| runtime, cpu | eager, cpu | runtime parts, wall | closest to its bound "
+        "| runtime, cpu | eager, cpu | runtime parts, wall | runtime parts, cpu "
+        "| closest to its bound "
         "| run after, cpu: warm / cold | net check, cpu | net check, wall | commit | load |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         *sorted(kept + rows),
     ]
     RESULTS.write_text("\n".join(lines) + "\n")

@@ -33,17 +33,39 @@ def test_an_export_imports_no_torch_xla(exported: Any) -> None:
     assert producer.torch == str(torch.__version__)
 
 
+def _cli_here(*args: str) -> tuple[int, str]:
+    """``stepbundle ARGS`` in this process: its exit code and what it printed on stderr."""
+    import contextlib
+    import io
+    import os
+
+    from stepbundle.cli.main import main
+
+    out, err = io.StringIO(), io.StringIO()
+    environ, path = dict(os.environ), list(sys.path)  # main sets defaults; a recipe, a path
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(list(args))
+        finally:
+            os.environ.clear()
+            os.environ.update(environ)
+            sys.path[:] = path
+    return code, err.getvalue()
+
+
 def test_the_cli_chooses_this_front_end_and_writes_the_same_bytes(
     exported: Any, tmp_path: Path
 ) -> None:
+    # The export through the CLI's main in this process: a child would spend its seconds
+    # importing torch and jax (tests/frontends/test_frontends_export_check.py runs
+    # `python -m stepbundle export` in a child, in this environment too). The refusal
+    # below stays a child process: it imports neither.
     out = tmp_path / "cli.stepbundle"
-    proc = subprocess.run(
-        [sys.executable, "-m", "stepbundle", "export", "examples/linear_adamw.py:recipe",
-         "-o", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "[export] front-end: torch (torch_xla is not installed)" in proc.stderr
+    code, err = _cli_here(
+        "export", f"{ROOT / 'examples' / 'linear_adamw.py'}:recipe", "-o", str(out)
+    )
+    assert code == 0, err[-2000:]
+    assert "[export] front-end: torch (torch_xla is not installed)" in err
     # Writing is deterministic: the CLI's bundle is byte for byte the API's.
     assert out.read_bytes() == exported("linear_adamw:recipe").read_bytes()
     refused = subprocess.run(

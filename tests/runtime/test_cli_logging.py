@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from runtime_helpers import GOLDEN_DIR, golden_batches, golden_bundle
+from runtime_helpers import GOLDEN_DIR, cli_here, golden_batches, golden_bundle
 
 from stepbundle.cli.main import main
 from stepbundle.cli.progress import ProgressBar
@@ -37,6 +37,12 @@ def cli(*args: str) -> subprocess.CompletedProcess[str]:
         text=True,
         timeout=300,
     )
+
+
+def cli_in(*args: str) -> subprocess.CompletedProcess[str]:
+    """``cli(ARGS)`` in this process (``cli_here``, the same main): for the tests where a
+    child process is not the point, a jax import saved per command."""
+    return cli_here("run", BUNDLE, "--data", DATA, *args)
 
 
 def strict_json(line: str) -> dict[str, Any]:
@@ -325,14 +331,14 @@ def test_a_resumed_run_continues_the_metrics_file_at_the_checkpoints_step(
     # Assumes --steps counts the steps of this run (after --resume, the steps added).
     whole, parts, ck = tmp_path / "whole.jsonl", tmp_path / "parts.jsonl", tmp_path / "ck"
     common = ("--log-every", "2")
-    done = cli("--steps", "6", "--metrics-file", str(whole), *common)
+    done = cli_in("--steps", "6", "--metrics-file", str(whole), *common)
     assert done.returncode == 0, done.stderr
-    first = cli(
+    first = cli_in(
         "--steps", "4", "--metrics-file", str(parts), "--checkpoint-dir", str(ck),
         "--checkpoint-every", "4", *common,
     )  # fmt: skip
     assert first.returncode == 0, first.stderr
-    second = cli(
+    second = cli_in(
         "--steps", "2", "--metrics-file", str(parts),
         "--resume", str(ck / "step-00000004.safetensors"), *common,
     )  # fmt: skip
@@ -375,11 +381,8 @@ def test_the_last_step_is_reported_when_the_data_ends_first(tmp_path: Path) -> N
     """--epochs 1 over 3 batches with --steps 100: the run stops after step 2, and that
     step is the last one logged, whatever --log-every says (it was never reported)."""
     data = _dataset("batchnorm_lr", tmp_path)
-    r = subprocess.run(
-        [sys.executable, "-m", "stepbundle", "run", BUNDLE, "--data", str(data),
-         "--steps", "100", "--epochs", "1", "--no-shuffle", "--log-every", "10", "--json"],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    r = cli_here("run", BUNDLE, "--data", str(data), "--steps", "100", "--epochs", "1",
+                 "--no-shuffle", "--log-every", "10", "--json")  # fmt: skip
     assert r.returncode == 0, r.stderr
     assert [strict_json(line)["step"] for line in r.stdout.splitlines()] == [2]
     assert "the data ended after 3 steps" in r.stderr
@@ -400,7 +403,9 @@ def test_eval_entry_over_an_endless_dataset_takes_steps_batches(tmp_path: Path) 
 
 def test_eval_data_without_an_eval_entry_is_refused_before_training(tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
-    r = cli("--steps", "4", "--eval-data", DATA, "--eval-every", "2", "--checkpoint-dir", str(ckpt))
+    r = cli_in(
+        "--steps", "4", "--eval-data", DATA, "--eval-every", "2", "--checkpoint-dir", str(ckpt)
+    )
     assert r.returncode == 2, r.stderr
     assert "has none (its entries: train)" in r.stderr
     assert "Recipe(eval_step=...)" in r.stderr

@@ -12,12 +12,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from runtime_helpers import GOLDEN_DIR, golden_bundle
+from runtime_helpers import GOLDEN_DIR, cli_here, golden_bundle
 
 from stepbundle.runtime.state.checkpoint import read_safetensors
 
 NAME = "dropout_sgd"  # RNG seed, dropout: a resume that lost the seed would show
-TOTAL = 6000
+TOTAL = 6000  # the interrupted run's --steps: far more than it takes before the signal
+# Steps compared after the stop: the resumed run's and, past the stop, the uninterrupted
+# one's. A lost seed, step count or optimizer state shows at the first step after the
+# resume; the thousands of steps left to TOTAL would only add seconds.
+AFTER = 100
 
 
 def run_cmd(*extra: str) -> list[str]:
@@ -86,7 +90,7 @@ def test_a_signal_stops_at_a_step_boundary_and_the_resume_is_bit_identical(
     resumed = subprocess.run(
         run_cmd(
             "--steps",
-            str(TOTAL - stopped_at),
+            str(AFTER),
             "--resume",
             str(checkpoints[0]),
             "--save-state",
@@ -98,7 +102,9 @@ def test_a_signal_stops_at_a_step_boundary_and_the_resume_is_bit_identical(
     )
     assert resumed.returncode == 0, resumed.stderr
     whole = subprocess.run(
-        run_cmd("--steps", str(TOTAL), "--save-state", str(tmp_path / "whole.safetensors")),
+        run_cmd(
+            "--steps", str(stopped_at + AFTER), "--save-state", str(tmp_path / "whole.safetensors")
+        ),
         capture_output=True,
         text=True,
         timeout=300,
@@ -136,11 +142,10 @@ def test_resume_from_another_bundles_checkpoint_needs_the_flag(tmp_path: Path) -
         write_safetensors,
     )
 
-    first = subprocess.run(
-        run_cmd("--steps", "3", "--checkpoint-dir", str(tmp_path), "--checkpoint-every", "3"),
-        capture_output=True,
-        text=True,
-        timeout=300,
+    # No signal or pipe here: the three runs go through stepbundle.cli.main in this
+    # process (cli_here), without a child's jax import each.
+    first = cli_here(
+        *run_cmd("--steps", "3", "--checkpoint-dir", str(tmp_path), "--checkpoint-every", "3")[3:]
     )
     assert first.returncode == 0, first.stderr
     ckpt = tmp_path / "step-00000003.safetensors"
@@ -152,16 +157,11 @@ def test_resume_from_another_bundles_checkpoint_needs_the_flag(tmp_path: Path) -
     info["sha256"] = checkpoint_digest(CheckpointMeta.from_json(ckpt, json.dumps(info)), values)
     moved = tmp_path / "moved.safetensors"
     write_safetensors(moved, values, {**meta, "stepbundle": json.dumps(info)})
-    refused = subprocess.run(
-        run_cmd("--steps", "2", "--resume", str(moved)), capture_output=True, text=True, timeout=300
-    )
+    refused = cli_here(*run_cmd("--steps", "2", "--resume", str(moved))[3:])
     assert refused.returncode == 1
     assert foreign in refused.stderr and "--allow-other-bundle" in refused.stderr
-    allowed = subprocess.run(
-        run_cmd("--steps", "2", "--resume", str(moved), "--allow-other-bundle", "--json"),
-        capture_output=True,
-        text=True,
-        timeout=300,
+    allowed = cli_here(
+        *run_cmd("--steps", "2", "--resume", str(moved), "--allow-other-bundle", "--json")[3:]
     )
     assert allowed.returncode == 0, allowed.stderr
     assert [json.loads(line)["step"] for line in allowed.stdout.splitlines()] == [3, 4]

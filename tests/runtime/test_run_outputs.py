@@ -5,8 +5,9 @@ there is nothing to do, and ``stepbundle eval`` spells its batch size as ``run``
 
 The lr that is 0 in float32 and the metrics file after a SIGKILL are in
 test_run_outputs_resume.py. Everything here goes through the real CLI and file system: in a
-child process, or, for a refusal made before anything loads, ``stepbundle.cli.main`` in
-this one (``cli_here``).
+child process where the process is the point (a live run holding a folder, killed), else
+``stepbundle.cli.main`` in this one (``cli_here``: the same main, without a child's seconds
+of importing jax).
 """
 
 from __future__ import annotations
@@ -27,12 +28,6 @@ from stepbundle.runtime.state.checkpoint import read_checkpoint
 
 BUNDLE = golden_bundle("linear_adamw")
 NPZ = GOLDEN_DIR / "linear_adamw.inputs.npz"
-
-
-def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "stepbundle", *args], capture_output=True, text=True, timeout=timeout
-    )
 
 
 def last_line(result: subprocess.CompletedProcess[str]) -> str:
@@ -86,7 +81,7 @@ def test_a_checkpoint_folder_a_live_run_holds_is_refused_and_freed_by_its_death(
             time.sleep(0.05)
         first = sorted(ck.glob("step-*.safetensors"))[0]
         # B continues A's checkpoint into A's folder while A still writes there.
-        b = cli(*base, "--steps", "3", "--resume", str(first))
+        b = cli_here(*base, "--steps", "3", "--resume", str(first))
         assert b.returncode == 2, b.stderr
         line = last_line(b)
         assert "another run" in line and f"process {a.pid}" in line, line
@@ -100,7 +95,7 @@ def test_a_checkpoint_folder_a_live_run_holds_is_refused_and_freed_by_its_death(
     kept = sorted(ck.glob("step-*.safetensors"))
     # A's lock file is left behind; its process is gone, so the folder is free again.
     assert (ck / ".stepbundle-run.lock").read_text().startswith(f"process {a.pid} on ")
-    c = cli(*base, "--steps", "3", "--resume", str(kept[-1]))
+    c = cli_here(*base, "--steps", "3", "--resume", str(kept[-1]))
     assert c.returncode == 0, c.stderr
     step = read_checkpoint(kept[-1])[1].step
     assert (ck / f"step-{step + 3:08d}.safetensors").exists()
@@ -130,14 +125,14 @@ def test_a_refused_run_removes_none_of_the_live_run_s_temp_files(tmp_path: Path)
             if ck.is_dir() and not in_flight.exists():
                 in_flight.write_bytes(b"\0" * 1000)
             time.sleep(0.05)
-        b = cli(*base, "--steps", "3")
+        b = cli_here(*base, "--steps", "3")
         assert b.returncode == 2 and "in use by another run" in b.stderr, b.stderr
         assert in_flight.exists() and "removed" not in b.stderr
     finally:
         a.send_signal(signal.SIGKILL)
         a.wait(timeout=60)
     # A is dead: the next run holds the lock, so the file is a killed writer's and goes.
-    c = cli(*base, "--steps", "1")
+    c = cli_here(*base, "--steps", "1")
     assert c.returncode == 0, c.stderr
     assert not in_flight.exists() and f"removed {in_flight}" in c.stderr
 
@@ -202,7 +197,7 @@ def test_every_output_that_is_an_input_is_refused_before_loading(tmp_path: Path)
         assert "[run] loaded" not in result.stderr
         assert snapshot(tmp_path) == before, flags  # nothing written, nothing changed
     # Resuming into the folder that holds the checkpoint is still the normal thing to do.
-    ok = cli(
+    ok = cli_here(
         *base,
         "--resume",
         ckpt,

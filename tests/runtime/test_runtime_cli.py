@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from runtime_helpers import GOLDEN_DIR, golden_batches, golden_bundle
+from runtime_helpers import GOLDEN_DIR, cli_here, golden_batches, golden_bundle
 
 from stepbundle.runtime import CompileOptions, LoadOptions, ParallelOptions, load
 from stepbundle.runtime.state.checkpoint import read_safetensors
@@ -50,10 +50,12 @@ def test_run_json_lines_match_the_api(tmp_path: Path) -> None:
 
 
 def test_run_checkpoints_resume_and_save_state(tmp_path: Path) -> None:
+    # In this process (cli_here, the same main): test_run_json_lines_match_the_api runs
+    # the command in a child, as a user does; here that would add a jax import per run.
     bundle = str(golden_bundle("batchnorm_lr"))
     data = str(GOLDEN_DIR / "batchnorm_lr.inputs.npz")
     sched = "warmup_cosine:peak=0.02,warmup=2,total=6,min=0.0001"
-    whole = cli(
+    whole = cli_here(
         "run",
         bundle,
         "--steps",
@@ -66,7 +68,7 @@ def test_run_checkpoints_resume_and_save_state(tmp_path: Path) -> None:
     )
     assert whole.returncode == 0, whole.stderr
     ck = tmp_path / "ck"
-    part = cli(
+    part = cli_here(
         "run",
         bundle,
         "--steps",
@@ -86,7 +88,7 @@ def test_run_checkpoints_resume_and_save_state(tmp_path: Path) -> None:
         "step-00000002.safetensors",
         "step-00000004.safetensors",
     ]
-    rest = cli(
+    rest = cli_here(
         "run",
         bundle,
         "--steps",
@@ -112,16 +114,16 @@ def test_run_checkpoints_resume_and_save_state(tmp_path: Path) -> None:
     assert "0.weight" in final and "optimizer.state.0.weight.exp_avg" in final
 
 
-def test_run_refuses_bad_input_clearly(tmp_path: Path) -> None:
+def test_run_refuses_bad_input_clearly(tmp_path: Path) -> None:  # in this process, as above
     bundle = str(golden_bundle("linear_adamw"))
     bad = tmp_path / "bad.npz"
     np.savez(bad, x=np.zeros((2, 8, 5), np.float64), y=np.zeros((2, 8, 3), np.float32))
-    out = cli("run", bundle, "--steps", "1", "--data", str(bad))
+    out = cli_here("run", bundle, "--steps", "1", "--data", str(bad))
     assert out.returncode == 1
     assert "Dtype mismatch for batch input 'x'" in out.stderr
-    out = cli("run", bundle, "--steps", "1", "--data", str(tmp_path / "nope.npz"))
+    out = cli_here("run", bundle, "--steps", "1", "--data", str(tmp_path / "nope.npz"))
     assert out.returncode == 2 and "cannot read --data" in out.stderr
-    out = cli(
+    out = cli_here(
         "run",
         bundle,
         "--steps",

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from runtime_helpers import cli_here
 
 from stepbundle.runtime.data.dataset_index import DataError, DataErrorKind
 from stepbundle.runtime.data.tokens import TokenStream, open_tokens
@@ -84,12 +85,9 @@ def test_bad_token_data_is_refused_in_words(tmp_path: Path) -> None:
 
 
 def _run(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "stepbundle", "run", str(BUNDLE), "--json", *args],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    """``stepbundle run BUNDLE --json ARGS`` in this process (``cli_here``: the same main,
+    without a child's seconds of importing jax); the refusal below runs in a child."""
+    return cli_here("run", str(BUNDLE), "--json", *args)
 
 
 def test_run_trains_from_a_token_file_and_resumes_bit_for_bit(tmp_path: Path) -> None:

@@ -489,8 +489,8 @@ def gpt_names() -> set[str]:
 VARIANTS = {
     "bf16-products": "bf16 products written float32-out and rounded, compiled bf16-out "
     "(bf16_products.py: the runtime did so on TPUs from 7ec9420 until this measured it)",
-    "bf16-kernels": "attention composites with float32 operands computed in bf16 inside "
-    "the kernels (fused_attention.FLOAT32_COMPUTE; float32 is the default)",
+    "f32-kernels": "attention composites with float32 operands computed in float32 inside "
+    "the kernels (fused_attention.FLOAT32_COMPUTE; bf16 is the default)",
 }
 """Experiments ``--extra STEM,fused,PRECISION,VARIANT`` loads a bundle under: each patches
 the runtime's rewrites for that one load only (nothing here is a product option)."""
@@ -523,8 +523,8 @@ def variant(name: str | None = None) -> Any:
             ("bf16-products", bf16_out),
             *rewrites.REWRITES[at:],
         )
-    elif name == "bf16-kernels":
-        fa.FLOAT32_COMPUTE = "bf16"
+    elif name == "f32-kernels":
+        fa.FLOAT32_COMPUTE = "f32"
     elif name is not None:
         raise SystemExit(f"unknown variant {name!r}; one of {sorted(VARIANTS)}")
     try:

@@ -205,13 +205,14 @@ def composite_supported(att: Attention) -> str | None:
 KERNEL_TYPES = ("bf16", "f32")
 """The element types of q, k and v the kernels take."""
 
-FLOAT32_COMPUTE = "f32"
-"""What a composite with a float32 q, k or v computes in inside the kernels (its results
-are given back in the composite's types). torch_xla does not autocast SDPA, so a model
-under bf16 autocast can hand it float32 operands (Hugging Face's Llama: q and k come out
-of the float32 rotary embedding, v is bf16). Fused attention runs at the default
-precision only, where a TPU's float32 product rounds its operands to bf16 anyway
-(docs/tpu.md has what each choice measured)."""
+FLOAT32_COMPUTE = "bf16"
+"""What a composite with a float32 q, k or v computes in inside the kernels: ``"bf16"``
+(its operands rounded to bf16) or ``"f32"``; its results are given back in the
+composite's types. torch_xla does not autocast SDPA, so a model under bf16 autocast can
+hand it float32 operands (Hugging Face's Llama: q and k come out of the float32 rotary
+embedding, v is bf16). Fused attention runs at the default precision only, where a TPU's
+float32 product rounds its operands to bf16 as well; on the v5e the two gave the same
+forward and bf16 the faster step (docs/tpu.md)."""
 
 
 def compute_dtype(att: Attention) -> str:

@@ -47,7 +47,8 @@ def scratch_dir(manifest: Manifest) -> str | None:
     disk they are written out (and synced) for nothing. Memory is the cheaper road
     (GPT-2 small's state, 1.5 GB: benchmarks/results/export_check_choices.md); a
     container's small ``/dev/shm`` (Docker's default is 64 MB) or a state that would
-    crowd the machine's memory takes the disk.
+    crowd the machine's memory takes the disk. (An export killed mid-check leaves its
+    folder behind, there as in the temporary folder, named ``stepbundle-check-*``.)
     """
     state = sum(e.spec.nbytes * (1 + len(e.aliases)) for e in manifest.state)
     try:

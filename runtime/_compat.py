@@ -294,9 +294,9 @@ def to_host(a: Array) -> np.ndarray[Any, Any]:
 
 def to_host_view(a: Array) -> np.ndarray[Any, Any]:
     """The value of ``a`` without a copy where its one piece already lies in this
-    process's memory (a CPU device): a read-only view of the device buffer, valid while
-    the buffer lives (not after a step that donates it). Anything else is copied
-    (``to_host_uncached``)."""
+    process's memory (a CPU device): a read-only view of the device buffer (jaxlib's
+    conversion that reports whether it copied; the view keeps the buffer alive). Anything
+    else is copied (``to_host_uncached``)."""
     if a.is_fully_addressable:
         shards = a.addressable_shards
         if len(shards) == 1 and tuple(shards[0].data.shape) == tuple(a.shape):

@@ -66,8 +66,8 @@ class StateStore:
     ) -> dict[str, np.ndarray[Any, Any]]:
         """The current state as numpy arrays (copies), under PyTorch's names; tied
         weights under each of their names with ``include_aliases``. ``copy=False``: views
-        of the buffers that lie in this process's memory (CPU devices), valid until the
-        next step (``Trainer.state_dict``)."""
+        of the buffers that lie in this process's memory (CPU devices), to be read before
+        the next step (``Trainer.state_dict``)."""
         self.check_usable()
         # One transfer per buffer, each when its turn comes.
         # Uncached: jax would otherwise keep a host copy of every buffer until the next

@@ -307,9 +307,9 @@ class Trainer:
 
         Tied weights appear under each of their names, as in ``module.state_dict()``.
         ``copy=False`` skips the copy where a buffer already lies in this process's
-        memory (a CPU device): those arrays are read-only views of the device buffers,
-        valid only until the next step (which donates them), for reading the state once
-        right away (the export check's child writes it so); the rest are copies.
+        memory (a CPU device): those arrays are read-only views of the device buffers
+        (each keeps its buffer alive), for reading the state once right away, before
+        the next step (the export check's child writes it so); the rest are copies.
         """
         return self._store.state_dict(include_aliases=include_aliases, copy=copy)
 

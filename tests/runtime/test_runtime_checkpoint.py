@@ -56,16 +56,23 @@ def test_resume_is_equivalent_to_never_stopping(name: str, tmp_path: Path) -> No
 def test_state_dict_without_copy_reads_the_cpu_buffers_in_place() -> None:
     """``state_dict(copy=False)`` (the export check's child writes the state so): the same
     names and values as the copies; a buffer of its own on the CPU comes as a read-only
-    view of the device buffer, not a copy."""
+    view of the device buffer, not a copy, and keeps its values through a later step
+    (the view keeps its buffer alive)."""
     options = LoadOptions(state=StateOptions(pack_state=False))
     t = load(golden_bundle("linear_adamw"), options=options)
-    t.step(golden_batches("linear_adamw")[0])
+    batch = golden_batches("linear_adamw")[0]
+    t.step(batch)
     views, copies = t.state_dict(copy=False), t.state_dict()
     assert sorted(views) == sorted(copies)
     for name, value in copies.items():
         np.testing.assert_array_equal(views[name], value, err_msg=name)
         assert value.flags.writeable, name
         assert not views[name].flags.writeable, name
+    t.step(batch)
+    t.block_until_ready()
+    assert not np.array_equal(t.state_dict()["weight"], copies["weight"])
+    for name, value in copies.items():
+        np.testing.assert_array_equal(views[name], value, err_msg=name)
 
 
 def test_checkpoint_is_plain_safetensors(tmp_path: Path) -> None:

@@ -16,6 +16,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from fast_compile import FAST_COMPILE, without_fast_compile  # noqa: E402
 
 # Exports in tests of other things skip the export check (each costs a runtime process
 # and a CPU compile); tests/frontends/test_frontends_export_check.py asks for it, and
@@ -33,13 +34,14 @@ os.environ.setdefault("STEPBUNDLE_EXPORT_CHECK", "0")
 # DEFAULT_COMPILE assert what the product's default compile computes: a session that
 # collects any of them takes the flag back out before jax starts (see
 # pytest_collection_modifyitems), and scripts/test.sh runs them in sessions of their own.
-FAST_COMPILE = ("--xla_backend_optimization_level=0",)
 DEFAULT_COMPILE = ("runtime/test_cpu_numerics.py",)
 # Files whose child processes (the bundle's runs in the lean environment) must compile at
 # the product's defaults: under -O0 the resnet18 bundle's conv1.weight momentum ends
 # 1.6e-3 (normwise) from PyTorch float64, against 1.2e-5 at the defaults and 2.0e-5 for
 # PyTorch float32: -O0 moves these numbers, so their comparisons run as a user's would.
-# The pytest process itself (torch_xla eager, the export) stays at -O0.
+# The pytest process itself (torch_xla eager, the export) stays at -O0. (Children started
+# by a module-scoped fixture, before this fixture runs, build their environment with
+# fast_compile.without_fast_compile themselves: tests/exporter/test_training_job.py.)
 DEFAULT_COMPILE_CHILDREN = ("equivalence/test_equiv_heavy.py",)
 FAST_COMPILE_ON = os.environ.get("STEPBUNDLE_TEST_FAST_COMPILE", "1").strip() != "0"
 if FAST_COMPILE_ON:
@@ -78,10 +80,6 @@ def pytest_report_header(config: pytest.Config) -> str:
     return f"XLA_FLAGS: {os.environ.get('XLA_FLAGS', '(unset)')}"
 
 
-def _without_fast_compile(flags: str) -> str:
-    return " ".join(f for f in flags.split() if f not in FAST_COMPILE)
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Marks DEFAULT_COMPILE's tests; if any is collected, the session's XLA_FLAGS lose
     the fast-compile flag before any test runs: jaxlib reads XLA_FLAGS once, when its
@@ -104,7 +102,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             f"({', '.join(DEFAULT_COMPILE)}): run those in a session of their own, or set "
             "STEPBUNDLE_TEST_FAST_COMPILE=0."
         )
-    flags = _without_fast_compile(os.environ.get("XLA_FLAGS", ""))
+    flags = without_fast_compile(os.environ.get("XLA_FLAGS", ""))
     if flags:
         os.environ["XLA_FLAGS"] = flags
     else:
@@ -119,7 +117,7 @@ def _default_compile_children(
     tests = Path(__file__).resolve().parent
     if not any(request.node.path == tests / name for name in DEFAULT_COMPILE_CHILDREN):
         return
-    flags = _without_fast_compile(os.environ.get("XLA_FLAGS", ""))
+    flags = without_fast_compile(os.environ.get("XLA_FLAGS", ""))
     if flags:
         monkeypatch.setenv("XLA_FLAGS", flags)
     else:

@@ -194,7 +194,10 @@ def composite_supported(att: Attention) -> str | None:
         return f"the mask kind {att.mask!r} is unknown"
     if any(t not in KERNEL_TYPES for t in att.dtypes()):
         q, k, v = att.dtypes()
-        return f"q, k and v are {q}, {k} and {v}: the kernels take bf16 and f32"
+        return (
+            f"q, k and v are {q}, {k} and {v}: the kernels take bf16 and f32 (run the model "
+            "under bf16 autocast, or in float32)"
+        )
     if att.head_dim not in HEAD_SIZES or att.v_dim != att.head_dim:
         return f"the head size ({att.head_dim}, v {att.v_dim}) is not one of {HEAD_SIZES}"
     if att.kv_heads < 1 or att.heads % att.kv_heads or att.heads // att.kv_heads != att.groups:
@@ -275,13 +278,17 @@ def composite_kernel(
     dt = jnp.dtype(_NAMES[compute_dtype(att)])
 
     def prepare(q: Any, k: Any, v: Any) -> tuple[Any, Any, Any]:
-        # The scale is applied to q in float32, rounded once to q's type; grouped
-        # key/value heads repeated (their gradients summed back by the vjp).
-        # (converted before the repeat: its gradient sums the groups in the kernels' type)
+        # The scale is applied to q in float32, rounded once to the kernels' type;
+        # grouped key/value heads repeated (their gradients summed back by the vjp), in
+        # the wider of the operand's type and the kernels', then converted: the groups'
+        # gradients are summed in that type (a float32 k's in float32 when the kernels
+        # compute in bf16; a bf16 v's in float32 when they compute in float32), and
+        # rounded to the operand's type once.
         q = (q.astype(jnp.float32) * jnp.float32(att.scale)).astype(dt)
-        k, v = k.astype(dt), v.astype(dt)
+        k, v = (x.astype(jnp.promote_types(x.dtype, dt)) for x in (k, v))
         if att.groups > 1:
             k, v = (jnp.repeat(x, att.groups, axis=1) for x in (k, v))
+        k, v = k.astype(dt), v.astype(dt)
         pad = ((0, 0), (0, 0))
         q = jnp.pad(q, (*pad, (0, pq - tq), (0, 0)))
         k, v = (jnp.pad(x, (*pad, (0, pk - tk), (0, 0))) for x in (k, v))

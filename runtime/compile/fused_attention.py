@@ -196,7 +196,7 @@ def composite_supported(att: Attention) -> str | None:
         q, k, v = att.dtypes()
         return (
             f"q, k and v are {q}, {k} and {v}: the kernels take bf16 and f32 (run the model "
-            "under bf16 autocast, or in float32)"
+            "under bf16 autocast)"
         )
     if att.head_dim not in HEAD_SIZES or att.v_dim != att.head_dim:
         return f"the head size ({att.head_dim}, v {att.v_dim}) is not one of {HEAD_SIZES}"

@@ -59,8 +59,12 @@ class _Block(nn.Module):
             for a in self.kv(x).split(self.kv_heads * HEAD, dim=2)
         )
         if self.form.get("f32_qk"):  # Hugging Face's Llama under autocast: q and k come
-            # out of its float32 rotary embedding, v stays bf16 (torch_xla takes the mix)
-            q, k = (a.float() if a.dtype == torch.bfloat16 else a for a in (q, k))
+            # out of its float32 rotary embedding, v stays bf16 (torch_xla takes the mix);
+            # a float32 factor for the rotation, so that q and k are not bf16's values
+            # (rounding them to bf16 in the kernels then rounds something)
+            like = torch.float32 if q.dtype == torch.bfloat16 else q.dtype
+            rot = torch.linspace(0.7, 1.3, HEAD, dtype=like, device=x.device)
+            q, k = (a.to(like) * rot for a in (q, k))
         kw: dict[str, Any] = {"enable_gqa": self.kv_heads != HEADS}
         if self.form.get("scale") is not None:
             kw["scale"] = self.form["scale"]
@@ -295,12 +299,16 @@ def test_the_decomposition_and_the_kernels_match_float64_as_torch_xlas_sdpa_does
     assert not any("kept" in m for m in said), said
 
 
-def test_an_eval_program_swaps_its_forward(bundles: dict[str, Path]) -> None:
-    plain = _load(bundles["causal"], False, "eval")
-    fused = _load(bundles["causal"], True, "eval")
+@pytest.mark.parametrize("form", ["causal", "f32-qk"])
+def test_an_eval_program_swaps_its_forward(bundles: dict[str, Path], form: str) -> None:
+    # f32-qk: the forward composite without lse, of float32 q and k and a bf16 v
+    plain = _load(bundles[form], False, "eval")
+    fused = _load(bundles[form], True, "eval")
     assert fused.load_info.fused_attention == {"eval[0]": LAYERS}
-    # (bf16 outputs from float32 scores either way: here the same bits)
+    # (causal: bf16 outputs from float32 scores either way, here the same bits; f32-qk:
+    # the kernels compute in bf16, the decomposition in float32)
     a, b = (float(t.evaluate(_batch())["loss"]) for t in (plain, fused))
+    print(f"{form}: eval loss {a!r} decomposition, {b!r} kernels")
     assert abs(a - b) <= 2.0**-8 * abs(a)
 
 

@@ -210,12 +210,15 @@ KERNEL_TYPES = ("bf16", "f32")
 
 FLOAT32_COMPUTE = "bf16"
 """What a composite with a float32 q, k or v computes in inside the kernels: ``"bf16"``
-(its operands rounded to bf16) or ``"f32"``; its results are given back in the
-composite's types. torch_xla does not autocast SDPA, so a model under bf16 autocast can
-hand it float32 operands (Hugging Face's Llama: q and k come out of the float32 rotary
-embedding, v is bf16). Fused attention runs at the default precision only, where a TPU's
-float32 product rounds its operands to bf16 as well; on the v5e the two gave the same
-forward and bf16 the faster step (docs/tpu.md)."""
+(its operands rounded to bf16, and the kernels' results, the output and each gradient,
+rounded to bf16 before they are given back in the composite's types) or ``"f32"``.
+torch_xla does not autocast SDPA, so a model under bf16 autocast can hand it float32
+operands (Hugging Face's Llama: q and k come out of the float32 rotary embedding, v is
+bf16). Fused attention runs at the default precision only, where a TPU's float32 product
+rounds its operands to bf16 as well (its sums stay float32); on the v5e the two gave the
+Llama the same first loss and bf16 the faster step (docs/tpu.md). On the CPU (kernels
+interpreted, float32 decomposition) bf16 moves a step further from float64 than float32
+does (``tests/exporter/test_sdpa_composite_xla.py``, form ``f32-qk``)."""
 
 
 def compute_dtype(att: Attention) -> str:

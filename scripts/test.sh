@@ -45,9 +45,11 @@ typecheck_then() {  # typecheck_then FUNCTION ARGS...: mypy, then FUNCTION; fail
 
 # Stage 4's files that lane 1 runs after stage 2: lane 2 was the longer (2256 s against
 # 2035 s in the last full local run, and most tests added since run in lane 2).
-# test_cpu_numerics.py must stay out of lane 2's lean session: a session that collects it
-# compiles at the product's defaults throughout (tests/conftest.py's DEFAULT_COMPILE).
-LEAN_IN_LANE_1=(tests/runtime/test_offline.py tests/runtime/test_cpu_numerics.py)
+# test_cpu_numerics.py and test_layouts.py must stay out of lane 2's lean session: a
+# session that collects either compiles at the product's defaults throughout
+# (tests/conftest.py's DEFAULT_COMPILE).
+LEAN_IN_LANE_1=(tests/runtime/test_offline.py tests/runtime/test_cpu_numerics.py
+  tests/runtime/test_layouts.py)
 
 lane_a() {
   echo "== pytest (torch 2.9 + torch_xla + jax 0.7.1) =="
@@ -56,13 +58,13 @@ lane_a() {
   .venv/bin/python -m pytest -q --durations=5 tests/runtime/test_runtime_golden.py \
     tests/runtime/test_runtime_step.py tests/runtime/test_cache_integrity.py \
     tests/runtime/test_steps_per_call.py tests/runtime/test_data_parallel.py \
-    tests/runtime/test_layouts.py \
     tests/runtime/test_attention_composite.py \
     -k "not fuzzed"  # the cache fuzz (2.5 minutes) runs in the lean stage
-  # A session of its own: it asserts what the product's default compile computes, so its
-  # session runs without the tests' -O0 flag (tests/conftest.py's DEFAULT_COMPILE), and
-  # the session above keeps it.
-  .venv/bin/python -m pytest -q --durations=5 tests/runtime/test_cpu_numerics.py
+  # A session of their own: they assert what the product's default compile computes, so
+  # their session runs without the tests' -O0 flag (tests/conftest.py's DEFAULT_COMPILE),
+  # and the session above keeps it.
+  .venv/bin/python -m pytest -q --durations=5 tests/runtime/test_cpu_numerics.py \
+    tests/runtime/test_layouts.py
   echo "== pytest, lean environment (newest jax, no torch): stage 4's files run in lane 1 =="
   .venv-lean/bin/python -m pytest -q --durations=5 "${LEAN_IN_LANE_1[@]}"
 }

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from cli_here import cli_here
 
 import stepbundle.schema as codec
 from stepbundle.export_torch import NO_TORCH_XLA
@@ -33,26 +34,6 @@ def test_an_export_imports_no_torch_xla(exported: Any) -> None:
     assert producer.torch == str(torch.__version__)
 
 
-def _cli_here(*args: str) -> tuple[int, str]:
-    """``stepbundle ARGS`` in this process: its exit code and what it printed on stderr."""
-    import contextlib
-    import io
-    import os
-
-    from stepbundle.cli.main import main
-
-    out, err = io.StringIO(), io.StringIO()
-    environ, path = dict(os.environ), list(sys.path)  # main sets defaults; a recipe, a path
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            code = main(list(args))
-        finally:
-            os.environ.clear()
-            os.environ.update(environ)
-            sys.path[:] = path
-    return code, err.getvalue()
-
-
 def test_the_cli_chooses_this_front_end_and_writes_the_same_bytes(
     exported: Any, tmp_path: Path
 ) -> None:
@@ -61,9 +42,8 @@ def test_the_cli_chooses_this_front_end_and_writes_the_same_bytes(
     # `python -m stepbundle export` in a child, in this environment too). The refusal
     # below stays a child process: it imports neither.
     out = tmp_path / "cli.stepbundle"
-    code, err = _cli_here(
-        "export", f"{ROOT / 'examples' / 'linear_adamw.py'}:recipe", "-o", str(out)
-    )
+    done = cli_here("export", f"{ROOT / 'examples' / 'linear_adamw.py'}:recipe", "-o", str(out))
+    code, err = done.returncode, done.stderr
     assert code == 0, err[-2000:]
     assert "[export] front-end: torch (torch_xla is not installed)" in err
     # Writing is deterministic: the CLI's bundle is byte for byte the API's.

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from cli_here import cli_here
 from torch import nn
 
 from stepbundle.frontend.errors import ExportError
@@ -252,30 +253,12 @@ def test_the_cli_says_the_check_ran_and_skips_it_with_no_check(
     # above ran): a second child would spend its time importing torch and jax again.
     monkeypatch.delenv("STEPBUNDLE_EXPORT_CHECK", raising=False)
     recipe = f"{root / 'examples' / 'linear_adamw.py'}:recipe"
-    code, err = _cli_here("export", recipe, "--frontend", frontend.name,
-                          "-o", str(tmp_path / "b.stepbundle"), "--no-check")  # fmt: skip
+    done = cli_here("export", recipe, "--frontend", frontend.name,
+                    "-o", str(tmp_path / "b.stepbundle"), "--no-check")  # fmt: skip
+    code, err = done.returncode, done.stderr
     assert code == 0, err[-2000:]
     assert "checked:" not in err and (tmp_path / "b.stepbundle").exists()
     assert "[export] written unchecked (check=False, --no-check" in err  # said, not silent
-
-
-def _cli_here(*args: str) -> tuple[int, str]:
-    """``stepbundle ARGS`` in this process: its exit code and what it printed on stderr."""
-    import contextlib
-    import io
-    import os
-
-    from stepbundle.cli.main import main
-
-    out, err = io.StringIO(), io.StringIO()
-    environ = dict(os.environ)  # main sets a default or two for its process: not for ours
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            code = main(list(args))
-        finally:
-            os.environ.clear()
-            os.environ.update(environ)
-    return code, err.getvalue()
 
 
 def test_numerics_torch_xla_is_checked_against_torch_xla_eager(

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from cli_here import cli_here  # noqa: F401  (re-exported: the runtime tests import it from here)
 
 from stepbundle.runtime.train.batches import iter_batches
 
@@ -104,33 +105,3 @@ def run_on_cpu(module: Any, *args: np.ndarray) -> list[np.ndarray]:
         client, module.bytecode(), [device], _compat.compile_options(1, [device.id])
     )
     return [np.asarray(o) for o in exe.execute([jax.device_put(a, device) for a in args])]
-
-
-def cli_here(*args: str) -> Any:
-    """``stepbundle ARGS`` run in this process (``stepbundle.cli.main``), its exit code and
-    what it printed, as a ``subprocess.CompletedProcess``.
-
-    For commands refused before anything is loaded: a fresh process would spend seconds
-    importing jax for a refusal that takes milliseconds. What the process adds (the
-    ``python -m stepbundle`` entry, ``sys.exit`` of main's code) is covered by the tests
-    that run the command in a child process. An exception escaping ``main`` fails the
-    test, as a traceback on stderr would.
-    """
-    import contextlib
-    import io
-    import os
-    import subprocess
-
-    from stepbundle.cli.main import main
-
-    out, err = io.StringIO(), io.StringIO()
-    environ = dict(os.environ)  # main sets a default or two for its process: not for ours
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            code = main(list(args))
-        except SystemExit as e:  # argparse's refusals
-            code = 0 if e.code is None else e.code if isinstance(e.code, int) else 1
-        finally:
-            os.environ.clear()
-            os.environ.update(environ)
-    return subprocess.CompletedProcess(["stepbundle", *args], code, out.getvalue(), err.getvalue())

@@ -36,7 +36,7 @@ from jaxlib.mlir import ir
 
 from stepbundle.schema.errors import UsageError
 
-from .artifact import Module, ProgramError
+from .artifact import Module
 from .attention_masks import FILL_AT_MOST
 from .build import verify
 from .graph import (
@@ -270,10 +270,12 @@ def rewrite_composites(
     composites' masks were computed from (the program assumes them: the caller must
     hold the state to them).
 
+    A composite whose kernel function does not take and give its types is kept, with
+    that reason (the other sites are still replaced).
+
     Raises:
-      ValueError: a kernel function does not take and give the composite's types, or
-        the module does not verify afterwards (it may be partly rewritten: the runtime
-        rewrites a copy).
+      ValueError: the module does not verify afterwards (it may be partly rewritten: the
+        runtime rewrites a copy).
     """
     replaced: list[Attention] = []
     kept: list[str] = []
@@ -321,10 +323,13 @@ def rewrite_composites(
             got_in, got_out = [str(t) for t in ft.inputs], [str(t) for t in ft.results]
             # A forward whose lse no one reads may give ``out`` alone (module docstring)
             if got_in != want_in or got_out[: len(want_out)] != want_out or not want_out:
-                raise ProgramError(
-                    f"the fused {att.describe()} takes {got_in} -> {got_out}, the "
-                    f"composite {want_in} -> {want_out}"
+                # this site only: the others of the program are still fused
+                kept.append(
+                    f"{att.describe()}: the kernels' function takes {got_in} -> {got_out}, "
+                    f"the composite {want_in} -> {want_out} (a stepbundle bug: please "
+                    "report it with this line)"
                 )
+                continue
             new = call(module, made[att], operands, op)
             for result, value in zip(op.results, new):
                 result.replace_all_uses_with(value)

@@ -11,6 +11,7 @@ jax 0.7.1 and on the newest jax (scripts/test.sh) against PyTorch float64's numb
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -57,3 +58,33 @@ def test_the_runtime_runs_the_decomposition_as_pytorch_float64_does() -> None:
         if name.startswith("param."):
             got = np.asarray(state[name.removeprefix("param.")], np.float64)
             assert np.linalg.norm(got - want) <= 1e-5 * np.linalg.norm(want), name
+
+
+def test_a_kernel_of_other_types_keeps_its_site_only() -> None:
+    # A kernel function whose types are not its composite's keeps that composite, with
+    # the reason, and the program's other composites are still replaced (it used to
+    # raise, and the load then kept every attention of the program).
+    import jax
+    import jax.numpy as jnp
+
+    from stepbundle.runtime.compile import fused_attention as fa
+    from stepbundle.stablehlo.attention_composite import rewrite_composites
+
+    with open_bundle(BUNDLE) as b:
+        program = b.manifest.entries["train"].programs[0]
+        module = mlir.parse_artifact(bytes(b.section(program.section)))
+    right = fa.composite_kernels_for("cpu", interpret=True)
+
+    def kernels(att: Any) -> str:
+        if not att.grad:
+            return right(att)
+        aval: Any = jax.ShapeDtypeStruct  # the backward lowered for bf16 operands
+        q, k, v, out, lse = fa.composite_avals(att)
+        q, k, v, out = (aval(x.shape, jnp.bfloat16) for x in (q, k, v, out))
+        return fa._lower(fa.composite_kernel(att, True), "cpu", out, q, k, v, out, lse)
+
+    replaced, kept = rewrite_composites(module, kernels, lambda att: None)
+    assert [a.grad for a in replaced] == [False]
+    (why,) = kept
+    assert why.startswith("attention backward") and "the composite" in why and "bf16" in why
+    assert [att.grad for _, att in find_composites(module) if att is not None] == [True]

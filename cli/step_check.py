@@ -66,14 +66,6 @@ def _cpu_only(as_run: bool) -> None:
             os.environ["XLA_FLAGS"] = " ".join([flags, *extra]).strip()
 
 
-def _cpu() -> float:
-    """Processor seconds (user + system) of this process since it started."""
-    import resource
-
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m stepbundle.cli.step_check")
     parser.add_argument("bundle")
@@ -91,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     from stepbundle.runtime.state.checkpoint import write_safetensors
 
     out = Path(args.out)
-    t0, c1 = time.perf_counter(), _cpu()
+    t0, c1 = time.perf_counter(), time.process_time()
     options = LoadOptions(
         # The train program compiled as ``stepbundle run`` compiles it on the CPU (XLA's
         # default effort, the default compile cache): a run of this bundle on this
@@ -101,12 +93,12 @@ def main(argv: list[str] | None = None) -> int:
         state=StateOptions(init_from=args.init_from, init_strict=False),
     )
     trainer = load(args.bundle, "cpu", options)
-    t1, c2 = time.perf_counter(), _cpu()
+    t1, c2 = time.perf_counter(), time.process_time()
     with open_safetensors(args.batch) as f:
         batch = {name: np.array(f.array(name)) for name in f.records}
     metrics = trainer.step(batch)
     trainer.block_until_ready()
-    t2, c3 = time.perf_counter(), _cpu()
+    t2, c3 = time.perf_counter(), time.process_time()
     # The state alone, as a plain safetensors file: the parent reads it once, from this
     # machine, right away. A checkpoint (save_checkpoint) would also copy every tensor
     # from the device a second time for its SHA-256 digest, and state_dict() copies each
@@ -114,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     # where they lie (copy=False: no step follows). What each costs:
     # benchmarks/results/export_check_choices.md.
     write_safetensors(out / "after.safetensors", trainer.state_dict(copy=False))
-    t3, c4 = time.perf_counter(), _cpu()
+    t3, c4 = time.perf_counter(), time.process_time()
     values = {}
     for name, v in metrics.items():
         a = np.asarray(v).astype(np.float64)

@@ -332,13 +332,12 @@ def composite_kernels_for(platform: str, interpret: bool = False) -> Any:
     return make
 
 
-def composite_avals(att: Attention, batch: int | None = None) -> tuple[Any, ...]:
-    """The ``jax.ShapeDtypeStruct`` of ``att``'s q, k, v, output and lse, for a batch of
-    ``batch`` rows (default: the composite's)."""
+def composite_avals(att: Attention) -> tuple[Any, ...]:
+    """The ``jax.ShapeDtypeStruct`` of ``att``'s q, k, v, output and lse."""
     import jax
     import jax.numpy as jnp
 
-    b = att.batch if batch is None else batch
+    b = att.batch
     qt, kt, vt = (jnp.dtype(_NAMES[t]) for t in att.dtypes())
     aval: Any = jax.ShapeDtypeStruct
     q = aval((b, att.heads, att.q_len, att.head_dim), qt)

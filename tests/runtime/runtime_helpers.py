@@ -6,13 +6,26 @@ No torch here: these tests also run in the lean environment.
 from __future__ import annotations
 
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from cli_here import cli_here  # noqa: F401  (re-exported: the runtime tests import it from here)
 
 from stepbundle.runtime.train.batches import iter_batches
+
+
+def cli_here(*args: str) -> Any:
+    """tests/cli_here.py's in-process CLI run, imported on first use: the children that import this
+    module (hostile_writer_child, dp_child, benchmarks/device/check.py) put only tests/runtime on
+    their path, not tests/."""
+    tests = str(Path(__file__).resolve().parent.parent)
+    if tests not in sys.path:
+        sys.path.append(tests)
+    from cli_here import cli_here as run
+
+    return run(*args)
+
 
 GOLDEN_ROOT = Path(__file__).resolve().parent.parent / "golden"
 """Golden files, one folder per format version (``v1.0``, ...): written once by

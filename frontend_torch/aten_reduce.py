@@ -14,6 +14,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import torch
+from jax import lax
 
 from .aten_math import _arith, _c
 from .registry import OpContext, compute_dtype, lowers
@@ -171,4 +172,9 @@ def _softmax(ctx: OpContext, x: Any, dim: int, half_to_float: bool) -> Any:
 @lowers(aten._log_softmax.default)
 def _log_softmax(ctx: OpContext, x: Any, dim: int, half_to_float: bool) -> Any:
     (x,) = _arith(ctx, x)
-    return jax.nn.log_softmax(x, axis=dim)
+    # jax.nn.log_softmax's arithmetic, written in the program rather than called
+    # (jax.nn.log_softmax is a jitted function: a call of a private function in the
+    # program), so that the runtime's one-hot rewrite follows nll_loss's pick of the
+    # target back to the logits and reads one logit per row (stablehlo/onehot.py).
+    shifted = x - lax.stop_gradient(jnp.max(x, dim, initial=-jnp.inf, keepdims=True))
+    return shifted - jnp.log(jnp.sum(jnp.exp(shifted), dim, keepdims=True))

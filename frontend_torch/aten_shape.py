@@ -291,13 +291,18 @@ def _gather(ctx: OpContext, x: Any, dim: int, index: Any, *, sparse_grad: bool =
     d = _dim(dim, x.ndim)
     if _one_per_row(x, index, d) and jnp.issubdtype(x.dtype, jnp.floating):
         # One position per row, as in nll_loss's forward (the log-probability of each
-        # target): the largest of the row with every other position made -inf, the
-        # same value bit for bit (NaN, -inf and -0.0 included). A reduction, which XLA
-        # fuses with what computes x (the log-softmax); a gather made XLA write all of
-        # x first, on a TPU a float32 (tokens, vocabulary) tensor written only to read
-        # one value per row (docs/tpu.md, "The torch front-end on a TPU").
+        # target): the sum of the row with every other position made -0.0, from -0.0,
+        # the same value bit for bit (adding -0.0 changes nothing, -0.0 and NaN
+        # included). A gather made XLA write all of x first, on a TPU a float32
+        # (tokens, vocabulary) log-softmax written only to read one value per row
+        # (docs/tpu.md, "The torch front-end on a TPU"). As a sum over a one-hot of the
+        # targets the runtime evaluates it at the targets (stablehlo/onehot.py, as for
+        # torch_xla's cross-entropy), which reads one logit per row; a max over the row
+        # (the form before) was one more pass over the logits, which XLA could not
+        # merge with the log-sum-exp's (benchmarks/results/frontend_gap-v5e.md).
         hit = lax.broadcasted_iota(index.dtype, x.shape, d) == index
-        return jnp.max(select(hit, x, jnp.asarray(-jnp.inf, x.dtype)), axis=d, keepdims=True)
+        zero = jnp.asarray(-0.0, x.dtype)
+        return jnp.expand_dims(lax.reduce(select(hit, x, zero), zero, lax.add, (d,)), d)
     # torch allows an index smaller than the input in the other dimensions.
     return x[_grid(index, d)]
 

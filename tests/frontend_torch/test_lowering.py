@@ -257,8 +257,9 @@ def test_norms_embedding_attention_loss_forward_and_backward() -> None:
 
 
 def test_one_per_row_gather_is_bit_for_bit_torch() -> None:
-    # Lowered as a max over the row with the other positions made -inf: the picked value
-    # itself, whatever it is (-0.0, -inf, NaN), and whatever the rest of the row holds.
+    # Lowered as a sum from -0.0 over the row with the other positions made -0.0: the
+    # picked value itself, whatever it is (-0.0, -inf, NaN), and whatever the rest of the
+    # row holds.
     x = torch.tensor(
         [[-0.0, 1.0, float("nan")], [float("-inf"), float("inf"), 2.0],
          [float("nan"), -3.0, float("-inf")], [0.5, -0.0, float("inf")]]
@@ -275,7 +276,8 @@ def test_cross_entropy_has_no_scatter_or_gather() -> None:
     # scatter XLA wrote that tensor whole (on a TPU, flat and then relaid out: 3 ms of a
     # 55M GPT's step); as a comparison it fuses into the consumers. Its forward gathers
     # each target's log-probability: as a gather XLA wrote the whole float32 log-softmax
-    # to read one value per row; as a reduction it fuses. Same values either way.
+    # to read one value per row; as a max over the row it was one more pass over the
+    # logits; as a one-hot sum the runtime reads one logit per row. Same values.
     def fn(logits: torch.Tensor, target: torch.Tensor) -> Any:
         logits = _leaf(logits)
         loss = F.cross_entropy(logits, target, ignore_index=2)
@@ -304,7 +306,11 @@ def test_cross_entropy_has_no_scatter_or_gather() -> None:
     # function): the runtime's one-hot rewrite then sees the backward's per-token sum of
     # the nll gradient over the classes and reads it at the target instead.
     assert "call @_where" not in text
-    assert count_onehot_reductions(parse_artifact(exported.mlir_module_serialized)) == 1
+    # The forward's pick of each target is a one-hot sum too, and the log-softmax is
+    # written out rather than called, so that the rewrite follows the pick back to the
+    # logits (a call's result would be gathered whole: XLA then writes the log-softmax).
+    assert "call @log_softmax" not in text
+    assert count_onehot_reductions(parse_artifact(exported.mlir_module_serialized)) == 2
 
 
 def test_outer_products_are_multiplications() -> None:

@@ -21,7 +21,13 @@ from typing import Any
 import numpy as np
 
 import stepbundle.schema as codec
-from stepbundle.schema.manifest import ConstantInput, Manifest, MetricOutput, Program
+from stepbundle.schema.manifest import (
+    ConstantInput,
+    Manifest,
+    MetricOutput,
+    Program,
+    StateInput,
+)
 from stepbundle.schema.version import MATMUL_PRECISION_SINCE
 
 from . import _compat
@@ -40,6 +46,7 @@ from .io.store import default_cache_dir, is_digest, resolve_bundle
 from .options import LoadOptions
 from .placement import packing
 from .placement.devices import client_for, parse_device, select_devices
+from .placement.layout_spec import DataSplit
 from .placement.shard_plan import plan_shards
 from .placement.sharding import Placement
 from .state.init_source import InitSource, open_source
@@ -119,7 +126,7 @@ def load(
                 "process would stack only its own rows of every batch). Run with "
                 "steps_per_call=1 (--steps-per-call 1)."
             )
-        layout, placement = _layout_and_placement(manifest, opts, run_devices)
+        layout, placement = _layout_and_placement(manifest, opts, run_devices, bundle, wanted)
         info.layout, info.mesh = placement.layout, dict(placement.mesh_axes)
         info.layout_notes = placement.plan.notes if placement.plan is not None else ()
 
@@ -356,15 +363,45 @@ def _cache_folder(cache_dir: str | os.PathLike[str] | bool | None) -> Path | str
     return remote.local_path(cache_dir) or os.fspath(cache_dir)
 
 
+def _lookups(bundle: codec.Bundle, wanted: list[str]) -> dict[str, frozenset[int]]:
+    """State name -> the dimensions the programs' lookups (gathers) index in it, read from
+    the first program of each entry in ``wanted`` (``stablehlo/lookups.py``)."""
+    from stepbundle.stablehlo.artifact import parse_artifact
+    from stepbundle.stablehlo.lookups import lookup_dims
+
+    out: dict[str, frozenset[int]] = {}
+    for name in wanted:
+        programs = bundle.manifest.entries[name].programs
+        if not programs:
+            continue
+        program = programs[0]
+        module = parse_artifact(bundle.section(program.section))
+        for arg, dims in lookup_dims(module).items():
+            row = program.inputs[arg] if arg < len(program.inputs) else None
+            if isinstance(row, StateInput):
+                out[row.name] = out.get(row.name, frozenset()) | dims
+    return out
+
+
 def _layout_and_placement(
-    manifest: Manifest, opts: LoadOptions, run_devices: list[Any]
+    manifest: Manifest,
+    opts: LoadOptions,
+    run_devices: list[Any],
+    bundle: codec.Bundle,
+    wanted: list[str],
 ) -> tuple[packing.Layout, Placement]:
     """How the state is held (packs; tensors the parallel layout splits stay apart) and
-    where it lives."""
+    where it lives. An FSDP layout reads which tables the programs of ``wanted`` look
+    rows up in (``plan_shards``'s ``lookups``)."""
     pack = opts.state.pack_state
     limit = packing.DEFAULT_MAX_ELEMENTS if pack is True else int(pack)
+    layout_spec = opts.parallel.parsed_layout
+    lookups = None
+    splits_data = len(run_devices) > layout_spec.model
+    if layout_spec.data == DataSplit.FSDP and splits_data:
+        lookups = _lookups(bundle, wanted)
     plan = plan_shards(
-        manifest, opts.parallel.parsed_layout, len(run_devices), opts.parallel.tp_rules
+        manifest, layout_spec, len(run_devices), opts.parallel.tp_rules, lookups=lookups
     )
     apart = frozenset(plan.dims)
     layout = (

@@ -128,7 +128,7 @@ def compile_offline(
     try:
         manifest = bundle.manifest
         wanted = _wanted_entries(manifest, opts)
-        layout, placement = _layout_and_placement(manifest, opts, devices)
+        layout, placement = _layout_and_placement(manifest, opts, devices, bundle, wanted)
         compiler = _Compiler(
             client=devices[0].client,
             placement=placement,

@@ -79,9 +79,11 @@ _BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2, 
 
 
 # ------------------------------------------------------------------------- export
-def export(model: str, out: str, rows: list[int]) -> None:
+def export(model: str, out: str, rows: list[int], layers: int | None = None) -> None:
     """Export ``model`` (``llama.py``'s sizes) weights-free with one shape bucket per
-    entry of ``rows`` (global batch rows), the first one first."""
+    entry of ``rows`` (global batch rows), the first one first; ``layers``: that many
+    layers instead of the size's own (a study bundle of the same widths, whose program
+    is small enough to compile where the whole model does not fit)."""
     import dataclasses
 
     import torch
@@ -92,6 +94,8 @@ def export(model: str, out: str, rows: list[int]) -> None:
     from stepbundle.export_torch import export as export_bundle
 
     cfg = dataclasses.replace(llama.SIZES[model], batch=rows[0])
+    if layers is not None:
+        cfg = dataclasses.replace(cfg, layers=layers)
     recipe = llama.recipe(cfg)
 
     def batch(n: int) -> dict[str, torch.Tensor]:
@@ -103,7 +107,8 @@ def export(model: str, out: str, rows: list[int]) -> None:
     report = export_bundle(recipe, out, check=False, progress=lambda m: print(m, file=sys.stderr))
     print(
         json.dumps(
-            {"model": model, "rows": rows, "export_s": time.perf_counter() - t0,
+            {"model": model, "layers": cfg.layers, "rows": rows,
+             "export_s": time.perf_counter() - t0,
              "bytes": report.size, "stages_s": report.stage_seconds}
         )
     )  # fmt: skip
@@ -378,6 +383,7 @@ def main() -> int:
     e.add_argument("model")
     e.add_argument("out")
     e.add_argument("--rows", type=int, nargs="+", default=[8, 16, 64, 256])
+    e.add_argument("--layers", type=int, default=None, help="instead of the size's own")
     c = sub.add_parser("compile", help="compile for each slice and layout (libtpu)")
     c.add_argument("bundle")
     c.add_argument("--model", required=True)
@@ -395,7 +401,7 @@ def main() -> int:
     k.add_argument("layout")
     a = p.parse_args()
     if a.command == "export":
-        export(a.model, a.out, a.rows)
+        export(a.model, a.out, a.rows, a.layers)
     elif a.command == "compile":
         compile_all(a)
     elif a.command == "table":

@@ -9,7 +9,11 @@
   state of the same shape follow it;
 - ZeRO-1 (``zero1``): each optimizer-state tensor is split over ``data`` on its first
   dimension that divides by the data axis and is not split over ``model``;
-- FSDP (``fsdp``): the same for parameters, kept gradients and optimizer state.
+- FSDP (``fsdp``): the same for parameters, kept gradients and optimizer state, but a
+  table the program looks rows up in (an embedding: ``lookups``, from
+  ``stablehlo/lookups.py``) is split on a dimension the lookup takes whole (its width)
+  where one divides: split on the rows it indexes, the partitioner gathers the whole
+  table onto every device for the lookup and all-reduces its whole gradient (#41).
 
 Buffers (BatchNorm's statistics) and scalars stay replicated; so does a tensor none of
 whose dimensions divides. The plan is what the partitioner is told; the program is
@@ -53,7 +57,8 @@ class ShardPlan:
       dims: state name -> one entry per dimension: ``"data"``, ``"model"`` or None
         (whole). Replicated tensors are left out.
       notes: parameters a default tensor-parallel rule named but could not split (the
-        dimension does not divide), each in words.
+        dimension does not divide), and lookup tables split on a dimension their lookup
+        indexes (no other divides), each in words.
     """
 
     layout: ParallelLayout
@@ -120,12 +125,13 @@ def _tp_dim(
     return dim
 
 
-def _data_dim(shape: tuple[int, ...], data: int, taken: int | None) -> int | None:
-    """The first dimension of ``shape`` that divides by ``data`` and is not ``taken``."""
-    for d, size in enumerate(shape):
-        if d != taken and size % data == 0:
-            return d
-    return None
+def _data_dim(
+    shape: tuple[int, ...], data: int, taken: int | None, indexed: frozenset[int] = frozenset()
+) -> int | None:
+    """The first dimension of ``shape`` that divides by ``data`` and is not ``taken``,
+    one a lookup does not index (``indexed``) first."""
+    free = [d for d, size in enumerate(shape) if d != taken and size % data == 0]
+    return next((d for d in free if d not in indexed), free[0] if free else None)
 
 
 def plan_shards(
@@ -133,8 +139,13 @@ def plan_shards(
     layout: ParallelLayout,
     n_devices: int,
     rules: tuple[ShardRule, ...] | None = None,
+    lookups: Mapping[str, frozenset[int]] | None = None,
 ) -> ShardPlan:
     """The split of every state tensor of ``manifest`` over ``n_devices`` in ``layout``.
+
+    ``lookups``: parameter name -> the dimensions the program's lookups index in it
+    (``stablehlo.lookups.lookup_dims``); the data split of the parameter, and of its
+    gradient and optimizer state, avoids them where another dimension divides.
 
     Raises ``LayoutError`` when the model axis does not divide the device count, or when
     a rule of ``rules`` (the user's: None means ``DEFAULT_TP_RULES``) cannot be applied.
@@ -179,15 +190,23 @@ def plan_shards(
             continue
         owner = entry if entry.kind == StateKind.PARAMETER else _owner(entry, params)
         taken = None
-        if owner is not None and owner.name in tp and owner.spec.shape == shape:
-            taken = tp[owner.name]
+        indexed = frozenset[int]()
+        if owner is not None and owner.spec.shape == shape:
+            taken = tp.get(owner.name)
+            indexed = (lookups or {}).get(owner.name, indexed)
         plan: list[str | None] = [None] * len(shape)
         if taken is not None:
             plan[taken] = MODEL
         if data > 1 and entry.kind in split_kinds:
-            d = _data_dim(shape, data, taken)
+            d = _data_dim(shape, data, taken, indexed)
             if d is not None:
                 plan[d] = DATA
+                if d in indexed and entry is owner:
+                    notes.append(
+                        f"{entry.name} {list(shape)} split over data on dimension {d}, "
+                        "which a lookup indexes: no other dimension divides by "
+                        f"{data}, so the partitioner gathers it whole for the lookup"
+                    )
         if any(a is not None for a in plan):
             dims[entry.name] = tuple(plan)
     return ShardPlan(layout, data, model, dims, tuple(notes))

@@ -44,6 +44,8 @@ from stepbundle.runtime.state.checkpoint import read_safetensors, write_safetens
 from stepbundle.runtime.state.named import StreamedState
 from stepbundle.schema import open_bundle
 from stepbundle.schema.manifest import StateKind
+from stepbundle.stablehlo.artifact import parse_artifact
+from stepbundle.stablehlo.lookups import lookup_dims
 
 HERE = Path(__file__).resolve().parent
 GPT = HERE / "data" / "tiny_gpt.stepbundle"
@@ -129,6 +131,42 @@ def test_fsdp_splits_parameters_and_optimizer_state_over_the_data_axis(
     plan, _ = trainer._dispatcher.pick("train", _gpt_batches()[0])
     hlo = plan.executable.hlo_modules()[0].to_string()
     assert "all-gather" in hlo
+
+
+def _collectives(hlo: str) -> list[tuple[str, str, str, str]]:
+    """(element type, dimensions, kind, the source operation's name) of each collective."""
+    return re.findall(
+        r"=\s+([a-z]+[0-9]*)\[([0-9,]*)\]\S*\s+(all-gather|all-reduce|reduce-scatter)"
+        r"(?:-start)?\(.*?op_name=\"([^\"]*)\"",
+        hlo,
+    )
+
+
+def test_fsdp_looks_rows_up_where_the_table_lives(layouts_on_four: Any) -> None:
+    """#41: with the embeddings split on the rows their lookups index, the partitioner
+    gathered each whole float table onto every device for the lookup and all-reduced its
+    whole gradient (a scatter into a table of zeros): on a v5e-256, 1.96 GiB each for an
+    8B's 128,256 x 4,096 embedding. A table the program looks up is now split on its
+    width: the token ids are gathered instead, and the table and its gradient stay split."""
+    trainer, _ = layouts_on_four["fsdp"]
+    dims = trainer.placement.state_dims
+    for table in ("transformer.wte.weight", "transformer.wpe.weight"):
+        for name in (
+            table,
+            f"optimizer.state.{table}.exp_avg",
+            f"optimizer.state.{table}.exp_avg_sq",
+        ):
+            assert dims[name] == (None, "data"), name
+    assert dims["lm_head.weight"] == ("data", None)  # a product's weight: its rows, as before
+    plan, _ = trainer._dispatcher.pick("train", _gpt_batches()[0])
+    found = _collectives(plan.executable.hlo_modules()[0].to_string())
+    lookups = [(k, t, d) for t, d, k, op in found if op.startswith(("gather", "scatter"))]
+    # The lookups' collectives are there, named by their operation (so the next line
+    # reads something): the token ids, s32[8, 8, 1], gathered for the lookup and its
+    # gradient.
+    assert ("all-gather", "s32", "8,8,1") in lookups, lookups
+    floats = [c for c in lookups if c[1].startswith(("f", "bf")) and c[2] in ("32,16", "8,16")]
+    assert not floats, floats  # no whole table (wte [32, 16], wpe [8, 16]) moved
 
 
 def test_tensor_parallel_follows_megatrons_split(layouts_on_four: Any) -> None:
@@ -329,6 +367,35 @@ def test_default_rules_keep_what_does_not_divide_whole_and_say_so() -> None:
     assert plan.dims["transformer.h.0.attn.c_attn.weight"] == ("model", None)
     assert "transformer.wte.weight" not in plan.dims
     assert any(n.startswith("transformer.wte.weight [32, 16] kept whole") for n in plan.notes)
+
+
+def test_the_programs_lookups_are_found_and_steer_the_data_split() -> None:
+    """``lookup_dims`` finds the GPT's two embedding lookups (through the private
+    function the front-end wrote each in) on their rows; ``plan_shards`` then splits
+    each table, and its moments, on the width, and where no other dimension divides it
+    keeps the rows' split and says so."""
+    with open_bundle(GPT) as b:
+        program = b.manifest.entries["train"].programs[0]
+        found = lookup_dims(parse_artifact(b.section(program.section)))
+    names = {program.inputs[i].name: d for i, d in found.items()}  # type: ignore[union-attr]
+    assert names == {
+        "transformer.wte.weight": frozenset({0}),
+        "transformer.wpe.weight": frozenset({0}),
+    }
+    manifest = _gpt_manifest()
+    plan = plan_shards(manifest, ParallelLayout(DataSplit.FSDP), 4, lookups=names)
+    assert plan.dims["transformer.wte.weight"] == (None, "data")
+    assert plan.dims["optimizer.state.transformer.wte.weight.exp_avg_sq"] == (None, "data")
+    assert plan.dims["lm_head.weight"] == ("data", None)
+    assert not plan.notes
+    # 16 columns over 32 devices do not divide, 32 rows do: the rows' split, noted.
+    plan = plan_shards(manifest, ParallelLayout(DataSplit.FSDP), 32, lookups=names)
+    assert plan.dims["transformer.wte.weight"] == ("data", None)
+    assert any(n.startswith("transformer.wte.weight [32, 16] split over data on dimension 0")
+               for n in plan.notes), plan.notes  # fmt: skip
+    # Without lookups (or under zero1, which splits no parameter) nothing changes.
+    plan = plan_shards(manifest, ParallelLayout(DataSplit.FSDP), 4)
+    assert plan.dims["transformer.wte.weight"] == ("data", None)
 
 
 def test_a_model_axis_that_does_not_divide_the_devices_is_refused_at_load() -> None:

@@ -491,6 +491,8 @@ VARIANTS = {
     "(bf16_products.py: the runtime did so on TPUs from 7ec9420 until this measured it)",
     "f32-kernels": "attention composites with float32 operands computed in float32 inside "
     "the kernels (fused_attention.FLOAT32_COMPUTE; bf16 is the default)",
+    "narrow-gathers": "gathers from widened float values pick from the narrow value and "
+    "widen what they picked, after onehot-sums (narrow_gathers.py)",
 }
 """Experiments ``--extra STEM,fused,PRECISION,VARIANT`` loads a bundle under: each patches
 the runtime's rewrites for that one load only (nothing here is a product option)."""
@@ -521,6 +523,25 @@ def variant(name: str | None = None) -> Any:
         rewrites.REWRITES = (
             *rewrites.REWRITES[:at],
             ("bf16-products", bf16_out),
+            *rewrites.REWRITES[at:],
+        )
+    elif name == "narrow-gathers":
+        from narrow_gathers import count_narrow_gathers, rewrite_narrow_gathers
+
+        from stepbundle.runtime.compile.stage import Stage
+        from stepbundle.stablehlo import artifact as mlir
+
+        def narrow(stage: Any, ctx: Any) -> Any:
+            if not count_narrow_gathers(stage.module):
+                return stage
+            copy = mlir.Module.parse_text(stage.module, stage.module.text())
+            ctx.notes["narrow_gathers"] = rewrite_narrow_gathers(copy)
+            return Stage(copy, stage.program)
+
+        at = [n for n, _ in rewrites.REWRITES].index("onehot-sums") + 1
+        rewrites.REWRITES = (
+            *rewrites.REWRITES[:at],
+            ("narrow-gathers", narrow),
             *rewrites.REWRITES[at:],
         )
     elif name == "f32-kernels":

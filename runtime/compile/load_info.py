@@ -59,7 +59,8 @@ class LoadInfo:
       state_bytes_per_device: the most bytes of state any one device of this process
         holds (0 with ``compile_only``, which places nothing).
       layout_notes: parameters a default tensor-parallel rule named but kept whole (the
-        dimension does not divide by the model axis), each in words.
+        dimension does not divide by the model axis), and lookup tables FSDP left split
+        on the rows their lookup indexes (``ShardPlan.notes``), each in words.
     """
 
     seconds: dict[str, float] = field(default_factory=dict)

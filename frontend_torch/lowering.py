@@ -19,6 +19,7 @@ Imports: torch, jax, numpy, this package's lowering tables.
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -33,7 +34,14 @@ from . import aten_math, aten_nn, aten_reduce, aten_shape  # noqa: F401  (they f
 from .attention_masks import fold_causal_masks
 from .registry import LOWERINGS, OpContext, jax_dtype
 
-__all__ = ["LoweringError", "ProgramGraph", "UnsupportedOperator", "evaluate", "lower"]
+__all__ = [
+    "LoweringError",
+    "ProgramGraph",
+    "UnsupportedOperator",
+    "evaluate",
+    "lower",
+    "sum_before_flattening",
+]
 
 aten = torch.ops.aten
 
@@ -153,6 +161,63 @@ def evaluate(
     return result
 
 
+_VIEWS = (
+    aten.view_copy.default,
+    aten.view.default,
+    aten._unsafe_view.default,
+    aten.reshape.default,
+)
+
+
+def sum_before_flattening(gm: fx.GraphModule) -> int:
+    """Each sum over dim 0 of a (N, C) view of an (A, ..., C) tensor (A * ... = N) as the
+    sum over the leading dims of the tensor itself; returns how many.
+
+    A Linear's bias gradient on a (B, T, C) input is such a sum (autograd flattens the
+    output gradient to (B*T, C)). The same float32 sum of the same values (the order is
+    XLA's either way), over the shape torch_xla sums it in. Over the (B*T, C) view, XLA
+    gave the 55M GPT's qkv gradient (the concatenation of the attention kernels' dq, dk,
+    dv) a column-major layout on a TPU, assembled piece by piece, and summed the bias
+    over it unfused; over (B, T, C) it did neither (compiled for a v5e, libtpu's estimate
+    of the step 35.23 -> 33.27 ms; benchmarks/results/frontend_gap-v5e.md).
+    """
+    n = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not aten.sum.dim_IntList:
+            continue
+        view, dims = node.args[0], node.args[1]
+        keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+        if set(node.kwargs) - {"keepdim"} or not isinstance(dims, (list, tuple)):
+            continue
+        if not isinstance(view, fx.Node) or view.op != "call_function":
+            continue
+        if view.target not in _VIEWS or not isinstance(view.args[0], fx.Node):
+            continue
+        source = view.args[0]
+        x, flat, out = _meta_of(source), _meta_of(view), _meta_of(node)
+        if not all(isinstance(t, torch.Tensor) for t in (x, flat, out)):
+            continue
+        if flat.ndim != 2 or x.ndim < 3 or [d % 2 for d in dims] != [0]:
+            continue
+        if x.shape[-1] != flat.shape[1] or math.prod(x.shape[:-1]) != flat.shape[0]:
+            continue
+        summed = torch.empty((int(x.shape[-1]),), dtype=out.dtype, device="meta")
+        with gm.graph.inserting_before(node):
+            new = gm.graph.call_function(aten.sum.dim_IntList, (source, list(range(x.ndim - 1))))
+            new.meta["val"] = summed
+            if keepdim:
+                new = gm.graph.call_function(aten.view.default, (new, [1, int(x.shape[-1])]))
+                new.meta["val"] = torch.empty(tuple(out.shape), dtype=out.dtype, device="meta")
+        node.replace_all_uses_with(new)
+        gm.graph.erase_node(node)
+        if not view.users:
+            gm.graph.erase_node(view)
+        n += 1
+    if n:
+        gm.recompile()
+    return n
+
+
 def _numpy(t: torch.Tensor) -> np.ndarray:
     t = t.detach().cpu()
     if t.dtype == torch.bfloat16:
@@ -182,6 +247,7 @@ def lower(graph: ProgramGraph, tick: Callable[[int, int], None] | None = None) -
       LoweringError: a lowering disagreed with torch on a result's shape.
     """
     fold_causal_masks(graph.gm)  # a constant causal attn_mask as is_causal=True
+    sum_before_flattening(graph.gm)  # a Linear's bias gradient over (B, T, C), not (B*T, C)
     placeholders = [n for n in graph.gm.graph.nodes if n.op == "placeholder"]
     avals = []
     for i in graph.inputs:

@@ -20,7 +20,12 @@ import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from stepbundle.export_torch.capture import DECOMPOSITIONS, DURING_STEP
-from stepbundle.export_torch.lowering import ProgramGraph, UnsupportedOperator, evaluate
+from stepbundle.export_torch.lowering import (
+    ProgramGraph,
+    UnsupportedOperator,
+    evaluate,
+    lower,
+)
 from stepbundle.stablehlo.artifact import parse_artifact
 from stepbundle.stablehlo.onehot import count_onehot_reductions
 
@@ -311,6 +316,35 @@ def test_cross_entropy_has_no_scatter_or_gather() -> None:
     # logits (a call's result would be gathered whole: XLA then writes the log-softmax).
     assert "call @log_softmax" not in text
     assert count_onehot_reductions(parse_artifact(exported.mlir_module_serialized)) == 2
+
+
+def test_a_linear_bias_gradient_sums_the_unflattened_gradient() -> None:
+    # autograd flattens a Linear's output gradient to (B*T, C) and sums dim 0 for the
+    # bias; the program sums the (B, T, C) gradient over (B, T) instead: on a TPU the
+    # flattened sum made XLA lay the 55M GPT's qkv gradient out column-major and copy
+    # the attention kernels' gradients twice (benchmarks/results/frontend_gap-v5e.md).
+    # The same float32 sum of the same values; the flattened view stays for the products.
+    def fn(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> Any:
+        w, b = _leaf(w), _leaf(b)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = F.linear(x, w, b)
+        loss = (y.float() ** 2).sum()
+        return [loss, *grads(loss, w, b)]
+
+    args = (rand(2, 8, 6), rand(5, 6), rand(5))
+    check(fn, *args, rtol=1e-2)  # bf16 products and gradients, as torch rounds them
+    first = make_fx(fn, tracing_mode="fake", decomposition_table=DURING_STEP)(*args)
+    gm = make_fx(
+        torch.func.functionalize(first, remove="mutations_and_views"),
+        tracing_mode="fake",
+        decomposition_table=DECOMPOSITIONS,
+    )(*args)
+    (out,) = [n for n in gm.graph.nodes if n.op == "output"]
+    graph = ProgramGraph(gm, (0, 1, 2), tuple(out.args[0]), seeded=False)
+    text = parse_artifact(lower(graph)).text()
+    sums = [ln for ln in text.splitlines() if "applies stablehlo.add" in ln]
+    assert any("dimensions = [0, 1] : (tensor<2x8x5xf32>" in ln for ln in sums), sums
+    assert not any("(tensor<16x5xf32>" in ln for ln in sums), sums
 
 
 def test_outer_products_are_multiplications() -> None:

@@ -37,8 +37,8 @@ SHARED: dict[str, dict[str, Any]] = {
         "type": types.devices,
         "default": 1,
         "metavar": "N|all",
-        "help": "data-parallel over the first N devices of the job, or all of them (the batch "
-        "is split over them, the state replicated)",
+        "help": "run over the first N devices of the job, or all of them (the batch is "
+        "split over them; the state as --layout says: replicated by default)",
     },
     "--shard-optimizer-state": {
         "action": "store_true",

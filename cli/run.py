@@ -322,6 +322,8 @@ def _report_load(args: RunConfig, trainer: Trainer, load_s: float) -> None:
         + (f", glibc {trainer.load_info.allocator}" if trainer.load_info.allocator else ""),
         file=sys.stderr,
     )
+    for note in trainer.load_info.layout_notes:  # what the layout did not split, and why
+        print(f"[run] layout: {note}", file=sys.stderr)
     if trainer.load_info.auto_steps:  # what steps_per_call="auto" chose, and why
         print(f"[run] {trainer.load_info.auto_steps}", file=sys.stderr)
     report_origins(trainer, args)

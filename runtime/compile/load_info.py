@@ -58,9 +58,12 @@ class LoadInfo:
         2}``).
       state_bytes_per_device: the most bytes of state any one device of this process
         holds (0 with ``compile_only``, which places nothing).
-      layout_notes: parameters a default tensor-parallel rule named but kept whole (the
-        dimension does not divide by the model axis), and lookup tables FSDP left split
-        on the rows their lookup indexes (``ShardPlan.notes``), each in words.
+      layout_notes: what the layout split and did not, each in words
+        (``ShardPlan.notes``): under ``+tp`` which parameters the rules split over the
+        model axis (or that none), parameters a default tensor-parallel rule named but
+        kept whole (the dimension does not divide by the model axis), lookup tables FSDP
+        left split on the rows their lookup indexes, rules given to a layout without a
+        model axis, and a layout on one device. ``stepbundle run`` prints each.
     """
 
     seconds: dict[str, float] = field(default_factory=dict)

@@ -56,9 +56,11 @@ class ShardPlan:
       model: devices on the model axis (1: a 1-D mesh).
       dims: state name -> one entry per dimension: ``"data"``, ``"model"`` or None
         (whole). Replicated tensors are left out.
-      notes: parameters a default tensor-parallel rule named but could not split (the
-        dimension does not divide), and lookup tables split on a dimension their lookup
-        indexes (no other divides), each in words.
+      notes: what the layout did not do as asked, each in words: parameters a default
+        tensor-parallel rule named but could not split (the dimension does not divide),
+        lookup tables split on a dimension their lookup indexes (no other divides),
+        rules given to a layout without a model axis, a layout on one device; and under
+        ``+tp``, which parameters the rules split over the model axis (or that none).
     """
 
     layout: ParallelLayout
@@ -102,7 +104,8 @@ def _tp_dim(
         if held:
             raise LayoutError(
                 f"The tensor-parallel rule {str(rule)!r} splits dimension {rule.dim} of "
-                f"{param.name!r}, which has shape {list(shape)} ({rank} dimensions). Fix "
+                f"{param.name!r}, which has shape {list(shape)} ({rank} dimension"
+                f"{'' if rank == 1 else 's'}). Fix "
                 "the rule's dimension or narrow its pattern."
             )
         notes.append(f"{param.name} {list(shape)}: no dimension {rule.dim} (rule {rule})")
@@ -132,6 +135,20 @@ def _data_dim(
     one a lookup does not index (``indexed``) first."""
     free = [d for d, size in enumerate(shape) if d != taken and size % data == 0]
     return next((d for d in free if d not in indexed), free[0] if free else None)
+
+
+def _tp_summary(params: list[str], tp: Mapping[str, int], held: bool) -> str:
+    """What the tensor-parallel rules split over the model axis, in words."""
+    split = [name for name in params if name in tp]
+    if not split:
+        whose = "your rules" if held else "the default rules (DEFAULT_TP_RULES)"
+        return (
+            f"no parameter is split over the model axis: {whose} match none of this "
+            "bundle's parameters that divide; write rules for its names "
+            "(ParallelOptions(tp_rules=...), docs/parallel.md)"
+        )
+    shown = ", ".join(split[:6]) + (", ..." if len(split) > 6 else "")
+    return f"{len(split)} of {len(params)} parameters split over the model axis: {shown}"
 
 
 def plan_shards(
@@ -176,6 +193,17 @@ def plan_shards(
                         f"this bundle (its parameters: {', '.join(list(params)[:8])}"
                         f"{', ...' if len(params) > 8 else ''}). Fix its pattern or drop it."
                     )
+        notes.append(_tp_summary(list(params), tp, held))
+    elif rules:
+        notes.append(
+            f"{len(rules)} tensor-parallel rule(s) given, but the layout {layout.spec!r} has "
+            "no model axis: they split nothing (a layout ending in +tp[:M] uses them)"
+        )
+    if n_devices == 1 and (layout.data != DataSplit.DP or model > 1):
+        notes.append(
+            f"the layout {layout.spec!r} on 1 device splits nothing (on a CPU, --devices N "
+            "or stepbundle.runtime.set_cpu_devices(N) makes N virtual devices)"
+        )
     split_kinds = {
         DataSplit.DP: frozenset[StateKind](),
         DataSplit.ZERO1: frozenset({StateKind.OPTIMIZER_STATE}),

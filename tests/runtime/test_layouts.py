@@ -353,7 +353,7 @@ def test_a_rule_that_does_not_divide_is_refused() -> None:
 
 def test_a_rule_past_the_rank_or_matching_nothing_is_refused() -> None:
     layout = ParallelLayout(DataSplit.DP, 2)
-    with pytest.raises(LayoutError, match="has shape \\[64\\] \\(1 dimensions\\)"):
+    with pytest.raises(LayoutError, match="has shape \\[64\\] \\(1 dimension\\)"):
         plan_shards(_gpt_manifest(), layout, 2, (ShardRule("mlp.c_fc.bias", 1),))
     with pytest.raises(LayoutError, match="matches no parameter"):
         plan_shards(_gpt_manifest(), layout, 2, (ShardRule("q_proj.weight", 0),))
@@ -367,6 +367,25 @@ def test_default_rules_keep_what_does_not_divide_whole_and_say_so() -> None:
     assert plan.dims["transformer.h.0.attn.c_attn.weight"] == ("model", None)
     assert "transformer.wte.weight" not in plan.dims
     assert any(n.startswith("transformer.wte.weight [32, 16] kept whole") for n in plan.notes)
+
+
+def test_the_notes_say_what_tensor_parallelism_split_and_what_split_nothing() -> None:
+    # A new user's model whose names no default rule knows loaded under fsdp+tp with
+    # nothing split over the model axis and no word of it; rules under a layout without
+    # a model axis, and a layout on one device, were dropped as silently.
+    manifest = _gpt_manifest()
+    plan = plan_shards(manifest, ParallelLayout(DataSplit.FSDP, 2), 4)
+    split = sorted(n for n, d in plan.dims.items() if "model" in d and ".state." not in n)
+    summary = [n for n in plan.notes if "split over the model axis" in n]
+    assert len(summary) == 1 and summary[0].startswith(f"{len(split)} of "), plan.notes
+    plan = plan_shards(manifest, ParallelLayout(DataSplit.FSDP, 2), 4, ())
+    assert not any("model" in d for d in plan.dims.values())
+    assert any(n.startswith("no parameter is split over the model axis") for n in plan.notes)
+    plan = plan_shards(manifest, ParallelLayout(DataSplit.FSDP), 4, (ShardRule("c_fc.weight", 0),))
+    assert any("has no model axis: they split nothing" in n for n in plan.notes), plan.notes
+    plan = plan_shards(manifest, ParallelLayout(DataSplit.FSDP), 1)
+    assert plan.dims == {} and any("on 1 device splits nothing" in n for n in plan.notes)
+    assert not plan_shards(manifest, ParallelLayout(DataSplit.DP), 1).notes
 
 
 def test_the_programs_lookups_are_found_and_steer_the_data_split() -> None:

@@ -300,9 +300,14 @@ def _gather(ctx: OpContext, x: Any, dim: int, index: Any, *, sparse_grad: bool =
         # torch_xla's cross-entropy), which reads one logit per row; a max over the row
         # (the form before) was one more pass over the logits, which XLA could not
         # merge with the log-sum-exp's (benchmarks/results/frontend_gap-v5e.md).
+        # A position outside the row (a target past the classes that is not nll_loss's
+        # ignore_index: eager PyTorch raises) gives -inf, so the loss is not finite and
+        # stop_on_nonfinite stops the run, rather than a row that adds nothing.
         hit = lax.broadcasted_iota(index.dtype, x.shape, d) == index
         zero = jnp.asarray(-0.0, x.dtype)
-        return jnp.expand_dims(lax.reduce(select(hit, x, zero), zero, lax.add, (d,)), d)
+        picked = jnp.expand_dims(lax.reduce(select(hit, x, zero), zero, lax.add, (d,)), d)
+        inside = (index >= 0) & (index < x.shape[d])
+        return select(inside, picked, jnp.full(picked.shape, -jnp.inf, x.dtype))
     # torch allows an index smaller than the input in the other dimensions.
     return x[_grid(index, d)]
 

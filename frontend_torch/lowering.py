@@ -189,6 +189,8 @@ def sum_before_flattening(gm: fx.GraphModule) -> int:
         keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
         if set(node.kwargs) - {"keepdim"} or not isinstance(dims, (list, tuple)):
             continue
+        if any(user.op == "output" for user in node.users):
+            continue  # a program output: ProgramGraph holds it by node (kept as traced)
         if not isinstance(view, fx.Node) or view.op != "call_function":
             continue
         if view.target not in _VIEWS or not isinstance(view.args[0], fx.Node):

@@ -232,8 +232,9 @@ def plan_shards(
                 if d in indexed and entry is owner:
                     notes.append(
                         f"{entry.name} {list(shape)} split over data on dimension {d}, "
-                        "which a lookup indexes: no other dimension divides by "
-                        f"{data}, so the partitioner gathers it whole for the lookup"
+                        "which a lookup indexes: no other dimension is free to split (each "
+                        f"is split over model or does not divide by {data}), so the "
+                        "partitioner gathers it whole for the lookup"
                     )
         if any(a is not None for a in plan):
             dims[entry.name] = tuple(plan)

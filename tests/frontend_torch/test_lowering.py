@@ -318,6 +318,23 @@ def test_cross_entropy_has_no_scatter_or_gather() -> None:
     assert count_onehot_reductions(parse_artifact(exported.mlir_module_serialized)) == 2
 
 
+def test_a_target_past_the_classes_makes_the_loss_infinite() -> None:
+    # Eager PyTorch raises for a target outside [0, C) that is not ignore_index (padding
+    # labelled -1, a vocabulary one short); a program cannot raise, so the pick gives
+    # -inf and the loss +inf, which stop_on_nonfinite catches. The one-hot sum alone
+    # gave -0.0: the row added nothing and the loss stayed finite.
+    def fn(logits: torch.Tensor, target: torch.Tensor) -> Any:
+        return [F.cross_entropy(logits, target)]
+
+    for bad in (-1, 5):
+        target = torch.tensor([1, 2, 3, bad])
+        with pytest.raises(IndexError):
+            fn(rand(4, 5), target)
+        (loss,) = lowered(fn, rand(4, 5), target)
+        assert loss == np.inf, (bad, loss)
+    check(fn, rand(4, 5), torch.tensor([1, 2, 3, 4]))
+
+
 def test_a_linear_bias_gradient_sums_the_unflattened_gradient() -> None:
     # autograd flattens a Linear's output gradient to (B*T, C) and sums dim 0 for the
     # bias; the program sums the (B, T, C) gradient over (B, T) instead: on a TPU the

@@ -95,7 +95,7 @@ def test_the_values_are_the_same_bits() -> None:
 @pytest.mark.parametrize(
     ("old", "new", "why"),
     [
-        # float32 to bf16 rounds: picking first would pick unrounded values
+        # float64 to float32 rounds: picking first would pick unrounded values
         ("tensor<6x10xbf16>", "tensor<6x10xf64>", "a narrowing conversion"),
         # an integer widened to a float is not a float widening
         ("tensor<6x10xbf16>", "tensor<6x10xi32>", "an integer source"),

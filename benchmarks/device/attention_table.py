@@ -498,6 +498,26 @@ VARIANTS = {
 the runtime's rewrites for that one load only (nothing here is a product option)."""
 
 
+def _insert_rewrite(
+    rewrites: Any, after: str, name: str, count: Any, rewrite: Any, tpu_only: bool = False
+) -> None:
+    """Put the experiment ``name`` into the runtime's rewrite table after ``after``: on a
+    copy of the module where ``count`` finds something, ``rewrite`` (its count in the
+    load's notes)."""
+    from stepbundle.runtime.compile.stage import Stage
+    from stepbundle.stablehlo import artifact as mlir
+
+    def apply(stage: Any, ctx: Any) -> Any:
+        if (tpu_only and ctx.platform != "tpu") or not count(stage.module):
+            return stage
+        copy = mlir.Module.parse_text(stage.module, stage.module.text())
+        ctx.notes[name.replace("-", "_")] = rewrite(copy)
+        return Stage(copy, stage.program)
+
+    at = [n for n, _ in rewrites.REWRITES].index(after) + 1
+    rewrites.REWRITES = (*rewrites.REWRITES[:at], (name, apply), *rewrites.REWRITES[at:])
+
+
 @contextlib.contextmanager
 def variant(name: str | None = None) -> Any:
     """Patch the runtime for the experiment ``name`` (``VARIANTS``) while loading."""
@@ -509,41 +529,14 @@ def variant(name: str | None = None) -> Any:
     if name == "bf16-products":
         from bf16_products import count_bf16_products, rewrite_bf16_products
 
-        from stepbundle.runtime.compile.stage import Stage
-        from stepbundle.stablehlo import artifact as mlir
-
-        def bf16_out(stage: Any, ctx: Any) -> Any:
-            if ctx.platform != "tpu" or not count_bf16_products(stage.module):
-                return stage
-            copy = mlir.Module.parse_text(stage.module, stage.module.text())
-            ctx.notes["bf16_products"] = rewrite_bf16_products(copy)
-            return Stage(copy, stage.program)
-
-        at = [n for n, _ in rewrites.REWRITES].index("fused-attention") + 1
-        rewrites.REWRITES = (
-            *rewrites.REWRITES[:at],
-            ("bf16-products", bf16_out),
-            *rewrites.REWRITES[at:],
-        )
+        _insert_rewrite(
+            rewrites, "fused-attention", name, count_bf16_products, rewrite_bf16_products,
+            tpu_only=True,
+        )  # fmt: skip
     elif name == "narrow-gathers":
         from narrow_gathers import count_narrow_gathers, rewrite_narrow_gathers
 
-        from stepbundle.runtime.compile.stage import Stage
-        from stepbundle.stablehlo import artifact as mlir
-
-        def narrow(stage: Any, ctx: Any) -> Any:
-            if not count_narrow_gathers(stage.module):
-                return stage
-            copy = mlir.Module.parse_text(stage.module, stage.module.text())
-            ctx.notes["narrow_gathers"] = rewrite_narrow_gathers(copy)
-            return Stage(copy, stage.program)
-
-        at = [n for n, _ in rewrites.REWRITES].index("onehot-sums") + 1
-        rewrites.REWRITES = (
-            *rewrites.REWRITES[:at],
-            ("narrow-gathers", narrow),
-            *rewrites.REWRITES[at:],
-        )
+        _insert_rewrite(rewrites, "onehot-sums", name, count_narrow_gathers, rewrite_narrow_gathers)
     elif name == "f32-kernels":
         fa.FLOAT32_COMPUTE = "f32"
     elif name is not None:

@@ -37,8 +37,9 @@ def _numpy(t: torch.Tensor) -> np.ndarray:
     return t.numpy()
 
 
-def lowered(fn: Callable[..., list[torch.Tensor]], *args: torch.Tensor) -> list[np.ndarray]:
-    """``fn(*args)`` computed by the front-end's lowering (jax, eagerly)."""
+def traced(fn: Callable[..., list[torch.Tensor]], *args: torch.Tensor) -> ProgramGraph:
+    """``fn``'s graph as the front-end captures a step (functionalized, decomposed), every
+    argument an input and every result an output."""
     first = make_fx(fn, tracing_mode="fake", decomposition_table=DURING_STEP)(*args)
     gm = make_fx(
         torch.func.functionalize(first, remove="mutations_and_views"),
@@ -46,7 +47,12 @@ def lowered(fn: Callable[..., list[torch.Tensor]], *args: torch.Tensor) -> list[
         decomposition_table=DECOMPOSITIONS,
     )(*args)
     (out,) = [n for n in gm.graph.nodes if n.op == "output"]
-    graph = ProgramGraph(gm, tuple(range(len(args))), tuple(out.args[0]), seeded=False)
+    return ProgramGraph(gm, tuple(range(len(args))), tuple(out.args[0]), seeded=False)
+
+
+def lowered(fn: Callable[..., list[torch.Tensor]], *args: torch.Tensor) -> list[np.ndarray]:
+    """``fn(*args)`` computed by the front-end's lowering (jax, eagerly)."""
+    graph = traced(fn, *args)
     with jax.enable_x64(True):
         inputs = [
             jnp.asarray(a.detach().float().numpy(), jnp.bfloat16)
@@ -290,16 +296,9 @@ def test_cross_entropy_has_no_scatter_or_gather() -> None:
 
     args = (rand(6, 7), torch.tensor([0, 2, 6, 3, 2, 1]))
     check(fn, *args)
-    first = make_fx(fn, tracing_mode="fake", decomposition_table=DURING_STEP)(*args)
-    gm = make_fx(
-        torch.func.functionalize(first, remove="mutations_and_views"),
-        tracing_mode="fake",
-        decomposition_table=DECOMPOSITIONS,
-    )(*args)
-    assert any(n.target is torch.ops.aten.scatter.value for n in gm.graph.nodes)
-    assert any(n.target is torch.ops.aten.gather.default for n in gm.graph.nodes)
-    (out,) = [n for n in gm.graph.nodes if n.op == "output"]
-    graph = ProgramGraph(gm, (0, 1), tuple(out.args[0]), seeded=False)
+    graph = traced(fn, *args)
+    assert any(n.target is torch.ops.aten.scatter.value for n in graph.gm.graph.nodes)
+    assert any(n.target is torch.ops.aten.gather.default for n in graph.gm.graph.nodes)
     with jax.enable_x64(True):
         exported = jax.export.export(jax.jit(lambda *xs: evaluate(graph, xs, None)))(
             *(jnp.asarray(a.numpy()) for a in args)
@@ -350,14 +349,7 @@ def test_a_linear_bias_gradient_sums_the_unflattened_gradient() -> None:
 
     args = (rand(2, 8, 6), rand(5, 6), rand(5))
     check(fn, *args, rtol=1e-2)  # bf16 products and gradients, as torch rounds them
-    first = make_fx(fn, tracing_mode="fake", decomposition_table=DURING_STEP)(*args)
-    gm = make_fx(
-        torch.func.functionalize(first, remove="mutations_and_views"),
-        tracing_mode="fake",
-        decomposition_table=DECOMPOSITIONS,
-    )(*args)
-    (out,) = [n for n in gm.graph.nodes if n.op == "output"]
-    graph = ProgramGraph(gm, (0, 1, 2), tuple(out.args[0]), seeded=False)
+    graph = traced(fn, *args)
     text = parse_artifact(lower(graph)).text()
     sums = [ln for ln in text.splitlines() if "applies stablehlo.add" in ln]
     assert any("dimensions = [0, 1] : (tensor<2x8x5xf32>" in ln for ln in sums), sums
@@ -378,14 +370,7 @@ def test_outer_products_are_multiplications() -> None:
 
     args = (rand(5, 3), rand(3, 4) * 1000, rand(5, 4))
     check(fn, *args)
-    first = make_fx(fn, tracing_mode="fake", decomposition_table=DURING_STEP)(*args)
-    gm = make_fx(
-        torch.func.functionalize(first, remove="mutations_and_views"),
-        tracing_mode="fake",
-        decomposition_table=DECOMPOSITIONS,
-    )(*args)
-    (out,) = [n for n in gm.graph.nodes if n.op == "output"]
-    graph = ProgramGraph(gm, (0, 1, 2), tuple(out.args[0]), seeded=False)
+    graph = traced(fn, *args)
     with jax.enable_x64(True):
         text = (
             jax.jit(lambda *xs: evaluate(graph, xs, None))

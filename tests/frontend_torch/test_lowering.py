@@ -354,6 +354,13 @@ def test_a_linear_bias_gradient_sums_the_unflattened_gradient() -> None:
     sums = [ln for ln in text.splitlines() if "applies stablehlo.add" in ln]
     assert any("dimensions = [0, 1] : (tensor<2x8x5xf32>" in ln for ln in sums), sums
     assert not any("(tensor<16x5xf32>" in ln for ln in sums), sums
+    # lower() rewrote graph.gm in place: the rewritten graph's values are torch's.
+    with jax.enable_x64(True):
+        got = jax.jit(lambda *xs: evaluate(graph, xs, None))(
+            *(jnp.asarray(a.numpy()) for a in args)
+        )
+    for g, w in zip(got, fn(*args)):
+        np.testing.assert_allclose(np.asarray(g, np.float32), w.detach().float().numpy(), rtol=1e-2)
 
 
 def test_outer_products_are_multiplications() -> None:

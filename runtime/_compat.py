@@ -41,6 +41,7 @@ __all__ = [
     "compile_unloaded",
     "ExecutableCall",
     "deserialize_executable",
+    "gathers_across_processes",
     "get_client",
     "put_sharded",
     "serialize_executable",
@@ -290,6 +291,12 @@ def to_host(a: Array) -> np.ndarray[Any, Any]:
     from jax.experimental import multihost_utils
 
     return np.array(multihost_utils.process_allgather(a, tiled=True), copy=True)
+
+
+def gathers_across_processes(a: Array) -> bool:
+    """Whether ``to_host(a)`` is a collective (``a`` is split over several processes'
+    devices): every process of the job must then read ``a`` too, at the same point."""
+    return not a.is_fully_addressable and not a.is_fully_replicated
 
 
 def to_host_view(a: Array) -> np.ndarray[Any, Any]:

@@ -32,11 +32,12 @@ named here as before.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import struct
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, BinaryIO
 
 import numpy as np
@@ -54,7 +55,7 @@ from stepbundle.schema.checkpoint_meta import (
 from ..dtypes import NUMPY_DTYPES, SAFETENSORS_CODES, from_numpy
 from ..errors import CheckpointError
 from ..io import remote
-from ..io.tensor_file import open_safetensors
+from ..io.tensor_file import SafetensorsFile, open_safetensors
 
 __all__ = [
     "CHECKPOINT_FORMAT",
@@ -65,7 +66,9 @@ __all__ = [
     "read_checkpoint",
     "read_safetensors",
     "checkpoint_digest",
+    "open_checkpoint",
     "write_checkpoint",
+    "write_order",
     "write_safetensors",
 ]
 
@@ -74,8 +77,15 @@ class OtherBundleError(CheckpointError):
     """The checkpoint was written by another bundle than the one loaded."""
 
 
-def checkpoint_digest(meta: CheckpointMeta, values: Mapping[str, np.ndarray[Any, Any]]) -> str:
-    """Hex SHA-256 of a checkpoint of ``values`` (``CheckpointDigest``'s framing)."""
+def checkpoint_digest(
+    meta: CheckpointMeta,
+    values: Mapping[str, np.ndarray[Any, Any]],
+    after: Callable[[str], None] | None = None,
+) -> str:
+    """Hex SHA-256 of a checkpoint of ``values`` (``CheckpointDigest``'s framing).
+
+    ``after(name)`` is called once each tensor is hashed (a mapped file drops its pages).
+    """
     digest = CheckpointDigest(meta)
     for name in sorted(values):
         a = np.asarray(values[name], order="C")
@@ -83,7 +93,18 @@ def checkpoint_digest(meta: CheckpointMeta, values: Mapping[str, np.ndarray[Any,
         if a.size:
             digest.update(a.reshape(-1).view(np.uint8).data)
         del a  # before the next tensor is read (a streamed state copies it then)
+        if after is not None:
+            after(name)
     return digest.hexdigest()
+
+
+def write_order(names: Iterable[str]) -> list[str]:
+    """The order in which ``write_checkpoint`` reads its values: each name once for
+    the digest, then once for its bytes, sorted each time. The processes of a job
+    take part in the gathers of a streamed write in this order (``named.OrderedReads``).
+    """
+    once = sorted(names)
+    return once + once
 
 
 def check_bundle(
@@ -202,26 +223,7 @@ def read_safetensors(
     (``tensor_file``); every way the file can be malformed raises ``CheckpointError``.
     ``path`` may be a URL: it is read from a local copy.
     """
-    local = remote.local_path(path)
-    if local is None:
-        url = os.fspath(path)
-        try:
-            with remote.downloaded(url, suffix=".safetensors") as copy:
-                try:
-                    return _read_local(copy)
-                except CheckpointError as e:  # it names the temporary copy: name the URL
-                    raise CheckpointError(str(e).replace(str(copy), url)) from None
-        except remote.RemoteError as e:
-            raise CheckpointError(f"Cannot read checkpoint {url}: {e}") from None
-        except OSError as e:
-            raise CheckpointError(f"Cannot read checkpoint {url}: {e}.") from None
-    return _read_local(local)
-
-
-def _read_local(
-    path: str | os.PathLike[str],
-) -> tuple[dict[str, np.ndarray[Any, Any]], dict[str, str]]:
-    with open_safetensors(path) as f:
+    with _open_safetensors_at(path) as f:
         return {name: f.array(name).copy() for name in f.records}, dict(f.metadata)
 
 
@@ -253,11 +255,59 @@ def read_checkpoint(
       CheckpointError: also when the checkpoint's format is not one this reader supports.
       CheckpointError: the file is malformed, or is plain safetensors without metadata.
     """
-    values, meta = read_safetensors(path)
-    checked = parse_checkpoint_metadata(path, meta)
-    if checked.sha256 is not None and checkpoint_digest(checked, values) != checked.sha256:
-        raise CheckpointError(
-            f"{os.fspath(path)} is damaged: its metadata or tensors do not match the digest "
-            "it was written with. Resume from an earlier checkpoint."
-        )
-    return values, checked
+    with open_checkpoint(path) as (f, meta):
+        return {name: f.array(name).copy() for name in f.records}, meta
+
+
+@contextlib.contextmanager
+def open_checkpoint(
+    path: str | os.PathLike[str],
+) -> Iterator[tuple[SafetensorsFile, CheckpointMeta]]:
+    """A checkpoint open for reading tensor by tensor, and its checked metadata.
+
+    Nothing is copied: ``f.array(name)`` is a read-only view of the mapped file, read
+    from disk only where it is used (a process of a multi-process job that copies only
+    its devices' pieces of each tensor reads only those). The digest is checked before
+    this yields, one tensor at a time, each tensor's pages dropped once hashed
+    (``SafetensorsFile.release``). A URL is read from a local copy, kept until the block
+    ends.
+
+    Raises:
+      CheckpointError: the file is malformed, damaged (its digest), plain safetensors
+        without metadata, or of a format this reader does not support.
+    """
+    with contextlib.ExitStack() as stack:
+        f = stack.enter_context(_open_safetensors_at(path))
+        meta = parse_checkpoint_metadata(path, dict(f.metadata))
+        if meta.sha256 is not None:
+            tensors = {name: f.array(name) for name in f.records}
+            if checkpoint_digest(meta, tensors, f.release) != meta.sha256:
+                raise CheckpointError(
+                    f"{os.fspath(path)} is damaged: its metadata or tensors do not match "
+                    "the digest it was written with. Resume from an earlier checkpoint."
+                )
+            del tensors
+        yield f, meta
+
+
+@contextlib.contextmanager
+def _open_safetensors_at(path: str | os.PathLike[str]) -> Iterator[SafetensorsFile]:
+    """``open_safetensors`` of a path or a URL (a local copy, named as the URL in errors)."""
+    local = remote.local_path(path)
+    if local is not None:
+        with open_safetensors(local) as f:
+            yield f
+        return
+    url = os.fspath(path)
+    with contextlib.ExitStack() as stack:
+        try:
+            copy = stack.enter_context(remote.downloaded(url, suffix=".safetensors"))
+        except remote.RemoteError as e:
+            raise CheckpointError(f"Cannot read checkpoint {url}: {e}") from None
+        except OSError as e:
+            raise CheckpointError(f"Cannot read checkpoint {url}: {e}.") from None
+        try:
+            f = stack.enter_context(open_safetensors(copy))
+        except CheckpointError as e:  # it names the temporary copy: name the URL
+            raise CheckpointError(str(e).replace(str(copy), url)) from None
+        yield f

@@ -22,7 +22,13 @@ from ..dtypes import NUMPY_DTYPES
 from ..errors import CheckpointError
 from ..placement.packing import Layout, Pack
 
-__all__ = ["StreamedState", "check_state_values", "host_buffers", "named_values"]
+__all__ = [
+    "OrderedReads",
+    "StreamedState",
+    "check_state_values",
+    "host_buffers",
+    "named_values",
+]
 
 
 def check_state_values(
@@ -63,17 +69,14 @@ def check_state_values(
 
 def host_buffers(
     layout: Layout, arrays: Mapping[str, np.ndarray[Any, Any]]
-) -> list[np.ndarray[Any, Any]]:
-    """The host arrays of the layout's buffers: packs concatenated, others as they are."""
-    out = []
+) -> Iterator[np.ndarray[Any, Any]]:
+    """The host arrays of the layout's buffers, one at a time: packs concatenated (a
+    pack's copy is made when its turn comes), others as they are (views stay views)."""
     for entry in layout.buffers:
         if isinstance(entry, Pack):
-            out.append(
-                np.concatenate([np.asarray(arrays[m.state]).reshape(-1) for m in entry.members])
-            )
+            yield np.concatenate([np.asarray(arrays[m.state]).reshape(-1) for m in entry.members])
         else:
-            out.append(np.asarray(arrays[entry]))
-    return out
+            yield np.asarray(arrays[entry])
 
 
 def named_values(
@@ -100,10 +103,10 @@ class StreamedState(Mapping[str, np.ndarray[Any, Any]]):
     time (plus the packs of small tensors, each copied once and kept while this object
     lives), however much state the devices hold together.
 
-    ``to_host(buffer)`` is the copy (a gather for a split buffer: in a multi-process job
-    every process would have to read the same tensors in the same order, so such jobs
-    read the whole state at once instead). ``specs`` gives each name's dtype and shape
-    without copying anything.
+    ``to_host(buffer)`` is the copy (a gather for a buffer split over several processes'
+    devices, ``gathers(buffer)``: a collective, so in a multi-process job every process
+    reads through ``OrderedReads``). ``specs`` gives each name's dtype and shape without
+    copying anything.
     """
 
     def __init__(
@@ -112,8 +115,10 @@ class StreamedState(Mapping[str, np.ndarray[Any, Any]]):
         layout: Layout,
         buffers: list[Any],
         to_host: Callable[[Any], np.ndarray[Any, Any]],
+        gathers: Callable[[Any], bool] = lambda buffer: False,
     ) -> None:
         self._to_host = to_host
+        self._gathers = gathers
         self._packs: dict[str, np.ndarray[Any, Any]] = {}
         where: dict[str, tuple[Any, Pack | None, Any]] = {}
         for entry, buf in zip(layout.buffers, buffers):
@@ -139,8 +144,70 @@ class StreamedState(Mapping[str, np.ndarray[Any, Any]]):
         piece = host[member.offset : member.offset + member.numel]
         return piece.reshape(member.shape).copy()
 
+    def touch(self, name: str) -> None:
+        """The part of reading ``name`` the other processes of a job take part in, and
+        nothing more: a gather of a split buffer (its copy dropped at once), or a split
+        pack's first read (its copy kept, as a read keeps it). No host copy of a buffer
+        this process holds whole is made."""
+        buf, pack, _ = self._where[name]
+        if not self._gathers(buf):
+            return
+        if pack is None:
+            self._to_host(buf)
+        elif pack.name not in self._packs:
+            self._packs[pack.name] = self._to_host(buf)
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._where)
 
     def __len__(self) -> int:
         return len(self._where)
+
+
+class OrderedReads(Mapping[str, np.ndarray[Any, Any]]):
+    """A ``StreamedState`` read in one order every process of a job agrees on.
+
+    Reading a tensor split over several processes' devices is a collective: all of
+    them must read the same tensors in the same order. In a multi-process job the
+    process that writes a checkpoint reads through this object, which refuses a read
+    out of ``order``; every process then calls ``finish``, which does the collective
+    part of each read left in ``order`` (``StreamedState.touch``). The writer and the
+    others (which only call ``finish``) so meet in every gather whether the write got
+    to its end or stopped part-way, and no process holds more than one gathered tensor.
+    """
+
+    def __init__(self, state: StreamedState, order: list[str]) -> None:
+        self._state = state
+        self._order = order
+        self._next = 0
+        self.specs = state.specs
+
+    def __getitem__(self, name: str) -> np.ndarray[Any, Any]:
+        i = self._next
+        if i >= len(self._order) or self._order[i] != name:
+            want = repr(self._order[i]) if i < len(self._order) else "nothing more"
+            raise CheckpointError(
+                f"The checkpoint's writer read {name!r} where every process of the job "
+                f"reads {want} (read {i + 1} of {len(self._order)}); nothing was written. "
+                "This is a bug: please report it."
+            )
+        self._next = i + 1  # counted before the read: a read is never tried twice
+        return self._state[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._state)
+
+    def __len__(self) -> int:
+        return len(self._state)
+
+    @property
+    def reads_left(self) -> int:
+        """Reads of ``order`` not made yet."""
+        return len(self._order) - self._next
+
+    def finish(self) -> None:
+        """Take part in the gathers of every read left in the order."""
+        while self._next < len(self._order):
+            name = self._order[self._next]
+            self._next += 1
+            self._state.touch(name)

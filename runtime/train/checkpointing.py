@@ -6,8 +6,8 @@ hyperparameters).
 
 What goes into a checkpoint (state under PyTorch's names, step count, seed,
 hyperparameters, schedule specs, the data position) and the agreement of a
-multi-process job (every process gathers, process 0 writes, all learn whether the file
-is in place) are decided here; the file format is ``checkpoint.py``'s.
+multi-process job (process 0 writes, every process joins each gather in one order, all
+learn whether the file is in place) are decided here; the file format is ``checkpoint.py``'s.
 
 Imports: numpy, jax/jaxlib (through _compat), stepbundle.schema.
 """
@@ -28,10 +28,11 @@ from ..state.checkpoint import (
     CHECKPOINT_FORMAT,
     CheckpointMeta,
     check_bundle,
-    read_checkpoint,
+    open_checkpoint,
     write_checkpoint,
+    write_order,
 )
-from ..state.named import check_state_values
+from ..state.named import OrderedReads, check_state_values
 from .hyper import Hyperparameters
 from .progress import Progress
 from .state_store import StateStore
@@ -70,21 +71,21 @@ class Checkpoints:
             schedules=dict(self._hp.specs),
             data=self._progress.data_position,
         )
-        # One process: each tensor is copied from the device while it is written, so
-        # the host never holds the whole state (a split tensor is gathered on its own).
-        # Several: reading a split tensor is a collective every process joins, so each
-        # reads the whole state here, in the same order, and process 0 writes it.
-        values: Mapping[str, np.ndarray[Any, Any]]
-        specs = None
-        if self._placement.process_count == 1:
-            streamed = self._store.streamed()
-            values, specs = streamed, streamed.specs
-        else:
-            values = self._store.state_dict(include_aliases=True)
+        # Each tensor is copied from the devices while it is written, so no host holds
+        # the whole state (a split tensor is gathered on its own). In a multi-process
+        # job reading a tensor split over several processes is a collective: process 0
+        # writes, reading in write_order, and every process then joins the gathers of
+        # the reads left in that order (all of them, on the others), so they meet in
+        # each one whether the write ended or failed part-way.
+        streamed = self._store.streamed()
+        values: Mapping[str, np.ndarray[Any, Any]] = streamed
+        reads: OrderedReads | None = None
+        if self._placement.process_count > 1:
+            values = reads = OrderedReads(streamed, write_order(streamed))
         failure: CheckpointError | None = None
         if self._placement.writes_files:
             try:
-                write_checkpoint(path, values, meta, specs)
+                write_checkpoint(path, values, meta, streamed.specs)
             except CheckpointError as e:  # every process must still reach the agreement
                 failure = e
             except OSError as e:  # every process must still reach the agreement below
@@ -94,6 +95,8 @@ class Checkpoints:
                     "again."
                 )
                 failure.__cause__ = e  # raised below, outside this block: keep the OSError
+        if reads is not None:
+            reads.finish()
         written = self._placement.agree(failure is None)
         if failure is not None:
             raise failure
@@ -104,18 +107,23 @@ class Checkpoints:
 
     def load(self, path: str | os.PathLike[str], *, allow_other_bundle: bool = False) -> None:
         """``Trainer.load_checkpoint``."""
-        values, meta = read_checkpoint(path)
-        check_bundle(meta, path, self._digest, allow_other_bundle=allow_other_bundle)
-        try:  # every value is checked before the state is replaced
-            for k, v in meta.hyperparameters.items():
-                if k in self._hp.values:
-                    self._hp.check(k, v, source=f"the checkpoint {os.fspath(path)}")
-            for name, spec in meta.schedules.items():
-                if name in self._hp.values and spec is not None:
-                    self._hp.check_schedule(name, spec)  # its values too, not only its form
-        except (BindingError, ValueError) as e:
-            raise CheckpointError(f"{os.fspath(path)} cannot be restored: {e}") from None
-        self._store.put(check_state_values(self._manifest, values))
+        # The tensors are views of the mapped file: each is copied to the devices when
+        # its buffer's turn comes, and in a multi-process job each process copies (and
+        # so reads from disk) only its own devices' pieces of it.
+        with open_checkpoint(path) as (f, meta):
+            check_bundle(meta, path, self._digest, allow_other_bundle=allow_other_bundle)
+            try:  # every value is checked before the state is replaced
+                for k, v in meta.hyperparameters.items():
+                    if k in self._hp.values:
+                        self._hp.check(k, v, source=f"the checkpoint {os.fspath(path)}")
+                for name, spec in meta.schedules.items():
+                    if name in self._hp.values and spec is not None:
+                        self._hp.check_schedule(name, spec)  # its values, not only its form
+            except (BindingError, ValueError) as e:
+                raise CheckpointError(f"{os.fspath(path)} cannot be restored: {e}") from None
+            values = {name: f.array(name) for name in f.records}
+            self._store.put(check_state_values(self._manifest, values))
+            del values
         progress = self._progress
         progress.step = meta.step
         if meta.seed is not None and progress.seed is not None:

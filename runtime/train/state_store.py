@@ -87,7 +87,11 @@ class StateStore:
         only when it is read (``StreamedState``)."""
         self.check_usable()
         return StreamedState(
-            self._manifest, self.layout, list(self.buffers), _compat.to_host_uncached
+            self._manifest,
+            self.layout,
+            list(self.buffers),
+            _compat.to_host_uncached,
+            _compat.gathers_across_processes,
         )
 
     def load(self, values: Mapping[str, np.ndarray[Any, Any]]) -> None:

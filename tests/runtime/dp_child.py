@@ -6,10 +6,14 @@ Joins the job through jax.distributed on localhost, loads the golden bundle NAME
 every device of the job, runs its golden steps, saves a checkpoint (written by process
 0), and writes this process's losses and state to OUT_DIR/process-<id>.npz.
 
-MODE ``zero1`` splits the optimizer state over the devices of both processes.
-MODE ``partial`` loads on the first 2 devices only (all of them process 0's) and prints
-what ``load`` raised. MODE ``unwritable`` saves a checkpoint where process 0 cannot
-write, and prints what each process raised.
+MODE ``zero1`` splits the optimizer state over the devices of both processes, ``fsdp``
+all of the state. MODE ``partial`` loads on the first 2 devices only (all of them
+process 0's) and prints what ``load`` raised. MODE ``unwritable`` (``unwritable-fsdp``:
+under FSDP) saves a checkpoint where process 0 cannot write, and prints what each
+process raised.
+
+After the checkpoint is saved every process restores it into its trainer, and writes
+the state it then holds as well (``restored/`` keys).
 """
 
 from __future__ import annotations
@@ -47,14 +51,15 @@ def main() -> None:
         except Exception as e:
             print(f"REFUSED {type(e).__name__}: {e}")
         return
+    layout = {"zero1": "zero1", "fsdp": "fsdp", "unwritable-fsdp": "fsdp"}.get(mode, "dp")
     trainer = load(
         golden_bundle(name),
         options=LoadOptions(
             compile=CompileOptions(cache_dir=False),
-            parallel=ParallelOptions(devices="all", shard_optimizer_state=mode == "zero1"),
+            parallel=ParallelOptions(devices="all", layout=layout),
         ),
     )
-    if mode == "unwritable":
+    if mode.startswith("unwritable"):
         trainer.step(golden_batches(name)[0])
         try:
             trainer.save_checkpoint("/proc/stepbundle-cannot-write-here/c.safetensors")
@@ -71,12 +76,16 @@ def main() -> None:
     # Every process reads the checkpoint process 0 wrote: the save waited for it.
     assert (out_dir / "checkpoint.safetensors").is_file()
     state = trainer.state_dict()
+    # Restored on every process, each copying its own devices' pieces from the file.
+    trainer.load_checkpoint(out_dir / "checkpoint.safetensors")
+    restored = trainer.state_dict()
     np.savez(
         out_dir / f"process-{pid}.npz",
         losses=losses,
         local_devices=np.array([d.id for d in jax.local_devices()]),
         state_bytes=np.array(sorted(trainer.state_bytes_per_device().values())),
         **{f"state/{k}": v for k, v in state.items()},
+        **{f"restored/{k}": v for k, v in restored.items()},
     )
 
 

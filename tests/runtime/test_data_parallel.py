@@ -400,14 +400,23 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-@pytest.mark.parametrize("name, zero1", [("dropout_sgd", False), ("dropout_sgd", True)])
-def test_two_processes_run_one_data_parallel_job(name: str, zero1: bool, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "name, layout", [("dropout_sgd", "dp"), ("dropout_sgd", "zero1"), ("dropout_sgd", "fsdp")]
+)
+def test_two_processes_run_one_data_parallel_job(name: str, layout: str, tmp_path: Path) -> None:
     """2 processes x 2 CPU devices, joined through jax.distributed on localhost (gloo).
 
-    With ZeRO-1 the optimizer state is split over devices of both processes, so reading
-    it back (state_dict, checkpoints) gathers it across the processes."""
-    _launch(name, tmp_path, "zero1" if zero1 else "")
+    With ZeRO-1 the optimizer state is split over devices of both processes, with FSDP
+    all of it, so reading it back (state_dict, a checkpoint streamed tensor by tensor)
+    gathers it across the processes, and restoring a checkpoint puts each process's
+    pieces back."""
+    zero1 = layout == "zero1"
+    _launch(name, tmp_path, "" if layout == "dp" else layout)
     results = [dict(np.load(tmp_path / f"process-{i}.npz")) for i in range(2)]
+    # The checkpoint restores on every process to the state it was saved from.
+    for r in results:
+        for k in [k for k in r if k.startswith("restored/")]:
+            np.testing.assert_array_equal(r[k], r["state/" + k[len("restored/") :]], err_msg=k)
     # Each process owns two devices of its own.
     assert len(set(results[0]["local_devices"]) | set(results[1]["local_devices"])) == 4
     # The two processes are one job: identical losses and state, bit for bit.
@@ -420,6 +429,8 @@ def test_two_processes_run_one_data_parallel_job(name: str, zero1: bool, tmp_pat
     if zero1:
         _, split = _optimizer_bytes(name, 4)
         assert list(held) == [replicated - split + split // 4] * 2
+    elif layout == "fsdp":  # every tensor of dropout_sgd has a dimension 4 divides
+        assert list(held) == [replicated // 4] * 2, (held, replicated)
     else:
         assert list(held) == [replicated] * 2
     state = {k[len("state/") :]: v for k, v in results[0].items() if k.startswith("state/")}
@@ -437,9 +448,14 @@ def test_a_job_must_use_devices_of_every_process(tmp_path: Path) -> None:
         assert "REFUSED PlatformError" in log and "leave out process(es) 1" in log, log[-2000:]
 
 
-def test_a_checkpoint_process_0_cannot_write_fails_on_every_process(tmp_path: Path) -> None:
-    """No process is left waiting for a file that will never come."""
-    logs = _launch("dropout_sgd", tmp_path, "unwritable", timeout=120)
+@pytest.mark.parametrize("mode", ["unwritable", "unwritable-fsdp"])
+def test_a_checkpoint_process_0_cannot_write_fails_on_every_process(
+    mode: str, tmp_path: Path
+) -> None:
+    """No process is left waiting for a file that will never come, nor in a gather:
+    under FSDP process 0's write stops after the digest's reads, and it still joins the
+    gathers of the reads the write would have made."""
+    logs = _launch("dropout_sgd", tmp_path, mode, timeout=120)
     assert "RAISED CheckpointError: Could not write the checkpoint" in logs[0], logs[0][-2000:]
     assert "stepbundle-cannot-write-here" in logs[0]
     assert "RAISED CheckpointError: Process 0 could not write" in logs[1], logs[1][-2000:]

@@ -273,6 +273,35 @@ def test_a_checkpoint_holds_one_tensor_on_the_host_at_a_time(
     assert all(getattr(b, "_npy_value", None) is None for b in store.buffers)
 
 
+def test_a_restore_copies_no_tensor_out_of_the_file(
+    layouts_on_four: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """#41 item 3, the other way: ``load_checkpoint`` hands each tensor held on its own
+    to the devices as a view of the mapped file (read-only, owning nothing: no copy of
+    it is made on the host), so a process of a job reads only its devices' pieces; only
+    the packs of small tensors are joined into new arrays."""
+    trainer, _ = layouts_on_four["fsdp"]
+    trainer.save_checkpoint(tmp_path / "c.safetensors")
+    state = trainer.state_dict()
+    placement = trainer._store.placement
+    handed: dict[str, tuple[bool, bool]] = {}
+    put = placement.put_state
+
+    def spy(name: str, a: np.ndarray) -> Any:
+        handed[name] = (a.flags.owndata, a.flags.writeable)
+        return put(name, a)
+
+    monkeypatch.setattr(placement, "put_state", spy)
+    trainer.load_checkpoint(tmp_path / "c.safetensors")
+    packs = {p.name for p in trainer._store.layout.packs}
+    alone = [n for n in trainer._store.layout.buffer_names if n not in packs]
+    assert alone and set(handed) == set(trainer._store.layout.buffer_names)
+    assert all(handed[n] == (False, False) for n in alone), handed
+    assert all(handed[n][0] for n in packs), handed  # joined: new arrays
+    for k, v in trainer.state_dict().items():
+        np.testing.assert_array_equal(v, state[k], err_msg=k)
+
+
 def test_eight_devices_fsdp_and_fsdp_tp_match_one_device(one_device: Any, tmp_path: Path) -> None:
     """8 virtual devices (a child process: this one has 4): fsdp over 8, and fsdp+tp
     as a 4 x 2 mesh."""

@@ -24,9 +24,13 @@ from stepbundle.runtime.state.checkpoint import (
     CHECKPOINT_FORMAT,
     CheckpointMeta,
     checkpoint_digest,
+    read_checkpoint,
     read_safetensors,
+    write_checkpoint,
+    write_order,
     write_safetensors,
 )
+from stepbundle.runtime.state.named import OrderedReads
 
 
 @pytest.mark.parametrize("name", ["dropout_sgd", "batchnorm_lr"])
@@ -250,3 +254,35 @@ def test_an_edited_step_or_lr_in_the_metadata_is_refused(tmp_path: Path) -> None
         with pytest.raises(CheckpointError, match="do not match the digest"):
             fresh.load_checkpoint(edited)
         assert fresh.step_count == 0
+
+
+def test_the_write_reads_its_tensors_in_the_order_every_process_joins(tmp_path: Path) -> None:
+    """A multi-process job's processes join each gather of a streamed checkpoint in
+    ``write_order``: ``write_checkpoint`` must read in exactly that order (a read out
+    of it is refused), and the file is the one ``save_checkpoint`` writes."""
+    trainer = load(golden_bundle("batchnorm_lr"))  # aliases none; packs of small tensors
+    trainer.run(golden_batches("batchnorm_lr"), 2)
+    trainer.save_checkpoint(tmp_path / "saved.safetensors")
+    streamed = trainer._store.streamed()
+    reads = OrderedReads(streamed, write_order(streamed))
+    _, meta = read_checkpoint(tmp_path / "saved.safetensors")
+    write_checkpoint(tmp_path / "ordered.safetensors", reads, meta, streamed.specs)
+    assert reads.reads_left == 0
+    saved = (tmp_path / "saved.safetensors").read_bytes()
+    assert (tmp_path / "ordered.safetensors").read_bytes() == saved
+
+
+def test_a_read_out_of_the_agreed_order_is_refused_and_finish_makes_the_rest() -> None:
+    trainer = load(golden_bundle("dropout_sgd"))
+    streamed = trainer._store.streamed()
+    order = write_order(streamed)
+    assert order == sorted(trainer.state_dict()) * 2
+    reads = OrderedReads(streamed, order)
+    np.testing.assert_array_equal(reads[order[0]], trainer.state_dict()[order[0]])
+    with pytest.raises(CheckpointError, match=f"read {order[2]!r} where .* reads {order[1]!r}"):
+        reads[order[2]]
+    assert reads.reads_left == len(order) - 1  # the refused read gathered nothing
+    reads.finish()
+    assert reads.reads_left == 0
+    with pytest.raises(CheckpointError, match="reads nothing more"):
+        reads[order[0]]

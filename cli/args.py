@@ -56,6 +56,24 @@ def devices(text: str) -> int | str:
     return n
 
 
+def tp_rule(text: str) -> tuple[str, int] | str:
+    """``--tp-rule``: ``PATTERN:DIM`` (a name pattern, and the dimension it splits over
+    the model axis), or ``defaults`` (``layout_spec.DEFAULT_TP_RULES``, at that place)."""
+    if text.strip() == "defaults":
+        return "defaults"
+    pattern, sep, dim = text.rpartition(":")
+    try:
+        d = int(dim)
+    except ValueError:
+        d = None
+    if not sep or not pattern or d is None:
+        raise argparse.ArgumentTypeError(
+            f"expected PATTERN:DIM (a parameter name pattern and the dimension to split, "
+            f"e.g. mlp.c_fc.weight:0) or 'defaults', got {text!r}"
+        )
+    return pattern, d
+
+
 def steps_per_call(text: str) -> int | Literal["auto"]:
     """``--steps-per-call``: a positive integer, or ``auto`` (runtime/auto_steps.py)."""
     if text.strip().lower() == "auto":

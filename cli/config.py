@@ -81,6 +81,7 @@ class RunConfig:
     devices: int | str = 1
     shard_optimizer_state: bool = False
     layout: str = "dp"
+    tp_rule: tuple[tuple[str, int] | str, ...] | None = None
     coordinator: str | None = None
     num_processes: int | None = None
     process_id: int | None = None
@@ -110,9 +111,9 @@ class RunConfig:
             raise TypeError(
                 f"RunConfig has no field for {', '.join(unknown)}: add one to cli/config.py."
             )
-        for key in ("entries", "lr_schedule", "set_values"):
+        for key in ("entries", "lr_schedule", "set_values", "tp_rule"):
             if isinstance(given.get(key), list):
                 given[key] = tuple(given[key])
-            elif key != "entries" and given.get(key) is None:
+            elif key not in ("entries", "tp_rule") and given.get(key) is None:
                 given.pop(key, None)
         return cls(command=args.command, **given)

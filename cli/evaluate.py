@@ -25,13 +25,14 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def _cmd_eval(args: RunConfig) -> int:
-    from stepbundle.runtime import CompileOptions, LoadOptions, ParallelOptions, load
+    from stepbundle.runtime import CompileOptions, LoadOptions, load
     from stepbundle.runtime.io.file_kinds import NotARegularFileError
     from stepbundle.runtime.train.metrics import json_safe
     from stepbundle.schema.errors import StepbundleError, UsageError
 
     from .data import DATA_ERRORS, eval_batches, is_dataset, read_npz
     from .init_from import state_options
+    from .options import parallel_options
     from .paths import check_path_kinds, refuse_missing_resume, resume_from_folder
     from .run import refuse_too_many_cpu_devices
 
@@ -66,7 +67,7 @@ def _cmd_eval(args: RunConfig) -> int:
         options = LoadOptions(
             compile=compiling,
             state=state_options(args),
-            parallel=ParallelOptions(devices=args.devices, layout=args.layout),
+            parallel=parallel_options(args),
         )
         trainer = load(args.bundle, args.device, options=options)
         if args.resume:

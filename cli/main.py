@@ -186,7 +186,7 @@ def _add_run(sub: Any) -> None:
         help="set a declared hyperparameter, e.g. --set lr=3e-4",
     )
     r.add_argument("--seed", type=types.at_least(0), help="RNG seed of the first step")
-    add(r, "--devices", "--shard-optimizer-state", "--layout", *JOB, "--expect-digest")
+    add(r, "--devices", "--shard-optimizer-state", "--layout", "--tp-rule", *JOB, "--expect-digest")
     add(r, "--stop-on-nonfinite")
     r.add_argument(
         "--step-timeout",
@@ -301,7 +301,7 @@ def _add_eval(sub: Any) -> None:
         help=argparse.SUPPRESS,
     )
     ev.add_argument("--json", action="store_true", help="print the result as one JSON object")
-    add(ev, "--devices", "--layout", help="as for run")
+    add(ev, "--devices", "--layout", "--tp-rule", help="as for run")
     add_device_options(ev)
     ev.set_defaults(fn=cmd_eval)
 

@@ -5,17 +5,29 @@
 help in its own words (``compile``: "as for run: it is part of every entry's key"). The options only one
 command has stay in that command's parser (``main.py``, ``prepare.py``).
 
-Imports: the standard library, this package's argument types.
+Imports: the standard library, this package's argument types; ``parallel_options``
+imports stepbundle.runtime when called.
 """
 
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import args as types
 
-__all__ = ["SHARED", "add", "add_device_options", "add_init_options"]
+if TYPE_CHECKING:
+    from stepbundle.runtime import ParallelOptions
+
+    from .config import RunConfig
+
+__all__ = [
+    "SHARED",
+    "add",
+    "add_device_options",
+    "add_init_options",
+    "parallel_options",
+]
 
 SHARED: dict[str, dict[str, Any]] = {
     "--resume": {
@@ -51,6 +63,16 @@ SHARED: dict[str, dict[str, Any]] = {
         "fsdp (parameters, gradients and optimizer state), each optionally +tp[:M] (a "
         "data x model mesh, M devices on the model axis, large matmul weights split over it); "
         "docs/parallel.md",
+    },
+    "--tp-rule": {
+        "type": types.tp_rule,
+        "action": "append",
+        "metavar": "PATTERN:DIM",
+        "help": "with a +tp layout, split the parameters whose names PATTERN matches (an "
+        "fnmatch pattern, whole name or dotted suffix) on dimension DIM over the model axis; "
+        "repeat it: the first rule that matches a name decides. Given, these rules replace "
+        "the default ones for transformer names; 'defaults' puts those in its place "
+        "(--tp-rule 'blocks.*.wqkv:0' --tp-rule defaults); docs/parallel.md",
     },
     "--coordinator": {
         "metavar": "HOST:PORT",
@@ -143,3 +165,28 @@ def add_device_options(parser: Any) -> None:
 def add_init_options(parser: Any) -> None:
     """Where the initial state comes from (run and eval): ``--init-from``, ``--init-strict``."""
     add(parser, "--init-from", "--init-strict")
+
+
+def parallel_options(config: RunConfig) -> ParallelOptions:
+    """``ParallelOptions`` from ``--devices``, ``--shard-optimizer-state``, ``--layout``
+    and ``--tp-rule`` (run, eval, compile).
+
+    Raises:
+      LayoutError: a layout that does not parse, or a rule ``ShardRule`` refuses.
+    """
+    from stepbundle.runtime import ParallelOptions
+    from stepbundle.runtime.placement.layout_spec import DEFAULT_TP_RULES, ShardRule
+
+    rules = None
+    if config.tp_rule is not None:
+        rules = tuple(
+            r
+            for given in config.tp_rule
+            for r in (DEFAULT_TP_RULES if isinstance(given, str) else (ShardRule(*given),))
+        )
+    return ParallelOptions(
+        devices=config.devices,
+        shard_optimizer_state=config.shard_optimizer_state,
+        layout=config.layout,
+        tp_rules=rules,
+    )

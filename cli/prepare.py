@@ -21,7 +21,7 @@ from typing import Any
 from . import args as types
 from .common import die
 from .config import RunConfig
-from .options import JOB, add, add_device_options
+from .options import JOB, add, add_device_options, parallel_options
 
 __all__ = ["add_compile", "add_pull", "cmd_compile", "cmd_pull"]
 
@@ -90,7 +90,15 @@ def add_compile(sub: Any) -> None:
     )
     same = "as for run: it is part of every entry's key"
     add(c, "--expect-digest", help=None)
-    add(c, "--devices", "--shard-optimizer-state", "--layout", "--stop-on-nonfinite", help=same)
+    add(
+        c,
+        "--devices",
+        "--shard-optimizer-state",
+        "--layout",
+        "--tp-rule",
+        "--stop-on-nonfinite",
+        help=same,
+    )
     add(c, "--pack-state", help=same)
     c.add_argument(
         "--steps-per-call", type=types.at_least(1), default=1, metavar="K", help="as for run"
@@ -115,7 +123,6 @@ def _cmd_compile(args: RunConfig) -> int:
         CacheOutcome,
         CompileOptions,
         LoadOptions,
-        ParallelOptions,
         SafetyOptions,
         StateOptions,
         load,
@@ -147,11 +154,7 @@ def _cmd_compile(args: RunConfig) -> int:
             safety=SafetyOptions(
                 expect_digest=args.expect_digest, stop_on_nonfinite=args.stop_on_nonfinite
             ),
-            parallel=ParallelOptions(
-                devices=args.devices,
-                shard_optimizer_state=args.shard_optimizer_state,
-                layout=args.layout,
-            ),
+            parallel=parallel_options(args),
         )
         trainer = load(args.bundle, args.device, options=options)
     except UsageError as e:  # an option the load refused (--layout, a missing bundle)

@@ -229,13 +229,13 @@ def _open_trainer(args: RunConfig) -> Trainer:
     from stepbundle.runtime import (
         CompileOptions,
         LoadOptions,
-        ParallelOptions,
         SafetyOptions,
         load,
     )
     from stepbundle.runtime.train.schedule import named_schedule
 
     from .init_from import state_options
+    from .options import parallel_options
     from .paths import refuse_missing_resume
 
     train = args.entry == "train"
@@ -256,11 +256,7 @@ def _open_trainer(args: RunConfig) -> Trainer:
             stop_on_nonfinite=args.stop_on_nonfinite,
             check_state=args.check_state,
         ),
-        parallel=ParallelOptions(
-            devices=args.devices,
-            shard_optimizer_state=args.shard_optimizer_state,
-            layout=args.layout,
-        ),
+        parallel=parallel_options(args),
     )
     # A sha256: bundle was found and verified in the store once (outputs._check_bundle);
     # the load reads that file, held to the digest, rather than verify it again.

@@ -277,7 +277,9 @@ class ParallelOptions:
       tp_rules: with ``+tp``, which parameters are split on which dimension over the
         model axis (``ShardRule`` s, the first match wins); None: the default rules
         for transformer names (``layout_spec.DEFAULT_TP_RULES``). A rule that
-        matches a parameter whose dimension does not divide is refused at load.
+        matches a parameter whose dimension does not divide is refused at load, unless
+        it is one of ``DEFAULT_TP_RULES`` (``(ShardRule(...), *DEFAULT_TP_RULES)``: yours
+        first, then the defaults, which keep such a parameter whole as without rules).
     """
 
     devices: int | str = 1

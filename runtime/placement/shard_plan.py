@@ -93,11 +93,14 @@ def _tp_dim(
 ) -> int | None:
     """The dimension of ``param`` split over the model axis, or None.
 
-    ``held``: the rules are the user's, so one that cannot be applied is refused.
+    ``held``: the rules are the user's, so one that cannot be applied is refused (the
+    default rules among them, ``DEFAULT_TP_RULES``' own objects, keep a parameter whole
+    with a note instead, as without rules).
     """
     rule = rule_for(param.name, rules)
     if rule is None:
         return None
+    held = held and not _is_default(rule)
     shape = param.spec.shape
     rank = len(shape)
     if not -rank <= rule.dim < rank:
@@ -128,6 +131,12 @@ def _tp_dim(
     return dim
 
 
+def _is_default(rule: ShardRule) -> bool:
+    """Whether ``rule`` is one of ``DEFAULT_TP_RULES`` (the object, not an equal rule a
+    user wrote: a user's rule that cannot be applied is refused)."""
+    return any(rule is d for d in DEFAULT_TP_RULES)
+
+
 def _data_dim(
     shape: tuple[int, ...], data: int, taken: int | None, indexed: frozenset[int] = frozenset()
 ) -> int | None:
@@ -145,7 +154,7 @@ def _tp_summary(params: list[str], tp: Mapping[str, int], held: bool) -> str:
         return (
             f"no parameter is split over the model axis: {whose} match none of this "
             "bundle's parameters that divide; write rules for its names "
-            "(ParallelOptions(tp_rules=...), docs/parallel.md)"
+            "(--tp-rule PATTERN:DIM, or ParallelOptions(tp_rules=...); docs/parallel.md)"
         )
     shown = ", ".join(split[:6]) + (", ..." if len(split) > 6 else "")
     return f"{len(split)} of {len(params)} parameters split over the model axis: {shown}"
@@ -187,7 +196,7 @@ def plan_shards(
                 tp[p.name] = dim
         if held:
             for rule in use:
-                if not any(rule.matches(name) for name in params):
+                if not _is_default(rule) and not any(rule.matches(name) for name in params):
                     raise LayoutError(
                         f"The tensor-parallel rule {str(rule)!r} matches no parameter of "
                         f"this bundle (its parameters: {', '.join(list(params)[:8])}"

@@ -478,6 +478,36 @@ def test_cli_run_takes_a_layout(tmp_path: Path) -> None:
     assert r.returncode == 2 and "does not divide the 4 device" in r.stderr, r.stderr  # usage
 
 
+def test_cli_takes_tensor_parallel_rules(tmp_path: Path) -> None:
+    """--tp-rule PATTERN:DIM, in order, in place of the defaults ('defaults' puts them
+    back): the load's notes say what the rules split; a rule that does not divide is a
+    usage error; a malformed one is argparse's."""
+    name = "dropout_sgd"  # fc1 [16, 6], fc2 [4, 16]: no name the default rules know
+    data = str(golden_bundle(name).with_suffix("").with_suffix(".inputs.npz"))
+    run = [sys.executable, "-m", "stepbundle", "run", str(golden_bundle(name)), "--no-cache"]
+    run += ["--data", data, "--steps", "1", "--devices", "4", "--layout", "fsdp+tp"]
+
+    def cli(*rules: str) -> subprocess.CompletedProcess[str]:
+        extra = [a for r in rules for a in ("--tp-rule", r)]
+        return subprocess.run([*run, *extra], capture_output=True, text=True, timeout=300)
+
+    r = cli()
+    assert r.returncode == 0 and "no parameter is split over the model axis" in r.stderr
+    assert "--tp-rule PATTERN:DIM" in r.stderr, r.stderr  # the note says how to write rules
+    r = cli("fc1.weight:0", "defaults", "fc2.weight:1")
+    assert r.returncode == 0, r.stderr
+    assert "2 of 4 parameters split over the model axis: fc1.weight, fc2.weight" in r.stderr
+    r = cli("fc2.*:0")  # fc2.bias [4] divides by 2 too
+    assert r.returncode == 0 and "2 of 4 parameters split over the model axis: " in r.stderr
+    assert "fc2.weight, fc2.bias" in r.stderr or "fc2.bias, fc2.weight" in r.stderr, r.stderr
+    r = cli("fc1.weight:1", "fc2.weight:1")  # fc1's 6 inputs split by 2; fc2's 16 too
+    assert r.returncode == 0, r.stderr
+    r = cli("fc1.weight:5")
+    assert r.returncode == 2 and "fc1.weight" in r.stderr, r.stderr
+    r = cli("fc1.weight")
+    assert r.returncode == 2 and "expected PATTERN:DIM" in r.stderr, r.stderr
+
+
 def test_cli_eval_takes_devices_and_a_layout() -> None:
     name = "linear_adamw"  # its eval entry's batch of 8 rows splits over 4 devices
     data = str(golden_bundle(name).with_suffix("").with_suffix(".inputs.npz"))

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,7 @@ class LlamaConfig:
     tied: bool = False
     rope_theta: float = 10000.0
     eps: float = 1e-5
+    checkpointed: bool = False  # each layer under torch.utils.checkpoint (recomputed)
 
 
 SIZES: dict[str, LlamaConfig] = {
@@ -146,7 +148,10 @@ class Llama(nn.Module):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = self.embed(idx)
         for layer in self.layers:
-            x = layer(x, self.cos, self.sin)
+            if self.cfg.checkpointed:
+                x = checkpoint(layer, x, self.cos, self.sin, use_reentrant=False)
+            else:
+                x = layer(x, self.cos, self.sin)
         return self.head(self.norm(x))
 
 

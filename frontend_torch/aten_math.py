@@ -23,6 +23,7 @@ import torch
 from jax import lax
 
 from .registry import OpContext, compute_dtype, is_array, lowers, select, to_dtype
+from .remat import optimization_barrier
 
 aten = torch.ops.aten
 
@@ -372,3 +373,11 @@ for _op in (operator.add, operator.sub, operator.mul, operator.truediv, operator
     lowers(_op)(lambda ctx, a, b, _f=_op: _f(a, b))
 lowers(operator.neg)(lambda ctx, a: -a)
 lowers(operator.getitem)(lambda ctx, a, i: a[i])
+
+
+# ------------------------------------------------ activation checkpointing (remat.py)
+
+
+@lowers(optimization_barrier._opoverload)
+def _optimization_barrier(ctx: OpContext, xs: list[Any]) -> list[Any]:
+    return list(lax.optimization_barrier(list(xs)))

@@ -40,6 +40,7 @@ from stepbundle.frontend.step_io import checked_metrics, hyperparameter_values
 from stepbundle.schema.manifest import StateKind
 
 from . import graph as g
+from .remat import recompute_behind_barriers
 from .state import Sandbox, Slot
 
 __all__ = ["Capture", "Functional", "Hyper", "capture", "functional"]
@@ -279,7 +280,7 @@ def capture(
     hyper_values = hyperparameter_values(recipe.optimizer)
     rng = torch.random.get_rng_state()
     try:
-        with _as_if_compiling():
+        with _as_if_compiling(), recompute_behind_barriers():
             first = make_fx(
                 pure,
                 tracing_mode="fake",

@@ -38,7 +38,7 @@ from stepbundle.frontend.step_check import CPU_EAGER, CannotReproduce, Reference
 
 from .graph import random_nodes
 from .lowering import SEED_IMPL
-from .registry import LOWERINGS, OpContext
+from .registry import LOWERINGS, OpContext, draws_nothing
 
 __all__ = ["Draw", "draws_of", "replaying"]
 
@@ -98,20 +98,6 @@ def _to_torch(value: Any, like: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(a.copy()).to(like.dtype)
 
 
-def _draws_nothing(func: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> bool:
-    """An operator tagged random only for its dropout (the SDPA kernels) with dropout_p 0."""
-    names = [a.name for a in func._schema.arguments]
-    if "dropout_p" not in names:
-        return False
-    i = names.index("dropout_p")
-    p = (
-        args[i]
-        if i < len(args)
-        else kwargs.get("dropout_p", func._schema.arguments[i].default_value)
-    )
-    return isinstance(p, (int, float)) and float(p) == 0.0
-
-
 class _Replay(TorchDispatchMode):  # type: ignore[no-untyped-call]
     """Hands each random operator the eager step runs the program's draw for it."""
 
@@ -130,7 +116,7 @@ class _Replay(TorchDispatchMode):  # type: ignore[no-untyped-call]
     ) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if torch.Tag.nondeterministic_seeded not in func.tags or _draws_nothing(func, args, kwargs):
+        if torch.Tag.nondeterministic_seeded not in func.tags or draws_nothing(func, args, kwargs):
             return out
         traced = _AS_TRACED.get(func)
         k = self.done

@@ -16,7 +16,7 @@ Imports: torch, jax, numpy.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +27,7 @@ import torch
 
 __all__ = [
     "LOWERINGS",
+    "draws_nothing",
     "OpContext",
     "compute_dtype",
     "jax_dtype",
@@ -131,3 +132,17 @@ class OpContext:
 
 def is_array(x: Any) -> bool:
     return isinstance(x, (jax.Array, np.ndarray)) or hasattr(x, "aval")
+
+
+def draws_nothing(func: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> bool:
+    """An operator tagged random only for its dropout (the SDPA kernels) with dropout_p 0."""
+    names = [a.name for a in func._schema.arguments]
+    if "dropout_p" not in names:
+        return False
+    i = names.index("dropout_p")
+    p = (
+        args[i]
+        if i < len(args)
+        else kwargs.get("dropout_p", func._schema.arguments[i].default_value)
+    )
+    return isinstance(p, (int, float)) and float(p) == 0.0

@@ -79,7 +79,9 @@ _BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2, 
 
 
 # ------------------------------------------------------------------------- export
-def export(model: str, out: str, rows: list[int], layers: int | None = None) -> None:
+def export(
+    model: str, out: str, rows: list[int], layers: int | None = None, checkpointed: bool = False
+) -> None:
     """Export ``model`` (``llama.py``'s sizes) weights-free with one shape bucket per
     entry of ``rows`` (global batch rows), the first one first; ``layers``: that many
     layers instead of the size's own (a study bundle of the same widths, whose program
@@ -96,6 +98,7 @@ def export(model: str, out: str, rows: list[int], layers: int | None = None) -> 
     cfg = dataclasses.replace(llama.SIZES[model], batch=rows[0])
     if layers is not None:
         cfg = dataclasses.replace(cfg, layers=layers)
+    cfg = dataclasses.replace(cfg, checkpointed=checkpointed)
     recipe = llama.recipe(cfg)
 
     def batch(n: int) -> dict[str, torch.Tensor]:
@@ -107,7 +110,7 @@ def export(model: str, out: str, rows: list[int], layers: int | None = None) -> 
     report = export_bundle(recipe, out, check=False, progress=lambda m: print(m, file=sys.stderr))
     print(
         json.dumps(
-            {"model": model, "layers": cfg.layers, "rows": rows,
+            {"model": model, "layers": cfg.layers, "rows": rows, "checkpointed": checkpointed,
              "export_s": time.perf_counter() - t0,
              "bytes": report.size, "stages_s": report.stage_seconds}
         )
@@ -384,6 +387,11 @@ def main() -> int:
     e.add_argument("out")
     e.add_argument("--rows", type=int, nargs="+", default=[8, 16, 64, 256])
     e.add_argument("--layers", type=int, default=None, help="instead of the size's own")
+    e.add_argument(
+        "--checkpointed",
+        action="store_true",
+        help="each layer under torch.utils.checkpoint (activation checkpointing)",
+    )
     c = sub.add_parser("compile", help="compile for each slice and layout (libtpu)")
     c.add_argument("bundle")
     c.add_argument("--model", required=True)
@@ -401,7 +409,7 @@ def main() -> int:
     k.add_argument("layout")
     a = p.parse_args()
     if a.command == "export":
-        export(a.model, a.out, a.rows, a.layers)
+        export(a.model, a.out, a.rows, a.layers, a.checkpointed)
     elif a.command == "compile":
         compile_all(a)
     elif a.command == "table":

@@ -155,7 +155,8 @@ def compile_all(folder: str, out: str) -> None:
     for model, ckpt in (("mlp", "mlp-checkpointed"), ("mlp (reentrant)", "mlp-reentrant-"
                         "checkpointed"), ("llama117m", "llama117m-checkpointed")):  # fmt: skip
         stem = model.split(" ")[0]
-        none, before, new = by.get(f"{stem}-none"), by.get(f"{stem}-before"), by.get(ckpt)
+        none, new = by.get(f"{stem}-none"), by.get(ckpt)
+        before = by.get(ckpt.replace("checkpointed", "before"))  # the same kind, before
         if none is None or new is None:
             continue
         b = f"{before['temporaries_mib']:.1f} MiB" if before else "-"

@@ -72,7 +72,7 @@ SHARED: dict[str, dict[str, Any]] = {
         "fnmatch pattern, whole name or dotted suffix) on dimension DIM over the model axis; "
         "repeat it: the first rule that matches a name decides. Given, these rules replace "
         "the default ones for transformer names; 'defaults' puts those in its place "
-        "(--tp-rule 'blocks.*.wqkv:0' --tp-rule defaults); docs/parallel.md",
+        "(--tp-rule 'blocks.*.wqkv.weight:0' --tp-rule defaults); docs/parallel.md",
     },
     "--coordinator": {
         "metavar": "HOST:PORT",

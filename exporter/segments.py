@@ -3,20 +3,17 @@
 torch_xla's checkpoint is reentrant; a segment none of whose inputs needs grad silently
 trains nothing inside it, so the exporter refuses that up front.
 
-Imports: torch, stepbundle.exporter.xla (torch_xla's checkpoint class),
-stepbundle.frontend.errors (frontend_core/errors.py).
+Imports: stepbundle.exporter.xla (torch_xla's checkpoint class),
+stepbundle.frontend.segments (frontend_core/segments.py: the refusal both front-ends make).
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-import torch
-
-from stepbundle.frontend.errors import ExportError
+from stepbundle.frontend.segments import refuse_gradless_reentrant_segment
 
 from . import xla
 
@@ -55,35 +52,12 @@ def counting_checkpoints() -> Iterator[list[int]]:
             del fn.apply
 
 
-def _segment_parameters(run_function: Any) -> list[str]:
-    """The trainable parameters a checkpointed segment visibly owns, by name: those of
-    a module, of a module's bound method, or of either wrapped in ``functools.partial``."""
-    fn = run_function
-    while isinstance(fn, functools.partial):
-        fn = fn.func
-    owner = fn if isinstance(fn, torch.nn.Module) else getattr(fn, "__self__", None)
-    if not isinstance(owner, torch.nn.Module):
-        return []
-    return [n for n, p in owner.named_parameters() if p.requires_grad]
-
-
 def _refuse_gradless_reentrant_segment(run_function: Any, args: Sequence[Any]) -> None:
-    """torch_xla's checkpoint is reentrant: a segment none of whose tensor inputs needs
-    grad runs without autograd, so the parameters inside it get no gradient and silently
-    stop training (torch's documented behaviour of ``use_reentrant=True``)."""
-    if not torch.is_grad_enabled():
-        return
-    if any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
-        return
-    params = _segment_parameters(run_function)
-    if not params:
-        return
-    shown = ", ".join(params[:4]) + (" ..." if len(params) > 4 else "")
-    raise ExportError(
-        "A torch_xla.utils.checkpoint segment receives no input that requires grad, so "
-        f"its parameters ({shown}) would get no gradients: torch_xla's checkpoint is "
-        "reentrant (use_reentrant=False is not supported on XLA), and a reentrant "
-        "segment is only differentiated through its inputs. Pass the segment at least "
-        "one input that requires grad (checkpoint it after a trainable layer, or call "
-        "x.requires_grad_() on its input first), or do not checkpoint that segment."
+    """torch_xla's checkpoint is reentrant (``use_reentrant=False`` is not supported on
+    XLA): ``frontend_core/segments.py``'s refusal."""
+    refuse_gradless_reentrant_segment(
+        run_function,
+        args,
+        "torch_xla.utils.checkpoint (reentrant: use_reentrant=False is not supported on XLA)",
+        "",
     )

@@ -148,7 +148,9 @@ CPU_EAGER = Reference("PyTorch eager on the CPU", _cpu_step, float64=True)
 
 @contextlib.contextmanager
 def _autocast_seen(model: torch.nn.Module) -> Iterator[list[bool]]:
-    """Records whether the model's forward ran under autocast (any device type)."""
+    """Records whether any of the model's modules ran under autocast (any device type):
+    the step may enter it around the model, or the model inside its own forward (then
+    only the modules it calls see it)."""
     seen = [False]
 
     def hook(*_: Any) -> None:
@@ -157,11 +159,12 @@ def _autocast_seen(model: torch.nn.Module) -> Iterator[list[bool]]:
                 if torch.is_autocast_enabled(device_type):
                     seen[0] = True
 
-    handle = model.register_forward_pre_hook(hook)
+    handles = [m.register_forward_pre_hook(hook) for m in model.modules()]
     try:
         yield seen
     finally:
-        handle.remove()
+        for handle in handles:
+            handle.remove()
 
 
 def _copies(recipe: Recipe) -> tuple[torch.nn.Module, torch.optim.Optimizer]:

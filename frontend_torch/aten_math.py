@@ -380,4 +380,4 @@ lowers(operator.getitem)(lambda ctx, a, i: a[i])
 
 @lowers(optimization_barrier._opoverload)
 def _optimization_barrier(ctx: OpContext, xs: list[Any]) -> list[Any]:
-    return list(lax.optimization_barrier(list(xs)))
+    return list(lax.optimization_barrier(list(xs)))  # type: ignore[no-untyped-call]

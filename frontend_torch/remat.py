@@ -29,6 +29,7 @@ from torch.utils import checkpoint as torch_checkpoint
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from stepbundle.frontend.errors import ExportError
+from stepbundle.frontend.segments import refuse_gradless_reentrant_segment
 
 from .registry import draws_nothing
 
@@ -61,7 +62,7 @@ def _backward(ctx: Any, grads: list[torch.Tensor | None]) -> list[torch.Tensor |
 optimization_barrier.register_autograd(_backward, setup_context=_setup)
 
 
-class _NoDraws(TorchDispatchMode):
+class _NoDraws(TorchDispatchMode):  # type: ignore[no-untyped-call]
     """Refuses a random draw in a recomputation that restores the RNG state: eager
     PyTorch's recomputation draws the forward's numbers again (its dropout masks), but
     this front-end's program gives each random operator its own draw (``lowering.py``),
@@ -76,10 +77,11 @@ class _NoDraws(TorchDispatchMode):
                 "recomputes the segment (preserve_rng_state=True), and this front-end's "
                 "program cannot yet draw the same numbers twice, so its backward pass would "
                 "use other dropout masks than its forward. Set the dropout inside checkpointed "
-                "segments to 0 (a Hugging Face model: resid_pdrop/attn_pdrop/hidden_dropout "
-                "and attention_dropout in its config), checkpoint with "
-                "preserve_rng_state=False, or export with the torch_xla front-end and "
-                "torch_xla.utils.checkpoint, whose recomputation replays them."
+                "segments to 0, or checkpoint with preserve_rng_state=False (eager PyTorch "
+                "then draws new numbers too; a Hugging Face model: model."
+                "gradient_checkpointing_enable(gradient_checkpointing_kwargs="
+                "{'preserve_rng_state': False})), or export with the torch_xla front-end "
+                "and torch_xla.utils.checkpoint, whose recomputation replays them."
             )
         return func(*args, **kwargs)
 
@@ -107,33 +109,37 @@ def _behind_barrier(
 
     @functools.wraps(fn)
     def run(*args: Any, **kwargs: Any) -> Any:
-        at = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+        # Tensors anywhere in the arguments (a tuple of rotary tables, the keyword
+        # arguments some torch versions hand the recomputation as a dict).
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        at = [i for i, a in enumerate(leaves) if isinstance(a, torch.Tensor)]
         if not at:
             return fn(*args, **kwargs)
-        held = optimization_barrier([args[i] for i in at] + after())[: len(at)]
-        new = list(args)
+        held = optimization_barrier([leaves[i] for i in at] + after())[: len(at)]
         for i, t in zip(at, held):
             # The gradient of what the segment computes flows back into the input as it
             # would without the barrier (the reentrant kind reads it off the input).
-            new[i] = t
-        with _NoDraws() if restores_rng else contextlib.nullcontext():
+            leaves[i] = t
+        new, kwargs = pytree.tree_unflatten(leaves, spec)
+        with _NoDraws() if restores_rng else contextlib.nullcontext():  # type: ignore[no-untyped-call]
             return fn(*new, **kwargs)
 
     return run
 
 
-class _LastResult(TorchDispatchMode):
-    """Remembers the last floating-point tensor an operator made while it is on."""
+class _Results(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """Keeps the floating-point tensors operators make while it is on, in order (whether
+    one requires grad is known only once autograd has seen it, after the operator)."""
 
     def __init__(self) -> None:
-        super().__init__()
-        self.last: torch.Tensor | None = None
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.made: list[torch.Tensor] = []
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
         for t in pytree.tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.is_floating_point():
-                self.last = t
+                self.made.append(t)
         return out
 
 
@@ -157,30 +163,46 @@ def recompute_behind_barriers() -> Iterator[list[int]]:
         def __init__(self, frame: Any) -> None:
             super().__init__(frame)
             self._frame = frame
-            self._mode = _LastResult()
+            self._mode = _Results()
 
         def __enter__(self) -> Any:
             out = super().__enter__()
-            self._mode.__enter__()
+            self._mode.__enter__()  # type: ignore[no-untyped-call]
             return out
 
         def __exit__(self, *exc: Any) -> Any:
-            self._mode.__exit__(*exc)
-            last = self._mode.last
-            if last is not None and last.requires_grad:
+            self._mode.__exit__(*exc)  # type: ignore[no-untyped-call]
+            # The last result that autograd differentiates (a detached metric the segment
+            # also returns, say, gets no gradient to wait for).
+            last = next((t for t in reversed(self._mode.made) if t.requires_grad), None)
+            self._mode.made.clear()
+            if last is not None:
                 arrived = self._frame._stepbundle_arrived
-                last.register_hook(lambda g: arrived.append(g) if g is not None else None)
+                hook = lambda g: arrived.append(g) if g is not None else None  # noqa: E731
+                last.register_hook(hook)  # type: ignore[no-untyped-call]
             return super().__exit__(*exc)
 
     def init(self: Any, recompute_fn: Any, *rest: Any, **kw: Any) -> None:
         count[0] += 1
-        self._stepbundle_arrived = arrived = []
+        arrived: list[torch.Tensor] = []
+        self._stepbundle_arrived = arrived
         run = _behind_barrier(recompute_fn, lambda: list(arrived), _restores_rng(recompute_fn))
         frame_init(self, run, *rest, **kw)
 
     def reentrant_forward(ctx: Any, run_function: Any, preserve: Any, *args: Any) -> Any:
         count[0] += 1
         return forward.__func__(ctx, run_function, preserve, *args)
+
+    # apply, not forward, sees the caller's grad mode (autograd runs forward without grad).
+    own_apply = reentrant.__dict__.get("apply")
+    saved_apply = reentrant.apply
+
+    def apply(cls: Any, run_function: Any, preserve: Any, *args: Any) -> Any:
+        refuse_gradless_reentrant_segment(
+            run_function, args, "torch.utils.checkpoint(..., use_reentrant=True)",
+            "checkpoint with use_reentrant=False",
+        )  # fmt: skip
+        return saved_apply(run_function, preserve, *args)
 
     def reentrant_backward(ctx: Any, *grads: Any) -> Any:
         run = ctx.run_function  # what backward runs again
@@ -193,11 +215,16 @@ def recompute_behind_barriers() -> Iterator[list[int]]:
 
     frame_cls.__init__ = init  # type: ignore[method-assign]
     torch_checkpoint._checkpoint_hook = watched  # type: ignore[misc]
-    reentrant.forward = staticmethod(reentrant_forward)  # type: ignore[method-assign,assignment]
-    reentrant.backward = staticmethod(reentrant_backward)  # type: ignore[method-assign,assignment]
+    reentrant.forward = staticmethod(reentrant_forward)  # type: ignore[method-assign]
+    reentrant.backward = staticmethod(reentrant_backward)  # type: ignore[method-assign]
+    reentrant.apply = classmethod(apply)
     try:
         yield count
     finally:
+        if own_apply is not None:
+            reentrant.apply = own_apply
+        else:  # inherited from torch.autograd.Function
+            del reentrant.apply
         frame_cls.__init__ = frame_init  # type: ignore[method-assign]
         torch_checkpoint._checkpoint_hook = hook_cls  # type: ignore[misc]
         reentrant.forward = forward  # type: ignore[method-assign]

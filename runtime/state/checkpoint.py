@@ -265,11 +265,10 @@ def open_checkpoint(
 ) -> Iterator[tuple[SafetensorsFile, CheckpointMeta]]:
     """A checkpoint open for reading tensor by tensor, and its checked metadata.
 
-    Nothing is copied: ``f.array(name)`` is a read-only view of the mapped file, read
-    from disk only where it is used (a process of a multi-process job that copies only
-    its devices' pieces of each tensor reads only those). The digest is checked before
-    this yields, one tensor at a time, each tensor's pages dropped once hashed
-    (``SafetensorsFile.release``). A URL is read from a local copy, kept until the block
+    Nothing is copied: ``f.array(name)`` is a read-only view of the mapped file (a
+    process of a multi-process job copies only its devices' pieces of each tensor from
+    it). The digest is checked before this yields, over the whole file one tensor at a
+    time, each tensor's pages dropped once hashed (``SafetensorsFile.release``). A URL is read from a local copy, kept until the block
     ends.
 
     Raises:

@@ -95,6 +95,16 @@ class Checkpoints:
                     "again."
                 )
                 failure.__cause__ = e  # raised below, outside this block: keep the OSError
+            except Exception as e:
+                if reads is None:  # one process: nobody waits for it
+                    raise
+                # In a job, anything else too: the others are waiting in the gathers and
+                # then the agreement, so this process still joins both before raising.
+                failure = CheckpointError(
+                    f"Could not write the checkpoint {os.fspath(path)!r}: "
+                    f"{type(e).__name__}: {e}. The previous checkpoint files are untouched."
+                )
+                failure.__cause__ = e
         if reads is not None:
             reads.finish()
         written = self._placement.agree(failure is None)
@@ -108,8 +118,9 @@ class Checkpoints:
     def load(self, path: str | os.PathLike[str], *, allow_other_bundle: bool = False) -> None:
         """``Trainer.load_checkpoint``."""
         # The tensors are views of the mapped file: each is copied to the devices when
-        # its buffer's turn comes, and in a multi-process job each process copies (and
-        # so reads from disk) only its own devices' pieces of it.
+        # its buffer's turn comes, and in a multi-process job each process copies only
+        # its own devices' pieces of it (the digest's check has read the whole file once,
+        # a tensor at a time).
         with open_checkpoint(path) as (f, meta):
             check_bundle(meta, path, self._digest, allow_other_bundle=allow_other_bundle)
             try:  # every value is checked before the state is replaced
@@ -122,7 +133,10 @@ class Checkpoints:
             except (BindingError, ValueError) as e:
                 raise CheckpointError(f"{os.fspath(path)} cannot be restored: {e}") from None
             values = {name: f.array(name) for name in f.records}
-            self._store.put(check_state_values(self._manifest, values))
+            # Each tensor's pages dropped once its buffer is placed (one read under an
+            # alias only keeps its pages until the file is closed).
+            release = lambda name: f.release(name) if name in f.records else None  # noqa: E731
+            self._store.put(check_state_values(self._manifest, values), after=release)
             del values
         progress = self._progress
         progress.step = meta.step

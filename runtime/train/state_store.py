@@ -12,7 +12,7 @@ Imports: numpy, jax/jaxlib (through _compat), stepbundle.schema.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -22,7 +22,7 @@ from stepbundle.schema.manifest import Manifest
 from .. import _compat
 from ..compile.state_masks import MaskPins
 from ..errors import BindingError
-from ..placement.packing import Layout
+from ..placement.packing import Layout, Pack
 from ..placement.sharding import Placement
 from ..state.named import StreamedState, check_state_values, host_buffers, named_values
 
@@ -98,17 +98,31 @@ class StateStore:
         """Replace the state with ``values`` (every state name, exact dtypes and shapes)."""
         self.put(check_state_values(self._manifest, values))
 
-    def put(self, arrays: Mapping[str, np.ndarray[Any, Any]]) -> None:
+    def put(
+        self,
+        arrays: Mapping[str, np.ndarray[Any, Any]],
+        after: Callable[[str], None] | None = None,
+    ) -> None:
         """Replace the state with ``arrays``, already checked against the state table.
+
+        ``after(state_name)`` is called for each state tensor once its buffer is on the
+        devices (a mapped checkpoint file drops that tensor's pages).
 
         Raises:
           FusedMaskError: ``arrays`` changes a mask buffer a fused program assumes.
         """
         self.pins.check(arrays)
-        self.buffers = [
-            self.placement.put_state(name, a)
-            for name, a in zip(self.layout.buffer_names, host_buffers(self.layout, arrays))
-        ]
+        buffers = []
+        for entry, name, a in zip(
+            self.layout.buffers, self.layout.buffer_names, host_buffers(self.layout, arrays)
+        ):
+            buffers.append(self.placement.put_state(name, a))
+            del a
+            if after is not None:
+                names = [m.state for m in entry.members] if isinstance(entry, Pack) else [entry]
+                for state_name in names:
+                    after(state_name)
+        self.buffers = buffers
         self.broken = None
 
     def block_until_ready(self) -> None:

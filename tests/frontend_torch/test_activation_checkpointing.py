@@ -5,7 +5,7 @@
 the forward: each segment's recomputation reads its inputs through an
 ``optimization_barrier`` that also holds a gradient of the backward pass, so it runs where
 the backward needs it. That it saves memory is XLA's doing on the TPU (XLA's CPU backend
-drops the barriers): ``benchmarks/activation_checkpointing.py`` compiles for a v5e
+drops the barriers): ``benchmarks/device/activation_checkpointing.py`` compiles for a v5e
 offline. Here: the program's form, the export check against eager PyTorch, and the
 refusal of dropout inside a segment whose recomputation restores the RNG state.
 """
@@ -145,3 +145,55 @@ def test_dropout_inside_a_segment_that_draws_anew_exports(tmp_path: Path) -> Non
     report = export(_recipe(model), tmp_path / "d.stepbundle", check=True)
     assert report.check.ran and not report.check.reason, report.check
     assert _barriers(_program(tmp_path / "d.stepbundle")) == [2, 2, 2]
+
+
+def test_a_reentrant_segment_without_an_input_that_requires_grad_is_refused(
+    tmp_path: Path,
+) -> None:
+    """Eager PyTorch only warns, and the segment's parameters silently get no gradient;
+    the torch_xla front-end refuses the same step (frontend_core/segments.py)."""
+
+    class Gradless(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.block, self.head = Block(0.0), nn.Linear(16, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(checkpoint(self.block, x, use_reentrant=True))
+
+    torch.manual_seed(0)
+    with pytest.raises(ExportError, match=r"parameters \(a.weight, a.bias, b.weight, b.bias\)"):
+        export(_recipe(Gradless()), tmp_path / "g.stepbundle")
+
+
+def test_a_segment_whose_last_result_is_detached_still_waits_for_a_gradient(
+    tmp_path: Path,
+) -> None:
+    """use_reentrant=False: the gradient the barrier waits for is that of the last result
+    autograd differentiates, not of a detached metric the segment also returns (review:
+    the barrier had held the input alone, which XLA may recompute with the forward)."""
+
+    class Both(Block):
+        def forward(self, x: torch.Tensor) -> Any:  # type: ignore[override]
+            h = super().forward(x)
+            return h, h.detach().mean()
+
+    class Outer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inp, self.blocks, self.head = (
+                nn.Linear(16, 16),
+                nn.ModuleList([Both(0.0), Both(0.0)]),
+                nn.Linear(16, 4),
+            )
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = self.inp(x)
+            for block in self.blocks:
+                x, _ = checkpoint(block, x, use_reentrant=False)
+            return self.head(x)
+
+    torch.manual_seed(0)
+    report = export(_recipe(Outer()), tmp_path / "b.stepbundle", check=True)
+    assert report.check.ran and not report.check.reason, report.check
+    assert _barriers(_program(tmp_path / "b.stepbundle")) == [2, 2]

@@ -81,12 +81,34 @@ def _join_job(args: RunConfig) -> bool:
             "--devices all (or a number that covers every process's devices)."
         )
     if multi:
+        _records_only_on_stdout()
         distributed.initialize(
             args.coordinator, args.num_processes, args.process_id, cpu_devices=cpu_devices
         )
     elif cpu_devices is not None:
         distributed.set_cpu_devices(cpu_devices)
     return multi
+
+
+def _records_only_on_stdout() -> None:
+    """Keep stdout for the command's own records (``--json``) in a multi-process job.
+
+    The collectives' C++ library (gloo, on the CPU) prints "[Gloo] Rank N is connected to
+    ..." lines on the process's standard output, where they would break a reader of the
+    JSON records. From here on, file descriptor 1 is stderr for whatever writes to it
+    directly, and Python's ``sys.stdout`` writes to the original stdout (a duplicate of
+    it). Before anything holds ``sys.stdout``: called before the job is joined.
+    """
+    sys.stdout.flush()
+    records = os.dup(sys.stdout.fileno())
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+    sys.stdout = open(  # noqa: SIM115 - the process's stdout from now on
+        records,
+        "w",
+        buffering=1 if sys.stdout.line_buffering else -1,
+        encoding=sys.stdout.encoding,
+        errors=sys.stdout.errors,
+    )
 
 
 # Calls dispatched and not known to be finished, at most (see _run_train's pace): two

@@ -11,6 +11,7 @@ updating) moves them by orders of magnitude more.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -659,3 +660,37 @@ def test_cli_sigterm_stops_every_process_of_a_job(tmp_path: Path) -> None:
     for p in stopped:
         assert p.stderr is not None
         assert "SIGTERM: stopping this process of the job" in p.stderr.read()
+
+
+def test_cli_json_records_of_a_job_are_alone_on_stdout(tmp_path: Path) -> None:
+    """A new user's finding: the collectives' C++ library printed "[Gloo] Rank N is
+    connected ..." on stdout, ahead of process 0's --json records; it goes to stderr now,
+    and stdout holds the records alone (process 1's holds nothing)."""
+    name = "dropout_sgd"
+    data = str(golden_bundle(name).with_suffix("").with_suffix(".inputs.npz"))
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    run = [sys.executable, "-m", "stepbundle", "run", str(golden_bundle(name)), "--no-cache"]
+    run += ["--data", data, "--steps", "2", "--devices", "4", "--json"]
+    procs = [
+        subprocess.Popen(
+            [*run, "--coordinator", f"localhost:{port}", "--num-processes", "2"]
+            + ["--process-id", str(i)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for i in range(2)
+    ]
+    try:
+        outs = [p.communicate(timeout=150) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    records = [json.loads(line) for line in outs[0][0].splitlines()]
+    assert [r["step"] for r in records] == [0, 1], outs[0][0]
+    assert outs[1][0] == "", outs[1][0]

@@ -368,31 +368,35 @@ def test_zero1_splits_optimizer_state_and_computes_the_same(tmp_path: Path) -> N
 def _launch(name: str, tmp_path: Path, mode: str = "", timeout: float = 150) -> list[str]:
     """Run dp_child.py as 2 processes x 2 CPU devices; return their outputs."""
     port = _free_port()
+    child = [sys.executable, str(HERE / "dp_child.py")]
+    tail = [str(tmp_path)] + ([mode] if mode else [])
+    outs = _job(
+        [[*child, str(i), "2", str(port), "2", name, *tail] for i in range(2)], timeout=timeout
+    )
+    for code, log, _ in outs:
+        assert code == 0, log[-3000:]
+    return [log for _, log, _ in outs]
+
+
+def _job(
+    commands: list[list[str]], *, timeout: float = 150, stderr_apart: bool = False
+) -> list[tuple[int, str, str]]:
+    """Run the processes of one job side by side (without the tests' XLA_FLAGS); each
+    one's exit code, stdout and stderr (stderr within stdout unless ``stderr_apart``).
+    Whatever is still running when this returns or raises is killed."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    err = subprocess.PIPE if stderr_apart else subprocess.STDOUT
     procs = [
-        subprocess.Popen(
-            [sys.executable, str(HERE / "dp_child.py"), str(i), "2", str(port), "2", name]
-            + [str(tmp_path)]
-            + ([mode] if mode else []),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=env,
-        )
-        for i in range(2)
+        subprocess.Popen(c, stdout=subprocess.PIPE, stderr=err, text=True, env=env)
+        for c in commands
     ]
-    logs = []
     try:
-        for p in procs:
-            out, _ = p.communicate(timeout=timeout)  # the test bounds its own run time
-            logs.append(out)
+        outs = [p.communicate(timeout=timeout) for p in procs]
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
-    for p, log in zip(procs, logs):
-        assert p.returncode == 0, log[-3000:]
-    return logs
+    return [(p.returncode, out, e or "") for p, (out, e) in zip(procs, outs)]
 
 
 def _free_port() -> int:
@@ -584,26 +588,11 @@ def test_two_processes_read_disjoint_rows_of_a_dataset_and_match_one_device(
         rows_per_shard=20,
     )
     port = _free_port()
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(HERE / "dp_data_child.py"), str(i), "2", str(port), "2"]
-            + [str(data), str(tmp_path)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=env,
-        )
-        for i in range(2)
-    ]
-    try:
-        logs = [p.communicate(timeout=150)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for p, log in zip(procs, logs):
-        assert p.returncode == 0, log[-3000:]
+    child = [sys.executable, str(HERE / "dp_data_child.py")]
+    for code, log, _ in _job(
+        [[*child, str(i), "2", str(port), "2", str(data), str(tmp_path)] for i in range(2)]
+    ):
+        assert code == 0, log[-3000:]
     a, b = (np.load(tmp_path / f"process-{i}.npz") for i in range(2))
     # Each process gathered 4 of the 8 rows of each of the 6 global batches, and no row
     # of a batch was read by both.
@@ -669,28 +658,12 @@ def test_cli_json_records_of_a_job_are_alone_on_stdout(tmp_path: Path) -> None:
     name = "dropout_sgd"
     data = str(golden_bundle(name).with_suffix("").with_suffix(".inputs.npz"))
     port = _free_port()
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     run = [sys.executable, "-m", "stepbundle", "run", str(golden_bundle(name)), "--no-cache"]
     run += ["--data", data, "--steps", "2", "--devices", "4", "--json"]
-    procs = [
-        subprocess.Popen(
-            [*run, "--coordinator", f"localhost:{port}", "--num-processes", "2"]
-            + ["--process-id", str(i)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
-        for i in range(2)
-    ]
-    try:
-        outs = [p.communicate(timeout=150) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for p, (_, err) in zip(procs, outs):
-        assert p.returncode == 0, err[-3000:]
-    records = [json.loads(line) for line in outs[0][0].splitlines()]
-    assert [r["step"] for r in records] == [0, 1], outs[0][0]
-    assert outs[1][0] == "", outs[1][0]
+    run += ["--coordinator", f"localhost:{port}", "--num-processes", "2"]
+    outs = _job([[*run, "--process-id", str(i)] for i in range(2)], stderr_apart=True)
+    for code, _, err in outs:
+        assert code == 0, err[-3000:]
+    records = [json.loads(line) for line in outs[0][1].splitlines()]
+    assert [r["step"] for r in records] == [0, 1], outs[0][1]
+    assert outs[1][1] == "", outs[1][1]

@@ -493,6 +493,11 @@ VARIANTS = {
     "the kernels (fused_attention.FLOAT32_COMPUTE; bf16 is the default)",
     "narrow-gathers": "gathers from widened float values pick from the narrow value and "
     "widen what they picked, after onehot-sums (narrow_gathers.py)",
+    "head-barrier": "an optimization barrier on each product summing over a vocabulary "
+    "(the output head's input gradient), so XLA fuses nothing after it (head_barrier.py)",
+    "head-barrier-operands": "optimization barriers on the operands and result of each "
+    "product with a vocabulary-sized dimension (the output head's three), so XLA fuses "
+    "nothing into them (head_barrier.py)",
 }
 """Experiments ``--extra STEM,fused,PRECISION,VARIANT`` loads a bundle under: each patches
 the runtime's rewrites for that one load only (nothing here is a product option)."""
@@ -537,6 +542,18 @@ def variant(name: str | None = None) -> Any:
         from narrow_gathers import count_narrow_gathers, rewrite_narrow_gathers
 
         _insert_rewrite(rewrites, "onehot-sums", name, count_narrow_gathers, rewrite_narrow_gathers)
+    elif name in ("head-barrier", "head-barrier-operands"):
+        import functools
+
+        from head_barrier import count_head_barriers, rewrite_head_barriers
+
+        operands = name == "head-barrier-operands"
+        _insert_rewrite(
+            rewrites, "fused-attention", name,
+            functools.partial(count_head_barriers, operands=operands),
+            functools.partial(rewrite_head_barriers, operands=operands),
+            tpu_only=True,
+        )  # fmt: skip
     elif name == "f32-kernels":
         fa.FLOAT32_COMPUTE = "f32"
     elif name is not None:

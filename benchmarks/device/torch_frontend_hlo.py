@@ -342,6 +342,10 @@ VARIANTS = {
     "bf16-products": bf16_products,
     "fold-transposes": fold_transposes,
     "swap-transposed-products": swap_transposed_products,
+    "head-barrier": lambda text: __import__("head_barrier").head_barrier_text(text),
+    "head-barrier-operands": lambda text: __import__("head_barrier").head_barrier_text(
+        text, operands=True
+    ),
 }
 
 

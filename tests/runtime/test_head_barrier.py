@@ -1,0 +1,73 @@
+"""Optimization barriers around an output head's products (benchmarks/device/head_barrier.py,
+an experiment of attention_table.py), pinned on the CPU so that the chip's A/B compares
+programs that compute the same thing: which products get barriers in each mode, that a
+second pass adds none, and that the values are the same bits (and numpy's, which shares no
+code with either program)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+from runtime_helpers import golden_train_module, run_on_cpu
+
+from stepbundle.stablehlo import artifact as mlir
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "device"))
+from head_barrier import count_head_barriers, rewrite_head_barriers  # noqa: E402
+
+# A head over a vocabulary of 16384: the logits h @ w^T, and the input gradient g @ w that
+# sums over the vocabulary; plus a small product that has nothing vocabulary-sized.
+HEAD = """
+func.func @main(%h: tensor<8x4xf32>, %w: tensor<16384x4xf32>, %g: tensor<8x16384xf32>, %s: tensor<4x4xf32>)
+    -> (tensor<8x16384xf32>, tensor<8x4xf32>, tensor<8x4xf32>) {
+  %logits = stablehlo.dot_general %h, %w, contracting_dims = [1] x [1] : (tensor<8x4xf32>, tensor<16384x4xf32>) -> tensor<8x16384xf32>
+  %dh = stablehlo.dot_general %g, %w, contracting_dims = [1] x [0] : (tensor<8x16384xf32>, tensor<16384x4xf32>) -> tensor<8x4xf32>
+  %dh2 = stablehlo.add %dh, %h : tensor<8x4xf32>
+  %small = stablehlo.dot_general %h, %s, contracting_dims = [1] x [0] : (tensor<8x4xf32>, tensor<4x4xf32>) -> tensor<8x4xf32>
+  return %logits, %dh2, %small : tensor<8x16384xf32>, tensor<8x4xf32>, tensor<8x4xf32>
+}
+"""
+
+
+def _module() -> mlir.Module:
+    return mlir.Module.parse_text(golden_train_module("linear_adamw"), HEAD)
+
+
+def _barriers(module: mlir.Module) -> int:
+    return sum(1 for op in module._operations() if op.name == "stablehlo.optimization_barrier")
+
+
+def test_the_input_gradient_alone_or_every_head_product_with_its_operands() -> None:
+    module = _module()
+    assert count_head_barriers(module) == 1  # %dh: it sums over 16384
+    assert rewrite_head_barriers(module) == 1
+    assert _barriers(module) == 1
+    assert count_head_barriers(module) == 0  # no second barrier on a second pass
+
+    module = _module()
+    assert count_head_barriers(module, operands=True) == 2  # %logits and %dh, not %small
+    assert rewrite_head_barriers(module, operands=True) == 2
+    assert _barriers(module) == 2 * 3  # each product's two operands and its result
+    assert count_head_barriers(module, operands=True) == 0
+
+
+def test_the_values_are_the_same_bits() -> None:
+    rng = np.random.default_rng(5)
+    h = rng.standard_normal((8, 4)).astype(np.float32)
+    w = rng.standard_normal((16384, 4)).astype(np.float32)
+    g = rng.standard_normal((8, 16384)).astype(np.float32)
+    s = rng.standard_normal((4, 4)).astype(np.float32)
+    before = run_on_cpu(_module(), h, w, g, s)
+    for operands in (False, True):
+        module = _module()
+        rewrite_head_barriers(module, operands=operands)
+        after = run_on_cpu(module, h, w, g, s)
+        for a, b in zip(before, after):
+            assert a.dtype == b.dtype == np.float32
+            assert np.array_equal(a.view(np.uint32), b.view(np.uint32))
+    h64, w64, g64 = h.astype(np.float64), w.astype(np.float64), g.astype(np.float64)
+    np.testing.assert_allclose(before[0], h64 @ w64.T, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(before[1], g64 @ w64 + h64, rtol=1e-4, atol=1e-3)
+    np.testing.assert_allclose(before[2], h64 @ s.astype(np.float64), rtol=1e-5, atol=1e-5)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 
 from .common import die as _die
 from .config import RunConfig
@@ -34,7 +35,7 @@ def _cmd_eval(args: RunConfig) -> int:
     from .init_from import state_options
     from .options import parallel_options
     from .paths import check_path_kinds, refuse_missing_resume, resume_from_folder
-    from .run import refuse_too_many_cpu_devices
+    from .run import refuse_too_many_cpu_devices, report_load
 
     try:
         refuse_too_many_cpu_devices(args)
@@ -69,7 +70,9 @@ def _cmd_eval(args: RunConfig) -> int:
             state=state_options(args),
             parallel=parallel_options(args),
         )
+        started = time.perf_counter()
         trainer = load(args.bundle, args.device, options=options)
+        report_load(args, trainer, time.perf_counter() - started, tag="eval")
         if args.resume:
             trainer.load_checkpoint(args.resume, allow_other_bundle=args.allow_other_bundle)
         batches, mask = eval_batches(args.data, trainer, args.entry, args.eval_batch_size)

@@ -52,9 +52,9 @@ def state_options(config: RunConfig) -> StateOptions:
     )
 
 
-def report_origins(trainer: Trainer, config: RunConfig) -> None:
+def report_origins(trainer: Trainer, config: RunConfig, tag: str = "run") -> None:
     """One line on stderr saying where the initial state came from, when a checkpoint gave
-    it or the bundle holds state by rule."""
+    it or the bundle holds state by rule (``tag``: the command)."""
     counts = Counter(trainer.load_info.state_origins.values())
     if not counts.get("file") and not counts.get("rule"):
         return
@@ -68,4 +68,4 @@ def report_origins(trainer: Trainer, config: RunConfig) -> None:
         if ignored
         else ""
     )
-    print(f"[run] initial state: {', '.join(parts)}{tail}", file=sys.stderr)
+    print(f"[{tag}] initial state: {', '.join(parts)}{tail}", file=sys.stderr)

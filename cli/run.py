@@ -220,7 +220,7 @@ def _load_and_run(
             return _die("another process of the job failed to start; its error says why", 1)
     except StepbundleError as e:
         return _die(str(e), 1)
-    _report_load(args, trainer, load_s)
+    report_load(args, trainer, load_s)
     try:
         if args.entry != "train":
             return _run_eval(args, trainer, batches)
@@ -327,12 +327,16 @@ def _layout_note(info: LoadInfo) -> str:
     return f"layout {info.layout}, mesh {mesh}, {nbytes(info.state_bytes_per_device)} of state per device"
 
 
-def _report_load(args: RunConfig, trainer: Trainer, load_s: float) -> None:
+def report_load(args: RunConfig, trainer: Trainer, load_s: float, tag: str = "run") -> None:
+    """The load line on stderr (``[run] loaded B in 2.1s (1 compiled, 0 from cache) on cpu``,
+    with the layout, steps per call, fused attention and allocator where they apply), then
+    the layout's notes, the steps-per-call choice and where the initial state came from;
+    ``tag`` is the command (``run``, ``eval``)."""
     from .init_from import report_origins
 
     n_dev = len(trainer.devices)
     print(
-        f"[run] loaded {args.bundle} in {load_s:.2f}s ({trainer.load_info.compiled} compiled, "
+        f"[{tag}] loaded {args.bundle} in {load_s:.2f}s ({trainer.load_info.compiled} compiled, "
         f"{trainer.load_info.cache_hits} from cache) on {args.device}"
         + (f" x{n_dev} ({_layout_note(trainer.load_info)})" if n_dev > 1 else "")
         + (f", {trainer.steps_per_call} steps per call" if trainer.steps_per_call > 1 else "")
@@ -341,10 +345,10 @@ def _report_load(args: RunConfig, trainer: Trainer, load_s: float) -> None:
         file=sys.stderr,
     )
     for note in trainer.load_info.layout_notes:  # what the layout did not split, and why
-        print(f"[run] layout: {note}", file=sys.stderr)
+        print(f"[{tag}] layout: {note}", file=sys.stderr)
     if trainer.load_info.auto_steps:  # what steps_per_call="auto" chose, and why
-        print(f"[run] {trainer.load_info.auto_steps}", file=sys.stderr)
-    report_origins(trainer, args)
+        print(f"[{tag}] {trainer.load_info.auto_steps}", file=sys.stderr)
+    report_origins(trainer, args, tag)
 
 
 def _run_eval(args: RunConfig, trainer: Trainer, batches: Iterable[Any]) -> int:

@@ -512,14 +512,19 @@ def test_cli_eval_takes_devices_and_a_layout() -> None:
     name = "linear_adamw"  # its eval entry's batch of 8 rows splits over 4 devices
     data = str(golden_bundle(name).with_suffix("").with_suffix(".inputs.npz"))
     ev = [sys.executable, "-m", "stepbundle", "eval", str(golden_bundle(name)), "--no-cache"]
-    results = []
+    results, loads = [], []
     for extra in ([], ["--devices", "4", "--layout", "fsdp"]):
         r = subprocess.run(
             [*ev, "--data", data, "--json", *extra], capture_output=True, text=True, timeout=300
         )
         assert r.returncode == 0, r.stderr
         results.append(json.loads(r.stdout))
+        loads.append([line for line in r.stderr.splitlines() if line.startswith("[eval] loaded")])
     one, four = results
+    # The load line, as run prints it: what was compiled, and the layout over 4 devices.
+    assert len(loads[0]) == len(loads[1]) == 1, loads
+    assert re.search(r" in [0-9.]+s \([1-9] compiled, 0 from cache\) on cpu$", loads[0][0]), loads
+    assert " on cpu x4 (layout fsdp, mesh data 4, " in loads[1][0], loads
     assert one["rows"] == four["rows"] == 24
     assert abs(four["loss"] - one["loss"]) <= TOL * abs(one["loss"])
     # The layout reaches the load: a model axis that does not divide 4 devices is refused.

@@ -213,6 +213,17 @@ class Reporter:
         record = LogRecord(step, time.perf_counter() - self._t0, {}, dict(metrics), "eval")
         self._to_sinks(lambda sink: sink.write(record))
 
+    def note(self, text: str) -> None:
+        """``[run] text`` on ``stderr`` (above the bar while there is one), in the process
+        that writes files only."""
+        if not self._writes:
+            return
+        line = f"[run] {text}"
+        if self._bar is not None:
+            self._bar.write(line, self._stderr)
+        else:
+            print(line, file=self._stderr, flush=True)
+
     def _to_sinks(self, call: Callable[[Sink], object]) -> None:
         """``call`` each sink; a sink whose call fails is dropped (see ``on_sink_failure``)."""
         for sink in list(self._sinks):

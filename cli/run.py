@@ -394,6 +394,7 @@ def _run_train(
         reporter.flush()  # the logs hold every step the checkpoint holds
         trainer.save_checkpoint(path)
         written.add(trainer.step_count)
+        reporter.note(f"wrote checkpoint {path}")
 
     failed: list[str] = []  # why each checkpoint this run could not write failed
 
@@ -513,11 +514,8 @@ def _run_train(
         # Every run into a checkpoint folder ends with its final state.
         final = code != 3 and trainer.step_count not in written
         final = final and not failed  # a failed one was this step's, into this folder
-        if ckpt_dir is not None and final and try_checkpoint():
-            print(
-                f"[run] wrote checkpoint {join(ckpt_dir, f'step-{trainer.step_count:08d}.safetensors')}",
-                file=sys.stderr,
-            )
+        if ckpt_dir is not None and final:
+            try_checkpoint()  # says so (Reporter.note), or why not
     if code == 0 and stopper.exit_code is not None:
         code = stopper.exit_code  # a signal after the last step's check
     elapsed = time.perf_counter() - t1

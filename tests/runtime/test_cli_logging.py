@@ -349,6 +349,19 @@ def test_a_resumed_run_continues_the_metrics_file_at_the_checkpoints_step(
     assert [(r["loss"], r["lr"]) for r in b] == [(r["loss"], r["lr"]) for r in a]
 
 
+def test_every_checkpoint_written_is_said_once(tmp_path: Path) -> None:
+    """Periodic checkpoints were written silently (only the final one was said); each is
+    now one line on stderr, the final one too, and stdout keeps the JSON records only."""
+    ck = tmp_path / "ck"
+    r = cli_in("--steps", "5", "--checkpoint-dir", str(ck), "--checkpoint-every", "2", "--json")
+    assert r.returncode == 0, r.stderr
+    said = [line for line in r.stderr.splitlines() if line.startswith("[run] wrote checkpoint")]
+    names = [f"step-{n:08d}.safetensors" for n in (2, 4, 5)]
+    assert said == [f"[run] wrote checkpoint {ck / name}" for name in names], r.stderr
+    assert sorted(p.name for p in ck.glob("step-*")) == names
+    assert [strict_json(line)["step"] for line in r.stdout.splitlines()] == [0, 1, 2, 3, 4]
+
+
 def test_refusals_before_loading(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

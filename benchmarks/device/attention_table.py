@@ -789,6 +789,47 @@ def table(results: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def profile_summary(folder: Path, top: int = 12) -> dict[str, Any]:
+    """``bench --profile``'s per-operation sums (``NAME-ops.json``), made small enough to
+    keep: per row, the device time per step, the ``top`` operations by time and the
+    ``top`` result types by time summed over operations (the ops files hold 5 steps)."""
+    import re
+    from collections import Counter
+
+    def result(hlo: str | None) -> str:
+        if not hlo or " = " not in hlo:
+            return "?"
+        rest = re.sub(r"/\*index=\d+\*/", "", re.sub(r"\{[^{}]*\}", "", hlo.split(" = ", 1)[1]))
+        kind = re.match(r"(.*?) ([\w\-]+)\(", rest)
+        return f"{kind.group(2)} {kind.group(1)}" if kind else rest[:80]
+
+    out: dict[str, Any] = {}
+    for path in sorted(folder.glob("*-ops.json")):
+        ops = [r for r in json.loads(path.read_text()) if r["line"] == "XLA Ops"]
+        by_type: Counter[str] = Counter()
+        count: Counter[str] = Counter()
+        for r in ops:
+            by_type[result(r["hlo"])] += r["total_ms"] / 5
+            count[result(r["hlo"])] += r["count"] / 5
+        ops.sort(key=lambda r: -r["total_ms"])
+        out[path.name.removesuffix("-ops.json")] = {
+            "device_ms_per_step": round(sum(r["total_ms"] for r in ops) / 5, 2),
+            "top_ops": [
+                {
+                    "op": r["op"],
+                    "ms_per_step": round(r["total_ms"] / 5, 3),
+                    "result": result(r["hlo"])[:300],
+                }
+                for r in ops[:top]
+            ],
+            "top_results": [
+                {"result": k[:300], "ops_per_step": round(count[k]), "ms_per_step": round(v, 3)}
+                for k, v in by_type.most_common(top)
+            ],
+        }
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -821,7 +862,13 @@ def main() -> int:
     b.add_argument("--profile", default=None, help="trace 5 steps of each, per-op sums here")
     t = sub.add_parser("table", help="print the docs' markdown table of a results file")
     t.add_argument("results")
+    s = sub.add_parser("profiles", help="summarize bench --profile's per-op files")
+    s.add_argument("folder")
+    s.add_argument("--out", required=True)
     a = p.parse_args()
+    if a.cmd == "profiles":
+        Path(a.out).write_text(json.dumps(profile_summary(Path(a.folder)), indent=1) + "\n")
+        return 0
     if a.cmd == "table":
         print(table(json.loads(Path(a.results).read_text())), end="")
         return 0

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+from jaxlib.mlir import ir
 from runtime_helpers import golden_train_module, run_on_cpu
 
 from stepbundle.stablehlo import artifact as mlir
@@ -39,18 +41,42 @@ def _barriers(module: mlir.Module) -> int:
     return sum(1 for op in module._operations() if op.name == "stablehlo.optimization_barrier")
 
 
+def _defined_by(value: Any) -> str:
+    owner = value.owner
+    return "argument" if isinstance(owner, ir.Block) else owner.operation.name
+
+
+def _reads(module: mlir.Module, name: str) -> list[list[str]]:
+    """For each ``name`` operation, what defines each of its operands, in order."""
+    with module._ctx:
+        (func,) = module._module.body.operations
+        body = func.regions[0].blocks[0].operations  # in program order
+        return [[_defined_by(v) for v in op.operands] for op in body if op.name == name]
+
+
+BARRIER, DOT = "stablehlo.optimization_barrier", "stablehlo.dot_general"
+
+
 def test_the_input_gradient_alone_or_every_head_product_with_its_operands() -> None:
     module = _module()
     assert count_head_barriers(module) == 1  # %dh: it sums over 16384
     assert rewrite_head_barriers(module) == 1
     assert _barriers(module) == 1
-    assert count_head_barriers(module) == 0  # no second barrier on a second pass
+    # %dh2 reads %dh through the barrier; the outputs are the products' own otherwise
+    assert _reads(module, "stablehlo.add") == [[BARRIER, "argument"]]
+    assert _reads(module, "func.return") == [[DOT, "stablehlo.add", DOT]]
+    assert _reads(module, BARRIER) == [[DOT]]
+    assert rewrite_head_barriers(module) == 0  # a second pass adds nothing
 
     module = _module()
     assert count_head_barriers(module, operands=True) == 2  # %logits and %dh, not %small
     assert rewrite_head_barriers(module, operands=True) == 2
     assert _barriers(module) == 2 * 3  # each product's two operands and its result
-    assert count_head_barriers(module, operands=True) == 0
+    # the two head products read barriers; the small one reads the arguments
+    assert _reads(module, DOT) == [[BARRIER, BARRIER], [BARRIER, BARRIER], ["argument"] * 2]
+    assert _reads(module, "func.return") == [[BARRIER, "stablehlo.add", DOT]]
+    assert _reads(module, "stablehlo.add") == [[BARRIER, "argument"]]
+    assert rewrite_head_barriers(module, operands=True) == 0
 
 
 def test_the_values_are_the_same_bits() -> None:

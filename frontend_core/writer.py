@@ -85,7 +85,7 @@ class ExportReport:
     """
 
     path: Path
-    manifest: Manifest
+    manifest: Manifest = field(repr=False)  # every table of the bundle: not for a log line
     digest: str
     size: int
     stage_seconds: dict[str, float] = field(default_factory=dict)

@@ -111,6 +111,16 @@ def test_meta_model_exports_the_same_bundle_as_the_cpu_model(bundles: dict[str, 
     assert cos == want.numpy().tobytes()
 
 
+def test_the_report_prints_in_a_few_lines(bundles: dict[str, Any]) -> None:
+    """repr(report) printed the whole manifest (every binding table, thousands of
+    characters for a tiny model): it says what a log wants and leaves the manifest out."""
+    report = bundles["cpu"][0]
+    shown = repr(report)
+    assert shown.startswith("ExportReport(path=") and report.digest in shown
+    assert "Manifest(" not in shown and len(shown) < 2000, shown
+    assert report.manifest.state  # still there as an attribute
+
+
 def test_meta_model_check_is_skipped_and_says_why(bundles: dict[str, Any]) -> None:
     report, lines = bundles["meta"]
     assert report.check is None

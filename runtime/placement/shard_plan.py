@@ -147,7 +147,8 @@ def _data_dim(
 
 
 def _tp_summary(params: list[str], tp: Mapping[str, int], held: bool) -> str:
-    """What the tensor-parallel rules split over the model axis, in words."""
+    """What the tensor-parallel rules split over the model axis, in words: the first six
+    parameters split, each as ``NAME:DIM``."""
     split = [name for name in params if name in tp]
     if not split:
         whose = "your rules" if held else "the default rules (DEFAULT_TP_RULES)"
@@ -156,7 +157,10 @@ def _tp_summary(params: list[str], tp: Mapping[str, int], held: bool) -> str:
             "bundle's parameters that divide; write rules for its names "
             "(--tp-rule PATTERN:DIM, or ParallelOptions(tp_rules=...); docs/parallel.md)"
         )
-    shown = ", ".join(split[:6]) + (", ..." if len(split) > 6 else "")
+    # NAME:DIM, as --tp-rule writes a rule: which dimension of each was split
+    shown = ", ".join(f"{name}:{tp[name]}" for name in split[:6]) + (
+        ", ..." if len(split) > 6 else ""
+    )
     return f"{len(split)} of {len(params)} parameters split over the model axis: {shown}"
 
 

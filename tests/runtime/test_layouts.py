@@ -496,12 +496,14 @@ def test_cli_takes_tensor_parallel_rules(tmp_path: Path) -> None:
     assert "--tp-rule PATTERN:DIM" in r.stderr, r.stderr  # the note says how to write rules
     r = cli("fc1.weight:0", "defaults", "fc2.weight:1")
     assert r.returncode == 0, r.stderr
-    assert "2 of 4 parameters split over the model axis: fc1.weight, fc2.weight" in r.stderr
+    assert "2 of 4 parameters split over the model axis: fc1.weight:0, fc2.weight:1" in r.stderr
     r = cli("fc2.*:0")  # fc2.bias [4] divides by 2 too
     assert r.returncode == 0 and "2 of 4 parameters split over the model axis: " in r.stderr
-    assert "fc2.weight, fc2.bias" in r.stderr or "fc2.bias, fc2.weight" in r.stderr, r.stderr
+    assert "fc2.weight:0, fc2.bias:0" in r.stderr or "fc2.bias:0, fc2.weight:0" in r.stderr, (
+        r.stderr
+    )
     r = cli("fc1.weight:1", "fc2.weight:1")  # fc1's 6 inputs split by 2; fc2's 16 too
-    assert r.returncode == 0, r.stderr
+    assert r.returncode == 0 and ": fc1.weight:1, fc2.weight:1" in r.stderr, r.stderr
     r = cli("fc1.weight:5")
     assert r.returncode == 2 and "fc1.weight" in r.stderr, r.stderr
     r = cli("fc1.weight")

@@ -119,6 +119,8 @@ class Capture:
       constants: tensors the step captured from Python (graph attributes), by name.
       hyper_values: the scalar settings of ``param_groups`` before the step, for messages.
       eval_modules: the modules in eval mode when the step returned (``Entry.eval_modules``).
+      checkpointed: the ``torch.utils.checkpoint`` segments the step ran, each recomputed
+        in the backward behind a barrier (``remat.py``).
     """
 
     gm: fx.GraphModule
@@ -131,6 +133,7 @@ class Capture:
     constants: Mapping[str, torch.Tensor]
     hyper_values: tuple[tuple[str, float], ...]
     eval_modules: tuple[str, ...] = ()
+    checkpointed: int = 0
 
 
 def _needs_fake(t: torch.Tensor) -> bool:
@@ -280,7 +283,7 @@ def capture(
     hyper_values = hyperparameter_values(recipe.optimizer)
     rng = torch.random.get_rng_state()
     try:
-        with _as_if_compiling(), recompute_behind_barriers():
+        with _as_if_compiling(), recompute_behind_barriers() as segments:
             first = make_fx(
                 pure,
                 tracing_mode="fake",
@@ -309,6 +312,7 @@ def capture(
         constants=g.constants(first),
         hyper_values=hyper_values,
         eval_modules=info["eval_modules"],
+        checkpointed=segments[0],
     )
 
 

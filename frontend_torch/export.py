@@ -147,7 +147,7 @@ def _trace(
     zero_grads: bool,
     say: Callable[[str], None],
     tick: Ticker = no_ticks,
-) -> tuple[list[Slot], _Bound, dict[str, _Bound]]:
+) -> tuple[list[Slot], _Bound, dict[str, _Bound], int]:
     slots = state_slots(recipe, zero_grads=zero_grads)
     with Sandbox(recipe) as sandbox:
         # param_groups are put back when the sandbox closes
@@ -171,9 +171,13 @@ def _trace_in(
     *,
     zero_grads: bool,
     tick: Ticker = no_ticks,
-) -> tuple[list[Slot], _Bound, dict[str, _Bound]]:
+) -> tuple[list[Slot], _Bound, dict[str, _Bound], int]:
+    """The state slots, the bound programs of the training step (one per example batch)
+    and of each read-only entry, and the most checkpointed segments one training step
+    ran (``Capture.checkpointed``)."""
     grads = {s.name for s in slots if s.kind is StateKind.GRADIENT}
     train: _Bound = []
+    segments = 0
     for i, batch in enumerate(batches):
         what = step_label("training step", i, len(batches))
 
@@ -200,6 +204,7 @@ def _trace_in(
         first, recorded = once(1)
         if zero_grads and first.dropped & grads:
             raise _GradientsDropped
+        segments = max(segments, first.checkpointed)
         second, _ = once(2, recorded or None)
         graphs: list[fx.Graph] = []  # how far: the functional graph's operators so far
         with ticking(
@@ -228,7 +233,7 @@ def _trace_in(
             )
             progs.append((bound, batch_signature(batch)))
         evals[name] = progs
-    return slots, train, evals
+    return slots, train, evals, segments
 
 
 def _serialize(bound: BoundProgram, what: str, tick: Ticker = no_ticks) -> Lowered:
@@ -371,7 +376,7 @@ def export(
     hypers = _hyperparameters(recipe)
     for zero_grads in (True, False):
         try:
-            slots, train_bound, eval_bound = _trace(
+            slots, train_bound, eval_bound, segments = _trace(
                 recipe, hypers, batches, zero_grads=zero_grads, say=say, tick=tick
             )
             break
@@ -381,6 +386,12 @@ def export(
         f"captured: {2 * len(batches)} training steps"
         + (f", {len(eval_bound)} read-only entries" if eval_bound else "")
         + f"; {len(slots)} state tensors"
+        + (
+            f"; {segments} checkpointed segment{'s' if segments != 1 else ''}, each "
+            "recomputed in the backward (torch.utils.checkpoint)"
+            if segments
+            else ""
+        )
     )
     times["trace"] = time.perf_counter() - t0
 

@@ -86,9 +86,18 @@ def test_each_segment_is_recomputed_behind_a_barrier_that_waits_for_a_gradient(
     reentrant: bool, tmp_path: Path
 ) -> None:
     torch.manual_seed(0)
-    report = export(_recipe(Net(use_reentrant=reentrant)), tmp_path / "net.stepbundle", check=True)
+    lines: list[str] = []
+    report = export(
+        _recipe(Net(use_reentrant=reentrant)), tmp_path / "net.stepbundle", check=True,
+        progress=lines.append,
+    )  # fmt: skip
     # The bundle's step is eager PyTorch's (the export check, on by default).
     assert report.check.ran and not report.check.reason, report.check
+    # The export line counts the segments (it said nothing of them).
+    captured = [line for line in lines if line.startswith("captured: ")]
+    assert len(captured) == 1 and captured[0].endswith(
+        "; 3 checkpointed segments, each recomputed in the backward (torch.utils.checkpoint)"
+    ), captured
     text = _program(tmp_path / "net.stepbundle")
     # One barrier a segment, holding the segment's input and a gradient of the backward.
     assert _barriers(text) == [2, 2, 2], _barriers(text)

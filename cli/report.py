@@ -107,6 +107,7 @@ class Reporter:
         self._t0 = time.perf_counter()
         self._sinks: list[Sink] = []
         self._bar: ProgressBar | None = None
+        self._notes_lost = False  # stderr could not be written: notes are dropped
         if not writes_files:
             return
         try:
@@ -215,14 +216,19 @@ class Reporter:
 
     def note(self, text: str) -> None:
         """``[run] text`` on ``stderr`` (above the bar while there is one), in the process
-        that writes files only."""
-        if not self._writes:
+        that writes files only. A note is news, not the run's output: once ``stderr``
+        cannot be written (its reader gone), later notes are dropped and the run goes on,
+        as it did before it said its checkpoints."""
+        if not self._writes or self._notes_lost:
             return
         line = f"[run] {text}"
-        if self._bar is not None:
-            self._bar.write(line, self._stderr)
-        else:
-            print(line, file=self._stderr, flush=True)
+        try:
+            if self._bar is not None:
+                self._bar.write(line, self._stderr)
+            else:
+                print(line, file=self._stderr, flush=True)
+        except OSError:  # BrokenPipeError, EIO of a closed terminal
+            self._notes_lost = True
 
     def _to_sinks(self, call: Callable[[Sink], object]) -> None:
         """``call`` each sink; a sink whose call fails is dropped (see ``on_sink_failure``)."""

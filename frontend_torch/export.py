@@ -387,8 +387,8 @@ def export(
         + (f", {len(eval_bound)} read-only entries" if eval_bound else "")
         + f"; {len(slots)} state tensors"
         + (
-            f"; {segments} checkpointed segment{'s' if segments != 1 else ''}, each "
-            "recomputed in the backward (torch.utils.checkpoint)"
+            f"; {segments} checkpointed segment{'s' if segments != 1 else ''} a step, "
+            "each recomputed in the backward (torch.utils.checkpoint)"
             if segments
             else ""
         )

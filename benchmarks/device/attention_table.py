@@ -801,7 +801,11 @@ def profile_summary(folder: Path, top: int = 12) -> dict[str, Any]:
             return "?"
         rest = re.sub(r"/\*index=\d+\*/", "", re.sub(r"\{[^{}]*\}", "", hlo.split(" = ", 1)[1]))
         kind = re.match(r"(.*?) ([\w\-]+)\(", rest)
-        return f"{kind.group(2)} {kind.group(1)}" if kind else rest[:80]
+        if kind:
+            return f"{kind.group(2)} {kind.group(1)}"
+        # the trace cuts an operation's text at 300 characters: a long tuple of results
+        # loses its kind, and is kept as far as it goes
+        return rest
 
     out: dict[str, Any] = {}
     for path in sorted(folder.glob("*-ops.json")):

@@ -3,7 +3,7 @@ optimization barrier.
 
 Hugging Face GPT-2 through the torch_xla front-end on the v5e (run 19 of
 ``results/device/tpu-v5e/attention_table.json``, profiled): one fusion took 15.1 ms of the
-84.3 ms step, against 3.6 ms for its counterpart in the hand-written JAX peer and 4.9 ms
+84.3 ms step, against 3.6 ms for its counterpart in the hand-written JAX peer and 4.8 ms
 in the torch front-end's program. Compiled offline (libtpu 0.0.42.1), it is the head's
 input-gradient product ``dlogits (8192 x 50257) @ wte (50257 x 768)`` with the logits'
 gradient computed inside it from the bf16 logits and the targets, and with the final

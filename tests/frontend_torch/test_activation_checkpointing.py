@@ -96,7 +96,7 @@ def test_each_segment_is_recomputed_behind_a_barrier_that_waits_for_a_gradient(
     # The export line counts the segments (it said nothing of them).
     captured = [line for line in lines if line.startswith("captured: ")]
     assert len(captured) == 1 and captured[0].endswith(
-        "; 3 checkpointed segments, each recomputed in the backward (torch.utils.checkpoint)"
+        "; 3 checkpointed segments a step, each recomputed in the backward (torch.utils.checkpoint)"
     ), captured
     text = _program(tmp_path / "net.stepbundle")
     # One barrier a segment, holding the segment's input and a gradient of the backward.

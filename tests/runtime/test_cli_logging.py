@@ -362,6 +362,28 @@ def test_every_checkpoint_written_is_said_once(tmp_path: Path) -> None:
     assert [strict_json(line)["step"] for line in r.stdout.splitlines()] == [0, 1, 2, 3, 4]
 
 
+def test_a_run_whose_stderr_reader_goes_away_still_writes_every_checkpoint(
+    tmp_path: Path,
+) -> None:
+    """The checkpoint notes go to stderr: with its reader gone (a log shipper that died),
+    the first note's BrokenPipeError stopped the run at its first checkpoint, where before
+    the notes the run trained on and wrote every checkpoint (a reviewer's finding)."""
+    ck, out = tmp_path / "ck", tmp_path / "out.jsonl"
+    argv = [sys.executable, "-m", "stepbundle", "run", BUNDLE, "--data", DATA, "--steps", "3000",
+            "--checkpoint-dir", str(ck), "--checkpoint-every", "500", "--json"]  # fmt: skip
+    with out.open("w") as stdout:
+        child = subprocess.Popen(argv, stdout=stdout, stderr=subprocess.PIPE, text=True)
+        assert child.stderr is not None
+        for line in child.stderr:
+            if line.startswith("[run] loaded"):
+                break  # loaded: the steps are about to start
+        child.stderr.close()  # the reader goes away before the first checkpoint
+        child.wait(timeout=600)
+    names = [f"step-{n:08d}.safetensors" for n in range(500, 3001, 500)]
+    assert sorted(p.name for p in ck.glob("step-*")) == names
+    assert len(out.read_text().splitlines()) == 3000
+
+
 def test_refusals_before_loading(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -72,17 +72,8 @@ def _is_head_gradient(op: Any, operands: bool) -> bool:
     )
 
 
-def _sites(module: Any, operands: bool) -> list[Any]:
-    sites: list[Any] = []
-    stack = [module.operation]
-    while stack:
-        op = stack.pop()
-        if _is_head_gradient(op, operands):
-            sites.append(op)
-        for region in op.regions:
-            for block in region.blocks:
-                stack.extend(o.operation for o in block.operations)
-    return sites
+def _sites(module: Module, operands: bool) -> list[Any]:
+    return [op for op in module._operations() if _is_head_gradient(op, operands)]
 
 
 def _after(op: Any) -> Any:
@@ -95,7 +86,7 @@ def _after(op: Any) -> Any:
     return ir.InsertionPoint(ops[at + 1])  # a product is never its block's terminator
 
 
-def _insert(module: Any, operands: bool) -> int:
+def _insert(module: Module, operands: bool) -> int:
     sites = _sites(module, operands)
     for op in sites:
         with _after(op), op.location:
@@ -122,13 +113,13 @@ def _insert(module: Any, operands: bool) -> int:
 def count_head_barriers(module: Module, operands: bool = False) -> int:
     """The products of ``module`` that ``rewrite_head_barriers`` would put a barrier on."""
     with module._ctx:
-        return len(_sites(module._module, operands))
+        return len(_sites(module, operands))
 
 
 def rewrite_head_barriers(module: Module, operands: bool = False) -> int:
     """Put the barriers in, in place; the number of products."""
     with module._ctx:
-        done = _insert(module._module, operands)
+        done = _insert(module, operands)
         if done:
             verify(module._module, "barriers on the head's input gradients")
     return done
@@ -137,10 +128,10 @@ def rewrite_head_barriers(module: Module, operands: bool = False) -> int:
 def head_barrier_text(text: str, operands: bool = False) -> tuple[str, int]:
     """The same on a module's text (``torch_frontend_hlo.py``'s variants); the caller holds
     an MLIR context with the StableHLO dialect loaded."""
-    module = ir.Module.parse(text)
+    module = Module(ir.Context.current, ir.Module.parse(text))
     done = _insert(module, operands)
-    assert module.operation.verify()
-    return str(module), done
+    assert module._module.operation.verify()
+    return str(module._module), done
 
 
 # ---------------------------------------------------------------------------- summary

@@ -72,9 +72,10 @@ def _cmd_eval(args: RunConfig) -> int:
         )
         started = time.perf_counter()
         trainer = load(args.bundle, args.device, options=options)
-        report_load(args, trainer, time.perf_counter() - started, tag="eval")
-        if args.resume:
+        if args.resume:  # as run does: the load line's time includes it, and follows it
             trainer.load_checkpoint(args.resume, allow_other_bundle=args.allow_other_bundle)
+            print(f"[eval] resumed from {args.resume} (step {trainer.step_count})", file=sys.stderr)
+        report_load(args, trainer, time.perf_counter() - started, tag="eval")
         batches, mask = eval_batches(args.data, trainer, args.entry, args.eval_batch_size)
         result = trainer.evaluate_dataset(batches, args.entry, mask_key=mask)
     except OSError as e:  # a missing bundle (BundleNotFoundError) too, in these words

@@ -292,9 +292,14 @@ def test_cli_resume_a_bundle_given_by_digest(
     assert main(["run", DIGEST, "--steps", "2", "--checkpoint-dir", str(ckpt), *common]) == 0
     resumed = sorted(ckpt.glob("step-*.safetensors"))[-1]
     assert main(["run", DIGEST, "--steps", "1", "--resume", str(resumed), *common]) == 0
+    capsys.readouterr()
     assert main(["eval", DIGEST, "--data", str(data), "--resume", str(resumed)]) == 0
     err = capsys.readouterr().err
     assert "Traceback" not in err and "No such file" not in err
+    # eval says what it resumed, then loads as run does: the load line after the resume
+    said = [line.split(" ", 2)[1] for line in err.splitlines() if line.startswith("[eval] ")]
+    assert said[:2] == ["resumed", "loaded"], err
+    assert f"[eval] resumed from {resumed} (step 2)" in err, err
 
 
 def test_a_run_by_digest_verifies_its_store_entry_once(

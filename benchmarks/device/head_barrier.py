@@ -25,8 +25,9 @@ before the runtime's rewrites: the two pipelines are not quite the same, though 
 one-hot sums' rewrite finds as many sums either way (3, 2 and 3 in the three bundles
 below, checked on their programs). Measured on the chip (run 21 of ``attention_table.json``): GPT-2 through
 torch_xla 84.33 -> 75.44 ms a step, GPT-2 through the torch front-end 72.90 -> 80.24, the
-123M Llama through torch_xla 47.81 -> 54.36; ``python head_barrier.py DUMP NAMES --out``
-summarizes ``torch_frontend_hlo.py``'s dumps (``results/head_barrier-v5e.json``).
+123M Llama through torch_xla 47.81 -> 54.36; compiled offline, ``torch_frontend_hlo.py
+compare --out benchmarks/results/head_barrier-v5e.json`` priced each program
+(``results/head_barrier-v5e.json``).
 
 The size test is a size, not a vocabulary: a step of at least ``MIN_CONTRACTED`` tokens
 (GPT-2 at batch 16) would also put barriers on every weight gradient (which sums over the
@@ -132,61 +133,3 @@ def head_barrier_text(text: str, operands: bool = False) -> tuple[str, int]:
     done = _insert(module, operands)
     assert module._module.operation.verify()
     return str(module._module), done
-
-
-# ---------------------------------------------------------------------------- summary
-def summarize(dump: str, names: list[str], top: int = 4) -> dict[str, Any]:
-    """What ``torch_frontend_hlo.py compile --dump DUMP`` wrote for each of ``names``: the
-    sum of libtpu's ``estimated_cycles`` over the train program's top-level operations (ms
-    at 1.5 GHz), XLA's bytes accessed and temporaries, and the ``top`` operations the
-    estimate prices highest (name, estimated ms, result types)."""
-    import json
-    import re
-    from pathlib import Path
-
-    out: dict[str, Any] = {}
-    for name in names:
-        record = json.loads((Path(dump) / f"{name}.json").read_text())
-        ops = []
-        for line in (Path(dump) / f"{name}.hlo.txt").read_text().splitlines():
-            cycles = re.search(r'estimated_cycles":"(\d+)', line)
-            if line.startswith("  %") and cycles:
-                op, rest = line.strip().split(" = ", 1)
-                rest = re.sub(r"/\*index=\d+\*/", "", re.sub(r"\{[^{}]*\}", "", rest))
-                kind = re.match(r"(.*?) ([\w\-]+)\(", rest)
-                result = f"{kind.group(2)} {kind.group(1)}" if kind else rest[:80]
-                ops.append((int(cycles.group(1)) / 1.5e6, op, result))
-        ops.sort(reverse=True)
-        out[name] = {
-            "bundle": record["bundle"],
-            "variant": record.get("variant"),
-            "fused_attention": record["fused_attention"],
-            "estimate_ms": round(sum(ms for ms, _, _ in ops), 2),
-            "bytes_accessed_gb": round(record["cost"]["bytes accessed"] / 1e9, 2),
-            "temporaries_gb": round(record["temp_bytes"] / 1e9, 2),
-            "largest": [
-                {"op": op, "estimate_ms": round(ms, 2), "result": result[:400]}
-                for ms, op, result in ops[:top]
-            ],
-        }
-    return out
-
-
-if __name__ == "__main__":
-    import argparse
-    import json
-
-    p = argparse.ArgumentParser(description="summarize torch_frontend_hlo.py's dumps")
-    p.add_argument("dump")
-    p.add_argument("names", nargs="+")
-    p.add_argument("--out", required=True)
-    a = p.parse_args()
-    summary = summarize(a.dump, a.names)
-    from pathlib import Path
-
-    Path(a.out).write_text(json.dumps(summary, indent=1) + "\n")
-    for name, row in summary.items():
-        print(
-            f"{name:24s} {row['estimate_ms']:8.1f} ms  {row['bytes_accessed_gb']:6.2f} GB  "
-            f"{row['temporaries_gb']:5.2f} GB  {row['largest'][0]['op']} {row['largest'][0]['estimate_ms']} ms"
-        )

@@ -132,7 +132,7 @@ def summarize(hlo: str, top: int = 8) -> dict[str, Any]:
         kind = _kind(comps, name, shape, op, line)
         cycles[kind] += c
         count[kind] += 1
-        short = _TILING.sub("}", shape)[:100]
+        short = _TILING.sub("}", shape)[:500]
         if kind.startswith("copy"):
             copies[short] += c
             copy_count[short] += 1

@@ -154,6 +154,8 @@ def _autocast_seen(model: torch.nn.Module) -> Iterator[list[bool]]:
     seen = [False]
 
     def hook(*_: Any) -> None:
+        if seen[0]:  # one module under autocast answers it: the rest need not ask
+            return
         for device_type in ("cpu", "cuda", "xla"):
             with contextlib.suppress(Exception):
                 if torch.is_autocast_enabled(device_type):

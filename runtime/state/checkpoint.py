@@ -268,8 +268,8 @@ def open_checkpoint(
     Nothing is copied: ``f.array(name)`` is a read-only view of the mapped file (a
     process of a multi-process job copies only its devices' pieces of each tensor from
     it). The digest is checked before this yields, over the whole file one tensor at a
-    time, each tensor's pages dropped once hashed (``SafetensorsFile.release``). A URL is read from a local copy, kept until the block
-    ends.
+    time, each tensor's pages dropped once hashed (``SafetensorsFile.release``). A URL is
+    read from a local copy, kept until the block ends.
 
     Raises:
       CheckpointError: the file is malformed, damaged (its digest), plain safetensors

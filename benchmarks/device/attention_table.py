@@ -498,6 +498,9 @@ VARIANTS = {
     "head-barrier-operands": "optimization barriers on the operands and result of each "
     "product with a vocabulary-sized dimension (the output head's three), so XLA fuses "
     "nothing into them (head_barrier.py)",
+    "head-barrier-hidden": "optimization barriers on the values of each head product that "
+    "are not vocabulary-sized (the activations read, the input gradient written), so XLA "
+    "fuses neither the residual stream nor the LayerNorm after them (head_barrier.py)",
 }
 """Experiments ``--extra STEM,fused,PRECISION,VARIANT`` loads a bundle under: each patches
 the runtime's rewrites for that one load only (nothing here is a product option)."""
@@ -542,12 +545,14 @@ def variant(name: str | None = None) -> Any:
         from narrow_gathers import count_narrow_gathers, rewrite_narrow_gathers
 
         _insert_rewrite(rewrites, "onehot-sums", name, count_narrow_gathers, rewrite_narrow_gathers)
-    elif name in ("head-barrier", "head-barrier-operands"):
+    elif name in ("head-barrier", "head-barrier-operands", "head-barrier-hidden"):
         import functools
 
         from head_barrier import count_head_barriers, rewrite_head_barriers
 
-        operands = name == "head-barrier-operands"
+        operands: bool | str = {"head-barrier-operands": True, "head-barrier-hidden": "hidden"}.get(
+            name, False
+        )
         _insert_rewrite(
             rewrites, "fused-attention", name,
             functools.partial(count_head_barriers, operands=operands),
@@ -562,6 +567,36 @@ def variant(name: str | None = None) -> Any:
         yield
     finally:
         rewrites.REWRITES, fa.FLOAT32_COMPUTE = saved
+
+
+def _optimized(trainer: Any, batch: Any) -> dict[str, Any]:
+    """libtpu's estimate of the train program as compiled (``torch_frontend_hlo.summarize``)
+    and its largest multi-output product fusion: how many results, how many of them the
+    most common shape (the residual stream fused into a head product has 12 of 17)."""
+    import re
+
+    from torch_frontend_hlo import summarize
+
+    plan, _ = trainer._dispatcher.pick("train", batch)
+    text = "\n".join(m.to_string() for m in plan.executable.hlo_modules())
+    widest = (0, 0, "")
+    entry = text[text.index("ENTRY"):]
+    for line in entry.split("\n"):
+        m = re.match(r"\s*%(\S+) = \((.*?)\) fusion\(.*calls=%([\w.-]+)", line)
+        if not m:
+            continue
+        called = re.search(rf"\n%?{re.escape(m.group(3))} .*?\n}}", text, re.S)
+        if not called or "convolution(" not in called.group(0):
+            continue
+        shapes = re.findall(r"\w+\[[\d,]*\]", m.group(2))
+        same = max(shapes.count(x) for x in set(shapes))
+        if len(shapes) > widest[0]:
+            widest = (len(shapes), same, m.group(1))
+    summary = summarize(text)
+    return {
+        "estimated_ms": summary["estimated_ms"],
+        "widest_product_fusion": {"op": widest[2], "results": widest[0], "same_shape": widest[1]},
+    }
 
 
 def bench(args: argparse.Namespace) -> int:
@@ -647,6 +682,8 @@ def bench(args: argparse.Namespace) -> int:
                     row["attention_kept"] = {
                         k: list(v) for k, v in (getattr(info, "attention_kept", {}) or {}).items()
                     }
+                    if platform == "tpu":
+                        row.update(_optimized(trainer, data[0]))
                     row["first_loss"] = float(trainer.step(data[0])["loss"])
                     runs[name] = ("bundle", trainer)
                 except Exception as e:  # recorded, not fatal
@@ -659,6 +696,8 @@ def bench(args: argparse.Namespace) -> int:
         pname = f"{fam_name}-jax_splash"
         prow: dict[str, Any] = {"family": fam_name, "peer": "jax, splash attention"}
         try:
+            if args.no_peer:
+                raise RuntimeError("not run (--no-peer)")
             t0 = time.perf_counter()
             f, carry = peer(fam_name, state)
             dev32 = [
@@ -853,6 +892,7 @@ def main() -> int:
     b.add_argument("--peak-tflops", type=float, default=197.0)
     b.add_argument("--out", default=None)
     b.add_argument("--unfused", action="store_true", help="also each bundle unfused")
+    b.add_argument("--no-peer", action="store_true", help="time the bundles alone")
     b.add_argument(
         "--append", default=None, metavar="JSON", help="start from an earlier run's results"
     )

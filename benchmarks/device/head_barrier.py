@@ -53,9 +53,33 @@ MIN_CONTRACTED = 16384
 """The least number of elements a product must sum over to be a head's input gradient."""
 
 
-def _is_head_gradient(op: Any, operands: bool) -> bool:
+def _vocab_sized(value: Any) -> bool:
+    return max(ir.RankedTensorType(value.type).shape, default=0) >= MIN_CONTRACTED
+
+
+def _is_head_forward(op: Any) -> bool:
+    """A product writing vocabulary-sized logits: it sums over fewer elements than the
+    smallest dimension of its result (the width; a weight gradient sums over the tokens)."""
+    dn = hlo.DotDimensionNumbers(op.attributes["dot_dimension_numbers"])
+    lhs = ir.RankedTensorType(op.operands[0].type)
+    out = ir.RankedTensorType(op.result.type)
+    contracted = math.prod(lhs.shape[d] for d in dn.lhs_contracting_dimensions)
+    return _vocab_sized(op.result) and contracted < min(out.shape)
+
+
+def _is_head_gradient(op: Any, operands: bool | str) -> bool:
     if op.name != "stablehlo.dot_general":
         return False
+    if operands in ("hidden", "hidden-backward"):  # one of its values is vocabulary-sized
+        values = [*op.operands, op.result]
+        held = [v for v in values if not _vocab_sized(v)]
+        if operands == "hidden-backward" and _is_head_forward(op):
+            return False
+        return (
+            any(_vocab_sized(v) for v in values)
+            and bool(held)
+            and not all(_behind_barrier(op, v) for v in held)
+        )
     if operands and any(
         max(ir.RankedTensorType(v.type).shape, default=0) >= MIN_CONTRACTED
         for v in [*op.operands, op.result]
@@ -73,7 +97,16 @@ def _is_head_gradient(op: Any, operands: bool) -> bool:
     )
 
 
-def _sites(module: Module, operands: bool) -> list[Any]:
+def _behind_barrier(op: Any, value: Any) -> bool:
+    """Whether ``value`` (an operand or the result of ``op``) already passes a barrier."""
+    if value == op.result:
+        uses = [u.owner.name for u in value.uses]
+        return bool(uses) and all(u == "stablehlo.optimization_barrier" for u in uses)
+    owner = value.owner
+    return not isinstance(owner, ir.Block) and owner.name == "stablehlo.optimization_barrier"
+
+
+def _sites(module: Module, operands: bool | str) -> list[Any]:
     return [op for op in module._operations() if _is_head_gradient(op, operands)]
 
 
@@ -87,9 +120,33 @@ def _after(op: Any) -> Any:
     return ir.InsertionPoint(ops[at + 1])  # a product is never its block's terminator
 
 
-def _insert(module: Module, operands: bool) -> int:
+def _hold(value: Any) -> Any:
+    return ir.Operation.create(
+        "stablehlo.optimization_barrier", results=[value.type], operands=[value]
+    )
+
+
+def _insert_hidden(op: Any) -> None:
+    """Barriers on the values of the head product ``op`` that are not vocabulary-sized:
+    the activations it reads, or the input gradient it writes."""
+    if not _vocab_sized(op.result):
+        with _after(op), op.location:
+            barrier = _hold(op.result)
+        for use in list(op.result.uses):
+            if use.owner != barrier:
+                use.owner.operands[use.operand_number] = barrier.result
+    with ir.InsertionPoint(op), op.location:
+        for i, operand in enumerate(list(op.operands)):
+            if not _vocab_sized(operand):
+                op.operands[i] = _hold(operand).result
+
+
+def _insert(module: Module, operands: bool | str) -> int:
     sites = _sites(module, operands)
     for op in sites:
+        if operands in ("hidden", "hidden-backward"):
+            _insert_hidden(op)
+            continue
         with _after(op), op.location:
             barrier = ir.Operation.create(
                 "stablehlo.optimization_barrier",
@@ -111,13 +168,13 @@ def _insert(module: Module, operands: bool) -> int:
     return len(sites)
 
 
-def count_head_barriers(module: Module, operands: bool = False) -> int:
+def count_head_barriers(module: Module, operands: bool | str = False) -> int:
     """The products of ``module`` that ``rewrite_head_barriers`` would put a barrier on."""
     with module._ctx:
         return len(_sites(module, operands))
 
 
-def rewrite_head_barriers(module: Module, operands: bool = False) -> int:
+def rewrite_head_barriers(module: Module, operands: bool | str = False) -> int:
     """Put the barriers in, in place; the number of products."""
     with module._ctx:
         done = _insert(module, operands)
@@ -126,7 +183,7 @@ def rewrite_head_barriers(module: Module, operands: bool = False) -> int:
     return done
 
 
-def head_barrier_text(text: str, operands: bool = False) -> tuple[str, int]:
+def head_barrier_text(text: str, operands: bool | str = False) -> tuple[str, int]:
     """The same on a module's text (``torch_frontend_hlo.py``'s variants); the caller holds
     an MLIR context with the StableHLO dialect loaded."""
     module = Module(ir.Context.current, ir.Module.parse(text))

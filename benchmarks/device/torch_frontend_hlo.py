@@ -346,6 +346,12 @@ VARIANTS = {
     "head-barrier-operands": lambda text: __import__("head_barrier").head_barrier_text(
         text, operands=True
     ),
+    "head-barrier-hidden": lambda text: __import__("head_barrier").head_barrier_text(
+        text, operands="hidden"
+    ),
+    "head-barrier-hidden-backward": lambda text: __import__("head_barrier").head_barrier_text(
+        text, operands="hidden-backward"
+    ),
 }
 
 

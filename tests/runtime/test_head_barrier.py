@@ -78,6 +78,15 @@ def test_the_input_gradient_alone_or_every_head_product_with_its_operands() -> N
     assert _reads(module, "stablehlo.add") == [[BARRIER, "argument"]]
     assert rewrite_head_barriers(module, operands=True) == 0
 
+    module = _module()  # the values that are not vocabulary-sized: %h read, %dh written
+    assert count_head_barriers(module, operands="hidden") == 2
+    assert rewrite_head_barriers(module, operands="hidden") == 2
+    assert _barriers(module) == 2  # %h before %logits, %dh after it; %g and %w are not held
+    assert _reads(module, DOT) == [[BARRIER, "argument"], ["argument"] * 2, ["argument"] * 2]
+    assert _reads(module, "stablehlo.add") == [[BARRIER, "argument"]]
+    assert _reads(module, "func.return") == [[DOT, "stablehlo.add", DOT]]
+    assert rewrite_head_barriers(module, operands="hidden") == 0
+
 
 def test_the_values_are_the_same_bits() -> None:
     rng = np.random.default_rng(5)
@@ -86,7 +95,7 @@ def test_the_values_are_the_same_bits() -> None:
     g = rng.standard_normal((8, 16384)).astype(np.float32)
     s = rng.standard_normal((4, 4)).astype(np.float32)
     before = run_on_cpu(_module(), h, w, g, s)
-    for operands in (False, True):
+    for operands in (False, True, "hidden"):
         module = _module()
         rewrite_head_barriers(module, operands=operands)
         after = run_on_cpu(module, h, w, g, s)

@@ -580,7 +580,7 @@ def _optimized(trainer: Any, batch: Any) -> dict[str, Any]:
     plan, _ = trainer._dispatcher.pick("train", batch)
     text = "\n".join(m.to_string() for m in plan.executable.hlo_modules())
     widest = (0, 0, "")
-    entry = text[text.index("ENTRY"):]
+    entry = text[text.index("ENTRY") :]
     for line in entry.split("\n"):
         m = re.match(r"\s*%(\S+) = \((.*?)\) fusion\(.*calls=%([\w.-]+)", line)
         if not m:

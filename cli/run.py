@@ -346,6 +346,8 @@ def report_load(args: RunConfig, trainer: Trainer, load_s: float, tag: str = "ru
     )
     for note in trainer.load_info.layout_notes:  # what the layout did not split, and why
         print(f"[{tag}] layout: {note}", file=sys.stderr)
+    for note in trainer.load_info.head_barriers.values():  # the output head weighed (a TPU)
+        print(f"[{tag}] output head: {note}", file=sys.stderr)
     if trainer.load_info.auto_steps:  # what steps_per_call="auto" chose, and why
         print(f"[{tag}] {trainer.load_info.auto_steps}", file=sys.stderr)
     report_origins(trainer, args, tag)

@@ -141,6 +141,9 @@ def load(
             matmul_precision=info.matmul_precision,
             donate=not opts.safety.stop_on_nonfinite,
             fused_attention=opts.compile.fused_attention,
+            head_barriers=(
+                None if opts.compile.head_barriers == "auto" else bool(opts.compile.head_barriers)
+            ),
         )
         compiled: dict[str, list[CompiledProgram | RefusedPlan]] = {}
         stacked: dict[int, CompiledProgram] = {}  # the train programs behind a loop of K steps
@@ -155,6 +158,12 @@ def load(
             for name, progs in compiled.items()
             for i, p in enumerate(progs)
             if isinstance(p, CompiledProgram) and p.fused_attention
+        }
+        info.head_barriers = {
+            f"{name}[{i}]": p.head_choice
+            for name, progs in compiled.items()
+            for i, p in enumerate(progs)
+            if isinstance(p, CompiledProgram) and p.head_choice
         }
         info.attention_kept = {
             f"{name}[{i}]": list(p.attention_kept)
@@ -422,6 +431,7 @@ class _Compiler:
     matmul_precision: str | None
     donate: bool  # False under stop_on_nonfinite: a refused step keeps the old state
     fused_attention: bool
+    head_barriers: bool | None  # None: weighed on a TPU (compile_program)
     initial: Callable[[str], np.ndarray[Any, Any] | None] | None  # state values as loaded
 
     def entry(
@@ -438,9 +448,12 @@ class _Compiler:
                 continue
             section = bundle.section(program.section)
             scalars = _scalar_constants(bundle, program)
-            progs.append(self._compile(section, program, name, i, ent.updates_state, scalars))
-            if k > 1:
-                stacked[i] = self._compile(section, program, name, i, ent.updates_state, scalars, k)
+            one = self._compile(section, program, name, i, ent.updates_state, scalars)
+            progs.append(one)
+            if k > 1:  # behind the loop, as the one-step program was compiled
+                stacked[i] = self._compile(
+                    section, program, name, i, ent.updates_state, scalars, k, one.head_barriers
+                )
         refused = [p for p in progs if isinstance(p, RefusedPlan)]
         if refused and len(refused) == len(progs) and ent.updates_state:
             raise PlatformError(refused[0].refusal)
@@ -455,8 +468,10 @@ class _Compiler:
         updates_state: bool,
         scalars: dict[int, float],
         k: int = 1,
+        head_barriers: bool | None = None,
     ) -> CompiledProgram:
-        """Compile bucket ``i`` of entry ``name`` (behind a loop of ``k`` steps for k > 1)."""
+        """Compile bucket ``i`` of entry ``name`` (behind a loop of ``k`` steps for k > 1,
+        with ``head_barriers`` as its one-step program was compiled)."""
         return compile_program(
             self.client,
             self.placement,
@@ -472,6 +487,7 @@ class _Compiler:
             fused_attention=self.fused_attention,
             scalar_constants=scalars,
             state_values=unwritten_state(program, self.initial),
+            head_barriers=self.head_barriers if k == 1 else head_barriers,
         )
 
 

@@ -137,6 +137,9 @@ def compile_offline(
             matmul_precision=_matmul_precision(bundle, opts.compile.matmul_precision),
             donate=not opts.safety.stop_on_nonfinite,
             fused_attention=opts.compile.fused_attention,
+            head_barriers=(
+                None if opts.compile.head_barriers == "auto" else bool(opts.compile.head_barriers)
+            ),
             initial=None,  # no state is read: masks are not evaluated (as compile_only)
         )
         for name in wanted:

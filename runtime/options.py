@@ -123,6 +123,7 @@ class CompileOptions:
     compile_only: bool = False
     fused_attention: bool = True
     keep_freed_memory: bool | Literal["auto"] = "auto"
+    head_barriers: bool | Literal["auto"] = "auto"
 
     def __post_init__(self) -> None:
         entries: object = self.entries
@@ -175,6 +176,10 @@ class CompileOptions:
         if not (isinstance(self.keep_freed_memory, bool) or self.keep_freed_memory == "auto"):
             raise UsageError(
                 f'keep_freed_memory must be True, False or "auto", got {self.keep_freed_memory!r}.'
+            )
+        if not (isinstance(self.head_barriers, bool) or self.head_barriers == "auto"):
+            raise UsageError(
+                f'head_barriers must be True, False or "auto", got {self.head_barriers!r}.'
             )
         if self.matmul_precision is not None and self.matmul_precision not in MATMUL_PRECISIONS:
             raise UsageError(
@@ -366,6 +371,7 @@ class LoadOptions:
         matmul_precision: str | None = None,
         fused_attention: bool = True,
         keep_freed_memory: bool | Literal["auto"] = "auto",
+        head_barriers: bool | Literal["auto"] = "auto",
     ) -> LoadOptions:
         """The options from flat names: each is the field of that name in its record
         (same defaults; ``entry`` is ``CompileOptions.entries``)."""
@@ -381,6 +387,7 @@ class LoadOptions:
                 compile_only=compile_only,
                 fused_attention=fused_attention,
                 keep_freed_memory=keep_freed_memory,
+                head_barriers=head_barriers,
             ),
             state=StateOptions(init_from=init_from, init_strict=init_strict, pack_state=pack_state),
             safety=SafetyOptions(

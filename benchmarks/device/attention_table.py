@@ -494,16 +494,22 @@ VARIANTS = {
     "narrow-gathers": "gathers from widened float values pick from the narrow value and "
     "widen what they picked, after onehot-sums (narrow_gathers.py)",
     "head-barrier": "an optimization barrier on each product summing over a vocabulary "
-    "(the output head's input gradient), so XLA fuses nothing after it (head_barrier.py)",
+    "(the output head's input gradient), so XLA fuses nothing after it (stablehlo/head_barriers.py)",
     "head-barrier-operands": "optimization barriers on the operands and result of each "
     "product with a vocabulary-sized dimension (the output head's three), so XLA fuses "
-    "nothing into them (head_barrier.py)",
+    "nothing into them (stablehlo/head_barriers.py)",
     "head-barrier-hidden": "optimization barriers on the values of each head product that "
     "are not vocabulary-sized (the activations read, the input gradient written), so XLA "
-    "fuses neither the residual stream nor the LayerNorm after them (head_barrier.py)",
+    "fuses neither the residual stream nor the LayerNorm after them (stablehlo/head_barriers.py)",
+    "head-barriers-on": "CompileOptions(head_barriers=True): the runtime's barriers "
+    "(stablehlo/head_barriers.py's 'hidden') whatever the compiled program",
+    "head-barriers-off": "CompileOptions(head_barriers=False): no barriers",
 }
 """Experiments ``--extra STEM,fused,PRECISION,VARIANT`` loads a bundle under: each patches
-the runtime's rewrites for that one load only (nothing here is a product option)."""
+the runtime's rewrites for that one load only, but ``HEAD_BARRIERS``' (load options; the
+other rows load with the default, "auto")."""
+
+HEAD_BARRIERS = {"head-barriers-on": True, "head-barriers-off": False}
 
 
 def _insert_rewrite(
@@ -545,20 +551,20 @@ def variant(name: str | None = None) -> Any:
         from narrow_gathers import count_narrow_gathers, rewrite_narrow_gathers
 
         _insert_rewrite(rewrites, "onehot-sums", name, count_narrow_gathers, rewrite_narrow_gathers)
-    elif name in ("head-barrier", "head-barrier-operands", "head-barrier-hidden"):
+    elif name is not None and name.startswith("head-barrier"):
         import functools
 
-        from head_barrier import count_head_barriers, rewrite_head_barriers
+        from stepbundle.stablehlo.head_barriers import count_head_barriers, rewrite_head_barriers
 
-        operands: bool | str = {"head-barrier-operands": True, "head-barrier-hidden": "hidden"}.get(
-            name, False
-        )
+        mode = "result" if name == "head-barrier" else name.removeprefix("head-barrier-")
         _insert_rewrite(
             rewrites, "fused-attention", name,
-            functools.partial(count_head_barriers, operands=operands),
-            functools.partial(rewrite_head_barriers, operands=operands),
+            functools.partial(count_head_barriers, mode=mode),
+            functools.partial(rewrite_head_barriers, mode=mode),
             tpu_only=True,
         )  # fmt: skip
+    elif name in HEAD_BARRIERS:  # a load option (bench), not a patch
+        pass
     elif name == "f32-kernels":
         fa.FLOAT32_COMPUTE = "f32"
     elif name is not None:
@@ -671,6 +677,7 @@ def bench(args: argparse.Namespace) -> int:
                                 cache_dir=False,
                                 matmul_precision=precision,
                                 fused_attention=fused,
+                                head_barriers=HEAD_BARRIERS.get(var[0] if var else "", "auto"),
                             ),
                             state=StateOptions(init_from=init, init_strict=False),
                         ),
@@ -679,6 +686,7 @@ def bench(args: argparse.Namespace) -> int:
                     info = trainer.load_info
                     row["compile_s"] = info.seconds.get("compile")
                     row["fused_attention"] = info.fused_attention
+                    row["head_barriers"] = info.head_barriers
                     row["attention_kept"] = {
                         k: list(v) for k, v in (getattr(info, "attention_kept", {}) or {}).items()
                     }

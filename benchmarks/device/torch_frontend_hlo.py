@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import json
 import os
 import re
@@ -74,6 +75,8 @@ VOCAB = 16384  # the 55M GPT's
 
 sys.path.insert(0, str(HERE))
 from profile_categories import _CALLS, _holds_product, computations  # noqa: E402
+
+from stepbundle.stablehlo.head_barriers import MODES, head_barrier_text  # noqa: E402
 
 _OP = re.compile(r"\s*(?:ROOT )?%([\w.\-]+) = (.*?) ([a-z][a-z0-9\-]*)\(")
 _CYCLES = re.compile(r'"estimated_cycles":"(\d+)"')
@@ -342,16 +345,12 @@ VARIANTS = {
     "bf16-products": bf16_products,
     "fold-transposes": fold_transposes,
     "swap-transposed-products": swap_transposed_products,
-    "head-barrier": lambda text: __import__("head_barrier").head_barrier_text(text),
-    "head-barrier-operands": lambda text: __import__("head_barrier").head_barrier_text(
-        text, operands=True
-    ),
-    "head-barrier-hidden": lambda text: __import__("head_barrier").head_barrier_text(
-        text, operands="hidden"
-    ),
-    "head-barrier-hidden-backward": lambda text: __import__("head_barrier").head_barrier_text(
-        text, operands="hidden-backward"
-    ),
+    **{  # head_barriers.MODES; "result" keeps the name it was measured under
+        ("head-barrier" if mode == "result" else f"head-barrier-{mode}"): functools.partial(
+            head_barrier_text, mode=mode
+        )
+        for mode in MODES
+    },
 }
 
 

@@ -40,6 +40,10 @@ class LoadInfo:
         fused kernels (on a TPU; ``CompileOptions.fused_attention``); empty for none.
       attention_kept: per compiled program, the attention composites (SDPA) a TPU kept
         as their decomposition, each with why in words (``fused_attention``'s others).
+      head_barriers: per compiled program where the output head was weighed on a TPU
+        (``CompileOptions.head_barriers``, ``runtime/compile/head_choice.py``): the
+        fusion found, libtpu's estimates with and without optimization barriers around
+        the head's products, and which was compiled, in words.
       kept_freed_memory: whether glibc's allocator was told to keep freed memory
         before compiling (on a TPU; ``CompileOptions.keep_freed_memory``,
         ``runtime/compile/allocator.py``).
@@ -77,6 +81,7 @@ class LoadInfo:
     matmul_precision: str | None = "default"
     fused_attention: dict[str, int] = field(default_factory=dict)
     attention_kept: dict[str, list[str]] = field(default_factory=dict)
+    head_barriers: dict[str, str] = field(default_factory=dict)
     kept_freed_memory: bool = False
     allocator: str = ""
     auto_steps: str = ""

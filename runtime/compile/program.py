@@ -11,7 +11,7 @@ Imports: jaxlib (through _compat), stepbundle.schema, stepbundle.stablehlo.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +21,7 @@ from stepbundle.stablehlo.attention import StateValues
 from .. import _compat
 from ..placement import packing
 from ..placement.sharding import Placement
+from . import head_choice
 from .compile_cache import CacheEvent, CacheOutcome, CompileCache
 from .cpu_numerics import cpu_numerics
 from .rewrites import RewriteContext, Stage, apply_rewrites
@@ -40,6 +41,8 @@ class CompiledProgram:
     fused_attention: int = 0
     attention_kept: tuple[str, ...] = ()
     pinned_state: tuple[str, ...] = ()
+    head_barriers: bool = False
+    head_choice: str = ""  # what was compared and kept, in words ("" where nothing was)
 
     @property
     def cache_hit(self) -> bool:
@@ -62,6 +65,7 @@ def compile_program(
     fused_attention: bool = True,
     scalar_constants: Mapping[int, float] | None = None,
     state_values: StateValues | None = None,
+    head_barriers: bool | None = None,
 ) -> CompiledProgram:
     """Check, rewrite and compile ``program`` for ``placement``'s devices.
 
@@ -91,28 +95,46 @@ def compile_program(
       state_values: the state arguments it never writes, as loaded
         (``state_masks.unwritten_state``); ``CompiledProgram.pinned_state`` names those
         the compiled program assumes.
+      head_barriers: True puts optimization barriers around the output head's products,
+        False does not; None (a TPU only) compiles without, and where the compiled program
+        fuses a residual stream into a head product (``head_choice.fused_stream``)
+        compiles with them too and keeps the program libtpu estimates faster
+        (``CompiledProgram.head_choice`` says what was compared).
     """
     platform = str(client.platform)
-    module = check_program(artifact, program, where, platform)
     # As accurate as PyTorch's CPU kernels: long sums in blocks, YNNPACK's fusions off.
     numerics = cpu_numerics() if platform == "cpu" else None
-    ctx = RewriteContext(
-        platform=platform,
-        placement=placement,
-        layout=layout,
-        donate=donate,
-        steps_per_call=steps_per_call,
-        matmul_precision=matmul_precision,
-        fused_attention=fused_attention,
-        scalar_constants=dict(scalar_constants or {}),
-        state_values=dict(state_values or {}),
-        blocked_sums=numerics is not None and numerics.blocked_sums,
-    )
-    stage = apply_rewrites(Stage(module, program), ctx)
     devices = list(placement.devices)
     overrides = numerics.overrides if numerics is not None else ()
     options = _compat.compile_options(len(devices), [d.id for d in devices], overrides)
-    exe, event = cache.compile(label, client, stage.module.bytecode(), devices, options)
+
+    def build(barriers: bool) -> tuple[Any, CacheEvent, RewriteContext, Stage]:
+        module = check_program(artifact, program, where, platform)
+        ctx = RewriteContext(
+            platform=platform,
+            placement=placement,
+            layout=layout,
+            donate=donate,
+            steps_per_call=steps_per_call,
+            matmul_precision=matmul_precision,
+            fused_attention=fused_attention,
+            scalar_constants=dict(scalar_constants or {}),
+            state_values=dict(state_values or {}),
+            blocked_sums=numerics is not None and numerics.blocked_sums,
+            head_barriers=barriers,
+        )
+        stage = apply_rewrites(Stage(module, program), ctx)
+        exe, event = cache.compile(label, client, stage.module.bytecode(), devices, options)
+        return exe, event, ctx, stage
+
+    built = build(bool(head_barriers))
+    choice = ""
+    if head_barriers is None and platform == "tpu":
+        built, choice = _choose_head_barriers(built, build, label)
+    elif head_barriers and built[2].notes.get("head_barriers"):
+        n = built[2].notes["head_barriers"]
+        choice = f"{label}: optimization barriers around {n} products of the output head (as asked)"
+    exe, event, ctx, stage = built
     return CompiledProgram(
         stage.program,
         exe,
@@ -121,4 +143,43 @@ def compile_program(
         ctx.notes.get("fused_attention", 0),
         tuple(ctx.kept_attention),
         tuple(dict.fromkeys(ctx.pinned_state)),
+        head_barriers=bool(ctx.notes.get("head_barriers")),
+        head_choice=choice,
     )
+
+
+def _choose_head_barriers(
+    built: tuple[Any, CacheEvent, RewriteContext, Stage],
+    build: Callable[[bool], tuple[Any, CacheEvent, RewriteContext, Stage]],
+    label: str,
+) -> tuple[tuple[Any, CacheEvent, RewriteContext, Stage], str]:
+    """``built`` (compiled without barriers), or the program compiled with them where
+    ``built`` fuses a residual stream into a head product and libtpu's cost model prices
+    the barriered program lower; and what was compared, in words ("" where nothing)."""
+    found = head_choice.fused_stream(_optimized_text(built[0]))
+    if found is None:
+        return built, ""
+    other = build(True)
+    if not other[2].notes.get("head_barriers"):  # no head product to hold: as it was
+        return built, ""
+    before = head_choice.estimated_cycles(_optimized_text(built[0]))
+    after = head_choice.estimated_cycles(_optimized_text(other[0]))
+    if before is None or after is None:
+        return built, ""
+    kept = after < before
+    what = (
+        f"{label}: XLA fused the residual stream into the output head ({found.describe()}); "
+        f"libtpu estimates {after / head_choice.CLOCK_HZ * 1e3:.1f} ms a step with "
+        f"optimization barriers around the head's products against "
+        f"{before / head_choice.CLOCK_HZ * 1e3:.1f} ms without: "
+        + ("compiled with them" if kept else "compiled without them")
+    )
+    return (other if kept else built), what
+
+
+def _optimized_text(executable: Any) -> str:
+    """The compiled program's optimized HLO as text ("" where the executable has none)."""
+    try:
+        return "\n".join(m.to_string() for m in executable.hlo_modules())
+    except Exception:  # a jaxlib or plugin without it: nothing to read
+        return ""

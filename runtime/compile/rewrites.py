@@ -42,6 +42,7 @@ from stepbundle.stablehlo.attention_rewrite import rewrite_attention
 from stepbundle.stablehlo.blocked_sums import block_long_sums, count_long_sums
 from stepbundle.stablehlo.conv_layout import canonicalize_convolutions
 from stepbundle.stablehlo.conv_wgrad import count_weight_gradients, rewrite_weight_gradients
+from stepbundle.stablehlo.head_barriers import rewrite_head_barriers
 from stepbundle.stablehlo.onehot import count_onehot_reductions, rewrite_onehot_reductions
 from stepbundle.stablehlo.pow_precision import rewrite_powers
 from stepbundle.stablehlo.precision import set_matmul_precision
@@ -173,6 +174,15 @@ def fused_attention(stage: Stage, ctx: RewriteContext) -> Stage:
     ):
         return stage
     return fuse_attention(stage, ctx, ctx.platform)
+
+
+def head_barriers(stage: Stage, ctx: RewriteContext) -> Stage:
+    """Optimization barriers on the output head's products' activations and input
+    gradient (``stablehlo/head_barriers.py``), where ``compile_program`` found XLA fusing
+    the residual stream into the head (``head_choice.py``). Identity on values."""
+    if ctx.head_barriers:
+        ctx.notes["head_barriers"] = rewrite_head_barriers(stage.module, "hidden")
+    return stage
 
 
 def fuse_attention(
@@ -346,6 +356,7 @@ REWRITES: tuple[tuple[str, Rewrite], ...] = (
     ("blocked-sums", blocked_sums),
     ("weight-gradients", weight_gradients),
     ("fused-attention", fused_attention),
+    ("head-barriers", head_barriers),
     ("pack-state", pack_state),
     ("canonical-convolutions", canonical_convolutions),
     ("steps-per-call", steps_per_call),

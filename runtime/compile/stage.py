@@ -36,6 +36,9 @@ class RewriteContext:
       fused_attention: whether a TPU runs traced attention as fused kernels.
       blocked_sums: whether a CPU program's long float sums are summed in blocks
         (``cpu_numerics.py``).
+      head_barriers: put optimization barriers around the output head's products
+        (``stablehlo/head_barriers.py``); ``compile_program`` decides where
+        (``head_choice.py``).
       scalar_constants: @main's scalar constant arguments (argument number -> value,
         from the bundle's constant sections): an attention mask's fill value is one.
       state_values: the state arguments the step never writes, as loaded
@@ -57,6 +60,7 @@ class RewriteContext:
     matmul_precision: str | None = None
     fused_attention: bool = True
     blocked_sums: bool = True
+    head_barriers: bool = False
     scalar_constants: Mapping[int, float] = field(default_factory=dict)
     state_values: StateValues = field(default_factory=dict)
     notes: dict[str, int] = field(default_factory=dict)

@@ -6,8 +6,6 @@ code with either program)."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -15,9 +13,7 @@ from jaxlib.mlir import ir
 from runtime_helpers import golden_train_module, run_on_cpu
 
 from stepbundle.stablehlo import artifact as mlir
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "device"))
-from head_barrier import count_head_barriers, rewrite_head_barriers  # noqa: E402
+from stepbundle.stablehlo.head_barriers import MODES, count_head_barriers, rewrite_head_barriers
 
 # A head over a vocabulary of 16384: the logits h @ w^T, and the input gradient g @ w that
 # sums over the vocabulary; plus a small product that has nothing vocabulary-sized.
@@ -59,33 +55,33 @@ BARRIER, DOT = "stablehlo.optimization_barrier", "stablehlo.dot_general"
 
 def test_the_input_gradient_alone_or_every_head_product_with_its_operands() -> None:
     module = _module()
-    assert count_head_barriers(module) == 1  # %dh: it sums over 16384
-    assert rewrite_head_barriers(module) == 1
+    assert count_head_barriers(module, mode="result") == 1  # %dh: it sums over 16384
+    assert rewrite_head_barriers(module, mode="result") == 1
     assert _barriers(module) == 1
     # %dh2 reads %dh through the barrier; the outputs are the products' own otherwise
     assert _reads(module, "stablehlo.add") == [[BARRIER, "argument"]]
     assert _reads(module, "func.return") == [[DOT, "stablehlo.add", DOT]]
     assert _reads(module, BARRIER) == [[DOT]]
-    assert rewrite_head_barriers(module) == 0  # a second pass adds nothing
+    assert rewrite_head_barriers(module, mode="result") == 0  # a second pass adds nothing
 
     module = _module()
-    assert count_head_barriers(module, operands=True) == 2  # %logits and %dh, not %small
-    assert rewrite_head_barriers(module, operands=True) == 2
+    assert count_head_barriers(module, mode="operands") == 2  # %logits and %dh, not %small
+    assert rewrite_head_barriers(module, mode="operands") == 2
     assert _barriers(module) == 2 * 3  # each product's two operands and its result
     # the two head products read barriers; the small one reads the arguments
     assert _reads(module, DOT) == [[BARRIER, BARRIER], [BARRIER, BARRIER], ["argument"] * 2]
     assert _reads(module, "func.return") == [[BARRIER, "stablehlo.add", DOT]]
     assert _reads(module, "stablehlo.add") == [[BARRIER, "argument"]]
-    assert rewrite_head_barriers(module, operands=True) == 0
+    assert rewrite_head_barriers(module, mode="operands") == 0
 
     module = _module()  # the values that are not vocabulary-sized: %h read, %dh written
-    assert count_head_barriers(module, operands="hidden") == 2
-    assert rewrite_head_barriers(module, operands="hidden") == 2
+    assert count_head_barriers(module, mode="hidden") == 2
+    assert rewrite_head_barriers(module, mode="hidden") == 2
     assert _barriers(module) == 2  # %h before %logits, %dh after it; %g and %w are not held
     assert _reads(module, DOT) == [[BARRIER, "argument"], ["argument"] * 2, ["argument"] * 2]
     assert _reads(module, "stablehlo.add") == [[BARRIER, "argument"]]
     assert _reads(module, "func.return") == [[DOT, "stablehlo.add", DOT]]
-    assert rewrite_head_barriers(module, operands="hidden") == 0
+    assert rewrite_head_barriers(module, mode="hidden") == 0
 
 
 def test_the_values_are_the_same_bits() -> None:
@@ -95,9 +91,9 @@ def test_the_values_are_the_same_bits() -> None:
     g = rng.standard_normal((8, 16384)).astype(np.float32)
     s = rng.standard_normal((4, 4)).astype(np.float32)
     before = run_on_cpu(_module(), h, w, g, s)
-    for operands in (False, True, "hidden"):
+    for mode in MODES:
         module = _module()
-        rewrite_head_barriers(module, operands=operands)
+        rewrite_head_barriers(module, mode=mode)
         after = run_on_cpu(module, h, w, g, s)
         for a, b in zip(before, after):
             assert a.dtype == b.dtype == np.float32

@@ -1,0 +1,119 @@
+"""Reading a TPU-compiled train program: is the residual stream fused into the output head?
+
+On a TPU, XLA sometimes fuses a transformer's whole residual stream into the product
+that computes the output head's input gradient (``dlogits @ embedding``): the final
+norm's backward and every layer's sum of the stream are recomputed inside the tiled
+product, which then writes a dozen float32 activations (Hugging Face GPT-2 small
+through the torch_xla front-end: one fusion with 17 results, 12 of them
+``f32[8,1024,768]``, 15.1 of the 83.8 ms step on a v5e, where the hand-written JAX
+model's counterpart takes 3.6 ms). Optimization barriers on the head products' narrow
+values (``stablehlo/head_barriers.py``) keep the stream out of it; on programs where XLA
+does not do this they cost time instead (docs/tpu.md has both). So ``compile_program``
+compiles the program as it is, asks ``fused_stream`` of the compiled program, and only
+where it answers compiles the barriered program too, keeping the one libtpu's own cost
+model (``estimated_cycles``) prices lower.
+
+Both functions read the optimized HLO's text (``executable.hlo_modules()``), which is
+XLA's debug format: anything they cannot read makes them answer None, and the program
+is kept as compiled.
+
+Imports: the standard library.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from dataclasses import dataclass
+
+__all__ = ["CLOCK_HZ", "FusedStream", "MIN_SAME_SHAPE", "estimated_cycles", "fused_stream"]
+
+CLOCK_HZ = 1.5e9
+"""The cycles of ``estimated_cycles`` a second: a v5e TensorCore's clock (its 197 bf16
+TFLOP/s over 4 units of 128 x 128 multiply-adds). A scale for the words of the load
+line only; the choice compares cycles with cycles."""
+
+MIN_SAME_SHAPE = 8
+"""The fewest results of one shape a product fusion must write to be read as a residual
+stream fused into it (GPT-2 small's has 12; the largest product fusions of the other
+programs measured write at most 2 of a shape: docs/tpu.md)."""
+
+_FUSION = re.compile(r"\s*(?:ROOT )?%([\w.-]+) = \((.*)\) fusion\(.*?calls=%([\w.-]+)")
+_SHAPE = re.compile(r"\b[a-z]+\d*\[[\d,]*\]")
+_HEAD = re.compile(r"(ENTRY )?%?([\w.-]+) [(]")
+_CALLS = re.compile(r"(?:calls|to_apply)=%([\w.-]+)")
+_CYCLES = re.compile(r'"estimated_cycles":"(\d+)"')
+
+
+@dataclass(frozen=True)
+class FusedStream:
+    """A product fusion writing many results of one shape."""
+
+    fusion: str  # its name in the optimized HLO
+    results: int
+    same_shape: int
+    shape: str
+
+    def describe(self) -> str:
+        return (
+            f"{self.fusion}, a product fusion writing {self.results} results, "
+            f"{self.same_shape} of them {self.shape}"
+        )
+
+
+def _computations(text: str) -> dict[str, str]:
+    """Each computation's body, by name ('ENTRY' for the entry computation). A body ends
+    at a line that is a lone '}' (a custom call's configuration spans lines of its own)."""
+    out: dict[str, str] = {}
+    name: str | None = None
+    lines: list[str] = []
+    for line in text.splitlines():
+        if name is None:
+            m = _HEAD.match(line)
+            if m and line.rstrip().endswith("{"):
+                name, lines = ("ENTRY" if m.group(1) else m.group(2)), []
+        elif line.rstrip() == "}":
+            out[name] = "\n".join(lines)
+            name = None
+        else:
+            lines.append(line)
+    return out
+
+
+def _holds_product(comps: dict[str, str], name: str, seen: set[str]) -> bool:
+    body = comps.get(name, "")
+    if " convolution(" in body:
+        return True
+    for callee in _CALLS.findall(body):
+        if callee not in seen:
+            seen.add(callee)
+            if _holds_product(comps, callee, seen):
+                return True
+    return False
+
+
+def fused_stream(text: str, least: int = MIN_SAME_SHAPE) -> FusedStream | None:
+    """The entry computation's product fusion (one that holds a convolution, XLA's form
+    of a matrix product on a TPU) writing the most results of one shape, where that is
+    at least ``least``; None where there is none (or the text cannot be read)."""
+    comps = _computations(text)
+    best: FusedStream | None = None
+    for line in comps.get("ENTRY", "").splitlines():
+        m = _FUSION.match(line)
+        if not m:
+            continue
+        shapes = _SHAPE.findall(m.group(2))
+        if len(shapes) < least or not _holds_product(comps, m.group(3), set()):
+            continue
+        shape, same = Counter(shapes).most_common(1)[0]
+        if same >= least and (best is None or same > best.same_shape):
+            best = FusedStream(m.group(1), len(shapes), same, shape)
+    return best
+
+
+def estimated_cycles(text: str) -> int | None:
+    """libtpu's estimate of the program's device time: the sum of ``estimated_cycles``
+    over the entry computation's operations (the Pallas kernels and asynchronous copies
+    carry none); None where no operation carries one (not a TPU's program)."""
+    found = [int(c) for c in _CYCLES.findall(_computations(text).get("ENTRY", ""))]
+    return sum(found) if found else None

@@ -1,0 +1,68 @@
+"""Reading a TPU-compiled program for the output head's choice (runtime/compile/head_choice.py):
+the fixture is libtpu's optimized HLO text, trimmed (GPT-2 small's train program through the
+torch_xla front-end, whose head product fusion.275 writes 17 results, 12 of them the residual
+stream; beside it the torch front-end's counterpart, which writes 5, and a fused-attention
+kernel call whose configuration spans lines of its own)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from stepbundle.runtime import CompileOptions
+from stepbundle.runtime.compile.head_choice import estimated_cycles, fused_stream
+from stepbundle.runtime.errors import UsageError
+
+TEXT = (Path(__file__).parent / "data" / "head_fusion.hlo.txt").read_text()
+
+
+def test_the_residual_stream_fused_into_the_head_is_found() -> None:
+    found = fused_stream(TEXT)
+    assert found is not None
+    assert (found.fusion, found.results, found.same_shape) == ("fusion.275", 17, 12)
+    assert found.shape == "f32[8,1024,768]"
+    assert "17 results, 12 of them f32[8,1024,768]" in found.describe()
+    assert fused_stream(TEXT, least=13) is None  # 12 of one shape, not 13
+
+
+def test_only_a_product_fusion_counts() -> None:
+    # the same fusion, its called computation without the product: not a head's
+    no_product = re.sub(r"\n  %convolution\.148\.clone\.1 = [^\n]*", "", TEXT)
+    assert no_product != TEXT
+    assert fused_stream(no_product) is None
+    # the torch front-end's counterpart writes 5 results, 2 of a shape: found at 2, not 8
+    without = "\n".join(ln for ln in TEXT.splitlines() if "%fusion.275 =" not in ln)
+    assert fused_stream(without) is None
+    found = fused_stream(without, least=2)
+    assert found is not None and found.fusion == "multiply_reduce_fusion.13"
+
+
+def test_the_estimate_is_the_entry_computations_sum() -> None:
+    # the oracle reads each entry operation's backend_config as JSON
+    entry = TEXT[TEXT.index("ENTRY") :]
+    total = 0
+    for line in entry.splitlines():
+        m = re.search(r"backend_config=(\{.*\})\s*$", line)
+        if m:
+            total += int(json.loads(m.group(1)).get("window_config", {}).get("estimated_cycles", 0))
+    assert total > 0
+    assert estimated_cycles(TEXT) == total
+    # the fused computations' own lines are not the program's operations
+    assert estimated_cycles(TEXT.replace("ENTRY %main.367", "%not_the_entry")) is None
+
+
+def test_a_program_without_estimates_has_none() -> None:
+    cpu = "HloModule m\n\nENTRY %main (a: f32[4]) -> f32[4] {\n  ROOT %a = f32[4] parameter(0)\n}\n"
+    assert estimated_cycles(cpu) is None
+    assert fused_stream(cpu) is None
+
+
+def test_head_barriers_takes_true_false_or_auto() -> None:
+    assert CompileOptions().head_barriers == "auto"
+    for ok in (True, False, "auto"):
+        assert CompileOptions(head_barriers=ok).head_barriers == ok
+    with pytest.raises(UsageError, match='head_barriers must be True, False or "auto"'):
+        CompileOptions(head_barriers="yes")  # type: ignore[arg-type]

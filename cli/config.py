@@ -51,6 +51,7 @@ class RunConfig:
     cache_dir: str | None = None
     no_cache: bool = False
     no_fused_attention: bool = False
+    head_barriers: str = "auto"
     entry: str = "train"
     entries: tuple[str, ...] | None = None
     data: str = ""

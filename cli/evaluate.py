@@ -33,7 +33,7 @@ def _cmd_eval(args: RunConfig) -> int:
 
     from .data import DATA_ERRORS, eval_batches, is_dataset, read_npz
     from .init_from import state_options
-    from .options import parallel_options
+    from .options import head_barriers, parallel_options
     from .paths import check_path_kinds, refuse_missing_resume, resume_from_folder
     from .run import refuse_too_many_cpu_devices, report_load
 
@@ -64,6 +64,7 @@ def _cmd_eval(args: RunConfig) -> int:
             entries=(args.entry,),
             cache_dir=False if args.no_cache else (args.cache_dir or True),
             fused_attention=not args.no_fused_attention,
+            head_barriers=head_barriers(args),
         )
         options = LoadOptions(
             compile=compiling,

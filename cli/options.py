@@ -12,7 +12,7 @@ imports stepbundle.runtime when called.
 from __future__ import annotations
 
 import argparse
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from . import args as types
 
@@ -128,6 +128,14 @@ SHARED: dict[str, dict[str, Any]] = {
         "help": "keep the bundle's own attention on a TPU, where it is otherwise run as "
         "jax's splash-attention kernels (docs/tpu.md)",
     },
+    "--head-barriers": {
+        "choices": ("auto", "on", "off"),
+        "default": "auto",
+        "help": "optimization barriers around the output head's products: 'auto' (default) "
+        "compiles a TPU train program with them too where XLA fused the residual stream "
+        "into the head, and keeps the faster by libtpu's estimate (one more compile there; "
+        "docs/tpu.md); 'on' and 'off' decide for every program",
+    },
     "--init-from": {
         "type": types.checkpoint_path,
         "metavar": "CKPT",
@@ -159,12 +167,17 @@ def add(parser: Any, *flags: str, **overrides: Any) -> None:
 
 def add_device_options(parser: Any) -> None:
     """Where a bundle runs and where its compiled programs are cached (run, eval, compile)."""
-    add(parser, "--device", "--cache-dir", "--no-cache", "--no-fused-attention")
+    add(parser, "--device", "--cache-dir", "--no-cache", "--no-fused-attention", "--head-barriers")
 
 
 def add_init_options(parser: Any) -> None:
     """Where the initial state comes from (run and eval): ``--init-from``, ``--init-strict``."""
     add(parser, "--init-from", "--init-strict")
+
+
+def head_barriers(config: RunConfig) -> bool | Literal["auto"]:
+    """``CompileOptions.head_barriers`` from ``--head-barriers`` (run, eval, compile)."""
+    return {"on": True, "off": False}.get(config.head_barriers, "auto")
 
 
 def parallel_options(config: RunConfig) -> ParallelOptions:

@@ -21,7 +21,7 @@ from typing import Any
 from . import args as types
 from .common import die
 from .config import RunConfig
-from .options import JOB, add, add_device_options, parallel_options
+from .options import JOB, add, add_device_options, head_barriers, parallel_options
 
 __all__ = ["add_compile", "add_pull", "cmd_compile", "cmd_pull"]
 
@@ -149,6 +149,7 @@ def _cmd_compile(args: RunConfig) -> int:
                 compile_only=True,
                 matmul_precision=args.matmul_precision,
                 fused_attention=not args.no_fused_attention,
+                head_barriers=head_barriers(args),
             ),
             state=StateOptions(pack_state=args.pack_state),
             safety=SafetyOptions(

@@ -257,7 +257,7 @@ def _open_trainer(args: RunConfig) -> Trainer:
     from stepbundle.runtime.train.schedule import named_schedule
 
     from .init_from import state_options
-    from .options import parallel_options
+    from .options import head_barriers, parallel_options
     from .paths import refuse_missing_resume
 
     train = args.entry == "train"
@@ -271,6 +271,7 @@ def _open_trainer(args: RunConfig) -> Trainer:
             cadences=(args.checkpoint_every or 0, args.eval_every or 0),
             matmul_precision=args.matmul_precision,
             fused_attention=not args.no_fused_attention,
+            head_barriers=head_barriers(args),
         ),
         state=state_options(args),
         safety=SafetyOptions(

@@ -1,37 +1,32 @@
-"""An experiment, not a runtime rewrite: the output head's input gradient read through an
-optimization barrier.
+"""Optimization barriers around an output head's products, where XLA would fuse a
+transformer's residual stream into them (the runtime's ``head-barriers`` rewrite; where it
+applies is decided at load: ``runtime/compile/head_choice.py``).
 
 Hugging Face GPT-2 through the torch_xla front-end on the v5e (run 19 of
 ``results/device/tpu-v5e/attention_table.json``, profiled): one fusion took 15.1 ms of the
 84.3 ms step, against 3.6 ms for its counterpart in the hand-written JAX peer and 4.8 ms
-in the torch front-end's program. Compiled offline (libtpu 0.0.42.1), it is the head's
-input-gradient product ``dlogits (8192 x 50257) @ wte (50257 x 768)`` with the logits'
-gradient computed inside it from the bf16 logits and the targets, and with the final
-LayerNorm's backward and the whole residual stream (24 additions of the layers' outputs,
-recomputed rather than kept from the forward) fused after it: 17 results, 12 of them
-f32[8, 1024, 768]; libtpu's cost model prices it at 38.2M cycles.
+in the torch front-end's program. It is the head's input-gradient product ``dlogits
+(8192 x 50257) @ wte (50257 x 768)`` with the logits' gradient computed inside it, and
+the final LayerNorm's backward and the whole residual stream (24 additions of the layers'
+outputs, recomputed rather than kept from the forward) fused after it: 17 results, 12 of
+them f32[8, 1024, 768].
 
-``rewrite_head_barriers`` puts a ``stablehlo.optimization_barrier`` on the result of each
-product that contracts over at least ``MIN_CONTRACTED`` elements (a vocabulary) into a
-result smaller than its contracted operand: XLA can then fuse nothing that reads the
-product's result into the product; ``operands=True`` (``head-barrier-operands``) also puts
-each operand of every product with a vocabulary-sized dimension behind one, so XLA fuses
-nothing into them either. A barrier is the identity on values: on the CPU the program
-computes the same bits (``tests/runtime/test_head_barrier.py``); on a TPU XLA fuses
-otherwise, which can move the last bits. ``attention_table.py``'s ``head-barrier`` and
-``head-barrier-operands`` experiments insert them after the runtime's ``fused-attention``
-rewrite; ``torch_frontend_hlo.py compile --variant`` inserts them into the bundle's text,
-before the runtime's rewrites: the two pipelines are not quite the same, though the
-one-hot sums' rewrite finds as many sums either way (3, 2 and 3 in the three bundles
-below, checked on their programs). Measured on the chip (run 21 of ``attention_table.json``): GPT-2 through
-torch_xla 84.33 -> 75.44 ms a step, GPT-2 through the torch front-end 72.90 -> 80.24, the
-123M Llama through torch_xla 47.81 -> 54.36; compiled offline, ``torch_frontend_hlo.py
-compare --out benchmarks/results/head_barrier-v5e.json`` priced each program
-(``results/head_barrier-v5e.json``).
+A head product is a ``dot_general`` one of whose values (an operand or the result) has a
+vocabulary-sized dimension: a size of at least ``MIN_VOCABULARY`` that is a dimension of
+one of ``@main``'s two-dimensional floating-point arguments (the embedding, the head's
+weight), so that a token count as large is not taken for one. ``MODES`` says where each
+mode puts the barriers; the runtime's is ``hidden``: on the values that are not
+vocabulary-sized (the activations a head product reads, the input gradient it writes),
+which keeps the stream out of the head and leaves the logits and their gradient fusable.
+On the chip (runs 21-23): GPT-2 through torch_xla 84.31 -> 70.15 ms a step with
+``hidden`` (75.44 with ``operands``); where XLA does not fuse the stream into the head,
+``hidden`` moved the 123M Llama 47.79 -> 48.40 and GPT-2 through the torch front-end
+72.90 -> 72.06 (``operands``: 54.36 and 80.24), which is why the load decides.
 
-The size test is a size, not a vocabulary: a step of at least ``MIN_CONTRACTED`` tokens
-(GPT-2 at batch 16) would also put barriers on every weight gradient (which sums over the
-tokens), and with ``operands`` on every layer's products.
+A barrier is the identity on values: on the CPU the program computes the same bits
+(``tests/runtime/test_head_barrier.py``, ``tests/frontend_torch/test_head_barriers.py``);
+on a TPU XLA fuses otherwise, which can move the last bits. The other modes are
+``attention_table.py``'s and ``torch_frontend_hlo.py``'s experiments.
 
 Imports: jaxlib's MLIR bindings, stepbundle.stablehlo.
 """
@@ -70,11 +65,29 @@ dimension in an operand or its result):
 - ``operands``: on both operands and the result of every head product."""
 
 _BARRIER = "stablehlo.optimization_barrier"
+_FLOATS = ("f64", "f32", "f16", "bf16")
 hlo: Any = _stablehlo  # jaxlib's stubs do not cover the dialect's attribute classes
 
 
-def _vocab_sized(value: Any) -> bool:
-    return max(ir.RankedTensorType(value.type).shape, default=0) >= MIN_VOCABULARY
+def _vocabularies(module: Module) -> frozenset[int]:
+    """The sizes that are a vocabulary here: dimensions of at least ``MIN_VOCABULARY`` of
+    ``@main``'s two-dimensional floating-point arguments (an embedding or an output head's
+    weight; a token count, which can be as large, is no weight's dimension)."""
+    sizes: set[int] = set()
+    for view in module._module.body.operations:
+        op: Any = view.operation
+        if op.name != "func.func" or ir.StringAttr(op.attributes["sym_name"]).value != "main":
+            continue
+        args: Any = op.regions[0].blocks[0].arguments
+        for arg in args:
+            t = ir.RankedTensorType(arg.type)
+            if t.rank == 2 and str(t.element_type) in _FLOATS:
+                sizes.update(d for d in t.shape if d >= MIN_VOCABULARY)
+    return frozenset(sizes)
+
+
+def _vocab_sized(value: Any, vocab: frozenset[int]) -> bool:
+    return any(d in vocab for d in ir.RankedTensorType(value.type).shape)
 
 
 def _contracted(op: Any) -> int:
@@ -83,11 +96,11 @@ def _contracted(op: Any) -> int:
     return math.prod(lhs.shape[d] for d in dn.lhs_contracting_dimensions)
 
 
-def _is_logits(op: Any) -> bool:
+def _is_logits(op: Any, vocab: frozenset[int]) -> bool:
     """A product writing vocabulary-sized logits: it sums over fewer elements than the
     smallest dimension of its result (the width; a weight gradient sums over the tokens)."""
     out = ir.RankedTensorType(op.result.type)
-    return _vocab_sized(op.result) and _contracted(op) < min(out.shape)
+    return _vocab_sized(op.result, vocab) and _contracted(op) < min(out.shape)
 
 
 def _held(op: Any, value: Any) -> bool:
@@ -99,25 +112,25 @@ def _held(op: Any, value: Any) -> bool:
     return not isinstance(owner, ir.Block) and owner.name == _BARRIER
 
 
-def _targets(op: Any, mode: str) -> list[Any]:
+def _targets(op: Any, mode: str, vocab: frozenset[int]) -> list[Any]:
     """The values of the product ``op`` that ``mode`` puts behind barriers (none where it
     is not a head product or they are behind barriers already)."""
     if op.name != "stablehlo.dot_general":
         return []
     values = [*op.operands, op.result]
-    if not any(_vocab_sized(v) for v in values):
+    if not any(_vocab_sized(v, vocab) for v in values):
         return []
     if mode in ("hidden", "hidden-backward"):
-        if mode == "hidden-backward" and _is_logits(op):
+        if mode == "hidden-backward" and _is_logits(op, vocab):
             return []
-        wanted = [v for v in values if not _vocab_sized(v)]
+        wanted = [v for v in values if not _vocab_sized(v, vocab)]
     elif mode == "operands":
         wanted = values
     else:  # "result": the input gradient alone
         lhs = ir.RankedTensorType(op.operands[0].type)
         out = ir.RankedTensorType(op.result.type)
         small = math.prod(out.shape) < math.prod(lhs.shape)
-        wanted = [op.result] if _contracted(op) >= MIN_VOCABULARY and small else []
+        wanted = [op.result] if _contracted(op) in vocab and small else []
     return [] if all(_held(op, v) for v in wanted) else wanted
 
 
@@ -138,7 +151,8 @@ def _hold(value: Any) -> Any:
 def _insert(module: Module, mode: str) -> int:
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    sites = [(op, t) for op in module._operations() if (t := _targets(op, mode))]
+    vocab = _vocabularies(module)
+    sites = [(op, t) for op in module._operations() if (t := _targets(op, mode, vocab))]
     for op, targets in sites:
         if any(v == op.result for v in targets):
             with _after(op), op.location:
@@ -156,7 +170,8 @@ def _insert(module: Module, mode: str) -> int:
 def count_head_barriers(module: Module, mode: str = "hidden") -> int:
     """The products of ``module`` that ``rewrite_head_barriers`` would put barriers on."""
     with module._ctx:
-        return sum(1 for op in module._operations() if _targets(op, mode))
+        vocab = _vocabularies(module)
+        return sum(1 for op in module._operations() if _targets(op, mode, vocab))
 
 
 def rewrite_head_barriers(module: Module, mode: str = "hidden") -> int:

@@ -551,6 +551,8 @@ def variant(name: str | None = None) -> Any:
         from narrow_gathers import count_narrow_gathers, rewrite_narrow_gathers
 
         _insert_rewrite(rewrites, "onehot-sums", name, count_narrow_gathers, rewrite_narrow_gathers)
+    elif name in HEAD_BARRIERS:  # a load option (bench), not a patch
+        pass
     elif name is not None and name.startswith("head-barrier"):
         import functools
 
@@ -563,8 +565,6 @@ def variant(name: str | None = None) -> Any:
             functools.partial(rewrite_head_barriers, mode=mode),
             tpu_only=True,
         )  # fmt: skip
-    elif name in HEAD_BARRIERS:  # a load option (bench), not a patch
-        pass
     elif name == "f32-kernels":
         fa.FLOAT32_COMPUTE = "f32"
     elif name is not None:

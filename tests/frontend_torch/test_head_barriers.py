@@ -88,3 +88,36 @@ def test_barriers_change_no_value(tmp_path: Path) -> None:
         assert np.array_equal(plain_state[name], held_state[name]), name
     # and both are PyTorch's steps, to float32 rounding
     np.testing.assert_allclose(plain, eager, rtol=2e-5, atol=2e-5)
+
+
+def test_run_says_where_it_put_barriers(tmp_path: Path) -> None:
+    import json
+    import subprocess
+    import sys
+
+    torch.manual_seed(0)
+    model = TinyLM()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    batches = _batches()
+    path = tmp_path / "lm.stepbundle"
+    example = {k: torch.from_numpy(v) for k, v in batches[0].items()}
+    export(Recipe(model=model, optimizer=opt, step=_step, example_batch=example, seed=0), path)
+    data = tmp_path / "data.npz"
+    np.savez(data, **{k: np.stack([b[k] for b in batches]) for k in ("idx", "y")})
+    out = {}
+    for flag in ("on", "off", "auto"):
+        cmd = [sys.executable, "-m", "stepbundle", "run", str(path), "--data", str(data),
+               "--steps", "3", "--no-cache", "--json", "--head-barriers", flag]  # fmt: skip
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        notes = [ln for ln in done.stderr.splitlines() if ln.startswith("[run] output head:")]
+        if flag == "on":
+            assert notes == [
+                "[run] output head: train[0]: optimization barriers around 3 products of the "
+                "output head (as asked)"
+            ]
+        else:  # off, and auto on the CPU: nothing weighed
+            assert notes == []
+        out[flag] = [json.loads(ln)["loss"] for ln in done.stdout.splitlines() if '"loss"' in ln]
+    assert len(out["on"]) == 3
+    assert out["on"] == out["off"] == out["auto"]

@@ -113,6 +113,16 @@ class CompileOptions:
         the allocator alone, "auto" (default) applies it only where a system call is
         measured slow (``STEPBUNDLE_KEEP_FREED_MEMORY`` = 1/0 decides an "auto" instead);
         ``LoadInfo.allocator`` says what was done and why.
+      head_barriers: optimization barriers around the output head's products (a product
+        with a dimension of a vocabulary: at least 16,384, and a dimension of one of the
+        program's 2-D weights), which keep XLA from fusing a transformer's residual stream
+        into them (``runtime/compile/head_choice.py``). "auto" (default): on a TPU, where
+        the compiled train program has the stream fused into a head product, it is
+        compiled with the barriers too and the one libtpu's cost model prices lower is
+        kept (one more compile for such a program; its steps-per-call program follows).
+        True puts them in every program that has a head (eval entries too), on every
+        platform (they change no value); False never. ``LoadInfo.head_barriers`` says what
+        was done.
     """
 
     entries: tuple[str, ...] | None = None

@@ -26,12 +26,7 @@ import re
 from collections import Counter
 from dataclasses import dataclass
 
-__all__ = ["CLOCK_HZ", "FusedStream", "MIN_SAME_SHAPE", "estimated_cycles", "fused_stream"]
-
-CLOCK_HZ = 1.5e9
-"""The cycles of ``estimated_cycles`` a second: a v5e TensorCore's clock (its 197 bf16
-TFLOP/s over 4 units of 128 x 128 multiply-adds). A scale for the words of the load
-line only; the choice compares cycles with cycles."""
+__all__ = ["FusedStream", "MIN_SAME_SHAPE", "estimated_cycles", "fused_stream"]
 
 MIN_SAME_SHAPE = 8
 """The fewest results of one shape a product fusion must write to be read as a residual

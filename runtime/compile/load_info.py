@@ -40,10 +40,13 @@ class LoadInfo:
         fused kernels (on a TPU; ``CompileOptions.fused_attention``); empty for none.
       attention_kept: per compiled program, the attention composites (SDPA) a TPU kept
         as their decomposition, each with why in words (``fused_attention``'s others).
-      head_barriers: per compiled program where the output head was weighed on a TPU
-        (``CompileOptions.head_barriers``, ``runtime/compile/head_choice.py``): the
-        fusion found, libtpu's estimates with and without optimization barriers around
-        the head's products, and which was compiled, in words.
+      head_barriers: per compiled program (``"entry[i]"``), what was done about the output
+        head, in words (``CompileOptions.head_barriers``, ``runtime/compile/head_choice.py``):
+        under "auto" on a TPU, where the residual stream was found fused into it, the fusion,
+        libtpu's estimates with and without optimization barriers around the head's
+        products and which was compiled; under True, how many products got barriers, or
+        that the program has no head. Empty where nothing was weighed or asked (every
+        program under "auto" off a TPU).
       kept_freed_memory: whether glibc's allocator was told to keep freed memory
         before compiling (on a TPU; ``CompileOptions.keep_freed_memory``,
         ``runtime/compile/allocator.py``).

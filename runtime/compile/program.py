@@ -17,6 +17,7 @@ from typing import Any
 
 from stepbundle.schema.manifest import Program
 from stepbundle.stablehlo.attention import StateValues
+from stepbundle.stablehlo.head_barriers import MIN_VOCABULARY
 
 from .. import _compat
 from ..placement import packing
@@ -131,9 +132,15 @@ def compile_program(
     choice = ""
     if head_barriers is None and platform == "tpu":
         built, choice = _choose_head_barriers(built, build, label)
-    elif head_barriers and built[2].notes.get("head_barriers"):
-        n = built[2].notes["head_barriers"]
-        choice = f"{label}: optimization barriers around {n} products of the output head (as asked)"
+    elif head_barriers:
+        n = built[2].notes.get("head_barriers", 0)
+        choice = (
+            f"{label}: optimization barriers around {n} product{'s' if n != 1 else ''} of the "
+            "output head (as asked)"
+            if n
+            else f"{label}: no output head to hold (no product with a dimension of a "
+            f"vocabulary: at least {MIN_VOCABULARY:,} and a dimension of a 2-D weight)"
+        )
     exe, event, ctx, stage = built
     return CompiledProgram(
         stage.program,
@@ -169,9 +176,9 @@ def _choose_head_barriers(
     kept = after < before
     what = (
         f"{label}: XLA fused the residual stream into the output head ({found.describe()}); "
-        f"libtpu estimates {after / head_choice.CLOCK_HZ * 1e3:.1f} ms a step with "
-        f"optimization barriers around the head's products against "
-        f"{before / head_choice.CLOCK_HZ * 1e3:.1f} ms without: "
+        f"libtpu's cost model prices the program with optimization barriers around the "
+        f"head's products at {after / before:.2f}x the one without ({after / 1e6:.1f}M "
+        f"against {before / 1e6:.1f}M cycles): "
         + ("compiled with them" if kept else "compiled without them")
     )
     return (other if kept else built), what

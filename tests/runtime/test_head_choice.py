@@ -66,3 +66,26 @@ def test_head_barriers_takes_true_false_or_auto() -> None:
         assert CompileOptions(head_barriers=ok).head_barriers == ok
     with pytest.raises(UsageError, match='head_barriers must be True, False or "auto"'):
         CompileOptions(head_barriers="yes")  # type: ignore[arg-type]
+
+
+def test_asked_for_barriers_a_program_without_a_head_says_so() -> None:
+    from runtime_helpers import golden_bundle
+
+    from stepbundle.runtime import LoadOptions, load
+
+    trainer = load(
+        golden_bundle("linear_adamw"),
+        "cpu",
+        LoadOptions(compile=CompileOptions(cache_dir=False, head_barriers=True)),
+    )
+    notes = trainer.load_info.head_barriers
+    compiled = {f"{name}[{i}]" for name, e in trainer.manifest.entries.items()
+                for i in range(len(e.programs))}  # fmt: skip
+    assert set(notes) == compiled and "train[0]" in notes
+    for label, note in notes.items():
+        assert note.startswith(f"{label}: no output head to hold (no product with a dimension")
+        assert "16,384" in note
+    auto = load(
+        golden_bundle("linear_adamw"), "cpu", LoadOptions(compile=CompileOptions(cache_dir=False))
+    )
+    assert auto.load_info.head_barriers == {}  # "auto" weighs nothing off a TPU

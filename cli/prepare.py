@@ -183,4 +183,6 @@ def _cmd_compile(args: RunConfig) -> int:
             f"{time.perf_counter() - t0:.2f}s",
             file=sys.stderr,
         )
+        for note in info.head_barriers.values():  # the output head weighed (a TPU), or asked
+            print(f"[compile] output head: {note}", file=sys.stderr)
     return 1 if failed else 0

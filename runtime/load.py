@@ -459,6 +459,13 @@ class _Compiler:
             raise PlatformError(refused[0].refusal)
         return progs
 
+    def _head_barriers(self, updates_state: bool) -> bool | None:
+        """``compile_program``'s head_barriers: as asked, and under "auto" (None) weighed
+        for a training program on one device only (``head_choice.py``)."""
+        if self.head_barriers is None and (not updates_state or self.placement.partitioned):
+            return False
+        return self.head_barriers
+
     def _compile(
         self,
         section: Any,
@@ -487,7 +494,7 @@ class _Compiler:
             fused_attention=self.fused_attention,
             scalar_constants=scalars,
             state_values=unwritten_state(program, self.initial),
-            head_barriers=self.head_barriers if k == 1 else head_barriers,
+            head_barriers=self._head_barriers(updates_state) if k == 1 else head_barriers,
         )
 
 

@@ -12,9 +12,9 @@ outputs, recomputed rather than kept from the forward) fused after it: 17 result
 them f32[8, 1024, 768].
 
 A head product is a ``dot_general`` one of whose values (an operand or the result) has a
-vocabulary-sized dimension: a size of at least ``MIN_VOCABULARY`` that is a dimension of
-one of ``@main``'s two-dimensional floating-point arguments (the embedding, the head's
-weight), so that a token count as large is not taken for one. ``MODES`` says where each
+vocabulary-sized dimension: a size of at least ``MIN_VOCABULARY`` that ``@main``'s
+embedding is looked up along (a floating-point argument a gather takes rows of), so that a
+token count or a wide MLP as large is not taken for one. ``MODES`` says where each
 mode puts the barriers; the runtime's is ``hidden``: on the values that are not
 vocabulary-sized (the activations a head product reads, the input gradient it writes),
 which keeps the stream out of the head and leaves the logits and their gradient fusable.
@@ -41,6 +41,7 @@ from jaxlib.mlir.dialects import stablehlo as _stablehlo
 
 from stepbundle.stablehlo.artifact import Module
 from stepbundle.stablehlo.build import verify
+from stepbundle.stablehlo.lookups import lookup_dims
 
 __all__ = [
     "MIN_VOCABULARY",
@@ -70,19 +71,26 @@ hlo: Any = _stablehlo  # jaxlib's stubs do not cover the dialect's attribute cla
 
 
 def _vocabularies(module: Module) -> frozenset[int]:
-    """The sizes that are a vocabulary here: dimensions of at least ``MIN_VOCABULARY`` of
-    ``@main``'s two-dimensional floating-point arguments (an embedding or an output head's
-    weight; a token count, which can be as large, is no weight's dimension)."""
+    """The sizes that are a vocabulary here: the sizes of at least ``MIN_VOCABULARY`` of
+    the dimensions that ``@main``'s floating-point tables are looked rows up in (an
+    embedding's gather, ``lookups.lookup_dims``). A token count, or an MLP's width of
+    16,384, which can be as large, is no looked-up dimension."""
     sizes: set[int] = set()
+    looked_up = lookup_dims(module)
     for view in module._module.body.operations:
         op: Any = view.operation
         if op.name != "func.func" or ir.StringAttr(op.attributes["sym_name"]).value != "main":
             continue
         args: Any = op.regions[0].blocks[0].arguments
-        for arg in args:
-            t = ir.RankedTensorType(arg.type)
-            if t.rank == 2 and str(t.element_type) in _FLOATS:
-                sizes.update(d for d in t.shape if d >= MIN_VOCABULARY)
+        for i, arg in enumerate(args):
+            if i not in looked_up:
+                continue
+            try:
+                t = ir.RankedTensorType(arg.type)
+            except ValueError:  # not a ranked tensor (a token): no table
+                continue
+            if str(t.element_type) in _FLOATS:
+                sizes.update(t.shape[d] for d in looked_up[i] if t.shape[d] >= MIN_VOCABULARY)
     return frozenset(sizes)
 
 

@@ -384,6 +384,7 @@ def _compile_variant(path: str, variant: str, device: Any) -> tuple[Any, int, in
         cache=_CompileOnly(),  # type: ignore[arg-type]
         matmul_precision=bundle.manifest.matmul_precision,
         scalar_constants=_scalar_constants(bundle, program),
+        head_barriers=False,  # the variant alone, not the load's choice on top
     )
     return compiled.executable, compiled.fused_attention, changed
 
@@ -393,6 +394,7 @@ def compile_bundles(specs: list[str], dump: Path, variant: str | None = None) ->
     os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
     from jax.experimental import topologies
 
+    from stepbundle.runtime import CompileOptions, LoadOptions
     from stepbundle.runtime.offline import compile_offline
 
     device = topologies.get_topology_desc(platform="tpu", topology_name="v5e:2x2").devices[0]
@@ -401,7 +403,10 @@ def compile_bundles(specs: list[str], dump: Path, variant: str | None = None) ->
         name, path = spec.split("=", 1)
         extra: dict[str, Any] = {}
         if variant is None:
-            out = compile_offline(path, [device])
+            # the program as written, not the load's choice (runtime/compile/head_choice.py)
+            out = compile_offline(
+                path, [device], LoadOptions(compile=CompileOptions(head_barriers=False))
+            )
             exe, fused = out.executables["train[0]"], out.fused_attention
         else:
             exe, n, changed = _compile_variant(path, variant, device)

@@ -15,7 +15,11 @@ model (``estimated_cycles``) prices lower.
 
 Both functions read the optimized HLO's text (``executable.hlo_modules()``), which is
 XLA's debug format: anything they cannot read makes them answer None, and the program
-is kept as compiled.
+is kept as compiled. They read the entry computation only: a head inside a loop's body
+(a steps-per-call program; a scanned model) is not looked for, and a steps-per-call
+program follows its one-step program's choice. The load weighs a training program on one
+device only: the estimate does not price collectives, so a layout over several devices
+keeps its program as written (``head_barriers=True`` still puts the barriers in).
 
 Imports: the standard library.
 """
@@ -28,10 +32,11 @@ from dataclasses import dataclass
 
 __all__ = ["FusedStream", "MIN_SAME_SHAPE", "estimated_cycles", "fused_stream"]
 
-MIN_SAME_SHAPE = 8
+MIN_SAME_SHAPE = 4
 """The fewest results of one shape a product fusion must write to be read as a residual
-stream fused into it (GPT-2 small's has 12; the largest product fusions of the other
-programs measured write at most 2 of a shape: docs/tpu.md)."""
+stream fused into it (about one a layer: GPT-2 small's 12-layer program has 12; the
+largest product fusions of the other programs measured write at most 2 of a shape,
+docs/tpu.md). Finding one costs a second compile; the estimate decides."""
 
 _FUSION = re.compile(r"\s*(?:ROOT )?%([\w.-]+) = \((.*)\) fusion\(.*?calls=%([\w.-]+)")
 _SHAPE = re.compile(r"\b[a-z]+\d*\[[\d,]*\]")
@@ -67,8 +72,8 @@ def _computations(text: str) -> dict[str, str]:
             m = _HEAD.match(line)
             if m and line.rstrip().endswith("{"):
                 name, lines = ("ENTRY" if m.group(1) else m.group(2)), []
-        elif line.rstrip() == "}":
-            out[name] = "\n".join(lines)
+        elif line.rstrip() == "}":  # every module's entry computation, together
+            out[name] = (out[name] + "\n" if name in out else "") + "\n".join(lines)
             name = None
         else:
             lines.append(line)
@@ -77,7 +82,7 @@ def _computations(text: str) -> dict[str, str]:
 
 def _holds_product(comps: dict[str, str], name: str, seen: set[str]) -> bool:
     body = comps.get(name, "")
-    if " convolution(" in body:
+    if " convolution(" in body or " dot(" in body:
         return True
     for callee in _CALLS.findall(body):
         if callee not in seen:
@@ -89,7 +94,7 @@ def _holds_product(comps: dict[str, str], name: str, seen: set[str]) -> bool:
 
 def fused_stream(text: str, least: int = MIN_SAME_SHAPE) -> FusedStream | None:
     """The entry computation's product fusion (one that holds a convolution, XLA's form
-    of a matrix product on a TPU) writing the most results of one shape, where that is
+    of a matrix product on a TPU, or a dot) writing the most results of one shape, where that is
     at least ``least``; None where there is none (or the text cannot be read)."""
     comps = _computations(text)
     best: FusedStream | None = None

@@ -17,7 +17,7 @@ from typing import Any
 
 from stepbundle.schema.manifest import Program
 from stepbundle.stablehlo.attention import StateValues
-from stepbundle.stablehlo.head_barriers import MIN_VOCABULARY
+from stepbundle.stablehlo.head_barriers import MIN_VOCABULARY, count_head_barriers
 
 from .. import _compat
 from ..placement import packing
@@ -109,7 +109,7 @@ def compile_program(
     overrides = numerics.overrides if numerics is not None else ()
     options = _compat.compile_options(len(devices), [d.id for d in devices], overrides)
 
-    def build(barriers: bool) -> tuple[Any, CacheEvent, RewriteContext, Stage]:
+    def build(barriers: bool, tag: str = "") -> tuple[Any, CacheEvent, RewriteContext, Stage]:
         module = check_program(artifact, program, where, platform)
         ctx = RewriteContext(
             platform=platform,
@@ -125,13 +125,16 @@ def compile_program(
             head_barriers=barriers,
         )
         stage = apply_rewrites(Stage(module, program), ctx)
-        exe, event = cache.compile(label, client, stage.module.bytecode(), devices, options)
+        exe, event = cache.compile(label + tag, client, stage.module.bytecode(), devices, options)
         return exe, event, ctx, stage
+
+    def heads() -> int:
+        return count_head_barriers(check_program(artifact, program, where, platform))
 
     built = build(bool(head_barriers))
     choice = ""
     if head_barriers is None and platform == "tpu":
-        built, choice = _choose_head_barriers(built, build, label)
+        built, choice = _choose_head_barriers(built, build, heads, label)
     elif head_barriers:
         n = built[2].notes.get("head_barriers", 0)
         choice = (
@@ -139,7 +142,7 @@ def compile_program(
             "output head (as asked)"
             if n
             else f"{label}: no output head to hold (no product with a dimension of a "
-            f"vocabulary: at least {MIN_VOCABULARY:,} and a dimension of a 2-D weight)"
+            f"vocabulary: at least {MIN_VOCABULARY:,}, along which an embedding is looked up)"
         )
     exe, event, ctx, stage = built
     return CompiledProgram(
@@ -157,31 +160,40 @@ def compile_program(
 
 def _choose_head_barriers(
     built: tuple[Any, CacheEvent, RewriteContext, Stage],
-    build: Callable[[bool], tuple[Any, CacheEvent, RewriteContext, Stage]],
+    build: Callable[[bool, str], tuple[Any, CacheEvent, RewriteContext, Stage]],
+    heads: Callable[[], int],
     label: str,
 ) -> tuple[tuple[Any, CacheEvent, RewriteContext, Stage], str]:
     """``built`` (compiled without barriers), or the program compiled with them where
-    ``built`` fuses a residual stream into a head product and libtpu's cost model prices
-    the barriered program lower; and what was compared, in words ("" where nothing)."""
-    found = head_choice.fused_stream(_optimized_text(built[0]))
-    if found is None:
+    ``built`` fuses a residual stream into a head product, the program has a head to hold
+    (``heads``) and libtpu's cost model prices the barriered program lower; and what was
+    compared, in words ("" where nothing). The barriered program is compiled under its
+    own label (``LABEL+head-barriers`` in the cache's events); where it fails to compile
+    (memory, or anything else), the program is kept as it was, and the words say why."""
+    text = _optimized_text(built[0])
+    found = head_choice.fused_stream(text)
+    if found is None or not heads():
         return built, ""
-    other = build(True)
-    if not other[2].notes.get("head_barriers"):  # no head product to hold: as it was
-        return built, ""
-    before = head_choice.estimated_cycles(_optimized_text(built[0]))
+    before = head_choice.estimated_cycles(text)
+    seen = f"{label}: XLA fused the residual stream into the output head ({found.describe()})"
+    try:
+        other = build(True, "+head-barriers")
+    except Exception as e:  # the program as it was compiled is a good one: keep it
+        why = " ".join(str(e).split())[:300]
+        return built, (
+            f"{seen}; the program with optimization barriers around the head's products did "
+            f"not compile ({type(e).__name__}: {why}): compiled without them"
+        )
     after = head_choice.estimated_cycles(_optimized_text(other[0]))
-    if before is None or after is None:
+    if before is None or after is None or not other[2].notes.get("head_barriers"):
         return built, ""
     kept = after < before
-    what = (
-        f"{label}: XLA fused the residual stream into the output head ({found.describe()}); "
-        f"libtpu's cost model prices the program with optimization barriers around the "
-        f"head's products at {after / before:.2f}x the one without ({after / 1e6:.1f}M "
+    return (other if kept else built), (
+        f"{seen}; libtpu's cost model prices the program with optimization barriers around "
+        f"the head's products at {after / before:.2f}x the one without ({after / 1e6:.1f}M "
         f"against {before / 1e6:.1f}M cycles): "
         + ("compiled with them" if kept else "compiled without them")
     )
-    return (other if kept else built), what
 
 
 def _optimized_text(executable: Any) -> str:

@@ -9,11 +9,14 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
 from stepbundle.runtime import CompileOptions
 from stepbundle.runtime.compile.head_choice import estimated_cycles, fused_stream
+from stepbundle.runtime.compile.program import _choose_head_barriers
 from stepbundle.runtime.errors import UsageError
 
 TEXT = (Path(__file__).parent / "data" / "head_fusion.hlo.txt").read_text()
@@ -89,3 +92,63 @@ def test_asked_for_barriers_a_program_without_a_head_says_so() -> None:
         golden_bundle("linear_adamw"), "cpu", LoadOptions(compile=CompileOptions(cache_dir=False))
     )
     assert auto.load_info.head_barriers == {}  # "auto" weighs nothing off a TPU
+
+
+# The load's choice (program.py's _choose_head_barriers) over executables whose optimized
+# HLO is libtpu's text above: the TPU compile it stands for does not run on this machine.
+class _Executable:
+    def __init__(self, text: str) -> None:
+        self._text = text
+
+    def hlo_modules(self) -> list[Any]:
+        return [SimpleNamespace(to_string=lambda: self._text)]
+
+
+def _built(text: str, held: int = 0) -> tuple[Any, ...]:
+    return (_Executable(text), None, SimpleNamespace(notes={"head_barriers": held}), None)
+
+
+CHEAPER = "\n".join(ln for ln in TEXT.splitlines() if "%fusion.275 =" not in ln)
+DEARER = TEXT.replace('"estimated_cycles":"11453811"', '"estimated_cycles":"99453811"')
+
+
+def _choose(base: str, alternative: str | Exception, heads: int = 3) -> tuple[Any, str, list[str]]:
+    calls: list[str] = []
+
+    def build(barriers: bool, tag: str) -> tuple[Any, ...]:
+        calls.append(tag)
+        assert barriers
+        if isinstance(alternative, Exception):
+            raise alternative
+        return _built(alternative, held=heads)
+
+    built = _built(base)
+    chosen, words = _choose_head_barriers(built, build, lambda: heads, "train[0]")  # type: ignore[arg-type]
+    return ("alternative" if chosen is not built else "base"), words, calls
+
+
+def test_the_load_keeps_the_program_the_estimate_prices_lower() -> None:
+    kept, words, calls = _choose(TEXT, CHEAPER)
+    assert (kept, calls) == ("alternative", ["+head-barriers"])
+    assert words.startswith("train[0]: XLA fused the residual stream into the output head "
+                            "(fusion.275, a product fusion writing 17 results")  # fmt: skip
+    assert words.endswith(": compiled with them")
+    assert "at 0.23x the one without (11.5M against 49.7M cycles)" in words
+
+    kept, words, calls = _choose(TEXT, DEARER)
+    assert (kept, calls) == ("base", ["+head-barriers"])
+    assert words.endswith(": compiled without them")
+
+
+def test_nothing_is_compiled_twice_without_a_fused_stream_or_a_head() -> None:
+    assert _choose(CHEAPER, TEXT) == ("base", "", [])  # no stream fused into a product
+    assert _choose(TEXT, CHEAPER, heads=0) == ("base", "", [])  # no head to hold
+
+
+def test_a_barriered_program_that_does_not_compile_keeps_the_program() -> None:
+    kept, words, calls = _choose(TEXT, RuntimeError("RESOURCE_EXHAUSTED: Ran out of memory"))
+    assert (kept, calls) == ("base", ["+head-barriers"])
+    assert words.endswith(
+        "did not compile (RuntimeError: RESOURCE_EXHAUSTED: Ran out of memory): compiled "
+        "without them"
+    )

@@ -35,8 +35,7 @@ class RunConfig:
       entries: the entries ``compile`` compiles (``--entry``, repeated); None: all.
       set_values: ``--set NAME=VALUE``, in order.
       lr_schedule: ``--lr-schedule [NAME=]SPEC``, in order.
-      pack_state: ``--pack-state N``; True (the runtime's default) for ``eval``, which
-        has no such option.
+      pack_state: ``--pack-state N`` (True: the runtime's default).
       steps_per_call: an int, "auto", or None (run's default: auto on an accelerator,
         1 on the CPU).
       bundle_file, bundle_digest: a ``sha256:`` bundle's verified file in the store and

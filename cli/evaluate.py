@@ -26,7 +26,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def _cmd_eval(args: RunConfig) -> int:
-    from stepbundle.runtime import CompileOptions, LoadOptions, load
+    from stepbundle.runtime import CompileOptions, LoadOptions, SafetyOptions, load
     from stepbundle.runtime.io.file_kinds import NotARegularFileError
     from stepbundle.runtime.train.metrics import json_safe
     from stepbundle.schema.errors import StepbundleError, UsageError
@@ -63,12 +63,14 @@ def _cmd_eval(args: RunConfig) -> int:
         compiling = CompileOptions(
             entries=(args.entry,),
             cache_dir=False if args.no_cache else (args.cache_dir or True),
+            matmul_precision=args.matmul_precision,
             fused_attention=not args.no_fused_attention,
             head_barriers=head_barriers(args),
         )
         options = LoadOptions(
             compile=compiling,
             state=state_options(args),
+            safety=SafetyOptions(expect_digest=args.expect_digest),
             parallel=parallel_options(args),
         )
         started = time.perf_counter()

@@ -302,6 +302,7 @@ def _add_eval(sub: Any) -> None:
     )
     ev.add_argument("--json", action="store_true", help="print the result as one JSON object")
     add(ev, "--devices", "--layout", "--tp-rule", help="as for run")
+    add(ev, "--expect-digest", "--pack-state", "--matmul-precision")
     add_device_options(ev)
     ev.set_defaults(fn=cmd_eval)
 

@@ -163,3 +163,26 @@ def test_the_command_leaves_the_clash_to_the_trainer(
     assert not out.exists()
     code, line = _command(capsys, *run, "--resume", str(resumable), "--lr-schedule", OLD)
     assert code == 0, line
+
+
+def test_eval_takes_the_digest_pin_and_the_load_options_run_takes(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    import json
+
+    bundle = golden_bundle(NAME)
+    data = str(GOLDEN_DIR / f"{NAME}.inputs.npz")
+    assert main(["inspect", str(bundle), "--json"]) == 0
+    digest = json.loads(capsys.readouterr().out)["digest"]
+    other = "sha256:" + "0" * 64
+    evaluate = ["eval", str(bundle), "--data", data, "--entry", "eval", "--no-cache"]
+    code, line = _command(capsys, *evaluate, "--expect-digest", other)
+    assert code == 1, line  # refused: another bundle than the one pinned
+    assert "Refusing to run a different bundle than the one pinned" in line, line
+    for extra in (
+        ["--expect-digest", digest],
+        ["--matmul-precision", "highest"],
+        ["--pack-state", "0"],
+    ):
+        code, line = _command(capsys, *evaluate, *extra)
+        assert code == 0, (extra, line)

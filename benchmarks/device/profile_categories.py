@@ -33,39 +33,10 @@ import re
 from pathlib import Path
 from typing import Any
 
-_HEAD = re.compile(r"^(ENTRY )?%?([\w.\-]+) .*\{$")
+from stepbundle.runtime.compile.head_choice import _CALLS, computations
+from stepbundle.runtime.compile.head_choice import holds_product as _holds_product
+
 _INSTR = re.compile(r"\s*(?:ROOT )?%([\w.\-]+) = (.*)$")
-_CALLS = re.compile(r"calls=%([\w.\-]+)")
-
-
-def computations(text: str) -> dict[str, list[str]]:
-    """HLO text -> computation name ("ENTRY" for the entry) -> its lines. A computation
-    ends at a line that is a lone "}" (custom calls' configs span lines of their own)."""
-    out: dict[str, list[str]] = {}
-    current: list[str] | None = None
-    for line in text.splitlines():
-        head = _HEAD.match(line)
-        if head and not line.startswith(" "):
-            current = out.setdefault("ENTRY" if head.group(1) else head.group(2), [])
-            continue
-        if line.rstrip() == "}":
-            current = None
-            continue
-        if current is not None:
-            current.append(line)
-    return out
-
-
-def _holds_product(comps: dict[str, list[str]], name: str, seen: set[str]) -> bool:
-    for line in comps.get(name, []):
-        if " convolution(" in line:
-            return True
-        for callee in _CALLS.findall(line):
-            if callee not in seen:
-                seen.add(callee)
-                if _holds_product(comps, callee, seen):
-                    return True
-    return False
 
 
 def categorize(ops: list[dict[str, Any]], hlo: str, vocab: int, steps: int, top: int) -> Any:

@@ -30,7 +30,14 @@ import re
 from collections import Counter
 from dataclasses import dataclass
 
-__all__ = ["FusedStream", "MIN_SAME_SHAPE", "estimated_cycles", "fused_stream"]
+__all__ = [
+    "FusedStream",
+    "MIN_SAME_SHAPE",
+    "computations",
+    "estimated_cycles",
+    "fused_stream",
+    "holds_product",
+]
 
 MIN_SAME_SHAPE = 4
 """The fewest results of one shape a product fusion must write to be read as a residual
@@ -61,34 +68,35 @@ class FusedStream:
         )
 
 
-def _computations(text: str) -> dict[str, str]:
-    """Each computation's body, by name ('ENTRY' for the entry computation). A body ends
-    at a line that is a lone '}' (a custom call's configuration spans lines of its own)."""
-    out: dict[str, str] = {}
-    name: str | None = None
-    lines: list[str] = []
+def computations(text: str) -> dict[str, list[str]]:
+    """HLO text -> each computation's lines, by name ('ENTRY' for the entry computations of
+    every module, together). A body ends at a line that is a lone '}' (a custom call's
+    configuration spans lines of its own)."""
+    out: dict[str, list[str]] = {}
+    current: list[str] | None = None
     for line in text.splitlines():
-        if name is None:
-            m = _HEAD.match(line)
-            if m and line.rstrip().endswith("{"):
-                name, lines = ("ENTRY" if m.group(1) else m.group(2)), []
-        elif line.rstrip() == "}":  # every module's entry computation, together
-            out[name] = (out[name] + "\n" if name in out else "") + "\n".join(lines)
-            name = None
-        else:
-            lines.append(line)
+        head = _HEAD.match(line)
+        if head and not line.startswith(" ") and line.rstrip().endswith("{"):
+            current = out.setdefault("ENTRY" if head.group(1) else head.group(2), [])
+        elif line.rstrip() == "}":
+            current = None
+        elif current is not None:
+            current.append(line)
     return out
 
 
-def _holds_product(comps: dict[str, str], name: str, seen: set[str]) -> bool:
-    body = comps.get(name, "")
-    if " convolution(" in body or " dot(" in body:
-        return True
-    for callee in _CALLS.findall(body):
-        if callee not in seen:
-            seen.add(callee)
-            if _holds_product(comps, callee, seen):
-                return True
+def holds_product(comps: dict[str, list[str]], name: str, seen: set[str] | None = None) -> bool:
+    """Whether computation ``name`` holds a matrix product (a convolution, XLA's form of
+    one on a TPU, or a dot), directly or in a computation it calls."""
+    seen = set() if seen is None else seen
+    for line in comps.get(name, []):
+        if " convolution(" in line or " dot(" in line:
+            return True
+        for callee in _CALLS.findall(line):
+            if callee not in seen:
+                seen.add(callee)
+                if holds_product(comps, callee, seen):
+                    return True
     return False
 
 
@@ -96,14 +104,14 @@ def fused_stream(text: str, least: int = MIN_SAME_SHAPE) -> FusedStream | None:
     """The entry computation's product fusion (one that holds a convolution, XLA's form
     of a matrix product on a TPU, or a dot) writing the most results of one shape, where that is
     at least ``least``; None where there is none (or the text cannot be read)."""
-    comps = _computations(text)
+    comps = computations(text)
     best: FusedStream | None = None
-    for line in comps.get("ENTRY", "").splitlines():
+    for line in comps.get("ENTRY", []):
         m = _FUSION.match(line)
         if not m:
             continue
         shapes = _SHAPE.findall(m.group(2))
-        if len(shapes) < least or not _holds_product(comps, m.group(3), set()):
+        if len(shapes) < least or not holds_product(comps, m.group(3)):
             continue
         shape, same = Counter(shapes).most_common(1)[0]
         if same >= least and (best is None or same > best.same_shape):
@@ -115,5 +123,6 @@ def estimated_cycles(text: str) -> int | None:
     """libtpu's estimate of the program's device time: the sum of ``estimated_cycles``
     over the entry computation's operations (the Pallas kernels and asynchronous copies
     carry none); None where no operation carries one (not a TPU's program)."""
-    found = [int(c) for c in _CYCLES.findall(_computations(text).get("ENTRY", ""))]
+    entry = "\n".join(computations(text).get("ENTRY", []))
+    found = [int(c) for c in _CYCLES.findall(entry)]
     return sum(found) if found else None

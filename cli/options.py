@@ -132,9 +132,9 @@ SHARED: dict[str, dict[str, Any]] = {
         "choices": ("auto", "on", "off"),
         "default": "auto",
         "help": "optimization barriers around the output head's products: 'auto' (default) "
-        "compiles a TPU train program with them too where XLA fused the residual stream "
-        "into the head, and keeps the faster by libtpu's estimate (one more compile there; "
-        "docs/tpu.md); 'on' and 'off' decide for every program",
+        "compiles a training program on one TPU with them too where XLA fused the residual "
+        "stream into the head, and keeps the faster by libtpu's estimate (one more compile "
+        "there; docs/tpu.md); 'on' and 'off' decide for every program",
     },
     "--init-from": {
         "type": types.checkpoint_path,

@@ -11,12 +11,13 @@ Imports: numpy, jax/jaxlib (through _compat), stepbundle.schema.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -448,12 +449,24 @@ class _Compiler:
                 continue
             section = bundle.section(program.section)
             scalars = _scalar_constants(bundle, program)
-            one = self._compile(section, program, name, i, ent.updates_state, scalars)
-            progs.append(one)
+            args = (section, program, name, i, ent.updates_state, scalars)
+            one = self._compile(*args)
             if k > 1:  # behind the loop, as the one-step program was compiled
-                stacked[i] = self._compile(
-                    section, program, name, i, ent.updates_state, scalars, k, one.head_barriers
-                )
+                try:
+                    stacked[i] = self._compile(*args, k, one.head_barriers)
+                except Exception as e:
+                    if not (one.head_barriers and self.head_barriers is None):
+                        raise
+                    # "auto" chose barriers the K-step program does not compile with: both
+                    # without them (the one-step program's is in the cache), as before
+                    why = " ".join(str(e).split())[:300]
+                    one = dataclasses.replace(
+                        self._compile(*args, 1, False),
+                        head_choice=f"{one.head_choice}; but its {k}-step program did not "
+                        f"compile with them ({type(e).__name__}: {why}): both compiled without",
+                    )
+                    stacked[i] = self._compile(*args, k, False)
+            progs.append(one)
         refused = [p for p in progs if isinstance(p, RefusedPlan)]
         if refused and len(refused) == len(progs) and ent.updates_state:
             raise PlatformError(refused[0].refusal)
@@ -475,10 +488,11 @@ class _Compiler:
         updates_state: bool,
         scalars: dict[int, float],
         k: int = 1,
-        head_barriers: bool | None = None,
+        head_barriers: bool | Literal["weigh"] = "weigh",
     ) -> CompiledProgram:
         """Compile bucket ``i`` of entry ``name`` (behind a loop of ``k`` steps for k > 1,
-        with ``head_barriers`` as its one-step program was compiled)."""
+        with ``head_barriers`` as its one-step program was compiled; "weigh": as the
+        options say, ``_head_barriers``)."""
         return compile_program(
             self.client,
             self.placement,
@@ -494,7 +508,9 @@ class _Compiler:
             fused_attention=self.fused_attention,
             scalar_constants=scalars,
             state_values=unwritten_state(program, self.initial),
-            head_barriers=self._head_barriers(updates_state) if k == 1 else head_barriers,
+            head_barriers=(
+                self._head_barriers(updates_state) if head_barriers == "weigh" else head_barriers
+            ),
         )
 
 

@@ -114,12 +114,14 @@ class CompileOptions:
         measured slow (``STEPBUNDLE_KEEP_FREED_MEMORY`` = 1/0 decides an "auto" instead);
         ``LoadInfo.allocator`` says what was done and why.
       head_barriers: optimization barriers around the output head's products (a product
-        with a dimension of a vocabulary: at least 16,384, and a dimension of one of the
-        program's 2-D weights), which keep XLA from fusing a transformer's residual stream
-        into them (``runtime/compile/head_choice.py``). "auto" (default): on a TPU, where
-        the compiled train program has the stream fused into a head product, it is
-        compiled with the barriers too and the one libtpu's cost model prices lower is
-        kept (one more compile for such a program; its steps-per-call program follows).
+        with a dimension of a vocabulary: a size of at least 16,384 that the program's
+        embedding is looked up along), which keep XLA from fusing a transformer's residual
+        stream into them (``runtime/compile/head_choice.py``). "auto" (default): for a
+        training program on one TPU, where the compiled program has the stream fused into
+        a head product, it is compiled with the barriers too and the one libtpu's cost
+        model prices lower is kept (one more compile for such a program; its
+        steps-per-call program follows; eval entries and layouts over several devices are
+        not weighed).
         True puts them in every program that has a head (eval entries too), on every
         platform (they change no value); False never. ``LoadInfo.head_barriers`` says what
         was done.

@@ -48,6 +48,7 @@ __all__ = [
     "MODES",
     "count_head_barriers",
     "head_barrier_text",
+    "head_vocabularies",
     "rewrite_head_barriers",
 ]
 
@@ -173,6 +174,13 @@ def _insert(module: Module, mode: str) -> int:
                 if any(v == operand for v in targets):
                     op.operands[i] = _hold(operand).result
     return len(sites)
+
+
+def head_vocabularies(module: Module) -> frozenset[int]:
+    """The vocabulary sizes of ``module`` (sizes of at least ``MIN_VOCABULARY`` its
+    embedding is looked up along); empty for none."""
+    with module._ctx:
+        return _vocabularies(module)
 
 
 def count_head_barriers(module: Module, mode: str = "hidden") -> int:

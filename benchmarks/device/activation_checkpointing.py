@@ -123,13 +123,16 @@ def compile_all(folder: str, out: str) -> None:
     import jax
     from jax.experimental import topologies
 
+    from stepbundle.runtime import CompileOptions, LoadOptions
     from stepbundle.runtime.offline import compile_offline
 
     devices = topologies.get_topology_desc(platform="tpu", topology_name="v5e:2x2").devices[:1]
     rows = []
     for path in sorted(Path(folder).glob("*.stepbundle")):
         t0 = time.perf_counter()
-        stats = compile_offline(path, devices).executables["train[0]"]
+        # the program as written, not the load's output-head choice (head_choice.py)
+        written = LoadOptions(compile=CompileOptions(head_barriers=False))
+        stats = compile_offline(path, devices, written).executables["train[0]"]
         mem = stats.get_compiled_memory_stats()
         row = {
             "bundle": path.stem,

@@ -677,7 +677,10 @@ def bench(args: argparse.Namespace) -> int:
                                 cache_dir=False,
                                 matmul_precision=precision,
                                 fused_attention=fused,
-                                head_barriers=HEAD_BARRIERS.get(var[0] if var else "", "auto"),
+                                # an experiment alone, not the load's choice on top
+                                head_barriers=HEAD_BARRIERS.get(
+                                    var[0] if var else "", False if var else "auto"
+                                ),
                             ),
                             state=StateOptions(init_from=init, init_strict=False),
                         ),

@@ -8,7 +8,7 @@ line, summed over 5 steps); ``HLO.txt`` is the same program's
 ``*.after_optimizations.txt`` (``XLA_FLAGS=--xla_dump_to=DIR --xla_dump_hlo_as_text``
 in the same run). Each top-level operation of the entry computation is put in one kind:
 
-- ``matmul``: a fusion whose computation holds a convolution (XLA's TPU form of every
+- ``matmul``: a fusion whose computation holds a convolution or a dot (XLA's TPU form of every
   matrix product), with what XLA fused into it (biases, casts, a norm's reductions);
 - ``attention kernels``: the Pallas calls (``tpu_custom_call``);
 - ``copy/transpose``: layout changes;
@@ -21,7 +21,8 @@ LM head and the loss from the rest. Per program it reports ms per step in each k
 number of operations, and the ``--top`` largest operations of the ``other`` kind with
 their result types, which is where two programs of the same model differ most.
 
-Imports: the standard library.
+Imports: the standard library, stepbundle.runtime.compile.head_choice (its reading of HLO
+text: computations and the products they hold).
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from stepbundle.runtime.compile.head_choice import _CALLS, computations
+from stepbundle.runtime.compile.head_choice import CALLS as _CALLS
+from stepbundle.runtime.compile.head_choice import computations
 from stepbundle.runtime.compile.head_choice import holds_product as _holds_product
 
 _INSTR = re.compile(r"\s*(?:ROOT )?%([\w.\-]+) = (.*)$")

@@ -31,6 +31,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 __all__ = [
+    "CALLS",
     "FusedStream",
     "MIN_SAME_SHAPE",
     "computations",
@@ -48,7 +49,8 @@ docs/tpu.md). Finding one costs a second compile; the estimate decides."""
 _FUSION = re.compile(r"\s*(?:ROOT )?%([\w.-]+) = \((.*)\) fusion\(.*?calls=%([\w.-]+)")
 _SHAPE = re.compile(r"\b[a-z]+\d*\[[\d,]*\]")
 _HEAD = re.compile(r"(ENTRY )?%?([\w.-]+) [(]")
-_CALLS = re.compile(r"(?:calls|to_apply)=%([\w.-]+)")
+CALLS = re.compile(r"(?:calls|to_apply)=%([\w.-]+)")
+"""A line's called computations (a fusion's ``calls=``, a reduction's ``to_apply=``)."""
 _CYCLES = re.compile(r'"estimated_cycles":"(\d+)"')
 
 
@@ -92,7 +94,7 @@ def holds_product(comps: dict[str, list[str]], name: str, seen: set[str] | None 
     for line in comps.get(name, []):
         if " convolution(" in line or " dot(" in line:
             return True
-        for callee in _CALLS.findall(line):
+        for callee in CALLS.findall(line):
             if callee not in seen:
                 seen.add(callee)
                 if holds_product(comps, callee, seen):
@@ -100,10 +102,14 @@ def holds_product(comps: dict[str, list[str]], name: str, seen: set[str] | None 
     return False
 
 
-def fused_stream(text: str, least: int = MIN_SAME_SHAPE) -> FusedStream | None:
+def fused_stream(
+    text: str, least: int = MIN_SAME_SHAPE, vocabularies: frozenset[int] | None = None
+) -> FusedStream | None:
     """The entry computation's product fusion (one that holds a convolution, XLA's form
-    of a matrix product on a TPU, or a dot) writing the most results of one shape, where that is
-    at least ``least``; None where there is none (or the text cannot be read)."""
+    of a matrix product on a TPU, or a dot) writing the most results of one shape, where
+    that is at least ``least``; with ``vocabularies``, only a fusion that reads or writes a
+    tensor with a dimension of one of those sizes (the output head's). None where there
+    is none (or the text cannot be read)."""
     comps = computations(text)
     best: FusedStream | None = None
     for line in comps.get("ENTRY", []):
@@ -113,10 +119,24 @@ def fused_stream(text: str, least: int = MIN_SAME_SHAPE) -> FusedStream | None:
         shapes = _SHAPE.findall(m.group(2))
         if len(shapes) < least or not holds_product(comps, m.group(3)):
             continue
+        if vocabularies is not None and not _touches(text, m.group(3), shapes, vocabularies):
+            continue
         shape, same = Counter(shapes).most_common(1)[0]
         if same >= least and (best is None or same > best.same_shape):
             best = FusedStream(m.group(1), len(shapes), same, shape)
     return best
+
+
+def _touches(text: str, called: str, results: list[str], vocabularies: frozenset[int]) -> bool:
+    """Whether a fusion's results or its called computation's parameters (its operands)
+    have a dimension of one of ``vocabularies``."""
+    header = re.search(rf"^%{re.escape(called)} \((.*)\) -> ", text, re.M)
+    shapes = results + (_SHAPE.findall(header.group(1)) if header else [])
+    for shape in shapes:
+        dims = shape[shape.index("[") + 1 : -1]
+        if any(int(d) in vocabularies for d in dims.split(",") if d):
+            return True
+    return False
 
 
 def estimated_cycles(text: str) -> int | None:

@@ -45,8 +45,10 @@ class LoadInfo:
         under "auto" on a TPU, where the residual stream was found fused into it, the fusion,
         libtpu's estimates with and without optimization barriers around the head's
         products and which was compiled; under True, how many products got barriers, or
-        that the program has no head. Empty where nothing was weighed or asked (every
-        program under "auto" off a TPU).
+        that the program has no head. Empty where nothing was weighed or asked (under
+        "auto": off a TPU, eval entries, layouts over several devices, programs without a
+        stream fused into the head). A program weighed has two events in ``cache``: its own
+        label's and ``LABEL+head-barriers``, and ``compiled`` and ``cache_hits`` count both.
       kept_freed_memory: whether glibc's allocator was told to keep freed memory
         before compiling (on a TPU; ``CompileOptions.keep_freed_memory``,
         ``runtime/compile/allocator.py``).

@@ -17,9 +17,14 @@ from typing import Any
 
 from stepbundle.schema.manifest import Program
 from stepbundle.stablehlo.attention import StateValues
-from stepbundle.stablehlo.head_barriers import MIN_VOCABULARY, count_head_barriers
+from stepbundle.stablehlo.head_barriers import (
+    MIN_VOCABULARY,
+    count_head_barriers,
+    head_vocabularies,
+)
 
 from .. import _compat
+from ..fallback import warn_once
 from ..placement import packing
 from ..placement.sharding import Placement
 from . import head_choice
@@ -128,8 +133,9 @@ def compile_program(
         exe, event = cache.compile(label + tag, client, stage.module.bytecode(), devices, options)
         return exe, event, ctx, stage
 
-    def heads() -> int:
-        return count_head_barriers(check_program(artifact, program, where, platform))
+    def heads() -> frozenset[int]:  # the vocabularies of a program with a head to hold
+        module = check_program(artifact, program, where, platform)
+        return head_vocabularies(module) if count_head_barriers(module) else frozenset()
 
     built = build(bool(head_barriers))
     choice = ""
@@ -161,32 +167,41 @@ def compile_program(
 def _choose_head_barriers(
     built: tuple[Any, CacheEvent, RewriteContext, Stage],
     build: Callable[[bool, str], tuple[Any, CacheEvent, RewriteContext, Stage]],
-    heads: Callable[[], int],
+    heads: Callable[[], frozenset[int]],
     label: str,
 ) -> tuple[tuple[Any, CacheEvent, RewriteContext, Stage], str]:
     """``built`` (compiled without barriers), or the program compiled with them where
-    ``built`` fuses a residual stream into a head product, the program has a head to hold
-    (``heads``) and libtpu's cost model prices the barriered program lower; and what was
-    compared, in words ("" where nothing). The barriered program is compiled under its
-    own label (``LABEL+head-barriers`` in the cache's events); where it fails to compile
-    (memory, or anything else), the program is kept as it was, and the words say why."""
+    ``built`` fuses a residual stream into a head product (a fusion that reads or writes a
+    vocabulary-sized tensor: ``heads`` gives the program's vocabularies) and libtpu's cost
+    model prices the barriered program lower; and what was compared, in words ("" where
+    nothing). The barriered program is compiled under its own label
+    (``LABEL+head-barriers`` in the cache's events). Where counting the head or compiling
+    the barriered program fails (memory, or anything else), the program is kept as it was,
+    the words say why and a ``StepbundleFallbackWarning`` says so once."""
     text = _optimized_text(built[0])
-    found = head_choice.fused_stream(text)
-    if found is None or not heads():
-        return built, ""
     before = head_choice.estimated_cycles(text)
-    seen = f"{label}: XLA fused the residual stream into the output head ({found.describe()})"
+    if before is None or head_choice.fused_stream(text) is None:  # nothing to weigh
+        return built, ""
     try:
+        found = head_choice.fused_stream(text, vocabularies=heads())
+        if found is None:  # a fusion of many results, not the head's
+            return built, ""
+        seen = f"{label}: XLA fused the residual stream into the output head ({found.describe()})"
         other = build(True, "+head-barriers")
     except Exception as e:  # the program as it was compiled is a good one: keep it
-        why = " ".join(str(e).split())[:300]
+        why = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
+        warn_once(
+            "head-barriers",
+            f"stepbundle kept {label} without optimization barriers around the output head: "
+            f"weighing them failed ({why})",
+        )
         return built, (
-            f"{seen}; the program with optimization barriers around the head's products did "
-            f"not compile ({type(e).__name__}: {why}): compiled without them"
+            f"{label}: the program with optimization barriers around the output head's "
+            f"products could not be weighed ({why}): compiled without them"
         )
     after = head_choice.estimated_cycles(_optimized_text(other[0]))
-    if before is None or after is None or not other[2].notes.get("head_barriers"):
-        return built, ""
+    if after is None or not other[2].notes.get("head_barriers"):
+        return built, f"{seen}; no estimate of the program with barriers: compiled without them"
     kept = after < before
     return (other if kept else built), (
         f"{seen}; libtpu's cost model prices the program with optimization barriers around "

@@ -18,6 +18,7 @@ from stepbundle.runtime import CompileOptions
 from stepbundle.runtime.compile.head_choice import estimated_cycles, fused_stream
 from stepbundle.runtime.compile.program import _choose_head_barriers
 from stepbundle.runtime.errors import UsageError
+from stepbundle.runtime.fallback import StepbundleFallbackWarning
 
 TEXT = (Path(__file__).parent / "data" / "head_fusion.hlo.txt").read_text()
 
@@ -36,7 +37,7 @@ def test_only_a_product_fusion_counts() -> None:
     no_product = re.sub(r"\n  %convolution\.148\.clone\.1 = [^\n]*", "", TEXT)
     assert no_product != TEXT
     assert fused_stream(no_product) is None
-    # the torch front-end's counterpart writes 5 results, 2 of a shape: found at 2, not 8
+    # the torch front-end's counterpart writes 5 results, 2 of a shape: found at 2, not 4
     without = "\n".join(ln for ln in TEXT.splitlines() if "%fusion.275 =" not in ln)
     assert fused_stream(without) is None
     found = fused_stream(without, least=2)
@@ -112,7 +113,9 @@ CHEAPER = "\n".join(ln for ln in TEXT.splitlines() if "%fusion.275 =" not in ln)
 DEARER = TEXT.replace('"estimated_cycles":"11453811"', '"estimated_cycles":"99453811"')
 
 
-def _choose(base: str, alternative: str | Exception, heads: int = 3) -> tuple[Any, str, list[str]]:
+def _choose(
+    base: str, alternative: str | Exception, heads: frozenset[int] = frozenset({50257})
+) -> tuple[Any, str, list[str]]:
     calls: list[str] = []
 
     def build(barriers: bool, tag: str) -> tuple[Any, ...]:
@@ -120,7 +123,7 @@ def _choose(base: str, alternative: str | Exception, heads: int = 3) -> tuple[An
         assert barriers
         if isinstance(alternative, Exception):
             raise alternative
-        return _built(alternative, held=heads)
+        return _built(alternative, held=3 if heads else 0)
 
     built = _built(base)
     chosen, words = _choose_head_barriers(built, build, lambda: heads, "train[0]")  # type: ignore[arg-type]
@@ -142,13 +145,41 @@ def test_the_load_keeps_the_program_the_estimate_prices_lower() -> None:
 
 def test_nothing_is_compiled_twice_without_a_fused_stream_or_a_head() -> None:
     assert _choose(CHEAPER, TEXT) == ("base", "", [])  # no stream fused into a product
-    assert _choose(TEXT, CHEAPER, heads=0) == ("base", "", [])  # no head to hold
+    assert _choose(TEXT, CHEAPER, heads=frozenset()) == ("base", "", [])  # no head to hold
+    # a fusion of many results that reads and writes nothing of the vocabulary's size
+    assert _choose(TEXT, CHEAPER, heads=frozenset({16384})) == ("base", "", [])
 
 
 def test_a_barriered_program_that_does_not_compile_keeps_the_program() -> None:
-    kept, words, calls = _choose(TEXT, RuntimeError("RESOURCE_EXHAUSTED: Ran out of memory"))
+    with pytest.warns(StepbundleFallbackWarning, match="weighing them failed"):
+        kept, words, calls = _choose(TEXT, RuntimeError("RESOURCE_EXHAUSTED: Ran out of memory"))
     assert (kept, calls) == ("base", ["+head-barriers"])
-    assert words.endswith(
-        "did not compile (RuntimeError: RESOURCE_EXHAUSTED: Ran out of memory): compiled "
+    assert words == (
+        "train[0]: the program with optimization barriers around the output head's products "
+        "could not be weighed (RuntimeError: RESOURCE_EXHAUSTED: Ran out of memory): compiled "
         "without them"
     )
+
+
+def test_the_head_fusion_reads_the_vocabulary() -> None:
+    found = fused_stream(TEXT, vocabularies=frozenset({50257}))
+    assert found is not None and found.fusion == "fusion.275"  # it reads f32[50257,768]
+    assert fused_stream(TEXT, vocabularies=frozenset({16384})) is None
+    assert fused_stream(TEXT, vocabularies=frozenset()) is None
+
+
+def test_the_load_weighs_training_programs_on_one_device_only() -> None:
+    from stepbundle.runtime.load import _Compiler
+
+    def compiler(asked: bool | None, devices: int) -> Any:
+        placement = SimpleNamespace(partitioned=devices > 1)
+        return _Compiler(
+            client=None, placement=placement, layout=None, cache=None, matmul_precision=None,
+            donate=True, fused_attention=True, head_barriers=asked, initial=None,
+        )  # type: ignore[arg-type]  # fmt: skip
+
+    assert compiler(None, 1)._head_barriers(updates_state=True) is None  # weighed
+    assert compiler(None, 1)._head_barriers(updates_state=False) is False  # an eval entry
+    assert compiler(None, 4)._head_barriers(updates_state=True) is False  # a mesh
+    for asked in (True, False):  # as asked, wherever
+        assert compiler(asked, 4)._head_barriers(updates_state=False) is asked

@@ -10,6 +10,7 @@ not exist, and a schedule that would replace the one a resumed checkpoint contin
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 from runtime_helpers import GOLDEN_DIR, golden_batches, golden_bundle
@@ -166,7 +167,7 @@ def test_the_command_leaves_the_clash_to_the_trainer(
 
 
 def test_eval_takes_the_digest_pin_and_the_load_options_run_takes(
-    capsys: pytest.CaptureFixture[str],
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import json
 
@@ -179,6 +180,16 @@ def test_eval_takes_the_digest_pin_and_the_load_options_run_takes(
     code, line = _command(capsys, *evaluate, "--expect-digest", other)
     assert code == 1, line  # refused: another bundle than the one pinned
     assert "Refusing to run a different bundle than the one pinned" in line, line
+    import stepbundle.runtime as runtime
+
+    seen: list[Any] = []
+    real = runtime.load
+
+    def load(*args: Any, **kwargs: Any) -> Any:  # the real load, its options kept
+        seen.append(kwargs["options"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(runtime, "load", load)
     for extra in (
         ["--expect-digest", digest],
         ["--matmul-precision", "highest"],
@@ -186,3 +197,7 @@ def test_eval_takes_the_digest_pin_and_the_load_options_run_takes(
     ):
         code, line = _command(capsys, *evaluate, *extra)
         assert code == 0, (extra, line)
+    pinned, precise, unpacked = seen
+    assert pinned.safety.expect_digest == digest
+    assert precise.compile.matmul_precision == "highest"
+    assert unpacked.state.pack_state == 0

@@ -39,6 +39,7 @@ from typing import Any
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import stablehlo as _stablehlo
 
+from stepbundle.schema.errors import UsageError
 from stepbundle.stablehlo.artifact import Module
 from stepbundle.stablehlo.build import verify
 from stepbundle.stablehlo.lookups import lookup_dims
@@ -159,7 +160,7 @@ def _hold(value: Any) -> Any:
 
 def _insert(module: Module, mode: str) -> int:
     if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        raise UsageError(f"mode must be one of {', '.join(MODES)}, got {mode!r}.")
     vocab = _vocabularies(module)
     sites = [(op, t) for op in module._operations() if (t := _targets(op, mode, vocab))]
     for op, targets in sites:

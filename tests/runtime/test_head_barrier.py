@@ -132,3 +132,15 @@ def test_the_values_are_the_same_bits() -> None:
     np.testing.assert_allclose(before[1], g64 @ w64 + h64, rtol=1e-4, atol=1e-3)
     np.testing.assert_allclose(before[2], h64 @ s.astype(np.float64), rtol=1e-5, atol=1e-5)
     assert np.array_equal(before[3], w[ids[:, 0]])
+
+
+def test_an_unknown_mode_is_a_usage_error() -> None:
+    import pytest
+
+    from stepbundle.schema.errors import UsageError
+
+    with pytest.raises(
+        UsageError,
+        match="mode must be one of hidden, hidden-backward, result, operands, got 'bogus'",
+    ):
+        rewrite_head_barriers(_module(), mode="bogus")

@@ -41,7 +41,9 @@ from jaxlib.mlir.dialects import stablehlo as _stablehlo
 
 from stepbundle.schema.errors import UsageError
 from stepbundle.stablehlo.artifact import Module
+from stepbundle.stablehlo.build import op as build_op
 from stepbundle.stablehlo.build import verify
+from stepbundle.stablehlo.graph import function_type
 from stepbundle.stablehlo.lookups import lookup_dims
 
 __all__ = [
@@ -78,21 +80,11 @@ def _vocabularies(module: Module) -> frozenset[int]:
     embedding's gather, ``lookups.lookup_dims``). A token count, or an MLP's width of
     16,384, which can be as large, is no looked-up dimension."""
     sizes: set[int] = set()
-    looked_up = lookup_dims(module)
-    for view in module._module.body.operations:
-        op: Any = view.operation
-        if op.name != "func.func" or ir.StringAttr(op.attributes["sym_name"]).value != "main":
-            continue
-        args: Any = op.regions[0].blocks[0].arguments
-        for i, arg in enumerate(args):
-            if i not in looked_up:
-                continue
-            try:
-                t = ir.RankedTensorType(arg.type)
-            except ValueError:  # not a ranked tensor (a token): no table
-                continue
-            if str(t.element_type) in _FLOATS:
-                sizes.update(t.shape[d] for d in looked_up[i] if t.shape[d] >= MIN_VOCABULARY)
+    inputs = function_type(module, "main").inputs
+    for i, dims in lookup_dims(module).items():
+        t = ir.RankedTensorType(inputs[i])  # a gather's operand: a ranked tensor
+        if str(t.element_type) in _FLOATS:
+            sizes.update(t.shape[d] for d in dims if t.shape[d] >= MIN_VOCABULARY)
     return frozenset(sizes)
 
 
@@ -154,10 +146,6 @@ def _after(op: Any) -> Any:
     return ir.InsertionPoint(ops[at + 1])  # a product is never its block's terminator
 
 
-def _hold(value: Any) -> Any:
-    return ir.Operation.create(_BARRIER, results=[value.type], operands=[value])
-
-
 def _insert(module: Module, mode: str) -> int:
     if mode not in MODES:
         raise UsageError(f"mode must be one of {', '.join(MODES)}, got {mode!r}.")
@@ -166,14 +154,14 @@ def _insert(module: Module, mode: str) -> int:
     for op, targets in sites:
         if any(v == op.result for v in targets):
             with _after(op), op.location:
-                barrier = _hold(op.result)
+                held = build_op(_BARRIER, op.result.type, [op.result])
             for use in list(op.result.uses):
-                if use.owner != barrier:
-                    use.owner.operands[use.operand_number] = barrier.result
+                if use.owner != held.owner:
+                    use.owner.operands[use.operand_number] = held
         with ir.InsertionPoint(op), op.location:
             for i, operand in enumerate(list(op.operands)):
                 if any(v == operand for v in targets):
-                    op.operands[i] = _hold(operand).result
+                    op.operands[i] = build_op(_BARRIER, operand.type, [operand])
     return len(sites)
 
 

@@ -583,16 +583,15 @@ def _optimized(trainer: Any, batch: Any) -> dict[str, Any]:
 
     from torch_frontend_hlo import summarize
 
+    from stepbundle.runtime.compile.head_choice import computations, holds_product
+
     plan, _ = trainer._dispatcher.pick("train", batch)
     text = "\n".join(m.to_string() for m in plan.executable.hlo_modules())
     widest = (0, 0, "")
-    entry = text[text.index("ENTRY") :]
-    for line in entry.split("\n"):
+    comps = computations(text)
+    for line in comps.get("ENTRY", []):
         m = re.match(r"\s*%(\S+) = \((.*?)\) fusion\(.*calls=%([\w.-]+)", line)
-        if not m:
-            continue
-        called = re.search(rf"\n%?{re.escape(m.group(3))} .*?\n}}", text, re.S)
-        if not called or "convolution(" not in called.group(0):
+        if not m or not holds_product(comps, m.group(3)):
             continue
         shapes = re.findall(r"\w+\[[\d,]*\]", m.group(2))
         same = max(shapes.count(x) for x in set(shapes))

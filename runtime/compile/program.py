@@ -179,8 +179,10 @@ def _choose_head_barriers(
     the barriered program fails (memory, or anything else), the program is kept as it was,
     the words say why and a ``StepbundleFallbackWarning`` says so once."""
     text = _optimized_text(built[0])
+    if head_choice.fused_stream(text) is None:  # nothing to weigh (most programs)
+        return built, ""
     before = head_choice.estimated_cycles(text)
-    if before is None or head_choice.fused_stream(text) is None:  # nothing to weigh
+    if before is None:
         return built, ""
     try:
         found = head_choice.fused_stream(text, vocabularies=heads())

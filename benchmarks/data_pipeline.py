@@ -13,6 +13,10 @@ epoch). Methods, each producing one batch per call:
 - ``loader_in_order``: the same with ``shuffle=False`` (contiguous slices).
 - ``loader_8_shards``: shuffled, the rows split over 8 shards (the default shard size
   puts them in one), so a batch touches ~8 shards: one ``take`` per input per shard.
+- ``loader_pread``, ``loader_pread_in_order``: ``loader`` and ``loader_in_order`` over
+  the folder opened while its files were open for writing, so that no read lease was
+  granted and the shards are read with ``pread`` (``runtime/data/shard_file.py``: what
+  another user's files, NFS or macOS get).
 - with ``--grain`` (run under a Python with grain installed, e.g. a scratch venv:
   ``python3 -m venv /tmp/grainenv && /tmp/grainenv/bin/pip install grain numpy``):
   ``grain_rows``, grain's idiomatic ``MapDataset.source(rows).shuffle().repeat()
@@ -174,6 +178,16 @@ def methods(
         idx = perm[i * BATCH : (i + 1) * BATCH]
         return {"x": x[idx], "y": y[idx]}
 
+    # A copy opened while its shard files are open for writing: no lease is granted, so
+    # every shard is read with pread (runtime/data/shard_file.py). (Opening the first
+    # folder's files for writing would break this process's leases on them.)
+    writer_mod.write_dataset(folder + "p", {"x": x, "y": y})
+    writing = [open(f, "r+b") for f in sorted(Path(folder + "p").glob("*.npy"))]  # noqa: SIM115
+    ds_pread = dataset_mod.open_dataset(folder + "p")
+    for f in writing:
+        f.close()
+    for _ in dataset_mod.iter_rows(ds_pread):  # warm the page cache
+        pass
     shuffled = loader_mod.Loader(ds, BATCH, seed=0)
     in_order = loader_mod.Loader(ds, BATCH, shuffle=False)
     shuffled8 = loader_mod.Loader(ds8, BATCH, seed=0)
@@ -183,6 +197,8 @@ def methods(
         "loader": shuffled.__next__,
         "loader_in_order": in_order.__next__,
         "loader_8_shards": shuffled8.__next__,
+        "loader_pread": loader_mod.Loader(ds_pread, BATCH, seed=0).__next__,
+        "loader_pread_in_order": loader_mod.Loader(ds_pread, BATCH, shuffle=False).__next__,
     }
     if with_grain:
         out.update(grain_methods(ds))

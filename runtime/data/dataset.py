@@ -23,14 +23,12 @@ stepbundle.
 
 ``open_dataset`` checks the index and every shard's ``.npy`` header and file size before
 anything is read (each failure is a ``DataError`` with its own ``DataErrorKind``), then
-memory-maps the shards read-only: only the pages of the rows a batch gathers are ever
-read, so a dataset far larger than memory costs page cache, not process memory.
-``Dataset.gather`` reads any set of rows with one fancy index per input per shard.
-Before reading a shard file it compares the file's size with the checked one (one
-``fstat`` per file read): a shard truncated or rewritten under a run is a
-``DataError`` (``WRONG_SIZE``), not a SIGBUS. (A truncation landing in the microseconds
-between that check and the read can still fault: only a reader without memory maps
-could rule that out, at several times the cost per batch.)
+opens the shards read-only, memory-mapped under a read lease where the system grants one
+(``shard_file.py``): only the pages of the rows a batch gathers are ever read, so a
+dataset far larger than memory costs page cache, not process memory.
+``Dataset.gather`` reads any set of rows with one fancy index per input per shard. A
+shard truncated or rewritten under a run is a ``DataError`` (``WRONG_SIZE``), never a
+SIGBUS: ``shard_file.py`` says how (a lease, else ``pread``) and what it costs.
 
 ``dataset_writer.write_dataset`` writes the layout (streaming, shard by shard, the
 index last, so a folder without ``dataset.json`` is an unfinished write and is never
@@ -42,7 +40,7 @@ float16/32/64). bfloat16 is not offered: ``.npy`` cannot name it (numpy writes i
 raw ``V2``); store it as uint16 and view it after loading, or as float32.
 
 Imports: numpy, the standard library (and this package's ``dataset_index`` and
-``file_kinds``). The index, the typed errors and ``InputSpec`` live in
+``shard_file``, and ``io.file_kinds``). The index, the typed errors and ``InputSpec`` live in
 ``dataset_index.py`` and are re-exported here.
 """
 
@@ -51,11 +49,9 @@ from __future__ import annotations
 import bisect
 import functools
 import json
-import math
-import mmap
 import os
 import stat
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -80,6 +76,7 @@ from .dataset_index import (
     data_error,
     shard_file_name,
 )
+from .shard_file import ShardFile, open_shard_file
 
 __all__ = [
     "DATASET_FORMAT",
@@ -101,49 +98,10 @@ __all__ = [
 
 
 @dataclass(frozen=True)
-class ShardFile:
-    """One memory-mapped shard file, and the size it had when it was checked.
-
-    A mapped file that shrinks under its reader makes reads of the lost pages raise
-    SIGBUS, which kills the process (no exception, no checkpoint). ``check`` compares
-    the file's size now (one ``fstat`` of the mapping's descriptor) with the
-    checked one and raises a ``DataError`` instead; ``Dataset.gather`` calls it for
-    every file a batch reads, just before reading it.
-
-    Attributes:
-      path: the file.
-      mapping: the read-only mapping of the whole file (None for a shard of no bytes).
-      size: its size in bytes when ``open_dataset`` checked it.
-    """
-
-    path: str
-    mapping: mmap.mmap | None
-    size: int
-
-    def check(self) -> None:
-        if self.mapping is None:
-            return
-        try:
-            now = self.mapping.size()
-        except OSError as e:
-            now, why = -1, f"cannot be examined any more ({e})"
-        else:
-            why = f"is now {now} bytes"
-        if now != self.size:
-            raise data_error(
-                DataErrorKind.WRONG_SIZE,
-                self.path,
-                f"The shard file {self.path!r} was {self.size} bytes when the dataset was "
-                f"opened and {why}: it was truncated or rewritten while it was being read. "
-                "Reading it on would fault (SIGBUS) or give other rows. Restore the file "
-                "(or rewrite the dataset elsewhere, never in place under a run), then "
-                "resume from the last checkpoint.",
-            )
-
-
-@dataclass(frozen=True)
 class Dataset:
-    """An opened, checked dataset whose shards are memory-mapped read-only.
+    """An opened, checked dataset whose shard files are open read-only.
+
+    ``close`` lets the shards' leases go and closes them (garbage collection does too).
 
     Attributes:
       path: the dataset folder.
@@ -151,8 +109,7 @@ class Dataset:
       inputs: each input's spec, in the index's order.
       shard_rows: the rows of each shard, in order.
       shard_starts: the first global row of each shard, plus ``rows`` at the end.
-      arrays: per input name, one read-only memory map per shard.
-      files: per input name, per shard, the mapped file (to check its size before a read).
+      files: per input name, per shard, the opened file (``shard_file.ShardFile``).
     """
 
     path: str
@@ -160,25 +117,23 @@ class Dataset:
     inputs: tuple[InputSpec, ...]
     shard_rows: tuple[int, ...]
     shard_starts: np.ndarray[Any, np.dtype[np.int64]]
-    arrays: Mapping[str, tuple[np.ndarray[Any, Any], ...]]
     files: Mapping[str, tuple[ShardFile, ...]]
 
     @functools.cached_property
     def _starts(self) -> list[int]:
         return [int(v) for v in self.shard_starts]
 
-    @functools.cached_property
-    def _sizes(self) -> dict[str, list[tuple[Callable[[], int], int]]]:
-        """Per input, per shard: (the mapping's bound ``size``, the checked size); the
-        gather's hot path compares them and calls ``ShardFile.check`` only on a change."""
-        return {
-            name: [(f.mapping.size, f.size) if f.mapping else (lambda: 0, 0) for f in files]
-            for name, files in self.files.items()
-        }
-
     @property
     def names(self) -> tuple[str, ...]:
         return tuple(s.name for s in self.inputs)
+
+    def close(self) -> None:
+        """Let every shard's lease go and close its file; a later ``gather`` is a
+        ``UsageError``. A process that rewrites a shard in place while it holds the
+        dataset open waits for its own lease (``shard_file.py``): close it first."""
+        for files in self.files.values():
+            for f in files:
+                f.close()
 
     def gather(self, indices: np.ndarray[Any, Any]) -> dict[str, np.ndarray[Any, Any]]:
         """The rows ``indices`` (global row numbers, any order, repeats allowed), stacked.
@@ -204,11 +159,8 @@ class Dataset:
             # All in one shard (the common case: shards are large): one take per input,
             # straight into the asked order.
             local = idx - self._starts[first] if first else idx
-            for name, maps in self.arrays.items():
-                now, size = self._sizes[name][first]
-                if now() != size:  # the file shrank or grew: refuse before it can fault
-                    self.files[name][first].check()
-                maps[first].take(local, 0, out[name])
+            for name, files in self.files.items():
+                files[first].read(local, out[name])
             return out
         order = np.argsort(idx, kind="stable")
         ordered = idx[order]
@@ -221,14 +173,10 @@ class Dataset:
             (int(shard_of[a]), local[a:b], slice(a, b))
             for a, b in zip([0, *cuts], [*cuts, n], strict=True)
         ]
-        for name, maps in self.arrays.items():
+        for name, files in self.files.items():
             dst = out[name] if in_order else np.empty_like(out[name])
-            sizes = self._sizes[name]
             for shard, rows, where in runs:
-                now, size = sizes[shard]
-                if now() != size:
-                    self.files[name][shard].check()
-                maps[shard].take(rows, 0, dst[where])
+                files[shard].read(rows, dst[where])
             if not in_order:
                 out[name][order] = dst
         return out
@@ -248,9 +196,7 @@ def _read_npy_header(path: Path) -> tuple[tuple[int, ...], bool, np.dtype[Any], 
         return tuple(shape), bool(fortran), np.dtype(dtype), f.tell()
 
 
-def _open_shard(
-    folder: Path, spec: InputSpec, shard: int, rows: int
-) -> tuple[np.ndarray[Any, Any], ShardFile]:
+def _open_shard(folder: Path, spec: InputSpec, shard: int, rows: int) -> ShardFile:
     path = folder / shard_file_name(spec.name, shard)
     fix = "Rewrite the dataset with stepbundle.runtime.data.dataset_writer.write_dataset."
     try:
@@ -311,21 +257,15 @@ def _open_shard(
             f"({expected_shape} {spec.dtype.name}) need {expected_size}. The file is "
             f"truncated or was appended to. {fix}",
         )
-    if rows * spec.row_bytes == 0:
-        # mmap cannot map zero bytes; a zero-sized row has nothing to read anyway.
-        return np.zeros(expected_shape, dtype=spec.dtype), ShardFile(str(path), None, size)
-    # A plain ndarray over the mapping (np.memmap's Python-level __getitem__ would triple
-    # the cost of a small gather); the mapping is kept to check the file's size.
-    with open(path, "rb") as f:
-        mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    if mapping.size() != expected_size:  # it changed since the check above
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError as e:
         raise data_error(
-            DataErrorKind.WRONG_SIZE,
+            DataErrorKind.BAD_SHARD,
             path,
-            f"The shard file {str(path)!r} changed size while it was being opened. {fix}",
-        )
-    array = np.frombuffer(mapping, spec.dtype, rows * math.prod(spec.shape), offset)
-    return array.reshape(expected_shape), ShardFile(str(path), mapping, size)
+            f"The shard file {str(path)!r} cannot be read ({e.strerror or e}). {fix}",
+        ) from e
+    return open_shard_file(str(path), fd, size, offset, rows, spec.dtype, spec.shape)
 
 
 def open_dataset(path: str | os.PathLike[str]) -> Dataset:
@@ -381,8 +321,8 @@ def open_dataset(path: str | os.PathLike[str]) -> Dataset:
         ) from e
     check_index_depth(index_path, raw)
     rows, inputs, shard_rows = check_index(index_path, raw)
-    opened = {
-        spec.name: [_open_shard(folder, spec, i, r) for i, r in enumerate(shard_rows)]
+    files = {
+        spec.name: tuple(_open_shard(folder, spec, i, r) for i, r in enumerate(shard_rows))
         for spec in inputs
     }
     starts = np.zeros(len(shard_rows) + 1, dtype=np.int64)
@@ -393,8 +333,7 @@ def open_dataset(path: str | os.PathLike[str]) -> Dataset:
         inputs=inputs,
         shard_rows=tuple(shard_rows),
         shard_starts=starts,
-        arrays={name: tuple(a for a, _ in shards) for name, shards in opened.items()},
-        files={name: tuple(f for _, f in shards) for name, shards in opened.items()},
+        files=files,
     )
 
 

@@ -36,6 +36,18 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
+    def parse_args(self, args: Any = None, namespace: Any = None) -> Any:
+        """argparse reports arguments no subcommand knows from the top parser, naming
+        ``stepbundle`` and its help; they belong to the subcommand's usage."""
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            owner: argparse.ArgumentParser = self
+            for action in self._actions:
+                if isinstance(action, argparse._SubParsersAction):
+                    owner = action.choices.get(str(getattr(parsed, action.dest, "")), self)
+            owner.error(f"unrecognized arguments: {' '.join(extras)}")
+        return parsed
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="stepbundle", description=__doc__.splitlines()[0])

@@ -82,3 +82,34 @@ def test_the_schedule_rule() -> None:
     )
     assert schedule_clash(restored, "wd", "constant:value=0.0") is None  # a Python function's
     assert schedule_clash({}, "lr", "constant:value=0.2") is None  # a fresh run
+
+
+# One argv per subcommand with its required arguments, so that only --bogus is wrong.
+_MINIMAL = {
+    "export": ["r.py:f", "-o", "x"],
+    "run": ["b", "--data", "d", "--steps", "1"],
+    "eval": ["b", "--data", "d"],
+    "inspect": ["b"],
+    "verify": ["b"],
+    "pull": ["b"],
+    "compile": ["b"],
+}
+
+
+def test_an_unknown_argument_is_refused_by_its_subcommand(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Before: argparse reported it from the top parser, 'stepbundle: error:
+    unrecognized arguments: --bogus (see stepbundle --help)', whose help lists commands."""
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    assert set(sub.choices) == set(_MINIMAL)  # a new subcommand: add its minimal argv
+    for name, argv in _MINIMAL.items():
+        with pytest.raises(SystemExit) as e:
+            build_parser().parse_args([name, *argv, "--bogus"])
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert err == (
+            f"stepbundle {name}: error: unrecognized arguments: --bogus "
+            f"(see stepbundle {name} --help)\n"
+        ), err
+    build_parser().parse_args(["eval", *_MINIMAL["eval"]])  # and without it, no refusal

@@ -169,6 +169,28 @@ def test_fsdp_looks_rows_up_where_the_table_lives(layouts_on_four: Any) -> None:
     assert not floats, floats  # no whole table (wte [32, 16], wpe [8, 16]) moved
 
 
+@pytest.mark.parametrize("layout", ["fsdp", "fsdp+tp"])
+def test_regathering_the_weights_for_the_backward_changes_no_bit(
+    layout: str, layouts_on_four: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """#41: under a layout that splits the parameters over the data axis, each product
+    of a parameter after its first reads its own copy behind a barrier (the
+    ``regather-weights`` rewrite, ``tests/runtime/test_regather.py``), so that the
+    partitioner gathers the weight again for the backward pass. A barrier is the
+    identity: the run without the rewrite ends on the same bits."""
+    from stepbundle.runtime.compile import rewrites
+
+    kept = tuple(r for r in rewrites.REWRITES if r[0] != "regather-weights")
+    assert len(kept) == len(rewrites.REWRITES) - 1
+    monkeypatch.setattr(rewrites, "REWRITES", kept)
+    without, losses_without = _run(GPT, _gpt_batches(), devices=4, layout=layout)
+    trainer, losses = layouts_on_four[layout]
+    assert np.array_equal(losses, losses_without)
+    state, ref = trainer.state_dict(), without.state_dict()
+    for k, v in ref.items():
+        assert np.array_equal(state[k], v), k
+
+
 def test_tensor_parallel_follows_megatrons_split(layouts_on_four: Any) -> None:
     trainer, _ = layouts_on_four["fsdp+tp"]
     assert trainer.load_info.mesh == {"data": 2, "model": 2}

@@ -23,7 +23,7 @@ import torch
 
 from stepbundle.frontend.errors import ExportError, MetaTensorError
 from stepbundle.frontend.initial_state import non_persistent_buffers
-from stepbundle.frontend.progress import CHECK_STAGE, Ticker, no_ticks, ticking
+from stepbundle.frontend.progress import CHECK_STAGE, Ticker, counted, no_ticks, ticking
 from stepbundle.frontend.recipe import Recipe, checked_metadata, read_only_entries, step_label
 from stepbundle.frontend.schedulers import scheduler_notes
 from stepbundle.frontend.step_check import UNCHECKED, check_bundle, check_wanted
@@ -103,7 +103,7 @@ def _trace_recipe(
         initial_values = _initial_values(recipe, initial, ws)
         initial_hyper = {n: float(t.detach().cpu()) for n, t in ws.hyperparameters.items()}
         kinds = {s.name: s.kind for s in initial}
-        say(f"prepared: {len(initial)} state tensors on {device}")
+        say(f"prepared: {counted(len(initial), 'state tensor')} on {device}")
         if ws.capturable_note:
             say(f"note: {ws.capturable_note}")
 
@@ -165,7 +165,11 @@ def _trace_recipe(
         say(
             f"traced: the step {2 * len(batches)} times (twice per batch shape: a value "
             "that differs between the two traces is a graph input, not a constant)"
-            + (f", {len(eval_fns)} read-only entries" if eval_fns else "")
+            + (
+                f", {counted(len(eval_fns), 'read-only entry', 'read-only entries')}"
+                if eval_fns
+                else ""
+            )
         )
         return initial, initial_values, initial_hyper, train_bound, eval_bound
 

@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TextIO
 
-__all__ = ["CHECK_STAGE", "StageLine", "Ticked", "Ticker", "no_ticks", "ticking"]
+__all__ = ["CHECK_STAGE", "StageLine", "Ticked", "Ticker", "counted", "no_ticks", "ticking"]
 
 Ticker = Callable[[str, int, "int | None"], None]
 """``tick(stage, done, total)``: the export is in ``stage``, ``done`` of ``total`` (None:
@@ -40,6 +40,13 @@ CHECK_STAGE = "checking one step of the bundle against PyTorch eager"
 
 UNKNOWN_LENGTH_EVERY_S = 30.0
 """Seconds between two log lines of a stage whose length is unknown (not on a terminal)."""
+
+
+def counted(n: int, noun: str, plural: str | None = None) -> str:
+    """``n`` and the noun it agrees with, for the export's lines: ``counted(1, "read-only
+    entry", "read-only entries")`` is "1 read-only entry"; the plural defaults to
+    ``noun + "s"``."""
+    return f"{n} {noun if n == 1 else plural or noun + 's'}"
 
 
 def _has_width(file: TextIO) -> bool:

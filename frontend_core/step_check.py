@@ -65,6 +65,7 @@ from stepbundle.schema.manifest import (
 )
 
 from .errors import ExportError
+from .progress import counted
 from .recipe import Recipe
 from .step_compare import (
     FLOAT32,
@@ -252,11 +253,11 @@ def _unmatched(
                    "list it")  # fmt: skip
     said = []
     if rebuilt:
-        said.append(f"{rebuilt} gradients the step rebuilds every step (the bundle keeps no "
-                    "state for them)")  # fmt: skip
+        said.append(f"{counted(rebuilt, 'gradient')} the step rebuilds every step (the "
+                    "bundle keeps no state for them)")  # fmt: skip
     if neither:
-        said.append(f"{neither} state tensors the bundle holds unchanged and eager's step "
-                    "never made or set to None")  # fmt: skip
+        said.append(f"{counted(neither, 'state tensor')} the bundle holds unchanged and "
+                    "eager's step never made or set to None")  # fmt: skip
     return out, "; ".join(said)
 
 

@@ -24,7 +24,7 @@ from stepbundle.frontend.dtypes import HYPERPARAMETER_DTYPE
 from stepbundle.frontend.errors import ExportError, MetaTensorError
 from stepbundle.frontend.fresh_state import take_capturable
 from stepbundle.frontend.hyperparameters import declared_values
-from stepbundle.frontend.progress import CHECK_STAGE, Ticker, no_ticks, ticking
+from stepbundle.frontend.progress import CHECK_STAGE, Ticker, counted, no_ticks, ticking
 from stepbundle.frontend.recipe import Recipe, checked_metadata, read_only_entries, step_label
 from stepbundle.frontend.schedulers import scheduler_notes
 from stepbundle.frontend.step_check import UNCHECKED, check_bundle, check_wanted
@@ -384,10 +384,14 @@ def export(
             continue
     say(
         f"captured: {2 * len(batches)} training steps"
-        + (f", {len(eval_bound)} read-only entries" if eval_bound else "")
-        + f"; {len(slots)} state tensors"
         + (
-            f"; {segments} checkpointed segment{'s' if segments != 1 else ''} a step, "
+            f", {counted(len(eval_bound), 'read-only entry', 'read-only entries')}"
+            if eval_bound
+            else ""
+        )
+        + f"; {counted(len(slots), 'state tensor')}"
+        + (
+            f"; {counted(segments, 'checkpointed segment')} a step, "
             "each recomputed in the backward (torch.utils.checkpoint)"
             if segments
             else ""

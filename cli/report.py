@@ -230,6 +230,19 @@ class Reporter:
         except OSError:  # BrokenPipeError, EIO of a closed terminal
             self._notes_lost = True
 
+    def say(self, text: str) -> None:
+        """``[run] text`` on ``stderr``, above the bar while there is one: why the run
+        stops (a checkpoint or a sink that could not be written). A plain print landed on
+        the bar's line, and the bar was drawn again above the message when it closed.
+        Unlike a note it is said in every process; once ``stderr`` cannot be written it
+        is lost, and the run goes on stopping."""
+        line = f"[run] {text}"
+        with contextlib.suppress(OSError):  # BrokenPipeError, EIO of a closed terminal
+            if self._bar is not None:
+                self._bar.write(line, self._stderr)
+            else:
+                print(line, file=self._stderr, flush=True)
+
     def _to_sinks(self, call: Callable[[Sink], object]) -> None:
         """``call`` each sink; a sink whose call fails is dropped (see ``on_sink_failure``)."""
         for sink in list(self._sinks):
@@ -245,7 +258,7 @@ class Reporter:
         if self.failure is not None:
             return
         self.failure = e
-        print(f"\n[run] {e}", file=self._stderr, flush=True)
+        self.say(str(e))
         if self._on_failure is not None:
             self._on_failure(e)
 

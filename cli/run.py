@@ -410,7 +410,7 @@ def _run_train(
             checkpoint(name)
         except CheckpointError as e:
             failed.append(_why_not_written(e, path))
-            print(f"\n[run] {failed[-1]}", file=sys.stderr)
+            reporter.say(failed[-1])  # above the bar, which a periodic one runs under
             return False
         return True
 

@@ -189,3 +189,46 @@ def test_sigkill_right_after_a_checkpoint_leaves_no_hole_in_tensorboard(tmp_path
     assert p.returncode == -signal.SIGKILL
     steps = sorted(set(train_steps(tb)))
     assert [s for s in steps if s < 200] == [49, 99, 149, 199], steps
+
+
+def _on_a_terminal(argv: list[str]) -> tuple[int, list[str]]:
+    """Run ``argv`` with its stderr on a pseudo-terminal 100 columns wide (so the run draws
+    its bar): the exit code and the lines the terminal shows at the end."""
+    import fcntl
+    import pty
+    import termios
+
+    from test_cli_logging import screen
+
+    controller, terminal = pty.openpty()
+    fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
+    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=terminal)  # fmt: skip
+    os.close(terminal)
+    received = b""
+    while True:
+        try:
+            chunk = os.read(controller, 4096)
+        except OSError:  # the child closed the terminal (EIO)
+            break
+        if not chunk:
+            break
+        received += chunk
+    os.close(controller)
+    return proc.wait(timeout=300), screen(received.decode().replace("\r\n", "\n"))
+
+
+def test_a_periodic_checkpoint_that_fails_is_said_above_the_bar(tmp_path: Path) -> None:
+    """Before: the failure was printed plainly while the bar was on the terminal, so the
+    bar stayed on the line above the message and was drawn again below it when it closed.
+    Now it goes through the bar's own write: the message, then the bar, once."""
+    with full_filesystem(tmp_path / "full", 4096) as ck:  # the lock file fits, no checkpoint
+        cmd = [sys.executable, "-m", "stepbundle", "run", BUNDLE, "--data", DATA]
+        code, shown = _on_a_terminal(
+            [*cmd, "--steps", "40", "--checkpoint-dir", str(ck), "--checkpoint-every", "20"]
+        )
+    said = [i for i, line in enumerate(shown) if "could not write" in line]
+    assert code == 1 and len(said) == 1, shown
+    assert shown[said[0]].startswith(f"[run] could not write {ck}/step-00000020"), shown
+    bars = [i for i, line in enumerate(shown) if "/40 " in line]
+    assert len(bars) == 1 and bars[0] == said[0] + 1, shown

@@ -61,8 +61,8 @@ def holding(folder: Path, given: str) -> Iterator[None]:
     Raises:
       UsageError: another live process holds it; the lock file is a symbolic link,
         a hard link or not a regular file (the run would write into what it names); it
-        cannot be opened (permission denied: another user's); or the file system cannot
-        lock.
+        cannot be opened (permission denied: another user's); the file system cannot
+        lock; or the run's id cannot be written into it (a full disk).
     """
     try:
         import fcntl
@@ -111,8 +111,15 @@ def holding(folder: Path, given: str) -> Iterator[None]:
             break
         os.close(fd)  # its holder removed it as we took it: take the new one
     try:
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"process {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"process {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+        except OSError as e:  # a full disk (was a traceback): no checkpoint fits either
+            raise UsageError(
+                f"--checkpoint-dir {given!r}: cannot write its run lock {str(path)!r} "
+                f"({e.strerror or e}), so no checkpoint could be written there either. Free "
+                "space there, or give this run another folder."
+            ) from None
         _sweep(folder, 0.0)  # held: no writer is live here
         yield
     finally:

@@ -232,3 +232,14 @@ def test_a_periodic_checkpoint_that_fails_is_said_above_the_bar(tmp_path: Path) 
     assert shown[said[0]].startswith(f"[run] could not write {ck}/step-00000020"), shown
     bars = [i for i, line in enumerate(shown) if "/40 " in line]
     assert len(bars) == 1 and bars[0] == said[0] + 1, shown
+
+
+def test_a_checkpoint_folder_on_a_full_disk_is_refused_before_loading(tmp_path: Path) -> None:
+    """Before: writing the run's id into its lock file raised OSError (ENOSPC) out of the
+    command: a traceback, exit 1."""
+    with full_filesystem(tmp_path / "full", 0) as ck:
+        r = run("--steps", "4", "--checkpoint-dir", str(ck))
+        assert not (ck / ".stepbundle-run.lock").exists()  # removed on the way out
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert "cannot write its run lock" in r.stderr and "No space left" in r.stderr, r.stderr
+    assert "[run] loaded" not in r.stderr, r.stderr

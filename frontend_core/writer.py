@@ -85,7 +85,7 @@ class ExportReport:
     """
 
     path: Path
-    manifest: Manifest = field(repr=False)  # every table of the bundle: not for a log line
+    manifest: Manifest
     digest: str
     size: int
     stage_seconds: dict[str, float] = field(default_factory=dict)
@@ -93,6 +93,23 @@ class ExportReport:
     numerics_rewrites: int = 0
     notes: list[str] = field(default_factory=list)
     check: CheckReport | None = None
+
+    def __repr__(self) -> str:
+        """What was written, where, and how big, on one line: the manifest (every table
+        of the bundle) and the stage and check timings stay attributes."""
+        state = self.manifest.state
+        if self.check is None:
+            check = "not asked"
+        elif self.check.ran:
+            check = f"{self.check.compared} compared, agree"
+        else:
+            check = "skipped"
+        return (
+            f"ExportReport(path={str(self.path)!r}, size={self.size}, digest={self.digest!r}, "
+            f"entries={tuple(self.manifest.entries)!r}, state={len(state)} tensors of "
+            f"{sum(s.spec.nbytes for s in state)} bytes, notes={len(self.notes)}, "
+            f"check={check!r})"
+        )
 
 
 class StateRecord(Protocol):

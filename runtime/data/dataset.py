@@ -76,7 +76,7 @@ from .dataset_index import (
     data_error,
     shard_file_name,
 )
-from .shard_file import ShardFile, open_shard_file
+from .shard_file import ShardFile, open_shard_file, read_npy_header
 
 __all__ = [
     "DATASET_FORMAT",
@@ -182,20 +182,6 @@ class Dataset:
         return out
 
 
-def _read_npy_header(path: Path) -> tuple[tuple[int, ...], bool, np.dtype[Any], int]:
-    """A ``.npy`` file's shape, Fortran flag, dtype and data offset (the header only)."""
-    with open(path, "rb") as f:
-        version = np.lib.format.read_magic(f)
-        if version == (1, 0):
-            shape, fortran, dtype = np.lib.format.read_array_header_1_0(f)
-        elif version == (2, 0):
-            shape, fortran, dtype = np.lib.format.read_array_header_2_0(f)
-        else:
-            # 3.0 only adds utf-8 field names, which no dataset dtype has.
-            raise ValueError(f".npy format {version[0]}.{version[1]} is not 1.0 or 2.0")
-        return tuple(shape), bool(fortran), np.dtype(dtype), f.tell()
-
-
 def _open_shard(folder: Path, spec: InputSpec, shard: int, rows: int) -> ShardFile:
     path = folder / shard_file_name(spec.name, shard)
     fix = "Rewrite the dataset with stepbundle.runtime.data.dataset_writer.write_dataset."
@@ -226,7 +212,7 @@ def _open_shard(folder: Path, spec: InputSpec, shard: int, rows: int) -> ShardFi
         )
     expected_shape = (rows, *spec.shape)
     try:
-        shape, fortran, dtype, offset = _read_npy_header(path)
+        shape, fortran, dtype, offset = read_npy_header(path)
     except (ValueError, OSError, SyntaxError) as e:
         raise data_error(
             DataErrorKind.BAD_SHARD,

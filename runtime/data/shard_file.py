@@ -1,5 +1,5 @@
-"""One shard file of a dataset, read so that a file shrinking under its reader is a
-``DataError``, never a SIGBUS.
+"""One shard file of a dataset (or a token stream's file, ``tokens.py``), read so that a
+file shrinking under its reader is a ``DataError``, never a SIGBUS.
 
 A memory-mapped file that another process truncates makes every read of the lost pages
 raise SIGBUS, which kills the reader: no exception, no final checkpoint. Comparing the
@@ -55,6 +55,7 @@ import signal
 import sys
 import threading
 import weakref
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -63,7 +64,7 @@ from stepbundle.schema.errors import UsageError
 
 from .dataset_index import DataError, DataErrorKind, data_error
 
-__all__ = ["ShardFile", "open_shard_file"]
+__all__ = ["ShardFile", "open_shard_file", "read_npy_header"]
 
 _PREADV = hasattr(os, "preadv")
 # The mapping needs no descriptor of its own (its size is never asked): one descriptor
@@ -184,22 +185,46 @@ class ShardFile:
             self._leased = False
             _let_lease_go(self._fd)
 
+    def read_windows(self, starts: list[int], out: np.ndarray[Any, Any]) -> None:
+        """Copy, for each ``starts[i]``, the ``out.shape[1]`` rows from it on into
+        ``out[i]`` (a C-order array ``(len(starts), width, *row shape)`` of the file's
+        dtype): a token stream's windows, one slice each.
+
+        Raises:
+          DataError: as ``read``.
+        """
+        width = out.shape[1]
+        if self._mapped is not None:
+            with self._lock:
+                mapped = self._mapped
+                if mapped is not None and (
+                    not self._leased or _fcntl(self._fd, _GETLEASE) == _RDLCK
+                ):
+                    for i, s in enumerate(starts):
+                        out[i] = mapped[s : s + width]
+                    return
+                self._let_go()
+        self._check_size()
+        view, wb = out.data.cast("B"), width * self.row_bytes
+        for i, s in enumerate(starts):
+            self._pread_into(view[i * wb : (i + 1) * wb], self.offset + s * self.row_bytes)
+
     def _changed(self, why: str) -> DataError:
         return data_error(
             DataErrorKind.WRONG_SIZE,
             self.path,
-            f"The shard file {self.path!r} was {self.size} bytes when the dataset was "
-            f"opened and {why}: it was truncated or rewritten while it was being read. "
-            "Reading on would give other rows, or none. Restore the file (or rewrite the "
-            "dataset elsewhere, never in place under a run), then resume from the last "
-            "checkpoint.",
+            f"The file {self.path!r} was {self.size} bytes when it was opened and {why}: "
+            "it was truncated or rewritten while it was being read. Reading on would give "
+            "other rows, or none. Restore the file (or write the data elsewhere, never in "
+            "place under a run), then resume from the last checkpoint.",
         )
 
-    def _pread(self, rows: np.ndarray[Any, Any], out: np.ndarray[Any, Any]) -> None:
+    def _check_size(self) -> None:
+        """Before a pread: the file is open and still the size it was opened at."""
         if self._closed:
             raise UsageError(
-                f"The shard file {self.path!r} belongs to a dataset that was closed; "
-                "open the dataset again to read it."
+                f"The file {self.path!r} was closed (Dataset.close, TokenFile.close); open "
+                "it again to read it."
             )
         try:
             now = os.fstat(self._fd).st_size
@@ -207,6 +232,9 @@ class ShardFile:
             raise self._changed(f"cannot be examined any more ({e})") from e
         if now != self.size:
             raise self._changed(f"is now {now} bytes")
+
+    def _pread(self, rows: np.ndarray[Any, Any], out: np.ndarray[Any, Any]) -> None:
+        self._check_size()
         n = int(rows.shape[0])
         if n > 1 and not bool(np.all(rows[1:] > rows[:-1])):
             # Out of order or repeated: read each row once, in file order, then place.
@@ -220,15 +248,37 @@ class ShardFile:
     def _pread_increasing(self, rows: np.ndarray[Any, Any], out: np.ndarray[Any, Any]) -> None:
         """Strictly increasing ``rows``: one ``preadv`` per run of adjacent rows."""
         view = out.data.cast("B")
-        rb, fd, first = self.row_bytes, self._fd, rows.tolist()
+        rb, first = self.row_bytes, rows.tolist()
         cuts = (np.flatnonzero(np.diff(rows) != 1) + 1).tolist()
         for a, b in zip([0, *cuts], [*cuts, len(first)], strict=True):
-            part, start, done = view[a * rb : b * rb], self.offset + first[a] * rb, 0
-            while done < len(part):
-                got = os.preadv(fd, [part[done:]], start + done)
-                if got == 0:
-                    raise self._changed("ended before the rows it should hold")
-                done += got
+            self._pread_into(view[a * rb : b * rb], self.offset + first[a] * rb)
+
+    def _pread_into(self, part: memoryview, start: int) -> None:
+        """Fill ``part`` from the file at byte ``start``; a short file is refused."""
+        done = 0
+        while done < len(part):
+            got = os.preadv(self._fd, [part[done:]], start + done)
+            if got == 0:
+                raise self._changed("ended before the rows it should hold")
+            done += got
+
+
+def read_npy_header(path: Path) -> tuple[tuple[int, ...], bool, np.dtype[Any], int]:
+    """A ``.npy`` file's shape, Fortran flag, dtype and data offset (the header only).
+
+    Raises:
+      ValueError, OSError, SyntaxError: not a ``.npy`` of format 1.0 or 2.0.
+    """
+    with open(path, "rb") as f:
+        version = np.lib.format.read_magic(f)
+        if version == (1, 0):
+            shape, fortran, dtype = np.lib.format.read_array_header_1_0(f)
+        elif version == (2, 0):
+            shape, fortran, dtype = np.lib.format.read_array_header_2_0(f)
+        else:
+            # 3.0 only adds utf-8 field names, which no dataset dtype has.
+            raise ValueError(f".npy format {version[0]}.{version[1]} is not 1.0 or 2.0")
+        return tuple(shape), bool(fortran), np.dtype(dtype), f.tell()
 
 
 def open_shard_file(

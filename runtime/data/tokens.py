@@ -3,8 +3,10 @@ random offsets (nanoGPT's sampling), seeded and resumable like the dataset loade
 
 A language model's training data is one long sequence of token ids. Writing it out as
 overlapping windows costs ``context`` times its size (a new user turned 1.8 MB of text
-into 57 MB of int64 windows); ``TokenStream`` reads a 1-D ``.npy`` of token ids through a
-memory map and cuts each batch's windows when it is asked for one:
+into 57 MB of int64 windows); ``TokenStream`` reads a 1-D ``.npy`` of token ids as a
+dataset's shards are read (``shard_file.py``: a memory map under a read lease, else pread;
+a file truncated under a run is a ``DataError``, never a SIGBUS) and cuts each batch's
+windows when it is asked for one:
 
 - batch ``i`` takes ``batch_size`` offsets drawn by ``numpy.random.Generator(PCG64([seed,
   i]))`` from ``[0, tokens - context - 1]``: a pure function of (seed, i), so a resumed
@@ -14,20 +16,25 @@ memory map and cuts each batch's windows when it is asked for one:
   inside the model) it is the window alone;
 - each process of a multi-process job takes its own rows of every global batch.
 
-Imports: numpy, the standard library (and this package's dataset errors).
+Imports: numpy, the standard library, ``stepbundle.schema.errors`` (and this package's
+``dataset_index`` errors and ``shard_file``).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from .dataset_index import DataError, DataErrorKind
+from stepbundle.schema.errors import UsageError
 
-__all__ = ["TOKENS_FORMAT", "TOKENS_STATE_VERSION", "TokenStream", "open_tokens"]
+from .dataset_index import DataError, DataErrorKind
+from .shard_file import ShardFile, open_shard_file, read_npy_header
+
+__all__ = ["TOKENS_FORMAT", "TOKENS_STATE_VERSION", "TokenFile", "TokenStream", "open_tokens"]
 
 TOKENS_FORMAT = "stepbundle.tokens"
 # The stream's state version. Readers accept every version up to their own.
@@ -41,12 +48,61 @@ def _refuse(kind: DataErrorKind, message: str, path: str | Path = "") -> DataErr
     return DataError(kind, message, path=str(path))
 
 
-def open_tokens(path: str | Path) -> np.ndarray[Any, Any]:
-    """The token ids of a 1-D integer ``.npy``, memory-mapped (never read whole).
+class TokenFile:
+    """The token ids of a 1-D integer ``.npy``, read as a dataset's shards are
+    (``shard_file.py``: memory-mapped under a read lease, else with pread, so a file
+    truncated under a run is a ``DataError``, never a SIGBUS) and never read whole.
+
+    ``len(tokens)`` and ``tokens[a:b]`` (a fresh array) as the 1-D array would give them;
+    ``windows`` reads a batch's windows at once.
+
+    Attributes:
+      path: the file.
+      dtype: the token ids' dtype as stored.
+      shape: ``(number of tokens,)``.
+    """
+
+    ndim = 1
+
+    def __init__(self, file: ShardFile, count: int, dtype: np.dtype[Any]) -> None:
+        self.path = file.path
+        self.dtype = dtype
+        self.shape = (count,)
+        self._file = file
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, key: slice) -> np.ndarray[Any, Any]:
+        if not isinstance(key, slice) or key.step not in (None, 1):
+            raise UsageError(f"A TokenFile reads slices tokens[a:b], not tokens[{key!r}].")
+        start, stop, _ = key.indices(len(self))
+        window: np.ndarray[Any, Any] = self.windows([start], max(0, stop - start))[0]
+        return window
+
+    def windows(self, starts: Sequence[int], width: int) -> np.ndarray[Any, Any]:
+        """The ``width`` tokens from each of ``starts`` (each window inside the file),
+        stacked: ``(len(starts), width)``.
+
+        Raises:
+          DataError: ``WRONG_SIZE``, the file was truncated or rewritten under the reader.
+        """
+        out = np.empty((len(starts), width), self.dtype)
+        self._file.read_windows([int(s) for s in starts], out)
+        return out
+
+    def close(self) -> None:
+        """Let the file's lease go and close it (see ``Dataset.close``)."""
+        self._file.close()
+
+
+def open_tokens(path: str | Path) -> TokenFile:
+    """The token ids of a 1-D integer ``.npy`` (``TokenFile``: never read whole).
 
     Raises:
       DataError: the file is missing, not a ``.npy``, not one-dimensional or not of an
-        integer dtype (``BAD_SHARD``; ``MISSING_SHARD`` for a missing file).
+        integer dtype (``BAD_SHARD``; ``MISSING_SHARD`` for a missing file), or not the
+        size its header says (``WRONG_SIZE``).
     """
     p = Path(path)
     if not p.is_file():
@@ -54,30 +110,47 @@ def open_tokens(path: str | Path) -> np.ndarray[Any, Any]:
         what = "does not exist" if not p.exists() else "is not a regular file"
         raise _refuse(kind, f"The token file {str(p)!r} {what}.", p)
     try:
-        tokens: np.ndarray[Any, Any] = np.load(p, mmap_mode="r", allow_pickle=False)
-    except (OSError, ValueError) as e:
+        shape, _, dtype, offset = read_npy_header(p)
+    except (OSError, ValueError, SyntaxError) as e:
         raise _refuse(
             DataErrorKind.BAD_SHARD,
             f"The token file {str(p)!r} is not a .npy array ({e}). Write the token ids with "
             "numpy.save(path, ids), one 1-D integer array.",
             p,
         ) from None
-    if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
+    if len(shape) != 1 or dtype.kind not in "iu":
         raise _refuse(
             DataErrorKind.BAD_SHARD,
-            f"The token file {str(p)!r} holds {tokens.dtype}{list(tokens.shape)}; a .npy is "
+            f"The token file {str(p)!r} holds {dtype}{list(shape)}; a .npy is "
             "read as a token stream, one 1-D array of integer token ids (numpy.save(path, "
             "ids)). Stacked batches go in an .npz (numpy.savez(path, x=xs, y=ys)).",
             p,
         )
-    return tokens
+    size, need = p.stat().st_size, offset + shape[0] * dtype.itemsize
+    if size != need:
+        raise _refuse(
+            DataErrorKind.WRONG_SIZE,
+            f"The token file {str(p)!r} is {size} bytes; its header ({shape[0]} {dtype} "
+            f"token ids) needs {need}. The file is truncated or was appended to: write it "
+            "again with numpy.save(path, ids).",
+            p,
+        )
+    try:
+        fd = os.open(p, os.O_RDONLY)
+    except OSError as e:
+        raise _refuse(
+            DataErrorKind.BAD_SHARD, f"The token file {str(p)!r} cannot be read ({e}).", p
+        ) from None
+    return TokenFile(
+        open_shard_file(str(p), fd, size, offset, shape[0], dtype, ()), shape[0], dtype
+    )
 
 
 class TokenStream:
     """Batches of token windows at seeded random offsets (see the module docstring).
 
     Args:
-      tokens: the token ids, a 1-D integer array (``open_tokens``).
+      tokens: the token ids: ``open_tokens``'s ``TokenFile``, or a 1-D integer array.
       batch_size: the global batch size B (all processes together).
       context: the window length T, the bundle's sequence length.
       inputs: the batch inputs' names: one (the window) or two (the window, and the window
@@ -94,7 +167,7 @@ class TokenStream:
 
     def __init__(
         self,
-        tokens: np.ndarray[Any, Any],
+        tokens: TokenFile | np.ndarray[Any, Any],
         batch_size: int,
         context: int,
         *,
@@ -207,7 +280,10 @@ class TokenStream:
         starts = self.offsets(self.batch)[self._rows]
         self.batch += 1
         width = self.context + (1 if len(self.inputs) == 2 else 0)
-        rows = np.stack([np.asarray(self.tokens[s : s + width]) for s in starts])
+        if isinstance(self.tokens, TokenFile):
+            rows = self.tokens.windows(starts.tolist(), width)
+        else:
+            rows = np.stack([np.asarray(self.tokens[s : s + width]) for s in starts])
         rows = rows.astype(self.dtype, copy=False)
         if len(self.inputs) == 1:
             return {self.inputs[0]: rows}

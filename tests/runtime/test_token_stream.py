@@ -28,6 +28,9 @@ def _tokens(tmp_path: Path, n: int = 500, dtype: str = "uint16") -> Path:
 
 def test_windows_are_slices_of_the_stream_and_targets_are_shifted(tmp_path: Path) -> None:
     tokens = open_tokens(_tokens(tmp_path))
+    plain = np.load(_tokens(tmp_path))  # the file as numpy reads it
+    assert len(tokens) == 500 and tokens.dtype == np.uint16
+    assert tokens[:].tolist() == plain.tolist() and tokens[490:600].tolist() == plain[490:].tolist()
     stream = TokenStream(tokens, 4, 8, inputs=("idx", "y"), seed=3)
     for i in range(3):
         starts = stream.offsets(i)
@@ -74,6 +77,11 @@ def test_bad_token_data_is_refused_in_words(tmp_path: Path) -> None:
         assert err.value.kind is DataErrorKind.BAD_SHARD
     with pytest.raises(DataError, match="does not exist"):
         open_tokens(tmp_path / "missing.npy")
+    whole = _tokens(tmp_path).read_bytes()
+    (tmp_path / "short.npy").write_bytes(whole[:-2])
+    with pytest.raises(DataError, match="is truncated or was appended to") as err:
+        open_tokens(tmp_path / "short.npy")
+    assert err.value.kind is DataErrorKind.WRONG_SIZE
     with pytest.raises(DataError, match="fewer than one window"):
         TokenStream(open_tokens(_tokens(tmp_path, n=9)), 2, 8)
     tokens = open_tokens(_tokens(tmp_path))

@@ -50,6 +50,7 @@ class RunConfig:
     cache_dir: str | None = None
     no_cache: bool = False
     no_fused_attention: bool = False
+    no_bf16_products: bool = False
     head_barriers: str = "auto"
     entry: str = "train"
     entries: tuple[str, ...] | None = None

@@ -65,6 +65,7 @@ def _cmd_eval(args: RunConfig) -> int:
             cache_dir=False if args.no_cache else (args.cache_dir or True),
             matmul_precision=args.matmul_precision,
             fused_attention=not args.no_fused_attention,
+            bf16_products=not args.no_bf16_products,
             head_barriers=head_barriers(args),
         )
         options = LoadOptions(

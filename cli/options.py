@@ -128,6 +128,12 @@ SHARED: dict[str, dict[str, Any]] = {
         "help": "keep the bundle's own attention on a TPU, where it is otherwise run as "
         "jax's splash-attention kernels (docs/tpu.md)",
     },
+    "--no-bf16-products": {
+        "action": "store_true",
+        "help": "on a TPU, compile the bundle's float32-out bf16 products as written, where "
+        "they are otherwise compiled bf16-out (the same bits on the chip, fewer relayouts; "
+        "docs/tpu.md)",
+    },
     "--head-barriers": {
         "choices": ("auto", "on", "off"),
         "default": "auto",
@@ -167,7 +173,15 @@ def add(parser: Any, *flags: str, **overrides: Any) -> None:
 
 def add_device_options(parser: Any) -> None:
     """Where a bundle runs and where its compiled programs are cached (run, eval, compile)."""
-    add(parser, "--device", "--cache-dir", "--no-cache", "--no-fused-attention", "--head-barriers")
+    add(
+        parser,
+        "--device",
+        "--cache-dir",
+        "--no-cache",
+        "--no-fused-attention",
+        "--no-bf16-products",
+        "--head-barriers",
+    )
 
 
 def add_init_options(parser: Any) -> None:

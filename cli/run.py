@@ -271,6 +271,7 @@ def _open_trainer(args: RunConfig) -> Trainer:
             cadences=(args.checkpoint_every or 0, args.eval_every or 0),
             matmul_precision=args.matmul_precision,
             fused_attention=not args.no_fused_attention,
+            bf16_products=not args.no_bf16_products,
             head_barriers=head_barriers(args),
         ),
         state=state_options(args),
@@ -320,6 +321,17 @@ def _fused_note(fused: dict[str, int]) -> str:
     return ", fused attention: " + ", ".join(f"{n} in {label}" for label, n in fused.items())
 
 
+def _bf16_note(products: dict[str, tuple[int, int]]) -> str:
+    """``, bf16-out products: 51 in train[0] (25 weight gradients swapped)``
+    (``load_info.bf16_products``, a TPU), or nothing."""
+    if not products:
+        return ""
+    return ", bf16-out products: " + ", ".join(
+        f"{n} in {label} ({w} weight gradient{'s' if w != 1 else ''} swapped)"
+        for label, (n, w) in products.items()
+    )
+
+
 def _layout_note(info: LoadInfo) -> str:
     """``layout fsdp+tp:2, mesh data 2 x model 2, 1.5 MiB of state per device``."""
     from .summary import nbytes
@@ -342,6 +354,7 @@ def report_load(args: RunConfig, trainer: Trainer, load_s: float, tag: str = "ru
         + (f" x{n_dev} ({_layout_note(trainer.load_info)})" if n_dev > 1 else "")
         + (f", {trainer.steps_per_call} steps per call" if trainer.steps_per_call > 1 else "")
         + _fused_note(trainer.load_info.fused_attention)
+        + _bf16_note(trainer.load_info.bf16_products)
         + (f", glibc {trainer.load_info.allocator}" if trainer.load_info.allocator else ""),
         file=sys.stderr,
     )

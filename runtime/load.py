@@ -145,6 +145,7 @@ def load(
             head_barriers=(
                 None if opts.compile.head_barriers == "auto" else bool(opts.compile.head_barriers)
             ),
+            bf16_products=opts.compile.bf16_products,
         )
         compiled: dict[str, list[CompiledProgram | RefusedPlan]] = {}
         stacked: dict[int, CompiledProgram] = {}  # the train programs behind a loop of K steps
@@ -165,6 +166,12 @@ def load(
             for name, progs in compiled.items()
             for i, p in enumerate(progs)
             if isinstance(p, CompiledProgram) and p.head_choice
+        }
+        info.bf16_products = {
+            f"{name}[{i}]": (p.bf16_products, p.bf16_weight_gradients)
+            for name, progs in compiled.items()
+            for i, p in enumerate(progs)
+            if isinstance(p, CompiledProgram) and p.bf16_products
         }
         info.attention_kept = {
             f"{name}[{i}]": list(p.attention_kept)
@@ -434,6 +441,7 @@ class _Compiler:
     fused_attention: bool
     head_barriers: bool | None  # None: weighed on a TPU (compile_program)
     initial: Callable[[str], np.ndarray[Any, Any] | None] | None  # state values as loaded
+    bf16_products: bool = True  # on a TPU (rewrites.bf16_products)
 
     def entry(
         self, bundle: codec.Bundle, name: str, k: int, stacked: dict[int, CompiledProgram]
@@ -511,6 +519,7 @@ class _Compiler:
             head_barriers=(
                 self._head_barriers(updates_state) if head_barriers == "weigh" else head_barriers
             ),
+            bf16_products=self.bf16_products,
         )
 
 

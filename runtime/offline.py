@@ -140,6 +140,7 @@ def compile_offline(
             head_barriers=(
                 None if opts.compile.head_barriers == "auto" else bool(opts.compile.head_barriers)
             ),
+            bf16_products=opts.compile.bf16_products,
             initial=None,  # no state is read: masks are not evaluated (as compile_only)
         )
         for name in wanted:

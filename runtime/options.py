@@ -125,6 +125,14 @@ class CompileOptions:
         True puts them in every program that has a head (eval entries too), on every
         platform (they change no value); False never. ``LoadInfo.head_barriers`` says what
         was done.
+      bf16_products: on a TPU, write a bf16 x bf16 product that the program computes
+        float32-out and rounds to bf16 (the torch front-end's form of an autocast product)
+        bf16-out, the weight gradients among them in torch_xla's operand order
+        (``stablehlo/bf16_products.py``): the same bits on the chip, and fewer relayouts
+        and float32 temporaries. False compiles the products as written. No effect on other
+        platforms (a CPU rounds a bf16-out product otherwise) or on programs that write
+        their products bf16-out already (torch_xla's). ``LoadInfo.bf16_products`` counts
+        them.
     """
 
     entries: tuple[str, ...] | None = None
@@ -136,6 +144,7 @@ class CompileOptions:
     fused_attention: bool = True
     keep_freed_memory: bool | Literal["auto"] = "auto"
     head_barriers: bool | Literal["auto"] = "auto"
+    bf16_products: bool = True
 
     def __post_init__(self) -> None:
         entries: object = self.entries
@@ -184,7 +193,7 @@ class CompileOptions:
                 f"{self.cadences!r}."
             )
         object.__setattr__(self, "cadences", tuple(cadences))
-        _flags(self, "compile_only", "fused_attention")
+        _flags(self, "compile_only", "fused_attention", "bf16_products")
         if not (isinstance(self.keep_freed_memory, bool) or self.keep_freed_memory == "auto"):
             raise UsageError(
                 f'keep_freed_memory must be True, False or "auto", got {self.keep_freed_memory!r}.'
@@ -384,6 +393,7 @@ class LoadOptions:
         fused_attention: bool = True,
         keep_freed_memory: bool | Literal["auto"] = "auto",
         head_barriers: bool | Literal["auto"] = "auto",
+        bf16_products: bool = True,
     ) -> LoadOptions:
         """The options from flat names: each is the field of that name in its record
         (same defaults; ``entry`` is ``CompileOptions.entries``)."""
@@ -400,6 +410,7 @@ class LoadOptions:
                 fused_attention=fused_attention,
                 keep_freed_memory=keep_freed_memory,
                 head_barriers=head_barriers,
+                bf16_products=bf16_products,
             ),
             state=StateOptions(init_from=init_from, init_strict=init_strict, pack_state=pack_state),
             safety=SafetyOptions(

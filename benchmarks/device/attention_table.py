@@ -487,8 +487,6 @@ def gpt_names() -> set[str]:
 
 # ------------------------------------------------------------------ bench (device)
 VARIANTS = {
-    "bf16-products": "bf16 products written float32-out and rounded, compiled bf16-out "
-    "(bf16_products.py: the runtime did so on TPUs from 7ec9420 until this measured it)",
     "f32-kernels": "attention composites with float32 operands computed in float32 inside "
     "the kernels (fused_attention.FLOAT32_COMPUTE; bf16 is the default)",
     "narrow-gathers": "gathers from widened float values pick from the narrow value and "
@@ -504,12 +502,20 @@ VARIANTS = {
     "head-barriers-on": "CompileOptions(head_barriers=True): the runtime's barriers "
     "(stablehlo/head_barriers.py's 'hidden') whatever the compiled program",
     "head-barriers-off": "CompileOptions(head_barriers=False): no barriers",
+    "bf16-products-off": "CompileOptions(bf16_products=False): the bundle's float32-out bf16 "
+    "products compiled as written (stablehlo/bf16_products.py)",
 }
 """Experiments ``--extra STEM,fused,PRECISION,VARIANT`` loads a bundle under: each patches
-the runtime's rewrites for that one load only, but ``HEAD_BARRIERS``' (load options; the
-other rows load with the default, "auto")."""
+the runtime's rewrites for that one load only (without the load's own choices: no head
+barriers, no bf16-out products), but ``LOAD_OPTIONS``' (load options; the other rows load
+with the defaults)."""
 
-HEAD_BARRIERS = {"head-barriers-on": True, "head-barriers-off": False}
+LOAD_OPTIONS: dict[str, dict[str, Any]] = {
+    "head-barriers-on": {"head_barriers": True},
+    "head-barriers-off": {"head_barriers": False},
+    "bf16-products-off": {"bf16_products": False},
+}
+"""The experiments that are load options (the load's other choices as by default)."""
 
 
 def _insert_rewrite(
@@ -540,18 +546,11 @@ def variant(name: str | None = None) -> Any:
     from stepbundle.runtime.compile import rewrites
 
     saved = (rewrites.REWRITES, fa.FLOAT32_COMPUTE)
-    if name == "bf16-products":
-        from bf16_products import count_bf16_products, rewrite_bf16_products
-
-        _insert_rewrite(
-            rewrites, "fused-attention", name, count_bf16_products, rewrite_bf16_products,
-            tpu_only=True,
-        )  # fmt: skip
-    elif name == "narrow-gathers":
+    if name == "narrow-gathers":
         from narrow_gathers import count_narrow_gathers, rewrite_narrow_gathers
 
         _insert_rewrite(rewrites, "onehot-sums", name, count_narrow_gathers, rewrite_narrow_gathers)
-    elif name in HEAD_BARRIERS:  # a load option (bench), not a patch
+    elif name in LOAD_OPTIONS:  # a load option (bench), not a patch
         pass
     elif name is not None and name.startswith("head-barrier"):
         import functools
@@ -676,9 +675,10 @@ def bench(args: argparse.Namespace) -> int:
                                 cache_dir=False,
                                 matmul_precision=precision,
                                 fused_attention=fused,
-                                # an experiment alone, not the load's choice on top
-                                head_barriers=HEAD_BARRIERS.get(
-                                    var[0] if var else "", False if var else "auto"
+                                # an experiment alone, not the load's choices on top
+                                **LOAD_OPTIONS.get(
+                                    var[0] if var else "",
+                                    {"head_barriers": False, "bf16_products": False} if var else {},
                                 ),
                             ),
                             state=StateOptions(init_from=init, init_strict=False),

@@ -20,12 +20,16 @@ rewrites, fused attention kernels and compile options) for a compile-only device
 program with one of its differences from torch_xla's taken away in the text
 (``layout-attributes``: torch_xla's ``result_layout``/``xla_shape`` on every transpose;
 ``bf16-products``: each bf16 x bf16 product written float32-out and then converted to
-bf16 written bf16-out (``bf16_products.py``; the runtime did so on TPUs until the chip
-measured it slower);
+bf16 written bf16-out, alone (the runtime's ``stablehlo/bf16_products.py`` also swaps the
+weight gradients' operands, below);
 ``fold-transposes``: each 2-D transpose a product reads folded into the product's
-contracting dimensions; ``swap-transposed-products``: torch's weight gradients ``g.t() @ x``
-written as torch_xla writes them, ``(x.t() @ g).t()``), through the runtime's ``compile_program`` (with every rewrite a
-TPU load makes), to see what that difference costs before changing a lowering for it.
+contracting dimensions; ``residual-barriers``: an optimization barrier on each float32
+activation-sized ``add`` of a chain of at least 4 (the residual stream and its gradient's
+sums), ``residual-barriers-forward`` on the forward's only), through the runtime's
+``compile_program`` (with every rewrite a TPU load makes but the load's own choices: no
+head barriers, no bf16-out products), to see what that difference costs before changing
+a lowering for it. ``compile --as-written`` compiles the bundles without the
+``bf16-products`` rewrite the runtime makes on a TPU (``CompileOptions.bf16_products``).
 
 ``compare`` reads them. libtpu writes its cost model's ``estimated_cycles`` into the
 ``backend_config`` of every top-level operation it schedules; the sum, at the v5e's
@@ -61,6 +65,7 @@ import argparse
 import collections
 import functools
 import json
+import math
 import os
 import re
 import sys
@@ -265,86 +270,95 @@ def fold_transposes(text: str) -> tuple[str, int]:
     return str(module), n
 
 
-def swap_transposed_products(text: str) -> tuple[str, int]:
-    """Each ``dot_general(transpose(g), x)`` without batch dimensions (torch's weight
-    gradient, ``g.t() @ x``) written ``transpose(dot_general(x, g))`` (torch_xla's form,
-    ``(x.t() @ g).t()``): the same sums of the same products, after ``bf16_products.py``'s
-    rewrite. XLA made the same program of
-    both (the estimate did not move)."""
-    from bf16_products import rewrite_bf16_products
+def residual_barriers(text: str, least: int = 4, forward_only: bool = False) -> tuple[str, int]:
+    """Each float32 activation-sized ``add`` in a chain of at least ``least`` adds of one
+    shape (a transformer's residual stream: ``h = h + block(h)``, and its gradient's
+    accumulation) passed through an ``optimization_barrier``, so that XLA reads the
+    stream's values where they are used instead of recomputing them from the layers'
+    outputs inside a later fusion (frontend_gap-v5e.md, items 4, 7 and 9)."""
     from jaxlib.mlir import ir
-    from jaxlib.mlir.dialects import stablehlo as hlo
 
-    from stepbundle.stablehlo.artifact import Module
-    from stepbundle.stablehlo.graph import producer, shape_of
+    from stepbundle.stablehlo.build import op as build_op
+    from stepbundle.stablehlo.graph import producer
 
-    def transposed(value: Any) -> Any:
-        t = producer(value)
-        if t is None or t.name != "stablehlo.transpose" or len(shape_of(value)) != 2:
-            return None
-        if list(ir.DenseI64ArrayAttr(t.attributes["permutation"])) != [1, 0]:
-            return None
-        return t.operands[0]
-
-    module = ir.Module.parse(text)  # in the program's own context (``_compile_variant``)
-    rewrite_bf16_products(Module(ir.Context.current, module))
-    stack, sites = [module.operation], []
+    module = ir.Module.parse(text)
+    adds: list[Any] = []
+    stack = [module.operation]
     while stack:
-        op = stack.pop()
-        if op.name == "stablehlo.dot_general":
-            dn = hlo.DotDimensionNumbers(op.attributes["dot_dimension_numbers"])
-            lhs, rhs = op.operands
-            if (
-                not list(dn.lhs_batching_dimensions)
-                and len(shape_of(lhs)) == len(shape_of(rhs)) == 2
-                and transposed(lhs) is not None
-                and transposed(rhs) is None
-            ):
-                sites.append(op)
-        for region in op.regions:
+        o = stack.pop()
+        if o.name == "stablehlo.add":
+            t = ir.RankedTensorType(o.result.type)
+            if str(t.element_type) == "f32" and t.rank >= 2 and math.prod(t.shape) >= 1 << 16:
+                adds.append(o)
+        for region in o.regions:
             for block in region.blocks:
-                stack.extend(o.operation for o in block.operations)
-    with ir.Location.unknown():
-        for op in sites:
-            dn = hlo.DotDimensionNumbers(op.attributes["dot_dimension_numbers"])
-            (lc,), (rc,) = list(dn.lhs_contracting_dimensions), list(dn.rhs_contracting_dimensions)
-            lhs, x = op.operands
-            out = ir.RankedTensorType(op.result.type)
-            attributes = {
-                "dot_dimension_numbers": hlo.DotDimensionNumbers.get(
-                    lhs_batching_dimensions=[],
-                    rhs_batching_dimensions=[],
-                    lhs_contracting_dimensions=[rc],
-                    rhs_contracting_dimensions=[1 - lc],
-                )
-            }
-            if "precision_config" in op.attributes:
-                both = list(ir.ArrayAttr(op.attributes["precision_config"]))
-                attributes["precision_config"] = ir.ArrayAttr.get(both[::-1])
-            with ir.InsertionPoint(op):
-                product = ir.Operation.create(
-                    "stablehlo.dot_general",
-                    results=[ir.RankedTensorType.get(out.shape[::-1], out.element_type)],
-                    operands=[x, transposed(lhs)],
-                    attributes=attributes,
-                )
-                back = ir.Operation.create(
-                    "stablehlo.transpose",
-                    results=[out],
-                    operands=[product.result],
-                    attributes={"permutation": ir.DenseI64ArrayAttr.get([1, 0])},
-                )
-            op.result.replace_all_uses_with(back.result)
-            op.erase()
+                stack.extend(x.operation for x in block.operations)
+    index = {a.operation: i for i, a in enumerate(adds)}
+    parent = list(range(len(adds)))
+
+    def find(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    for i, a in enumerate(adds):
+        for v in a.operands:
+            p = producer(v)
+            if p is not None and p.operation in index and p.result.type == a.result.type:
+                parent[find(i)] = find(index[p.operation])
+    sizes: dict[int, int] = {}
+    for i in range(len(adds)):
+        sizes[find(i)] = sizes.get(find(i), 0) + 1
+    sites = [a for i, a in enumerate(adds) if sizes[find(i)] >= least]
+    if forward_only:  # leave out what comes after the head's product (the backward)
+        heads = []
+        stack = [module.operation]
+        while stack:
+            o = stack.pop()
+            if (
+                o.name == "stablehlo.dot_general"
+                and max(ir.RankedTensorType(o.result.type).shape) >= 16384
+            ):
+                heads.append(o)
+            for region in o.regions:
+                for block in region.blocks:
+                    stack.extend(x.operation for x in block.operations)
+        after: set[Any] = set()
+        work = list(heads)
+        while work:
+            o = work.pop()
+            for r in o.results:
+                for u in r.uses:
+                    owner = u.owner.operation if hasattr(u.owner, "operation") else u.owner
+                    if owner not in after:
+                        after.add(owner)
+                        work.append(owner)
+        sites = [a for a in sites if a.operation not in after]
+    for a in sites:
+        with _after_op(a), a.location:
+            held = build_op("stablehlo.optimization_barrier", a.result.type, [a.result])
+        for use in list(a.result.uses):
+            if use.owner != held.owner:
+                use.owner.operands[use.operand_number] = held
     assert module.operation.verify()
     return str(module), len(sites)
+
+
+def _after_op(op: Any) -> Any:
+    from jaxlib.mlir import ir
+
+    ops = list(op.operation.block.operations)
+    at = next(i for i, o in enumerate(ops) if o.operation == op.operation)
+    return ir.InsertionPoint(ops[at + 1])
 
 
 VARIANTS = {
     "layout-attributes": layout_attributes,
     "bf16-products": bf16_products,
     "fold-transposes": fold_transposes,
-    "swap-transposed-products": swap_transposed_products,
+    "residual-barriers": residual_barriers,
+    "residual-barriers-forward": lambda text: residual_barriers(text, forward_only=True),
     **{  # head_barriers.MODES; "result" keeps the name it was measured under
         ("head-barrier" if mode == "result" else f"head-barrier-{mode}"): functools.partial(
             head_barrier_text, mode=mode
@@ -385,12 +399,15 @@ def _compile_variant(path: str, variant: str, device: Any) -> tuple[Any, int, in
         matmul_precision=bundle.manifest.matmul_precision,
         scalar_constants=_scalar_constants(bundle, program),
         head_barriers=False,  # the variant alone, not the load's choice on top
+        bf16_products=False,
     )
     return compiled.executable, compiled.fused_attention, changed
 
 
 # ---------------------------------------------------------------------------- compile
-def compile_bundles(specs: list[str], dump: Path, variant: str | None = None) -> None:
+def compile_bundles(
+    specs: list[str], dump: Path, variant: str | None = None, as_written: bool = False
+) -> None:
     os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
     from jax.experimental import topologies
 
@@ -403,10 +420,9 @@ def compile_bundles(specs: list[str], dump: Path, variant: str | None = None) ->
         name, path = spec.split("=", 1)
         extra: dict[str, Any] = {}
         if variant is None:
-            # the program as written, not the load's choice (runtime/compile/head_choice.py)
-            out = compile_offline(
-                path, [device], LoadOptions(compile=CompileOptions(head_barriers=False))
-            )
+            # not the load's choice of head barriers (runtime/compile/head_choice.py)
+            options = CompileOptions(head_barriers=False, bf16_products=not as_written)
+            out = compile_offline(path, [device], LoadOptions(compile=options))
             exe, fused = out.executables["train[0]"], out.fused_attention
         else:
             exe, n, changed = _compile_variant(path, variant, device)
@@ -472,6 +488,8 @@ def main() -> int:
     c.add_argument("--dump", type=Path, required=True)
     c.add_argument("--variant", choices=sorted(VARIANTS), default=None,
                    help="an experiment: the program's text changed so before compiling")  # fmt: skip
+    c.add_argument("--as-written", action="store_true",
+                   help="without the runtime's bf16-products rewrite (CompileOptions.bf16_products)")  # fmt: skip
     k = sub.add_parser("compare")
     k.add_argument("names", nargs="+")
     k.add_argument("--dump", type=Path, required=True)
@@ -479,7 +497,7 @@ def main() -> int:
     k.add_argument("--out", type=Path, default=RESULTS)
     a = p.parse_args()
     if a.cmd == "compile":
-        compile_bundles(a.bundles, a.dump, a.variant)
+        compile_bundles(a.bundles, a.dump, a.variant, a.as_written)
     else:
         compare(a.names, a.dump, a.label, a.out)
     return 0

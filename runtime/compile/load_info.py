@@ -49,6 +49,9 @@ class LoadInfo:
         "auto": off a TPU, eval entries, layouts over several devices, programs without a
         stream fused into the head). A program weighed has two events in ``cache``: its own
         label's and ``LABEL+head-barriers``, and ``compiled`` and ``cache_hits`` count both.
+      bf16_products: per compiled program, (products compiled bf16-out, of them weight
+        gradients in torch_xla's operand order) on a TPU (``CompileOptions.bf16_products``,
+        ``stablehlo/bf16_products.py``); empty for none.
       kept_freed_memory: whether glibc's allocator was told to keep freed memory
         before compiling (on a TPU; ``CompileOptions.keep_freed_memory``,
         ``runtime/compile/allocator.py``).
@@ -87,6 +90,7 @@ class LoadInfo:
     fused_attention: dict[str, int] = field(default_factory=dict)
     attention_kept: dict[str, list[str]] = field(default_factory=dict)
     head_barriers: dict[str, str] = field(default_factory=dict)
+    bf16_products: dict[str, tuple[int, int]] = field(default_factory=dict)
     kept_freed_memory: bool = False
     allocator: str = ""
     auto_steps: str = ""

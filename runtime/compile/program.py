@@ -49,6 +49,8 @@ class CompiledProgram:
     pinned_state: tuple[str, ...] = ()
     head_barriers: bool = False
     head_choice: str = ""  # what was compared and kept, in words ("" where nothing was)
+    bf16_products: int = 0  # products compiled bf16-out (rewrites.bf16_products)
+    bf16_weight_gradients: int = 0  # of them, weight gradients in torch_xla's operand order
 
     @property
     def cache_hit(self) -> bool:
@@ -72,6 +74,7 @@ def compile_program(
     scalar_constants: Mapping[int, float] | None = None,
     state_values: StateValues | None = None,
     head_barriers: bool | None = None,
+    bf16_products: bool = True,
 ) -> CompiledProgram:
     """Check, rewrite and compile ``program`` for ``placement``'s devices.
 
@@ -106,6 +109,8 @@ def compile_program(
         fuses a residual stream into a head product (``head_choice.fused_stream``)
         compiles with them too and keeps the program libtpu estimates faster
         (``CompiledProgram.head_choice`` says what was compared).
+      bf16_products: on a TPU, compile bf16 products rounded at once bf16-out
+        (``rewrites.bf16_products``); ``CompiledProgram.bf16_products`` counts them.
     """
     platform = str(client.platform)
     # As accurate as PyTorch's CPU kernels: long sums in blocks, YNNPACK's fusions off.
@@ -128,6 +133,7 @@ def compile_program(
             state_values=dict(state_values or {}),
             blocked_sums=numerics is not None and numerics.blocked_sums,
             head_barriers=barriers,
+            bf16_products=bf16_products,
         )
         stage = apply_rewrites(Stage(module, program), ctx)
         exe, event = cache.compile(label + tag, client, stage.module.bytecode(), devices, options)
@@ -161,6 +167,8 @@ def compile_program(
         tuple(dict.fromkeys(ctx.pinned_state)),
         head_barriers=bool(ctx.notes.get("head_barriers")),
         head_choice=choice,
+        bf16_products=ctx.notes.get("bf16_products", 0),
+        bf16_weight_gradients=ctx.notes.get("bf16_weight_gradients", 0),
     )
 
 

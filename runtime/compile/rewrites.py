@@ -39,6 +39,7 @@ from stepbundle.stablehlo import artifact as mlir
 from stepbundle.stablehlo.attention import Site, count_score_products
 from stepbundle.stablehlo.attention_composite import count_composites, rewrite_composites
 from stepbundle.stablehlo.attention_rewrite import rewrite_attention
+from stepbundle.stablehlo.bf16_products import count_bf16_products, rewrite_bf16_products
 from stepbundle.stablehlo.blocked_sums import block_long_sums, count_long_sums
 from stepbundle.stablehlo.conv_layout import canonicalize_convolutions
 from stepbundle.stablehlo.conv_wgrad import count_weight_gradients, rewrite_weight_gradients
@@ -186,6 +187,30 @@ def head_barriers(stage: Stage, ctx: RewriteContext) -> Stage:
     if ctx.head_barriers:
         ctx.notes["head_barriers"] = rewrite_head_barriers(stage.module, "hidden")
     return stage
+
+
+def bf16_products(stage: Stage, ctx: RewriteContext) -> Stage:
+    """On a TPU, each bf16 x bf16 product written float32-out whose one use rounds it to
+    bf16 (the torch front-end's form of an autocast product: PyTorch's CPU accumulates
+    in float32 and rounds once) as a bf16-out product (torch_xla's form), and the weight
+    gradients among them, ``g.t() @ x``, as ``(x.t() @ g).t()``
+    (``stablehlo/bf16_products.py``). The same bits on a v5e's matrix unit; fewer
+    relayouts and float32 temporaries (docs/tpu.md). A product with a bias added in
+    float32 before the rounding is left as written. Not on a CPU, whose bf16-out product
+    rounds otherwise. Runs after ``fused-attention``, whose matchers read the program as
+    the front-end wrote it, and before ``head-barriers``."""
+    if ctx.platform != "tpu" or not ctx.bf16_products:
+        return stage
+    try:
+        if not count_bf16_products(stage.module):
+            return stage
+        copy = mlir.Module.parse_text(stage.module, stage.module.text())
+        n, swapped = rewrite_bf16_products(copy)
+    except Exception as e:  # any failure keeps the program as it is: it is only slower
+        warn_once("bf16-products", f"stepbundle kept a program's bf16 products as written: {e}")
+        return stage
+    ctx.notes["bf16_products"], ctx.notes["bf16_weight_gradients"] = n, swapped
+    return Stage(copy, stage.program)
 
 
 def regather_weights(stage: Stage, ctx: RewriteContext) -> Stage:
@@ -381,6 +406,7 @@ REWRITES: tuple[tuple[str, Rewrite], ...] = (
     ("blocked-sums", blocked_sums),
     ("weight-gradients", weight_gradients),
     ("fused-attention", fused_attention),
+    ("bf16-products", bf16_products),
     ("head-barriers", head_barriers),
     ("regather-weights", regather_weights),
     ("pack-state", pack_state),

@@ -39,6 +39,8 @@ class RewriteContext:
       head_barriers: put optimization barriers around the output head's products
         (``stablehlo/head_barriers.py``); ``compile_program`` decides where
         (``head_choice.py``).
+      bf16_products: on a TPU, write float32-out bf16 products that are rounded to bf16
+        at once bf16-out (``stablehlo/bf16_products.py``).
       scalar_constants: @main's scalar constant arguments (argument number -> value,
         from the bundle's constant sections): an attention mask's fill value is one.
       state_values: the state arguments the step never writes, as loaded
@@ -61,6 +63,7 @@ class RewriteContext:
     fused_attention: bool = True
     blocked_sums: bool = True
     head_barriers: bool = False
+    bf16_products: bool = True
     scalar_constants: Mapping[int, float] = field(default_factory=dict)
     state_values: StateValues = field(default_factory=dict)
     notes: dict[str, int] = field(default_factory=dict)

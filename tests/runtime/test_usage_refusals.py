@@ -194,10 +194,12 @@ def test_eval_takes_the_digest_pin_and_the_load_options_run_takes(
         ["--expect-digest", digest],
         ["--matmul-precision", "highest"],
         ["--pack-state", "0"],
+        ["--no-bf16-products"],
     ):
         code, line = _command(capsys, *evaluate, *extra)
         assert code == 0, (extra, line)
-    pinned, precise, unpacked = seen
+    pinned, precise, unpacked, as_written = seen
     assert pinned.safety.expect_digest == digest
     assert precise.compile.matmul_precision == "highest"
     assert unpacked.state.pack_state == 0
+    assert as_written.compile.bf16_products is False and pinned.compile.bf16_products is True

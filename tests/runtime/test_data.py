@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from runtime_helpers import lease_granted
 
 from stepbundle.runtime.data.dataset import (
     INDEX_NAME,
@@ -98,9 +99,9 @@ def test_round_trip_rows_and_chunks(tmp_path: Path) -> None:
 
 
 def test_shards_are_memory_mapped_and_gather_copies(ds: Dataset) -> None:
-    # The file's owner gets a lease on Linux: rows come from the memory maps (shard_file.py).
-    if sys.platform == "linux":
-        assert all(f.mapped for files in ds.files.values() for f in files)
+    # Where a lease is granted (Linux, the file's owner) rows come from the memory maps.
+    mapped = {f.mapped for files in ds.files.values() for f in files}
+    assert mapped == {lease_granted(Path(ds.path))}, mapped
     got = ds.gather(np.array([3, 4]))
     got["y"][:] = -1  # a fresh array: writing it changes nothing on disk
     np.testing.assert_array_equal(ds.gather(np.array([3, 4]))["y"], [3, 4])

@@ -130,10 +130,11 @@ class ShardFile:
         # there is no lease: rows in memory, or Windows); None: read with pread.
         self._mapped = mapped
         self._leased = leased
+        self._guarded = leased  # never changes: the mapping is read only under the lock
         self._closed = False
-        # Held from the lease's check to the end of the read, and to let the lease go:
-        # numpy's take lets other threads run, and one letting the lease go under another's
-        # read would let the file shrink under it.
+        # Held from the lease's check to the end of a read, through a pread, and to let
+        # the lease go or close: numpy's take lets other threads run, and one letting the
+        # lease go under another's read would let the file shrink under it.
         self._lock = threading.Lock()
         self._close_fd = weakref.finalize(self, os.close, fd) if fd >= 0 else None
 
@@ -156,17 +157,17 @@ class ShardFile:
             dataset was opened (truncated or rewritten under the reader).
         """
         mapped = self._mapped
-        if mapped is not None and not self._leased:
+        if mapped is not None and not self._guarded:
             mapped.take(rows, 0, out)
             return
-        if mapped is not None:
-            with self._lock:
-                mapped = self._mapped
-                if mapped is not None and _fcntl(self._fd, _GETLEASE) == _RDLCK:
+        with self._lock:
+            mapped = self._mapped
+            if mapped is not None:
+                if _fcntl(self._fd, _GETLEASE) == _RDLCK:
                     mapped.take(rows, 0, out)
                     return
                 self._let_go()
-        self._pread(rows, out)
+            self._pread(rows, out)
 
     def close(self) -> None:
         """Let the lease go and close the file (a later ``read`` is a ``UsageError``)."""
@@ -194,20 +195,23 @@ class ShardFile:
           DataError: as ``read``.
         """
         width = out.shape[1]
-        if self._mapped is not None:
-            with self._lock:
-                mapped = self._mapped
-                if mapped is not None and (
-                    not self._leased or _fcntl(self._fd, _GETLEASE) == _RDLCK
-                ):
+        mapped = self._mapped
+        if mapped is not None and not self._guarded:
+            for i, s in enumerate(starts):
+                out[i] = mapped[s : s + width]
+            return
+        with self._lock:
+            mapped = self._mapped
+            if mapped is not None:
+                if _fcntl(self._fd, _GETLEASE) == _RDLCK:
                     for i, s in enumerate(starts):
                         out[i] = mapped[s : s + width]
                     return
                 self._let_go()
-        self._check_size()
-        view, wb = out.data.cast("B"), width * self.row_bytes
-        for i, s in enumerate(starts):
-            self._pread_into(view[i * wb : (i + 1) * wb], self.offset + s * self.row_bytes)
+            self._check_size()
+            view, wb = out.data.cast("B"), width * self.row_bytes
+            for i, s in enumerate(starts):
+                self._pread_into(view[i * wb : (i + 1) * wb], self.offset + s * self.row_bytes)
 
     def _changed(self, why: str) -> DataError:
         return data_error(

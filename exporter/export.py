@@ -26,7 +26,13 @@ from stepbundle.frontend.initial_state import non_persistent_buffers
 from stepbundle.frontend.progress import CHECK_STAGE, Ticker, counted, no_ticks, ticking
 from stepbundle.frontend.recipe import Recipe, checked_metadata, read_only_entries, step_label
 from stepbundle.frontend.schedulers import scheduler_notes
-from stepbundle.frontend.step_check import UNCHECKED, check_bundle, check_wanted
+from stepbundle.frontend.step_check import (
+    UNCHECKED,
+    RuntimeStep,
+    check_bundle,
+    check_wanted,
+    runtime_ahead,
+)
 from stepbundle.frontend.step_io import batch_signature, checked_batch
 from stepbundle.frontend.writer import (
     ExportReport,
@@ -262,15 +268,19 @@ def export(
       CheckFailed: the check found the bundle's step computing something else (the
         bundle is removed); an ``ExportError``.
     """
-    return export_running_traced_steps(
-        recipe,
-        path,
-        mlir_dir=mlir_dir,
-        progress=progress,
-        check=check,
-        run_traced_steps=False,
-        ticker=ticker,
-    )
+    # The check's runtime process starts now and imports the runtime while the step is
+    # traced (``runtime_ahead``).
+    with runtime_ahead(check_wanted(check)) as runtime:
+        return export_running_traced_steps(
+            recipe,
+            path,
+            mlir_dir=mlir_dir,
+            progress=progress,
+            check=check,
+            run_traced_steps=False,
+            ticker=ticker,
+            runtime=runtime,
+        )
 
 
 def _refuse_meta(recipe: Recipe) -> None:
@@ -305,6 +315,7 @@ def export_running_traced_steps(
     progress: Callable[[str], None] | None = None,
     check: bool | None = None,
     ticker: Ticker | None = None,
+    runtime: RuntimeStep | None = None,
 ) -> ExportReport:
     """``export``, with the internal knob ``run_traced_steps`` (not part of the public face).
 
@@ -312,7 +323,9 @@ def export_running_traced_steps(
     eager would, instead of dropping it (``export``'s way, ``xla.skip_step``). The bundle
     is the same either way; running costs the steps' compile time (most of an export's),
     and is there to check that claim (``tests/exporter/test_export_skip_steps.py``) and to
-    time it (``benchmarks/export_time.py``). The other arguments are ``export``'s.
+    time it (``benchmarks/export_time.py``). ``runtime``: the check's runtime process,
+    started ahead (``runtime_ahead``; None: the check starts it). The other arguments are
+    ``export``'s.
     """
     say = progress or (lambda _msg: None)
     tick = ticker or no_ticks
@@ -424,7 +437,13 @@ def export_running_traced_steps(
         tick(CHECK_STAGE, 0, None)
         plain, random = references(numerics, report.numerics_rewrites)
         report.check = check_bundle(
-            recipe, report.path, report.manifest, reference=plain, random_reference=random, say=say
+            recipe,
+            report.path,
+            report.manifest,
+            reference=plain,
+            random_reference=random,
+            say=say,
+            runtime=runtime,
         )
         if callable(close):
             close()

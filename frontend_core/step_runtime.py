@@ -12,10 +12,13 @@ Imports: torch, safetensors, stepbundle.schema.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -94,41 +97,72 @@ def without_torch_xla_flag(env: dict[str, str]) -> None:
 
 class RuntimeStep:
     """The runtime's process, stepping the bundle while this process steps eagerly (the
-    two overlap: the check costs about the longer of them, not their sum)."""
+    two overlap: the check costs about the longer of them, not their sum).
 
-    def __init__(
+    ``RuntimeStep()`` starts it at once: it starts Python and imports the runtime (jax),
+    then waits for its bundle on its standard input, so a front-end can start it before it
+    traces (``step_check.runtime_ahead``) and the import runs while the export does.
+    ``begin`` hands it the bundle; ``wait`` waits for its step; ``stop`` ends it where
+    nothing is handed over or its step is no longer wanted.
+    """
+
+    def __init__(self) -> None:
+        env = dict(os.environ)
+        env["JAX_PLATFORMS"] = "cpu"
+        without_torch_xla_flag(env)
+        # Its output, read back only where it fails (a file: a pipe nobody reads while
+        # it runs could fill up and stop it).
+        self._log = tempfile.TemporaryFile()  # noqa: SIM115 - closed by wait() or stop()
+        self._t0 = time.perf_counter()
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "stepbundle.cli.step_check", "--wait"],
+            stdin=subprocess.PIPE,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+
+    def begin(
         self,
         path: Path,
         batch: Mapping[str, torch.Tensor],
         work: Path,
         init: Mapping[str, torch.Tensor],
     ) -> None:
+        """Hand it the bundle at ``path``: the batch and (a bundle without weights) the
+        initial weights are written into ``work``, where it writes the state after its
+        step (``python -m stepbundle.cli.step_check``)."""
         from safetensors.torch import save_file
 
         batch_file = work / "batch.safetensors"
         save_file({k: v.detach().cpu().contiguous() for k, v in batch.items()}, str(batch_file))
-        cmd = [sys.executable, "-m", "stepbundle.cli.step_check", str(path), str(batch_file),
-               str(work)]  # fmt: skip
+        job = {"bundle": str(path), "batch": str(batch_file), "out": str(work)}
         if init:
             init_file = work / "init.safetensors"
             save_file({k: v.contiguous() for k, v in init.items()}, str(init_file))
-            cmd += ["--init-from", str(init_file)]
-        env = dict(os.environ)
-        env["JAX_PLATFORMS"] = "cpu"
-        without_torch_xla_flag(env)
-        self._log = work / "runtime.log"
+            job["init_from"] = str(init_file)
         self._t0 = time.perf_counter()
-        with open(self._log, "wb") as log:
-            self._proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        stdin = self._proc.stdin
+        assert stdin is not None
+        # A process that already ended (it could not start) says why in wait().
+        with contextlib.suppress(BrokenPipeError):
+            stdin.write(json.dumps(job).encode() + b"\n")
+        with contextlib.suppress(BrokenPipeError):
+            stdin.close()
 
     def stop(self) -> None:
-        """End the process (the eager step failed); nothing of it is needed."""
+        """End the process where it still runs (no bundle was handed over, or the eager
+        step failed); nothing of it is needed."""
         if self._proc.poll() is None:
             self._proc.kill()
             self._proc.wait()
+        if self._proc.stdin is not None:
+            with contextlib.suppress(OSError):
+                self._proc.stdin.close()
+        self._log.close()
 
     def wait(self) -> float:
-        """Wait for the process; its wall time.
+        """Wait for the process; its wall time since ``begin``.
 
         Raises:
           CheckCouldNotRun: it failed.
@@ -136,12 +170,15 @@ class RuntimeStep:
         code = self._proc.wait()
         seconds = time.perf_counter() - self._t0
         if code != 0:
-            tail = self._log.read_text(errors="replace").strip()[-2000:]
+            self._log.seek(0)
+            tail = self._log.read().decode(errors="replace").strip()[-2000:]
+            self._log.close()
             raise CheckCouldNotRun(
                 f"The export check could not run the bundle's step on the CPU (the runtime's "
                 f"process exited with {code}):\n{tail}\nIf the model is too big to step on "
                 f"this machine's CPU, {_NO_CHECK}."
             )
+        self._log.close()
         return seconds
 
 

@@ -27,7 +27,13 @@ from stepbundle.frontend.hyperparameters import declared_values
 from stepbundle.frontend.progress import CHECK_STAGE, Ticker, counted, no_ticks, ticking
 from stepbundle.frontend.recipe import Recipe, checked_metadata, read_only_entries, step_label
 from stepbundle.frontend.schedulers import scheduler_notes
-from stepbundle.frontend.step_check import UNCHECKED, check_bundle, check_wanted
+from stepbundle.frontend.step_check import (
+    UNCHECKED,
+    RuntimeStep,
+    check_bundle,
+    check_wanted,
+    runtime_ahead,
+)
 from stepbundle.frontend.step_io import batch_signature, checked_batch
 from stepbundle.frontend.writer import (
     ExportReport,
@@ -340,6 +346,36 @@ def export(
       CheckFailed: the check found the bundle's step computing something else (the
         bundle is removed); an ``ExportError``.
     """
+    # The check's runtime process starts now and imports the runtime while the step is
+    # captured (``runtime_ahead``); a model on the meta device is not checked.
+    ahead = check_wanted(check) and isinstance(recipe, Recipe) and not _on_meta(recipe)
+    with runtime_ahead(ahead) as runtime:
+        return _export(
+            recipe,
+            path,
+            mlir_dir=mlir_dir,
+            progress=progress,
+            check=check,
+            ticker=ticker,
+            runtime=runtime,
+        )
+
+
+def _on_meta(recipe: Recipe) -> bool:
+    return any(t.is_meta for t in recipe.model.state_dict(keep_vars=True).values())
+
+
+def _export(
+    recipe: Recipe,
+    path: str | os.PathLike[str],
+    *,
+    mlir_dir: str | os.PathLike[str] | None,
+    progress: Callable[[str], None] | None,
+    check: bool | None,
+    ticker: Ticker | None,
+    runtime: RuntimeStep | None,
+) -> ExportReport:
+    """``export``'s body; ``runtime``: the check's runtime process, started ahead."""
     say = progress or (lambda _msg: None)
     tick = ticker or no_ticks
     times: dict[str, float] = {}
@@ -359,7 +395,7 @@ def export(
             "torch_xla BatchNorm ops to keep. Leave numerics at its default, or export "
             'with stepbundle.exporter.export for numerics="torch_xla".'
         )
-    on_meta = any(t.is_meta for t in recipe.model.state_dict(keep_vars=True).values())
+    on_meta = _on_meta(recipe)
     if on_meta and check:
         raise MetaTensorError(
             "check=True steps the recipe's model once eagerly, and its tensors are on the "
@@ -442,8 +478,9 @@ def export(
         # A step with random numbers: its draws replayed from the program's own lowering.
         replay = replaying(draws_of(train_bound[0][0].graph.gm))
         report.check = check_bundle(
-            recipe, report.path, report.manifest, random_reference=replay, say=say
-        )
+            recipe, report.path, report.manifest, random_reference=replay, say=say,
+            runtime=runtime,
+        )  # fmt: skip
         if callable(close):
             close()
         if not report.check.ran:

@@ -140,6 +140,73 @@ def test_the_check_is_on_by_default(
     assert report.check is None
 
 
+def _waiting_runtimes() -> list[int]:
+    """This process's children that are the check's runtime process started ahead
+    (``python -m stepbundle.cli.step_check --wait``), alive or not yet reaped."""
+    import os
+
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:  # it ended meanwhile
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid == os.getpid() and b"stepbundle.cli.step_check" in cmdline and b"--wait" in cmdline:
+            found.append(int(entry.name))
+    return found
+
+
+def test_the_runtime_process_starts_with_the_export_and_ends_with_it(
+    frontend: Any, tmp_path: Path
+) -> None:
+    """The check's runtime process is started before the step is traced (its start runs
+    while the export does) and ended when the export fails; an export without the check
+    starts none."""
+    if not Path("/proc/self/stat").exists():
+        pytest.skip("reads the process table from /proc")
+    seen: list[list[int]] = []
+
+    def failing(model: nn.Module, opt: torch.optim.Optimizer, batch: dict[str, Any]) -> Any:
+        seen.append(_waiting_runtimes())
+        raise RuntimeError("the step fails while it is traced")
+
+    recipe = _linear(frontend.adam)
+    recipe.step = failing
+    with pytest.raises(Exception, match="the step fails while it is traced"):
+        frontend.export(recipe, tmp_path / "b.stepbundle", check=True)
+    assert seen and len(seen[0]) == 1, seen  # there while the step was traced
+    assert _waiting_runtimes() == []  # and gone, reaped, once the export failed
+    seen.clear()
+    with pytest.raises(Exception, match="the step fails while it is traced"):
+        frontend.export(recipe, tmp_path / "c.stepbundle", check=False)
+    assert seen and seen[0] == [], seen
+    # A check that ran: the process waited for the bundle, then stepped it.
+    report = frontend.export(_linear(frontend.adam), tmp_path / "d.stepbundle", check=True)
+    assert report.check is not None and report.check.ran
+    assert report.check.runtime_parts["wait"] > 0.0
+    assert _waiting_runtimes() == []
+
+
+def test_the_waiting_runtime_process_ends_on_an_empty_input() -> None:
+    """An export that ends without handing it a bundle closes its input: it exits, and
+    writes nothing."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "stepbundle.cli.step_check", "--wait"],
+                          stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout == "" and done.stderr == ""
+    bad = subprocess.run([sys.executable, "-m", "stepbundle.cli.step_check"],
+                         capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert bad.returncode == 2 and "BUNDLE, BATCH and OUT" in bad.stderr
+
+
 def _dropping(path: Path, out: Path, state: str) -> Path:
     """The bundle at ``path``, its train program no longer writing ``state`` back (the
     new value becomes a metric nobody reads): the runtime leaves ``state`` as it was."""

@@ -130,9 +130,9 @@ SHARED: dict[str, dict[str, Any]] = {
     },
     "--no-bf16-products": {
         "action": "store_true",
-        "help": "on a TPU, compile the bundle's float32-out bf16 products as written, where "
-        "they are otherwise compiled bf16-out (the same bits on the chip, fewer relayouts; "
-        "docs/tpu.md)",
+        "help": "on one TPU, compile the bundle's float32-out bf16 products as written, where "
+        "they are otherwise compiled bf16-out (each product the same bits on a v5e, fewer "
+        "relayouts; docs/tpu.md)",
     },
     "--head-barriers": {
         "choices": ("auto", "on", "off"),

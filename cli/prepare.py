@@ -186,4 +186,10 @@ def _cmd_compile(args: RunConfig) -> int:
         )
         for note in info.head_barriers.values():  # the output head weighed (a TPU), or asked
             print(f"[compile] output head: {note}", file=sys.stderr)
+        for label, (n, w) in info.bf16_products.items():  # a TPU, one device
+            print(
+                f"[compile] {label}: {n} bf16 product{'s' if n != 1 else ''} compiled "
+                f"bf16-out ({w} weight gradient{'s' if w != 1 else ''} swapped)",
+                file=sys.stderr,
+            )
     return 1 if failed else 0

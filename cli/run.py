@@ -327,7 +327,7 @@ def _bf16_note(products: dict[str, tuple[int, int]]) -> str:
     if not products:
         return ""
     return ", bf16-out products: " + ", ".join(
-        f"{n} in {label} ({w} weight gradient{'s' if w != 1 else ''} swapped)"
+        f"{n} in {label}" + (f" ({w} weight gradient{'s' if w != 1 else ''} swapped)" if w else "")
         for label, (n, w) in products.items()
     )
 

@@ -72,6 +72,10 @@ class OfflineCompile:
         that program (``load_info.fused_attention``); 0 on other platforms.
       attention_kept: ``"train[i]"`` -> the attention that program kept unfused on a
         TPU, each with why (``load_info.attention_kept``); absent where none was.
+      head_barriers: ``"train[i]"`` -> what was done about the output head, in words
+        (``load_info.head_barriers``); absent where nothing was weighed or asked.
+      bf16_products: ``"train[i]"`` -> (products compiled bf16-out, of them weight
+        gradients swapped) (``load_info.bf16_products``); absent where none was.
     """
 
     placement: Placement
@@ -79,6 +83,8 @@ class OfflineCompile:
     refused: dict[str, str]
     fused_attention: dict[str, int]
     attention_kept: dict[str, list[str]] = dataclasses.field(default_factory=dict)
+    head_barriers: dict[str, str] = dataclasses.field(default_factory=dict)
+    bf16_products: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)
 
 
 def compile_offline(
@@ -125,6 +131,8 @@ def compile_offline(
     refused: dict[str, str] = {}
     fused: dict[str, int] = {}
     kept: dict[str, list[str]] = {}
+    heads: dict[str, str] = {}
+    narrow: dict[str, tuple[int, int]] = {}
     try:
         manifest = bundle.manifest
         wanted = _wanted_entries(manifest, opts)
@@ -165,6 +173,10 @@ def compile_offline(
                 fused[label] = compiled.fused_attention
                 if compiled.attention_kept:
                     kept[label] = list(compiled.attention_kept)
+                if compiled.head_choice:
+                    heads[label] = compiled.head_choice
+                if compiled.bf16_products:
+                    narrow[label] = (compiled.bf16_products, compiled.bf16_weight_gradients)
     finally:
         bundle.close()
-    return OfflineCompile(placement, executables, refused, fused, kept)
+    return OfflineCompile(placement, executables, refused, fused, kept, heads, narrow)

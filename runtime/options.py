@@ -125,14 +125,14 @@ class CompileOptions:
         True puts them in every program that has a head (eval entries too), on every
         platform (they change no value); False never. ``LoadInfo.head_barriers`` says what
         was done.
-      bf16_products: on a TPU, write a bf16 x bf16 product that the program computes
+      bf16_products: on one TPU, write a bf16 x bf16 product that the program computes
         float32-out and rounds to bf16 (the torch front-end's form of an autocast product)
         bf16-out, the weight gradients among them in torch_xla's operand order
-        (``stablehlo/bf16_products.py``): the same bits on the chip, and fewer relayouts
-        and float32 temporaries. False compiles the products as written. No effect on other
-        platforms (a CPU rounds a bf16-out product otherwise) or on programs that write
-        their products bf16-out already (torch_xla's). ``LoadInfo.bf16_products`` counts
-        them.
+        (``stablehlo/bf16_products.py``): each product the same bits on a v5e, and fewer
+        relayouts and float32 temporaries. False compiles the products as written. No
+        effect on other platforms (a CPU rounds a bf16-out product otherwise), over several
+        devices (the partial sums would be added in bf16), or on programs that write their
+        products bf16-out already (torch_xla's). ``LoadInfo.bf16_products`` counts them.
     """
 
     entries: tuple[str, ...] | None = None

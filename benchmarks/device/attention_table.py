@@ -505,10 +505,11 @@ VARIANTS = {
     "bf16-products-off": "CompileOptions(bf16_products=False): the bundle's float32-out bf16 "
     "products compiled as written (stablehlo/bf16_products.py)",
 }
-"""Experiments ``--extra STEM,fused,PRECISION,VARIANT`` loads a bundle under: each patches
-the runtime's rewrites for that one load only (without the load's own choices: no head
-barriers, no bf16-out products), but ``LOAD_OPTIONS``' (load options; the other rows load
-with the defaults)."""
+"""Experiments ``--extra STEM,fused,PRECISION,VARIANT`` loads a bundle under. Those in
+``LOAD_OPTIONS`` are load options (the load's other choices as by default); each of the
+others patches the runtime's rewrites for that one load only, without the load's own
+choices (no head barriers, no bf16-out products): compare it with a row loaded so
+(``bf16-products-off`` with ``head-barriers-off``), not only with the default row."""
 
 LOAD_OPTIONS: dict[str, dict[str, Any]] = {
     "head-barriers-on": {"head_barriers": True},

@@ -11,7 +11,7 @@ gradient summing 8,192 tokens, the MLP's down projection and its weight gradient
 which the two forms agree, each form's agreement with the exact product (numpy float64)
 rounded once to bf16 (to nearest, ties to even: ``ml_dtypes``), and each form's largest
 error against the exact product in bf16 units in the last place of the exact value, and
-mean absolute error. Writes one JSON row per product to OUT.json.
+mean absolute error. Writes them to OUT.json (``rows``, with the device and jax).
 
 Imports: jax, numpy, ml_dtypes.
 """
@@ -60,8 +60,14 @@ def main() -> int:
         }
         print(json.dumps(row))
         rows.append(row)
+    out = {
+        "script": "benchmarks/device/bf16_products_bits.py",
+        "device": str(jax.devices()[0].device_kind),
+        "jax": jax.__version__,
+        "rows": rows,
+    }
     with open(sys.argv[1], "w") as f:
-        json.dump(rows, f, indent=1)
+        json.dump(out, f, indent=1)
     return 0
 
 

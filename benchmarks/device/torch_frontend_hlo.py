@@ -29,7 +29,9 @@ sums), ``residual-barriers-forward`` on the forward's only), through the runtime
 ``compile_program`` (with every rewrite a TPU load makes but the load's own choices: no
 head barriers, no bf16-out products), to see what that difference costs before changing
 a lowering for it. ``compile --as-written`` compiles the bundles without the
-``bf16-products`` rewrite the runtime makes on a TPU (``CompileOptions.bf16_products``).
+``bf16-products`` rewrite the runtime makes on a TPU (``CompileOptions.bf16_products``);
+``compile --defaults`` as a load does by default (head barriers weighed, "auto"), and
+records what the load decided (``head_barriers``, ``bf16_products``).
 
 ``compare`` reads them. libtpu writes its cost model's ``estimated_cycles`` into the
 ``backend_config`` of every top-level operation it schedules; the sum, at the v5e's
@@ -406,7 +408,11 @@ def _compile_variant(path: str, variant: str, device: Any) -> tuple[Any, int, in
 
 # ---------------------------------------------------------------------------- compile
 def compile_bundles(
-    specs: list[str], dump: Path, variant: str | None = None, as_written: bool = False
+    specs: list[str],
+    dump: Path,
+    variant: str | None = None,
+    as_written: bool = False,
+    defaults: bool = False,
 ) -> None:
     os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
     from jax.experimental import topologies
@@ -420,10 +426,21 @@ def compile_bundles(
         name, path = spec.split("=", 1)
         extra: dict[str, Any] = {}
         if variant is None:
-            # not the load's choice of head barriers (runtime/compile/head_choice.py)
-            options = CompileOptions(head_barriers=False, bf16_products=not as_written)
+            # not the load's choice of head barriers (runtime/compile/head_choice.py),
+            # but with --defaults
+            options = CompileOptions(
+                head_barriers="auto" if defaults else False, bf16_products=not as_written
+            )
             out = compile_offline(path, [device], LoadOptions(compile=options))
             exe, fused = out.executables["train[0]"], out.fused_attention
+            extra = {
+                "options": {
+                    "head_barriers": options.head_barriers,
+                    "bf16_products": not as_written,
+                },
+                "head_barriers": out.head_barriers,
+                "bf16_products": out.bf16_products,
+            }
         else:
             exe, n, changed = _compile_variant(path, variant, device)
             fused = {"train[0]": n}
@@ -488,6 +505,8 @@ def main() -> int:
     c.add_argument("--dump", type=Path, required=True)
     c.add_argument("--variant", choices=sorted(VARIANTS), default=None,
                    help="an experiment: the program's text changed so before compiling")  # fmt: skip
+    c.add_argument("--defaults", action="store_true",
+                   help="as a load compiles it by default: head barriers weighed ('auto')")  # fmt: skip
     c.add_argument("--as-written", action="store_true",
                    help="without the runtime's bf16-products rewrite (CompileOptions.bf16_products)")  # fmt: skip
     k = sub.add_parser("compare")
@@ -497,7 +516,7 @@ def main() -> int:
     k.add_argument("--out", type=Path, default=RESULTS)
     a = p.parse_args()
     if a.cmd == "compile":
-        compile_bundles(a.bundles, a.dump, a.variant, a.as_written)
+        compile_bundles(a.bundles, a.dump, a.variant, a.as_written, a.defaults)
     else:
         compare(a.names, a.dump, a.label, a.out)
     return 0

@@ -194,12 +194,14 @@ def bf16_products(stage: Stage, ctx: RewriteContext) -> Stage:
     bf16 (the torch front-end's form of an autocast product: PyTorch's CPU accumulates
     in float32 and rounds once) as a bf16-out product (torch_xla's form), and the weight
     gradients among them, ``g.t() @ x``, as ``(x.t() @ g).t()``
-    (``stablehlo/bf16_products.py``). The same bits on a v5e's matrix unit; fewer
-    relayouts and float32 temporaries (docs/tpu.md). A product with a bias added in
-    float32 before the rounding is left as written. Not on a CPU, whose bf16-out product
-    rounds otherwise. Runs after ``fused-attention``, whose matchers read the program as
-    the front-end wrote it, and before ``head-barriers``."""
-    if ctx.platform != "tpu" or not ctx.bf16_products:
+    (``stablehlo/bf16_products.py``). The same bits for each product on a v5e's matrix
+    unit (measured there only); fewer relayouts and float32 temporaries (docs/tpu.md). A
+    product with a bias added in float32 before the rounding is left as written. Not on a
+    CPU, whose bf16-out product rounds otherwise, and not over several devices: there the
+    partitioner would sum a product's partial sums after it, in bf16 where the product is
+    bf16-out (not measured). Runs after ``fused-attention``, whose matchers read the
+    program as the front-end wrote it, and before ``head-barriers``."""
+    if ctx.platform != "tpu" or not ctx.bf16_products or ctx.placement.partitioned:
         return stage
     try:
         if not count_bf16_products(stage.module):

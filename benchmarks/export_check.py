@@ -12,6 +12,12 @@ environment has one front-end; earlier figures live in git). Usage:
     .venv/bin/python benchmarks/export_check.py                # torch_xla
     .venv-torch/bin/python benchmarks/export_check.py          # torch
 
+The children run with bytecode caches, as an installed package has them (pip compiles
+at install): this machine's sessions set ``PYTHONDONTWRITEBYTECODE=1``, under which every
+fresh process compiles jax's sources again (about 1.2 s of processor time for the
+check's runtime process, 2.3 s with it); here ``PYTHONPYCACHEPREFIX`` points at the work
+folder and a first process fills it before any row.
+
 Each environment runs the front-ends it has: ``.venv`` the torch_xla front-end
 (``stepbundle.exporter``), ``.venv-torch`` the torch front-end
 (``stepbundle.export_torch``). ``--models resnet18 gpt2`` picks models.
@@ -151,9 +157,9 @@ def run_child(bundle: str) -> None:
                       "compile_s": compile_s, "hits": hits}))  # fmt: skip
 
 
-def _run_after(bundle: str, cache: str) -> dict[str, Any]:
+def _run_after(bundle: str, cache: str, env: dict[str, str]) -> dict[str, Any]:
     """``run_child`` in a fresh process, with ``cache`` as its compile cache."""
-    env = {**os.environ, "STEPBUNDLE_CACHE_DIR": cache, "JAX_PLATFORMS": "cpu"}
+    env = {**env, "STEPBUNDLE_CACHE_DIR": cache, "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run([sys.executable, __file__, "--run-child", bundle],
                           capture_output=True, text=True, env=env)  # fmt: skip
     if proc.returncode != 0:
@@ -180,8 +186,9 @@ def _commit() -> str:
 
 
 def _parts(got: dict[str, Any]) -> str:
-    """The runtime process's wall seconds by part: start (process and imports), compile,
-    state (read, verified, placed), step, write."""
+    """The runtime process's wall seconds by part from the bundle handed to it: start
+    (what of the process's start and imports the export did not hide), compile, state
+    (read, verified, placed), step, write."""
     p = got["runtime_parts_s"]
     start = got["runtime_s"] - p["load"] - p["step"] - p["write"]
     return " / ".join(
@@ -228,31 +235,44 @@ def main() -> None:
         return
     work = Path("/tmp/stepbundle-export-check")
     work.mkdir(exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    env["PYTHONPYCACHEPREFIX"] = str(work / "pycache")
+    frontends = _frontends()
+    # The bytecode of what the rows' processes import, compiled once before any row.
+    imports = ["jax", "stepbundle.cli.step_check", "stepbundle.runtime", "torchvision",
+               "transformers.models.gpt2.modeling_gpt2", "safetensors.torch"]  # fmt: skip
+    if "torch_xla" in frontends:
+        imports += ["torch_xla", "stepbundle.exporter"]
+    else:
+        imports += ["torch._dynamo", "torch.export", "stepbundle.export_torch"]
+    subprocess.run([sys.executable, "-c", "; ".join(f"import {m}" for m in imports)],
+                   check=True, env={**env, "JAX_PLATFORMS": "cpu", "PJRT_DEVICE": "CPU"})  # fmt: skip
     rows: list[str] = []
-    for frontend in _frontends():
+    for frontend in frontends:
         for name in args.models:
             out = str(work / f"{name}-{frontend}.stepbundle")
             # A compile cache of the row's own: the check fills it, a run after it reads it.
             cache = work / f"{name}-{frontend}.cache"
             subprocess.run(["rm", "-rf", str(cache), str(cache) + "-cold"], check=True)
             load = os.getloadavg()[0]
+            flags = f"`{os.environ['XLA_FLAGS']}`" if os.environ.get("XLA_FLAGS") else ""
             proc = subprocess.run(
                 [sys.executable, __file__, "--child", name, frontend, out],
                 capture_output=True,
                 text=True,
-                env={**os.environ, "STEPBUNDLE_CACHE_DIR": str(cache)},
+                env={**env, "STEPBUNDLE_CACHE_DIR": str(cache)},
             )
             if proc.returncode != 0:  # e.g. killed for memory (-9): said in the row
                 print(f"{name} on {frontend} failed:\n{proc.stderr[-4000:]}", flush=True)
                 rows.append(
                     f"| {name} | {frontend} | failed: exit code {proc.returncode} "
-                    f"| | | | | | | | | | | | | | | {_commit()} | {load:.1f} |"
+                    f"| | | | | | | | | | | | | | | {_commit()} | {load:.1f} | {flags} |"
                 )
             else:
                 got = json.loads(proc.stdout.strip().splitlines()[-1])
                 print(name, frontend, json.dumps(got), flush=True)
-                warm = _run_after(out, str(cache))  # the cache as the check left it
-                cold = _run_after(out, str(cache) + "-cold")  # an empty one: no check before
+                warm = _run_after(out, str(cache), env)  # the cache as the check left it
+                cold = _run_after(out, str(cache) + "-cold", env)  # empty: no check before
                 print("run after", json.dumps(warm), "without", json.dumps(cold), flush=True)
                 ratio = got["check_cpu_s"] / got["export_cpu_s"]
                 net = got["check_cpu_s"] + warm["cpu_s"] - cold["cpu_s"]
@@ -267,7 +287,7 @@ def main() -> None:
                     f"| {_parts(got)} | {_cpu_parts(got)} | {closest} "
                     f"| {warm['cpu_s']:.1f} s ({warm['hits']} hit) / {cold['cpu_s']:.1f} s "
                     f"| {net:.1f} s ({net / got['export_cpu_s']:.2f}) "
-                    f"| {net_wall:.1f} s | {_commit()} | {load:.1f} |"
+                    f"| {net_wall:.1f} s | {_commit()} | {load:.1f} | {flags} |"
                 )
             _write(rows)
 
@@ -286,10 +306,18 @@ def _write(rows: list[str]) -> None:
         "process and its children. 'check/export': the check's processor time over the",
         "export's. 'runtime, cpu': the runtime's process (python -m stepbundle.cli.step_check);",
         "'eager, cpu': the eager step(s) in the exporting process (float32, and float64 where",
-        "a tensor needed the arbiter). 'runtime parts': its wall seconds for start (process",
-        "and imports) / compile / state (read, SHA-256, placed) / step / write; 'runtime parts,",
-        "cpu': its processor seconds for start / load (compile and state) / step / write.",
-        "'load': the machine's 1-minute load average when the row's export began (2 cores).",
+        "a tensor needed the arbiter). 'runtime parts': its wall seconds from the bundle handed",
+        "to it, for start (what of the process's start and imports the export did not hide:",
+        "the front-ends start it before they trace) / compile / state (read, SHA-256, placed) /",
+        "step / write; 'runtime parts, cpu': its processor seconds for start / load (compile",
+        "and state) / step / write. Python's bytecode is cached for the rows' processes, as",
+        "in an installed package (this machine's sessions set PYTHONDONTWRITEBYTECODE=1).",
+        "'load': the machine's 1-minute load average when the row's export began (2 cores);",
+        "'XLA_FLAGS': the environment's, where the run set any (the runtime's process adds",
+        "its own on jaxlib 0.7.1: cli/step_check.py). Since 2026-12-07 10:15 UTC the machine",
+        "is a Zen 4 host with AVX-512, on which XLA's CPU code gets a resnet18 gradient wrong",
+        "and the check refuses the bundle (export_check_choices.md, fifth round): its rows cap",
+        "the ISA XLA compiles for.",
         "The export's processor time moves with it (GPT-2's torch export took 44.3 s of",
         "processor time at load 1-8 and 55.1 s at load 7.4 on 2026-12-07), so the ratios are",
         "rough. Without a cache entry (the torch_xla rows, jaxlib 0.7.1) the two later runs",
@@ -307,8 +335,9 @@ def _write(rows: list[str]) -> None:
         "| runtime process, wall | eager, wall | check, cpu | check/export (cpu) "
         "| runtime, cpu | eager, cpu | runtime parts, wall | runtime parts, cpu "
         "| closest to its bound "
-        "| run after, cpu: warm / cold | net check, cpu | net check, wall | commit | load |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| run after, cpu: warm / cold | net check, cpu | net check, wall | commit | load "
+        "| XLA_FLAGS |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         *sorted(kept + rows),
     ]
     RESULTS.write_text("\n".join(lines) + "\n")

@@ -65,7 +65,10 @@ PROTOCOL_BUILTINS = {
 # Builtins raised where the package itself catches them and raises its own error (or
 # ends the command with its exit code): file -> the builtins, and why.
 CAUGHT_INSIDE = {
-    "runtime/data/dataset.py": ({"ValueError"}, "numpy's own header errors, one DataError"),
+    "runtime/data/shard_file.py": (
+        {"ValueError"},
+        "read_npy_header's, as numpy's own header errors: dataset.py's and tokens.py's open, one DataError",
+    ),
     "frontend_torch/graph.py": ({"ValueError"}, "frontend_torch/capture.py: an ExportError"),
     "cli/outputs.py": ({"OSError"}, "the CLI's exit code 2"),
     "cli/record_file.py": ({"OSError"}, "a SinkError (a DataError) in the same module"),

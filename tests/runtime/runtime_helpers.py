@@ -5,6 +5,7 @@ No torch here: these tests also run in the lean environment.
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 from pathlib import Path
@@ -32,6 +33,22 @@ GOLDEN_ROOT = Path(__file__).resolve().parent.parent / "golden"
 tests/golden/make_golden.py when that version is made, never regenerated."""
 
 _GOLDEN_FOLDER = re.compile(r"v(\d+)\.(\d+)\Z")
+
+
+def drain_terminal(controller: int) -> bytes:
+    """Everything a child wrote to the pseudo-terminal whose controller end this is, up
+    to the child closing it; closes the controller."""
+    received = b""
+    while True:
+        try:
+            chunk = os.read(controller, 4096)
+        except OSError:  # the child closed the terminal (EIO)
+            break
+        if not chunk:
+            break
+        received += chunk
+    os.close(controller)
+    return received
 
 
 def golden_folder_name(version: tuple[int, int]) -> str:

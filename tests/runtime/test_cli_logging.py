@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from runtime_helpers import GOLDEN_DIR, cli_here, golden_batches, golden_bundle
+from runtime_helpers import GOLDEN_DIR, cli_here, drain_terminal, golden_batches, golden_bundle
 
 from stepbundle.cli.main import main
 from stepbundle.cli.progress import ProgressBar
@@ -218,16 +218,7 @@ def test_the_cli_draws_a_bar_on_a_terminal() -> None:
         stderr=terminal,
     )
     os.close(terminal)
-    received = b""
-    while True:
-        try:
-            chunk = os.read(controller, 4096)
-        except OSError:  # the child closed the terminal (EIO)
-            break
-        if not chunk:
-            break
-        received += chunk
-    os.close(controller)
+    received = drain_terminal(controller)
     assert proc.stdout is not None
     stdout = proc.stdout.read().decode()
     assert proc.wait(timeout=300) == 0

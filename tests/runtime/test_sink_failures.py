@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from runtime_helpers import GOLDEN_DIR, golden_bundle
+from runtime_helpers import GOLDEN_DIR, drain_terminal, golden_bundle
 
 BUNDLE = str(golden_bundle("batchnorm_lr"))
 DATA = str(GOLDEN_DIR / "batchnorm_lr.inputs.npz")
@@ -205,16 +205,7 @@ def _on_a_terminal(argv: list[str]) -> tuple[int, list[str]]:
     proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                             stderr=terminal)  # fmt: skip
     os.close(terminal)
-    received = b""
-    while True:
-        try:
-            chunk = os.read(controller, 4096)
-        except OSError:  # the child closed the terminal (EIO)
-            break
-        if not chunk:
-            break
-        received += chunk
-    os.close(controller)
+    received = drain_terminal(controller)
     return proc.wait(timeout=300), screen(received.decode().replace("\r\n", "\n"))
 
 

@@ -66,6 +66,7 @@ def _cmd_eval(args: RunConfig) -> int:
             matmul_precision=args.matmul_precision,
             fused_attention=not args.no_fused_attention,
             bf16_products=not args.no_bf16_products,
+            regather_weights=not args.no_regather_weights,
             head_barriers=head_barriers(args),
         )
         options = LoadOptions(

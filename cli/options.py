@@ -134,6 +134,12 @@ SHARED: dict[str, dict[str, Any]] = {
         "they are otherwise compiled bf16-out (each product the same bits on a v5e, fewer "
         "relayouts; docs/tpu.md)",
     },
+    "--no-regather-weights": {
+        "action": "store_true",
+        "help": "under --layout fsdp or fsdp+tp, gather each split weight once for all its "
+        "products, where it is otherwise gathered again for the backward pass (the same "
+        "values; docs/parallel.md)",
+    },
     "--head-barriers": {
         "choices": ("auto", "on", "off"),
         "default": "auto",
@@ -180,6 +186,7 @@ def add_device_options(parser: Any) -> None:
         "--no-cache",
         "--no-fused-attention",
         "--no-bf16-products",
+        "--no-regather-weights",
         "--head-barriers",
     )
 

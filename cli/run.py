@@ -272,6 +272,7 @@ def _open_trainer(args: RunConfig) -> Trainer:
             matmul_precision=args.matmul_precision,
             fused_attention=not args.no_fused_attention,
             bf16_products=not args.no_bf16_products,
+            regather_weights=not args.no_regather_weights,
             head_barriers=head_barriers(args),
         ),
         state=state_options(args),
@@ -337,7 +338,11 @@ def _layout_note(info: LoadInfo) -> str:
     from .summary import nbytes
 
     mesh = " x ".join(f"{axis} {size}" for axis, size in info.mesh.items())
-    return f"layout {info.layout}, mesh {mesh}, {nbytes(info.state_bytes_per_device)} of state per device"
+    regathered = sum(info.regathered_products.values())
+    return (
+        f"layout {info.layout}, mesh {mesh}, {nbytes(info.state_bytes_per_device)} of state per "
+        "device" + (f", weights gathered again for {regathered} products" if regathered else "")
+    )
 
 
 def report_load(args: RunConfig, trainer: Trainer, load_s: float, tag: str = "run") -> None:

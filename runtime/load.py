@@ -146,6 +146,7 @@ def load(
                 None if opts.compile.head_barriers == "auto" else bool(opts.compile.head_barriers)
             ),
             bf16_products=opts.compile.bf16_products,
+            regather_weights=opts.compile.regather_weights,
         )
         compiled: dict[str, list[CompiledProgram | RefusedPlan]] = {}
         stacked: dict[int, CompiledProgram] = {}  # the train programs behind a loop of K steps
@@ -172,6 +173,12 @@ def load(
             for name, progs in compiled.items()
             for i, p in enumerate(progs)
             if isinstance(p, CompiledProgram) and p.bf16_products
+        }
+        info.regathered_products = {
+            f"{name}[{i}]": p.regathered_products
+            for name, progs in compiled.items()
+            for i, p in enumerate(progs)
+            if isinstance(p, CompiledProgram) and p.regathered_products
         }
         info.attention_kept = {
             f"{name}[{i}]": list(p.attention_kept)
@@ -442,6 +449,7 @@ class _Compiler:
     head_barriers: bool | None  # None: weighed on a TPU (compile_program)
     initial: Callable[[str], np.ndarray[Any, Any] | None] | None  # state values as loaded
     bf16_products: bool = True  # on a TPU (rewrites.bf16_products)
+    regather_weights: bool = True  # under fsdp and fsdp+tp (rewrites.regather_weights)
 
     def entry(
         self, bundle: codec.Bundle, name: str, k: int, stacked: dict[int, CompiledProgram]
@@ -520,6 +528,7 @@ class _Compiler:
                 self._head_barriers(updates_state) if head_barriers == "weigh" else head_barriers
             ),
             bf16_products=self.bf16_products,
+            regather_weights=self.regather_weights,
         )
 
 

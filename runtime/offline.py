@@ -76,6 +76,8 @@ class OfflineCompile:
         (``load_info.head_barriers``); absent where nothing was weighed or asked.
       bf16_products: ``"train[i]"`` -> (products compiled bf16-out, of them weight
         gradients swapped) (``load_info.bf16_products``); absent where none was.
+      regathered_products: ``"train[i]"`` -> products reading a re-gathered weight
+        (``load_info.regathered_products``); absent where none was.
     """
 
     placement: Placement
@@ -85,6 +87,7 @@ class OfflineCompile:
     attention_kept: dict[str, list[str]] = dataclasses.field(default_factory=dict)
     head_barriers: dict[str, str] = dataclasses.field(default_factory=dict)
     bf16_products: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)
+    regathered_products: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 def compile_offline(
@@ -133,6 +136,7 @@ def compile_offline(
     kept: dict[str, list[str]] = {}
     heads: dict[str, str] = {}
     narrow: dict[str, tuple[int, int]] = {}
+    regathered: dict[str, int] = {}
     try:
         manifest = bundle.manifest
         wanted = _wanted_entries(manifest, opts)
@@ -149,6 +153,7 @@ def compile_offline(
                 None if opts.compile.head_barriers == "auto" else bool(opts.compile.head_barriers)
             ),
             bf16_products=opts.compile.bf16_products,
+            regather_weights=opts.compile.regather_weights,
             initial=None,  # no state is read: masks are not evaluated (as compile_only)
         )
         for name in wanted:
@@ -177,6 +182,8 @@ def compile_offline(
                     heads[label] = compiled.head_choice
                 if compiled.bf16_products:
                     narrow[label] = (compiled.bf16_products, compiled.bf16_weight_gradients)
+                if compiled.regathered_products:
+                    regathered[label] = compiled.regathered_products
     finally:
         bundle.close()
-    return OfflineCompile(placement, executables, refused, fused, kept, heads, narrow)
+    return OfflineCompile(placement, executables, refused, fused, kept, heads, narrow, regathered)

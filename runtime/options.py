@@ -133,6 +133,13 @@ class CompileOptions:
         effect on other platforms (a CPU rounds a bf16-out product otherwise), over several
         devices (the partial sums would be added in bf16), or on programs that write their
         products bf16-out already (torch_xla's). ``LoadInfo.bf16_products`` counts them.
+      regather_weights: under a layout that splits parameters over the data axis
+        (``fsdp``, ``fsdp+tp``), each product of such a parameter after its first reads its
+        own copy behind an optimization barrier, so the partitioner gathers the weight
+        again for the backward pass (``stablehlo/regather.py``): the same values; the 8B
+        of docs/parallel.md fits a v5e-64 and -256 with it, and a 1.1B on a v5e-8 needed
+        more memory with it (not measured side by side). False compiles the program as
+        written. ``LoadInfo.regathered_products`` counts the products.
     """
 
     entries: tuple[str, ...] | None = None
@@ -145,6 +152,7 @@ class CompileOptions:
     keep_freed_memory: bool | Literal["auto"] = "auto"
     head_barriers: bool | Literal["auto"] = "auto"
     bf16_products: bool = True
+    regather_weights: bool = True
 
     def __post_init__(self) -> None:
         entries: object = self.entries
@@ -193,7 +201,7 @@ class CompileOptions:
                 f"{self.cadences!r}."
             )
         object.__setattr__(self, "cadences", tuple(cadences))
-        _flags(self, "compile_only", "fused_attention", "bf16_products")
+        _flags(self, "compile_only", "fused_attention", "bf16_products", "regather_weights")
         if not (isinstance(self.keep_freed_memory, bool) or self.keep_freed_memory == "auto"):
             raise UsageError(
                 f'keep_freed_memory must be True, False or "auto", got {self.keep_freed_memory!r}.'
@@ -394,6 +402,7 @@ class LoadOptions:
         keep_freed_memory: bool | Literal["auto"] = "auto",
         head_barriers: bool | Literal["auto"] = "auto",
         bf16_products: bool = True,
+        regather_weights: bool = True,
     ) -> LoadOptions:
         """The options from flat names: each is the field of that name in its record
         (same defaults; ``entry`` is ``CompileOptions.entries``)."""
@@ -411,6 +420,7 @@ class LoadOptions:
                 keep_freed_memory=keep_freed_memory,
                 head_barriers=head_barriers,
                 bf16_products=bf16_products,
+                regather_weights=regather_weights,
             ),
             state=StateOptions(init_from=init_from, init_strict=init_strict, pack_state=pack_state),
             safety=SafetyOptions(

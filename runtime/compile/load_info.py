@@ -52,6 +52,9 @@ class LoadInfo:
       bf16_products: per compiled program, (products compiled bf16-out, of them weight
         gradients in torch_xla's operand order) on a TPU (``CompileOptions.bf16_products``,
         ``stablehlo/bf16_products.py``); empty for none.
+      regathered_products: per compiled program, the products that read a split
+        parameter re-gathered behind a barrier (fsdp, fsdp+tp;
+        ``CompileOptions.regather_weights``, ``stablehlo/regather.py``); empty for none.
       kept_freed_memory: whether glibc's allocator was told to keep freed memory
         before compiling (on a TPU; ``CompileOptions.keep_freed_memory``,
         ``runtime/compile/allocator.py``).
@@ -91,6 +94,7 @@ class LoadInfo:
     attention_kept: dict[str, list[str]] = field(default_factory=dict)
     head_barriers: dict[str, str] = field(default_factory=dict)
     bf16_products: dict[str, tuple[int, int]] = field(default_factory=dict)
+    regathered_products: dict[str, int] = field(default_factory=dict)
     kept_freed_memory: bool = False
     allocator: str = ""
     auto_steps: str = ""

@@ -51,6 +51,9 @@ class CompiledProgram:
     head_choice: str = ""  # what was compared and kept, in words ("" where nothing was)
     bf16_products: int = 0  # products compiled bf16-out (rewrites.bf16_products)
     bf16_weight_gradients: int = 0  # of them, weight gradients in torch_xla's operand order
+    regathered_products: int = (
+        0  # products reading a re-gathered weight (rewrites.regather_weights)
+    )
 
     @property
     def cache_hit(self) -> bool:
@@ -75,6 +78,7 @@ def compile_program(
     state_values: StateValues | None = None,
     head_barriers: bool | None = None,
     bf16_products: bool = True,
+    regather_weights: bool = True,
 ) -> CompiledProgram:
     """Check, rewrite and compile ``program`` for ``placement``'s devices.
 
@@ -111,6 +115,9 @@ def compile_program(
         (``CompiledProgram.head_choice`` says what was compared).
       bf16_products: on a TPU, compile bf16 products rounded at once bf16-out
         (``rewrites.bf16_products``); ``CompiledProgram.bf16_products`` counts them.
+      regather_weights: under fsdp and fsdp+tp, re-gather split weights for their later
+        products (``rewrites.regather_weights``); ``CompiledProgram.regathered_products``
+        counts them.
     """
     platform = str(client.platform)
     # As accurate as PyTorch's CPU kernels: long sums in blocks, YNNPACK's fusions off.
@@ -134,6 +141,7 @@ def compile_program(
             blocked_sums=numerics is not None and numerics.blocked_sums,
             head_barriers=barriers,
             bf16_products=bf16_products,
+            regather_weights=regather_weights,
         )
         stage = apply_rewrites(Stage(module, program), ctx)
         exe, event = cache.compile(label + tag, client, stage.module.bytecode(), devices, options)
@@ -169,6 +177,7 @@ def compile_program(
         head_choice=choice,
         bf16_products=ctx.notes.get("bf16_products", 0),
         bf16_weight_gradients=ctx.notes.get("bf16_weight_gradients", 0),
+        regathered_products=ctx.notes.get("regathered_products", 0),
     )
 
 

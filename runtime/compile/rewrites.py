@@ -222,9 +222,13 @@ def regather_weights(stage: Stage, ctx: RewriteContext) -> Stage:
     gathers the weight again for the backward pass instead of keeping the forward's
     gathered copy alive until then (#41: a layer's bf16 weights, 0.44 GB for Llama 3
     8B's, on every chip). Identity on values. Nothing on one device or under ``dp`` and
-    ``zero1``, which split no parameter over the data axis."""
+    ``zero1``, which split no parameter over the data axis, or with
+    ``regather_weights=False``. A failure keeps the program as written (it only needs
+    more memory), with a warning."""
     plan = ctx.placement.plan
-    if plan is None or plan.layout.data != DataSplit.FSDP or plan.data < 2:
+    if not ctx.regather_weights or plan is None:
+        return stage
+    if plan.layout.data != DataSplit.FSDP or plan.data < 2:
         return stage
     split = {name for name, dims in plan.dims.items() if DATA in dims}
     args = [
@@ -232,9 +236,15 @@ def regather_weights(stage: Stage, ctx: RewriteContext) -> Stage:
         for i, row in enumerate(stage.program.inputs)
         if isinstance(row, StateInput) and row.name in split
     ]
-    if args:
-        ctx.notes["regathered_products"] = rewrite_regathers(stage.module, args)
-    return stage
+    if not args:
+        return stage
+    try:
+        copy = mlir.Module.parse_text(stage.module, stage.module.text())
+        ctx.notes["regathered_products"] = rewrite_regathers(copy, args)
+    except Exception as e:  # any failure keeps the program as it is: it only needs more memory
+        warn_once("regather-weights", f"stepbundle kept a program's weights gathered once: {e}")
+        return stage
+    return Stage(copy, stage.program)
 
 
 def fuse_attention(

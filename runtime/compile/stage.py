@@ -41,6 +41,8 @@ class RewriteContext:
         (``head_choice.py``).
       bf16_products: on a TPU, write float32-out bf16 products that are rounded to bf16
         at once bf16-out (``stablehlo/bf16_products.py``).
+      regather_weights: under fsdp and fsdp+tp, give a split parameter's later products
+        their own copy behind a barrier (``stablehlo/regather.py``).
       scalar_constants: @main's scalar constant arguments (argument number -> value,
         from the bundle's constant sections): an attention mask's fill value is one.
       state_values: the state arguments the step never writes, as loaded
@@ -64,6 +66,7 @@ class RewriteContext:
     blocked_sums: bool = True
     head_barriers: bool = False
     bf16_products: bool = True
+    regather_weights: bool = True
     scalar_constants: Mapping[int, float] = field(default_factory=dict)
     state_values: StateValues = field(default_factory=dict)
     notes: dict[str, int] = field(default_factory=dict)

@@ -171,20 +171,20 @@ def test_fsdp_looks_rows_up_where_the_table_lives(layouts_on_four: Any) -> None:
 
 @pytest.mark.parametrize("layout", ["fsdp", "fsdp+tp"])
 def test_regathering_the_weights_for_the_backward_changes_no_bit(
-    layout: str, layouts_on_four: Any, monkeypatch: pytest.MonkeyPatch
+    layout: str, layouts_on_four: Any
 ) -> None:
     """#41: under a layout that splits the parameters over the data axis, each product
     of a parameter after its first reads its own copy behind a barrier (the
     ``regather-weights`` rewrite, ``tests/runtime/test_regather.py``), so that the
-    partitioner gathers the weight again for the backward pass. A barrier is the
-    identity: the run without the rewrite ends on the same bits."""
-    from stepbundle.runtime.compile import rewrites
-
-    kept = tuple(r for r in rewrites.REWRITES if r[0] != "regather-weights")
-    assert len(kept) == len(rewrites.REWRITES) - 1
-    monkeypatch.setattr(rewrites, "REWRITES", kept)
-    without, losses_without = _run(GPT, _gpt_batches(), devices=4, layout=layout)
+    partitioner gathers the weight again for the backward pass. The load ran it and says
+    so; a barrier is the identity: the run without it (``regather_weights=False``) ends
+    on the same bits."""
+    without, losses_without = _run(
+        GPT, _gpt_batches(), devices=4, layout=layout, regather_weights=False
+    )
     trainer, losses = layouts_on_four[layout]
+    assert trainer.load_info.regathered_products.get("train[0]", 0) > 0
+    assert without.load_info.regathered_products == {}
     assert np.array_equal(losses, losses_without)
     state, ref = trainer.state_dict(), without.state_dict()
     for k, v in ref.items():

@@ -194,11 +194,12 @@ def test_eval_takes_the_digest_pin_and_the_load_options_run_takes(
         ["--expect-digest", digest],
         ["--matmul-precision", "highest"],
         ["--pack-state", "0"],
-        ["--no-bf16-products"],
+        ["--no-bf16-products", "--no-regather-weights"],
     ):
         code, line = _command(capsys, *evaluate, *extra)
         assert code == 0, (extra, line)
     pinned, precise, unpacked, as_written = seen
+    assert as_written.compile.regather_weights is False and pinned.compile.regather_weights
     assert pinned.safety.expect_digest == digest
     assert precise.compile.matmul_precision == "highest"
     assert unpacked.state.pack_state == 0

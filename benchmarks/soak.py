@@ -239,7 +239,7 @@ def soak_sampled(
         seconds = time.perf_counter() - t0
         mem_end = memory_kb()
         position = loader.state()
-        dataset_bytes = sum(int(a.nbytes) for maps in ds.arrays.values() for a in maps)
+        dataset_bytes = sum(f.size - f.offset for files in ds.files.values() for f in files)
         step_count = trainer.step_count
         del trainer, loader, feed, ds, last
     samples = table[: taken[0]].tolist()

@@ -338,11 +338,7 @@ def _layout_note(info: LoadInfo) -> str:
     from .summary import nbytes
 
     mesh = " x ".join(f"{axis} {size}" for axis, size in info.mesh.items())
-    regathered = sum(info.regathered_products.values())
-    return (
-        f"layout {info.layout}, mesh {mesh}, {nbytes(info.state_bytes_per_device)} of state per "
-        "device" + (f", weights gathered again for {regathered} products" if regathered else "")
-    )
+    return f"layout {info.layout}, mesh {mesh}, {nbytes(info.state_bytes_per_device)} of state per device"
 
 
 def report_load(args: RunConfig, trainer: Trainer, load_s: float, tag: str = "run") -> None:

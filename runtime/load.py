@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -156,36 +156,14 @@ def load(
             )
         cache.warn(stacklevel=2)  # load()'s caller
         info.cache, info.cache_hits, info.compiled = cache.events, cache.hits, cache.compiled
-        info.fused_attention = {
-            f"{name}[{i}]": p.fused_attention
-            for name, progs in compiled.items()
-            for i, p in enumerate(progs)
-            if isinstance(p, CompiledProgram) and p.fused_attention
-        }
-        info.head_barriers = {
-            f"{name}[{i}]": p.head_choice
-            for name, progs in compiled.items()
-            for i, p in enumerate(progs)
-            if isinstance(p, CompiledProgram) and p.head_choice
-        }
-        info.bf16_products = {
-            f"{name}[{i}]": (p.bf16_products, p.bf16_weight_gradients)
-            for name, progs in compiled.items()
-            for i, p in enumerate(progs)
-            if isinstance(p, CompiledProgram) and p.bf16_products
-        }
-        info.regathered_products = {
-            f"{name}[{i}]": p.regathered_products
-            for name, progs in compiled.items()
-            for i, p in enumerate(progs)
-            if isinstance(p, CompiledProgram) and p.regathered_products
-        }
-        info.attention_kept = {
-            f"{name}[{i}]": list(p.attention_kept)
-            for name, progs in compiled.items()
-            for i, p in enumerate(progs)
-            if isinstance(p, CompiledProgram) and p.attention_kept
-        }
+        info.fused_attention = _per_program(compiled, lambda p: p.fused_attention)
+        info.head_barriers = _per_program(compiled, lambda p: p.head_choice)
+        info.bf16_products = _per_program(
+            compiled,
+            lambda p: (p.bf16_products, p.bf16_weight_gradients) if p.bf16_products else (),
+        )
+        info.regathered_products = _per_program(compiled, lambda p: p.regathered_products)
+        info.attention_kept = _per_program(compiled, lambda p: list(p.attention_kept))
         pins = _mask_pins(compiled, compiler.initial)
         info.seconds["compile"] = time.perf_counter() - t1
 
@@ -530,6 +508,20 @@ class _Compiler:
             bf16_products=self.bf16_products,
             regather_weights=self.regather_weights,
         )
+
+
+def _per_program(
+    compiled: Mapping[str, list[CompiledProgram | RefusedPlan]],
+    fact: Callable[[CompiledProgram], Any],
+) -> dict[str, Any]:
+    """``"entry[i]"`` -> ``fact`` of each compiled program, where it is not empty (the
+    ``LoadInfo`` fields that are said per program)."""
+    return {
+        f"{name}[{i}]": value
+        for name, progs in compiled.items()
+        for i, p in enumerate(progs)
+        if isinstance(p, CompiledProgram) and (value := fact(p))
+    }
 
 
 def _scalar_constants(bundle: codec.Bundle, program: Program) -> dict[int, float]:

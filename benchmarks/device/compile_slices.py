@@ -24,10 +24,14 @@ of all-gather, reduce-scatter, all-reduce, all-to-all and collective-permute, co
 async ``-start`` once, and the bytes of their results). A compile libtpu refuses (a
 program that does not fit the chip's memory is refused at compile time) is recorded with
 libtpu's own message. Each compile runs in a child process whose resident memory is
-watched (``--max-gb``: killed past it, and recorded so).
+watched (``--max-gb``: killed past it, and recorded so). ``--no-regather-weights``
+compiles the program as written, without the runtime's ``regather-weights`` rewrite
+(``stablehlo/regather.py``, on by default under ``fsdp`` and ``fsdp+tp``); each row says
+which (``regather_weights``: the option; ``regathered_products``: the products it gave a
+copy; rows compiled before the rewrite existed, e719f49, say null).
 
 Rows accumulate in ``benchmarks/results/parallel_offline-v5e.json``: a run replaces the
-rows of the (model, slice, layout) it measured.
+rows of the (model, slice, layout, regather_weights) it measured.
 
 Imports: jax (with libtpu), stepbundle; ``export`` imports torch and the torch front-end.
 """
@@ -141,7 +145,7 @@ def _numel(dims: str) -> int:
     return n
 
 
-def child(bundle: str, topology: str, layout: str) -> dict[str, Any]:
+def child(bundle: str, topology: str, layout: str, regather: bool) -> dict[str, Any]:
     from jax.experimental import topologies
 
     from stepbundle.runtime import CompileOptions, LoadOptions, ParallelOptions, ShardRule
@@ -158,7 +162,7 @@ def child(bundle: str, topology: str, layout: str) -> dict[str, Any]:
     bucket = rows.index(n)
     rules = tuple(ShardRule(p, d) for p, d in LLAMA_TP_RULES) if "+tp" in layout else None
     options = LoadOptions(
-        compile=CompileOptions(entries=("train",)),
+        compile=CompileOptions(entries=("train",), regather_weights=regather),
         parallel=ParallelOptions(layout=layout, tp_rules=rules),
     )
     t0 = time.perf_counter()
@@ -185,6 +189,7 @@ def child(bundle: str, topology: str, layout: str) -> dict[str, Any]:
         "split_state_tensors": len(plan.dims) if plan is not None else 0,
         "fused_attention": out.fused_attention.get(label, 0),
         "attention_kept": out.attention_kept.get(label, []),
+        "regathered_products": out.regathered_products.get(label, 0),
         "layout_notes": list(plan.notes) if plan is not None else [],
         "memory": {
             "arguments": m.argument_size_in_bytes,
@@ -220,14 +225,27 @@ def _rss_watch(proc: subprocess.Popen[bytes], limit: float, state: dict[str, Any
 
 
 def run_one(
-    bundle: str, model: str, topology: str, layout: str, max_gb: float, timeout: float
+    bundle: str,
+    model: str,
+    topology: str,
+    layout: str,
+    max_gb: float,
+    timeout: float,
+    regather: bool = True,
 ) -> dict[str, Any]:
-    row: dict[str, Any] = {"model": model, "slice": topology, "layout": layout}
-    log = Path(f"/tmp/compile_slices-{model}-{topology.replace(':', '_')}-{layout}.err")
+    row: dict[str, Any] = {
+        "model": model,
+        "slice": topology,
+        "layout": layout,
+        "regather_weights": regather,
+    }
+    tag = "" if regather else "-no-regather"
+    log = Path(f"/tmp/compile_slices-{model}-{topology.replace(':', '_')}-{layout}{tag}.err")
     t0 = time.perf_counter()
     with open(log, "w") as err:
         proc = subprocess.Popen(
-            [sys.executable, __file__, "child", bundle, topology, layout],
+            [sys.executable, __file__, "child", bundle, topology, layout]
+            + ([] if regather else ["--no-regather-weights"]),
             stdout=subprocess.PIPE,
             stderr=err,
             env={
@@ -301,19 +319,18 @@ def compile_all(a: argparse.Namespace) -> None:
 
     def one(topology: str, layout: str) -> None:
         print(f"{a.model} {topology} {layout} ...", file=sys.stderr, flush=True)
-        row = run_one(a.bundle, a.model, topology, layout, a.max_gb, a.timeout)
+        regather = not a.no_regather_weights
+        row = run_one(a.bundle, a.model, topology, layout, a.max_gb, a.timeout, regather)
         row["jax"], row["libtpu"] = jax.__version__, _libtpu_version()
         row["git"] = _git()
         row["host"] = {"cpus": os.cpu_count(), "load_average": os.getloadavg(), "jobs": a.jobs}
-        key = (a.model, topology, layout)
+        key = (a.model, topology, layout, regather)
         # read, replace the row, write: under a file lock, as runs of other models may
         # write the same file at the same time
         with lock, open(Path(tempfile.gettempdir()) / f"{path.name}.lock", "w") as held:
             fcntl.flock(held, fcntl.LOCK_EX)
             report = json.loads(path.read_text()) if path.exists() else {"rows": []}
-            report["rows"] = [
-                r for r in report["rows"] if (r["model"], r["slice"], r["layout"]) != key
-            ] + [row]
+            report["rows"] = [r for r in report["rows"] if _key(r) != key] + [row]
             report["target"] = "TPU v5e (16 GiB HBM per chip), compile-only: libtpu without a chip"
             path.write_text(json.dumps(report, indent=1) + "\n")
             print("  " + _line(row), file=sys.stderr, flush=True)
@@ -322,6 +339,21 @@ def compile_all(a: argparse.Namespace) -> None:
     with ThreadPoolExecutor(a.jobs) as pool:
         for f in [pool.submit(one, t, lay) for t in a.slices for lay in a.layouts]:
             f.result()
+
+
+def _key(r: dict[str, Any]) -> tuple[Any, ...]:
+    """What a row measured: a new row replaces the row of the same key."""
+    return (r["model"], r["slice"], r["layout"], r.get("regather_weights"))
+
+
+def _regather(r: dict[str, Any]) -> str:
+    """The table's words for a row's ``regather-weights``."""
+    if r.get("regather_weights") is None:
+        return "(before)"  # compiled before the rewrite existed (e719f49)
+    if not r["regather_weights"]:
+        return "off"
+    n = r.get("regathered_products")
+    return "on" if n is None else f"on ({n})"
 
 
 def _gib(n: float) -> str:
@@ -333,7 +365,7 @@ def _line(r: dict[str, Any]) -> str:
         return f"{r['slice']} {r['layout']}: {r.get('failed') or r.get('refused')}"
     m = r["memory"]
     return (
-        f"{r['slice']} {r['layout']}: total {_gib(m['total'])} GiB (args {_gib(m['arguments'])}, "
+        f"{r['slice']} {r['layout']} regather {_regather(r)}: total {_gib(m['total'])} GiB (args {_gib(m['arguments'])}, "
         f"temp {_gib(m['temporaries'])}) compile {r['compile_s']:.0f} s"
     )
 
@@ -341,9 +373,10 @@ def _line(r: dict[str, Any]) -> str:
 def table(report: dict[str, Any]) -> str:
     names = {"v5e:2x4": "v5e-8", "v5e:4x4": "v5e-16", "v5e:8x8": "v5e-64", "v5e:16x16": "v5e-256"}
     lines = [
-        "| model | slice | layout | arguments | temporaries | total per chip (GiB) | fits 16 GiB | "
-        "all-gather | reduce-scatter | all-reduce | all-to-all | collective-permute |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| model | slice | layout | regather-weights | arguments | temporaries | "
+        "total per chip (GiB) | fits 16 GiB | all-gather | reduce-scatter | all-reduce | "
+        "all-to-all | collective-permute |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
 
     def order(r: dict[str, Any]) -> tuple[Any, ...]:
@@ -352,10 +385,14 @@ def table(report: dict[str, Any]) -> str:
             r["model"],
             slices.index(r["slice"]) if r["slice"] in slices else len(slices),
             layouts.index(r["layout"]) if r["layout"] in layouts else len(layouts),
+            {False: 0, True: 1}.get(r.get("regather_weights"), 2),
         )
 
     for r in sorted(report["rows"], key=order):
-        head = f"| {r['model']} | {names.get(r['slice'], r['slice'])} | `{r['layout']}` |"
+        head = (
+            f"| {r['model']} | {names.get(r['slice'], r['slice'])} | `{r['layout']}` | "
+            f"{_regather(r)} |"
+        )
         if "memory" not in r:
             if "hbm_used_by_compiler" in r:  # libtpu's refusal: what it would need
                 usable = re.search(r"of ([0-9.]+[GMK]) hbm", r["failed"])
@@ -401,12 +438,18 @@ def main() -> int:
     c.add_argument("--jobs", type=int, default=1, help="children at once")
     c.add_argument("--timeout", type=float, default=1800.0)
     c.add_argument("--out", default=str(RESULTS))
+    c.add_argument(
+        "--no-regather-weights",
+        action="store_true",
+        help="compile the program as written, without the regather-weights rewrite",
+    )
     t = sub.add_parser("table", help="print the markdown table of a results file")
     t.add_argument("--out", default=str(RESULTS))
     k = sub.add_parser("child")
     k.add_argument("bundle")
     k.add_argument("topology")
     k.add_argument("layout")
+    k.add_argument("--no-regather-weights", action="store_true")
     a = p.parse_args()
     if a.command == "export":
         export(a.model, a.out, a.rows, a.layers, a.checkpointed)
@@ -415,7 +458,7 @@ def main() -> int:
     elif a.command == "table":
         print(table(json.loads(Path(a.out).read_text())))
     else:
-        print(json.dumps(child(a.bundle, a.topology, a.layout)))
+        print(json.dumps(child(a.bundle, a.topology, a.layout, not a.no_regather_weights)))
     return 0
 
 

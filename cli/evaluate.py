@@ -33,9 +33,10 @@ def _cmd_eval(args: RunConfig) -> int:
 
     from .data import DATA_ERRORS, eval_batches, is_dataset, read_npz
     from .init_from import state_options
+    from .load_line import report_load
     from .options import head_barriers, parallel_options
     from .paths import check_path_kinds, refuse_missing_resume, resume_from_folder
-    from .run import refuse_too_many_cpu_devices, report_load
+    from .run import refuse_too_many_cpu_devices
 
     try:
         refuse_too_many_cpu_devices(args)

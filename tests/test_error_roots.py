@@ -39,7 +39,7 @@ ROOTS = (BundleError, CheckpointError, DataError, DeviceError, UsageError)
 
 # Control flow inside the package, never raised to a caller: each is caught where named.
 INTERNAL = {
-    "stepbundle.cli.stopping.StopRequested": "cli/run.py ends the run at a step boundary",
+    "stepbundle.cli.stopping.StopRequested": "cli/train_loop.py ends the run at a step boundary",
     "stepbundle.exporter.gradients.GradientsDropped": "exporter/export.py traces again",
     "stepbundle.exporter.gradients.NoGradient": "exporter/export.py traces again",
     "stepbundle.export_torch.export._GradientsDropped": "frontend_torch/export.py retraces",

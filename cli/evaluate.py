@@ -34,7 +34,7 @@ def _cmd_eval(args: RunConfig) -> int:
     from .data import DATA_ERRORS, eval_batches, is_dataset, read_npz
     from .init_from import state_options
     from .load_line import report_load
-    from .options import head_barriers, parallel_options
+    from .options import head_barriers, parallel_options, regather_weights
     from .paths import check_path_kinds, refuse_missing_resume, resume_from_folder
     from .run import refuse_too_many_cpu_devices
 
@@ -67,7 +67,7 @@ def _cmd_eval(args: RunConfig) -> int:
             matmul_precision=args.matmul_precision,
             fused_attention=not args.no_fused_attention,
             bf16_products=not args.no_bf16_products,
-            regather_weights=not args.no_regather_weights,
+            regather_weights=regather_weights(args),
             head_barriers=head_barriers(args),
         )
         options = LoadOptions(

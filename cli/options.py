@@ -137,8 +137,10 @@ SHARED: dict[str, dict[str, Any]] = {
     "--no-regather-weights": {
         "action": "store_true",
         "help": "under --layout fsdp or fsdp+tp, gather each split weight once for all its "
-        "products, where it is otherwise gathered again for the backward pass (the same "
-        "values; docs/parallel.md)",
+        "products; otherwise, where the program as written does not fit the device (the "
+        "compiler refuses it for memory, or XLA's memory analysis exceeds what the device "
+        "reports), it is compiled again with each weight gathered again for the backward "
+        "pass (the same values; docs/parallel.md)",
     },
     "--head-barriers": {
         "choices": ("auto", "on", "off"),
@@ -199,6 +201,12 @@ def add_init_options(parser: Any) -> None:
 def head_barriers(config: RunConfig) -> bool | Literal["auto"]:
     """``CompileOptions.head_barriers`` from ``--head-barriers`` (run, eval, compile)."""
     return {"on": True, "off": False}.get(config.head_barriers, "auto")
+
+
+def regather_weights(config: RunConfig) -> bool | Literal["auto"]:
+    """``CompileOptions.regather_weights`` from ``--no-regather-weights`` (run, eval,
+    compile): False, or "auto"."""
+    return False if config.no_regather_weights else "auto"
 
 
 def parallel_options(config: RunConfig) -> ParallelOptions:

@@ -21,7 +21,14 @@ from typing import Any
 from . import args as types
 from .common import die
 from .config import RunConfig
-from .options import JOB, add, add_device_options, head_barriers, parallel_options
+from .options import (
+    JOB,
+    add,
+    add_device_options,
+    head_barriers,
+    parallel_options,
+    regather_weights,
+)
 
 __all__ = ["add_compile", "add_pull", "cmd_compile", "cmd_pull"]
 
@@ -150,7 +157,7 @@ def _cmd_compile(args: RunConfig) -> int:
                 matmul_precision=args.matmul_precision,
                 fused_attention=not args.no_fused_attention,
                 bf16_products=not args.no_bf16_products,
-                regather_weights=not args.no_regather_weights,
+                regather_weights=regather_weights(args),
                 head_barriers=head_barriers(args),
             ),
             state=StateOptions(pack_state=args.pack_state),
@@ -187,6 +194,8 @@ def _cmd_compile(args: RunConfig) -> int:
         )
         for note in info.head_barriers.values():  # the output head weighed (a TPU), or asked
             print(f"[compile] output head: {note}", file=sys.stderr)
+        for note in info.regather_choice.values():  # fsdp, fsdp+tp: weights re-gathered?
+            print(f"[compile] regather-weights: {note}", file=sys.stderr)
         for label, (n, w) in info.bf16_products.items():  # a TPU, one device
             print(
                 f"[compile] {label}: {n} bf16 product{'s' if n != 1 else ''} compiled "

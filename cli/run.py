@@ -252,7 +252,7 @@ def _open_trainer(args: RunConfig) -> Trainer:
     from stepbundle.runtime.train.schedule import named_schedule
 
     from .init_from import state_options
-    from .options import head_barriers, parallel_options
+    from .options import head_barriers, parallel_options, regather_weights
     from .paths import refuse_missing_resume
 
     train = args.entry == "train"
@@ -267,7 +267,7 @@ def _open_trainer(args: RunConfig) -> Trainer:
             matmul_precision=args.matmul_precision,
             fused_attention=not args.no_fused_attention,
             bf16_products=not args.no_bf16_products,
-            regather_weights=not args.no_regather_weights,
+            regather_weights=regather_weights(args),
             head_barriers=head_barriers(args),
         ),
         state=state_options(args),

@@ -147,6 +147,7 @@ def load(
             ),
             bf16_products=opts.compile.bf16_products,
             regather_weights=opts.compile.regather_weights,
+            device_memory=opts.compile.device_memory,
         )
         compiled: dict[str, list[CompiledProgram | RefusedPlan]] = {}
         stacked: dict[int, CompiledProgram] = {}  # the train programs behind a loop of K steps
@@ -163,6 +164,7 @@ def load(
             lambda p: (p.bf16_products, p.bf16_weight_gradients) if p.bf16_products else (),
         )
         info.regathered_products = _per_program(compiled, lambda p: p.regathered_products)
+        info.regather_choice = _per_program(compiled, lambda p: p.regather_choice)
         info.attention_kept = _per_program(compiled, lambda p: list(p.attention_kept))
         pins = _mask_pins(compiled, compiler.initial)
         info.seconds["compile"] = time.perf_counter() - t1
@@ -427,7 +429,8 @@ class _Compiler:
     head_barriers: bool | None  # None: weighed on a TPU (compile_program)
     initial: Callable[[str], np.ndarray[Any, Any] | None] | None  # state values as loaded
     bf16_products: bool = True  # on a TPU (rewrites.bf16_products)
-    regather_weights: bool = True  # under fsdp and fsdp+tp (rewrites.regather_weights)
+    regather_weights: bool | Literal["auto"] = "auto"  # fsdp, fsdp+tp (regather_choice.py)
+    device_memory: int | None = None  # for "auto": None asks the devices
 
     def entry(
         self, bundle: codec.Bundle, name: str, k: int, stacked: dict[int, CompiledProgram]
@@ -447,7 +450,7 @@ class _Compiler:
             one = self._compile(*args)
             if k > 1:  # behind the loop, as the one-step program was compiled
                 try:
-                    stacked[i] = self._compile(*args, k, one.head_barriers)
+                    stacked[i] = self._compile(*args, k, one.head_barriers, one.regathered)
                 except Exception as e:
                     if not (one.head_barriers and self.head_barriers is None):
                         raise
@@ -455,11 +458,11 @@ class _Compiler:
                     # without them (the one-step program's is in the cache), as before
                     why = " ".join(str(e).split())[:300]
                     one = dataclasses.replace(
-                        self._compile(*args, 1, False),
+                        self._compile(*args, 1, False, one.regathered),
                         head_choice=f"{one.head_choice}; but its {k}-step program did not "
                         f"compile with them ({type(e).__name__}: {why}): both compiled without",
                     )
-                    stacked[i] = self._compile(*args, k, False)
+                    stacked[i] = self._compile(*args, k, False, one.regathered)
             progs.append(one)
         refused = [p for p in progs if isinstance(p, RefusedPlan)]
         if refused and len(refused) == len(progs) and ent.updates_state:
@@ -483,10 +486,11 @@ class _Compiler:
         scalars: dict[int, float],
         k: int = 1,
         head_barriers: bool | Literal["weigh"] = "weigh",
+        regather: bool | None = None,
     ) -> CompiledProgram:
         """Compile bucket ``i`` of entry ``name`` (behind a loop of ``k`` steps for k > 1,
-        with ``head_barriers`` as its one-step program was compiled; "weigh": as the
-        options say, ``_head_barriers``)."""
+        with ``head_barriers`` and ``regather`` as its one-step program was compiled;
+        "weigh" and None: as the options say, ``_head_barriers``)."""
         return compile_program(
             self.client,
             self.placement,
@@ -506,7 +510,8 @@ class _Compiler:
                 self._head_barriers(updates_state) if head_barriers == "weigh" else head_barriers
             ),
             bf16_products=self.bf16_products,
-            regather_weights=self.regather_weights,
+            regather_weights=self.regather_weights if regather is None else regather,
+            device_memory=self.device_memory,
         )
 
 

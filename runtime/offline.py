@@ -78,6 +78,10 @@ class OfflineCompile:
         gradients swapped) (``load_info.bf16_products``); absent where none was.
       regathered_products: ``"train[i]"`` -> products reading a re-gathered weight
         (``load_info.regathered_products``); absent where none was.
+      regather_choice: ``"train[i]"`` -> what ``regather_weights="auto"`` compared and
+        kept, in words (``load_info.regather_choice``); absent where nothing was weighed.
+        The described devices of a slice report no memory: there only libtpu's refusal
+        (or ``CompileOptions.device_memory``) makes it compile the rewritten program.
     """
 
     placement: Placement
@@ -88,6 +92,7 @@ class OfflineCompile:
     head_barriers: dict[str, str] = dataclasses.field(default_factory=dict)
     bf16_products: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)
     regathered_products: dict[str, int] = dataclasses.field(default_factory=dict)
+    regather_choice: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 def compile_offline(
@@ -137,6 +142,7 @@ def compile_offline(
     heads: dict[str, str] = {}
     narrow: dict[str, tuple[int, int]] = {}
     regathered: dict[str, int] = {}
+    regather_choice: dict[str, str] = {}
     try:
         manifest = bundle.manifest
         wanted = _wanted_entries(manifest, opts)
@@ -154,6 +160,7 @@ def compile_offline(
             ),
             bf16_products=opts.compile.bf16_products,
             regather_weights=opts.compile.regather_weights,
+            device_memory=opts.compile.device_memory,
             initial=None,  # no state is read: masks are not evaluated (as compile_only)
         )
         for name in wanted:
@@ -184,6 +191,10 @@ def compile_offline(
                     narrow[label] = (compiled.bf16_products, compiled.bf16_weight_gradients)
                 if compiled.regathered_products:
                     regathered[label] = compiled.regathered_products
+                if compiled.regather_choice:
+                    regather_choice[label] = compiled.regather_choice
     finally:
         bundle.close()
-    return OfflineCompile(placement, executables, refused, fused, kept, heads, narrow, regathered)
+    return OfflineCompile(
+        placement, executables, refused, fused, kept, heads, narrow, regathered, regather_choice
+    )

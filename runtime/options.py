@@ -137,9 +137,20 @@ class CompileOptions:
         (``fsdp``, ``fsdp+tp``), each product of such a parameter after its first reads its
         own copy behind an optimization barrier, so the partitioner gathers the weight
         again for the backward pass (``stablehlo/regather.py``): the same values; the 8B
-        of docs/parallel.md fits a v5e-64 and -256 with it, and a 1.1B on a v5e-8 needed
-        more memory with it (not measured side by side). False compiles the program as
-        written. ``LoadInfo.regathered_products`` counts the products.
+        of docs/parallel.md fits a v5e-64 and -256 only with it, and the 1.1B on a v5e-8
+        needs more memory with it. "auto" (default): each such program is compiled as
+        written, and with the rewrite too only where the first does not fit (the compiler
+        refused it for memory, or XLA's memory analysis exceeds ``device_memory``); the
+        rewritten program is kept where it was refused, or unless it needs more
+        (``runtime/compile/regather_choice.py``; one more compile for such a program; its
+        steps-per-call program follows). True always rewrites, False never.
+        ``LoadInfo.regathered_products`` counts the products, ``LoadInfo.regather_choice``
+        says what "auto" compared.
+      device_memory: the bytes a program may use on one device, against which
+        ``regather_weights="auto"`` weighs XLA's memory analysis (to leave room, or to plan
+        for other devices). None (default): what the devices report
+        (``memory_stats()["bytes_limit"]`` on a TPU or GPU); a CPU and the described
+        devices of ``compile_offline`` report none, and there only a refusal counts.
     """
 
     entries: tuple[str, ...] | None = None
@@ -152,7 +163,8 @@ class CompileOptions:
     keep_freed_memory: bool | Literal["auto"] = "auto"
     head_barriers: bool | Literal["auto"] = "auto"
     bf16_products: bool = True
-    regather_weights: bool = True
+    regather_weights: bool | Literal["auto"] = "auto"
+    device_memory: int | None = None
 
     def __post_init__(self) -> None:
         entries: object = self.entries
@@ -201,7 +213,17 @@ class CompileOptions:
                 f"{self.cadences!r}."
             )
         object.__setattr__(self, "cadences", tuple(cadences))
-        _flags(self, "compile_only", "fused_attention", "bf16_products", "regather_weights")
+        _flags(self, "compile_only", "fused_attention", "bf16_products")
+        if not (isinstance(self.regather_weights, bool) or self.regather_weights == "auto"):
+            raise UsageError(
+                f'regather_weights must be True, False or "auto", got {self.regather_weights!r}.'
+            )
+        memory = self.device_memory
+        if memory is not None and not (_whole(memory) and memory > 0):
+            raise UsageError(
+                f"device_memory must be a number of bytes (a whole number > 0) or None, got "
+                f"{memory!r}."
+            )
         if not (isinstance(self.keep_freed_memory, bool) or self.keep_freed_memory == "auto"):
             raise UsageError(
                 f'keep_freed_memory must be True, False or "auto", got {self.keep_freed_memory!r}.'
@@ -402,7 +424,8 @@ class LoadOptions:
         keep_freed_memory: bool | Literal["auto"] = "auto",
         head_barriers: bool | Literal["auto"] = "auto",
         bf16_products: bool = True,
-        regather_weights: bool = True,
+        regather_weights: bool | Literal["auto"] = "auto",
+        device_memory: int | None = None,
     ) -> LoadOptions:
         """The options from flat names: each is the field of that name in its record
         (same defaults; ``entry`` is ``CompileOptions.entries``)."""
@@ -421,6 +444,7 @@ class LoadOptions:
                 head_barriers=head_barriers,
                 bf16_products=bf16_products,
                 regather_weights=regather_weights,
+                device_memory=device_memory,
             ),
             state=StateOptions(init_from=init_from, init_strict=init_strict, pack_state=pack_state),
             safety=SafetyOptions(

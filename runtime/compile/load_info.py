@@ -55,6 +55,13 @@ class LoadInfo:
       regathered_products: per compiled program, the products that read a split
         parameter re-gathered behind a barrier (fsdp, fsdp+tp;
         ``CompileOptions.regather_weights``, ``stablehlo/regather.py``); empty for none.
+      regather_choice: per compiled program under ``regather_weights="auto"`` that has
+        products to re-gather a weight for, what was compared and kept, in words
+        (``runtime/compile/regather_choice.py``): the memory XLA plans for the program as
+        written against the device's, or the compiler's refusal, and, where the rewritten
+        program was compiled too, what it needs. Such a program has two events in
+        ``cache``: its own label's and ``LABEL+regather-weights``. Empty where nothing was
+        weighed (True, False, no such product).
       kept_freed_memory: whether glibc's allocator was told to keep freed memory
         before compiling (on a TPU; ``CompileOptions.keep_freed_memory``,
         ``runtime/compile/allocator.py``).
@@ -95,6 +102,7 @@ class LoadInfo:
     head_barriers: dict[str, str] = field(default_factory=dict)
     bf16_products: dict[str, tuple[int, int]] = field(default_factory=dict)
     regathered_products: dict[str, int] = field(default_factory=dict)
+    regather_choice: dict[str, str] = field(default_factory=dict)
     kept_freed_memory: bool = False
     allocator: str = ""
     auto_steps: str = ""

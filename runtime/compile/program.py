@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from stepbundle.schema.manifest import Program
 from stepbundle.stablehlo.attention import StateValues
@@ -27,13 +27,15 @@ from .. import _compat
 from ..fallback import warn_once
 from ..placement import packing
 from ..placement.sharding import Placement
-from . import head_choice
+from . import head_choice, regather_choice
 from .compile_cache import CacheEvent, CacheOutcome, CompileCache
 from .cpu_numerics import cpu_numerics
 from .rewrites import RewriteContext, Stage, apply_rewrites
 from .validate import check_program
 
 __all__ = ["CompiledProgram", "compile_program"]
+
+_Built = tuple[Any, CacheEvent, RewriteContext, Stage]  # an executable and how it was made
 
 
 @dataclass
@@ -54,6 +56,12 @@ class CompiledProgram:
     regathered_products: int = (
         0  # products reading a re-gathered weight (rewrites.regather_weights)
     )
+    regather_choice: str = ""  # under "auto": what was compared and kept, in words
+
+    @property
+    def regathered(self) -> bool:
+        """Whether the program was compiled with the ``regather-weights`` rewrite."""
+        return self.regathered_products > 0
 
     @property
     def cache_hit(self) -> bool:
@@ -78,7 +86,8 @@ def compile_program(
     state_values: StateValues | None = None,
     head_barriers: bool | None = None,
     bf16_products: bool = True,
-    regather_weights: bool = True,
+    regather_weights: bool | Literal["auto"] = "auto",
+    device_memory: int | None = None,
 ) -> CompiledProgram:
     """Check, rewrite and compile ``program`` for ``placement``'s devices.
 
@@ -117,7 +126,12 @@ def compile_program(
         (``rewrites.bf16_products``); ``CompiledProgram.bf16_products`` counts them.
       regather_weights: under fsdp and fsdp+tp, re-gather split weights for their later
         products (``rewrites.regather_weights``); ``CompiledProgram.regathered_products``
-        counts them.
+        counts them. True always, False never; "auto" compiles the program as written,
+        and with the rewrite too only where the first does not fit
+        (``regather_choice.py``; ``CompiledProgram.regather_choice`` says what was
+        compared).
+      device_memory: the bytes the program may use on a device, for "auto"; None: what
+        the devices report (``regather_choice.device_memory``).
     """
     platform = str(client.platform)
     # As accurate as PyTorch's CPU kernels: long sums in blocks, YNNPACK's fusions off.
@@ -126,7 +140,7 @@ def compile_program(
     overrides = numerics.overrides if numerics is not None else ()
     options = _compat.compile_options(len(devices), [d.id for d in devices], overrides)
 
-    def build(barriers: bool, tag: str = "") -> tuple[Any, CacheEvent, RewriteContext, Stage]:
+    def rewrite(barriers: bool, regather: bool) -> tuple[RewriteContext, Stage]:
         module = check_program(artifact, program, where, platform)
         ctx = RewriteContext(
             platform=platform,
@@ -141,17 +155,37 @@ def compile_program(
             blocked_sums=numerics is not None and numerics.blocked_sums,
             head_barriers=barriers,
             bf16_products=bf16_products,
-            regather_weights=regather_weights,
+            regather_weights=regather,
         )
-        stage = apply_rewrites(Stage(module, program), ctx)
+        return ctx, apply_rewrites(Stage(module, program), ctx)
+
+    def compile_stage(ctx: RewriteContext, stage: Stage, tag: str = "") -> _Built:
         exe, event = cache.compile(label + tag, client, stage.module.bytecode(), devices, options)
         return exe, event, ctx, stage
+
+    regather = regather_weights is True
+
+    def build(barriers: bool, tag: str = "") -> _Built:
+        return compile_stage(*rewrite(barriers, regather), tag)
 
     def heads() -> frozenset[int]:  # the vocabularies of a program with a head to hold
         module = check_program(artifact, program, where, platform)
         return head_vocabularies(module) if count_head_barriers(module) else frozenset()
 
-    built = build(bool(head_barriers))
+    regathering = ""
+    if regather_weights == "auto":
+
+        def memory() -> int | None:  # asked only where the analysis is weighed
+            if device_memory is not None:
+                return device_memory
+            return regather_choice.device_memory(devices)
+
+        built, regathering = _choose_regather(
+            rewrite, compile_stage, bool(head_barriers), label, memory
+        )
+        regather = bool(built[2].notes.get("regathered_products"))
+    else:
+        built = build(bool(head_barriers))
     choice = ""
     if head_barriers is None and platform == "tpu":
         built, choice = _choose_head_barriers(built, build, heads, label)
@@ -178,6 +212,96 @@ def compile_program(
         bf16_products=ctx.notes.get("bf16_products", 0),
         bf16_weight_gradients=ctx.notes.get("bf16_weight_gradients", 0),
         regathered_products=ctx.notes.get("regathered_products", 0),
+        regather_choice=regathering,
+    )
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'s' if n != 1 else ''}"
+
+
+def _choose_regather(
+    rewrite: Callable[[bool, bool], tuple[RewriteContext, Stage]],
+    compile_stage: Callable[[RewriteContext, Stage, str], _Built],
+    barriers: bool,
+    label: str,
+    memory: Callable[[], int | None],
+) -> tuple[_Built, str]:
+    """``regather_weights="auto"``: the program compiled as written, or with the
+    ``regather-weights`` rewrite where the first does not fit, and what was compared, in
+    words ("" where the rewrite has nothing to do: one device, ``dp``, ``zero1``, no
+    parameter read by two products).
+
+    The rewritten program is compiled (under ``LABEL+regather-weights`` in the cache's
+    events) where the compiler refused the program as written for memory
+    (``regather_choice.memory_refusal``; it is then kept, and its own failure raises), or
+    where XLA's memory analysis of it exceeds ``memory()`` (then the rewritten program is
+    kept unless it needs more; a failure of the rewritten compile keeps the program as
+    written, with a warning). Where ``memory()`` is None (a CPU, a described TPU slice) only a refusal
+    counts."""
+    ctx, stage = rewrite(barriers, False)
+    sites = ctx.notes.get("regather_sites", 0)
+    if not sites:
+        return compile_stage(ctx, stage, ""), ""
+    could = _plural(sites, "product")
+    try:
+        plain = compile_stage(ctx, stage, "")
+    except Exception as e:
+        why = regather_choice.memory_refusal(e)
+        if why is None:
+            raise
+        other_ctx, other_stage = rewrite(barriers, True)
+        n = other_ctx.notes.get("regathered_products", 0)
+        if not n:  # the rewrite did not apply (it warned): the same program, refused
+            raise
+        other = compile_stage(other_ctx, other_stage, "+regather-weights")
+        return other, (
+            f"{label}: the compiler refused the program as written for memory ({why}); "
+            f"compiled with the weights re-gathered for {_plural(n, 'product')}"
+        )
+    need = regather_choice.memory_need(plain[0])
+    limit = memory()
+    if need is None:
+        return plain, (
+            f"{label}: compiled as written ({could} could re-gather a weight; no memory "
+            "analysis of it to weigh)"
+        )
+    if limit is None:
+        return plain, (
+            f"{label}: compiled as written: it needs {regather_choice.gib(need)} a device, "
+            f"and the devices report no memory to weigh that against ({could} could "
+            "re-gather a weight)"
+        )
+    if need <= limit:
+        return plain, (
+            f"{label}: compiled as written: it needs {regather_choice.gib(need)} a device, "
+            f"within the {regather_choice.gib(limit)} a device holds ({could} could "
+            "re-gather a weight)"
+        )
+    over = (
+        f"{label}: the program as written needs {regather_choice.gib(need)} a device, over "
+        f"the {regather_choice.gib(limit)} a device holds"
+    )
+    try:
+        other_ctx, other_stage = rewrite(barriers, True)
+        n = other_ctx.notes.get("regathered_products", 0)
+        if not n:
+            return plain, f"{over}; the weights could not be re-gathered: compiled as written"
+        other = compile_stage(other_ctx, other_stage, "+regather-weights")
+    except Exception as e:  # the program as written is compiled: keep it
+        why = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
+        warn_once(
+            "regather-weights",
+            f"stepbundle kept {label} with its weights gathered once: the program with them "
+            f"re-gathered did not compile ({why})",
+        )
+        return plain, f"{over}; the program with the weights re-gathered did not compile ({why})"
+    after = regather_choice.memory_need(other[0])
+    kept = after is not None and after <= need  # no worse by the analysis: the rewrite's aim
+    return (other if kept else plain), (
+        f"{over}; with the weights re-gathered for {_plural(n, 'product')} it needs "
+        + (regather_choice.gib(after) if after is not None else "an unknown amount")
+        + (": compiled with them" if kept else ": compiled as written")
     )
 
 

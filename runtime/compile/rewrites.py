@@ -32,6 +32,7 @@ Imports: stepbundle.schema, stepbundle.stablehlo, the runtime's wrappers.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping, Sequence
 
 from stepbundle.schema.manifest import StateInput, StateUpdateOutput
@@ -47,7 +48,7 @@ from stepbundle.stablehlo.head_barriers import rewrite_head_barriers
 from stepbundle.stablehlo.onehot import count_onehot_reductions, rewrite_onehot_reductions
 from stepbundle.stablehlo.pow_precision import rewrite_powers
 from stepbundle.stablehlo.precision import set_matmul_precision
-from stepbundle.stablehlo.regather import rewrite_regathers
+from stepbundle.stablehlo.regather import count_regathers, rewrite_regathers
 from stepbundle.stablehlo.rng_algorithm import pin_rng_algorithm
 
 from ..fallback import warn_once
@@ -222,13 +223,14 @@ def regather_weights(stage: Stage, ctx: RewriteContext) -> Stage:
     gathers the weight again for the backward pass instead of keeping the forward's
     gathered copy alive until then (#41: a layer's bf16 weights, 0.44 GB for Llama 3
     8B's, on every chip). Identity on values. Nothing on one device or under ``dp`` and
-    ``zero1``, which split no parameter over the data axis, or with
-    ``regather_weights=False``. A failure keeps the program as written (it only needs
-    more memory), with a warning."""
+    ``zero1``, which split no parameter over the data axis. With
+    ``ctx.regather_weights`` False the program is kept as written and
+    ``notes["regather_sites"]`` says how many products the rewrite would give a copy
+    (``compile_program``'s "auto" compiles the rewritten program only where there are
+    some). A failure keeps the program as written (it only needs more memory), with a
+    warning."""
     plan = ctx.placement.plan
-    if not ctx.regather_weights or plan is None:
-        return stage
-    if plan.layout.data != DataSplit.FSDP or plan.data < 2:
+    if plan is None or plan.layout.data != DataSplit.FSDP or plan.data < 2:
         return stage
     split = {name for name, dims in plan.dims.items() if DATA in dims}
     args = [
@@ -237,6 +239,11 @@ def regather_weights(stage: Stage, ctx: RewriteContext) -> Stage:
         if isinstance(row, StateInput) and row.name in split
     ]
     if not args:
+        return stage
+    if not ctx.regather_weights:
+        # where counting fails, so would the rewrite: nothing to re-gather
+        with contextlib.suppress(Exception):
+            ctx.notes["regather_sites"] = count_regathers(stage.module, args)
         return stage
     try:
         copy = mlir.Module.parse_text(stage.module, stage.module.text())

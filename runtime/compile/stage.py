@@ -42,7 +42,8 @@ class RewriteContext:
       bf16_products: on a TPU, write float32-out bf16 products that are rounded to bf16
         at once bf16-out (``stablehlo/bf16_products.py``).
       regather_weights: under fsdp and fsdp+tp, give a split parameter's later products
-        their own copy behind a barrier (``stablehlo/regather.py``).
+        their own copy behind a barrier (``stablehlo/regather.py``); False counts them in
+        ``notes["regather_sites"]`` (``compile_program`` decides, ``regather_choice.py``).
       scalar_constants: @main's scalar constant arguments (argument number -> value,
         from the bundle's constant sections): an attention mask's fill value is one.
       state_values: the state arguments the step never writes, as loaded

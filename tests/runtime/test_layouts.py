@@ -32,6 +32,7 @@ from stepbundle.runtime import (
     _compat,
     load,
 )
+from stepbundle.runtime.compile.regather_choice import memory_need
 from stepbundle.runtime.placement.layout_spec import (
     DataSplit,
     LayoutError,
@@ -174,21 +175,62 @@ def test_regathering_the_weights_for_the_backward_changes_no_bit(
     layout: str, layouts_on_four: Any
 ) -> None:
     """#41: under a layout that splits the parameters over the data axis, each product
-    of a parameter after its first reads its own copy behind a barrier (the
+    of a parameter after its first may read its own copy behind a barrier (the
     ``regather-weights`` rewrite, ``tests/runtime/test_regather.py``), so that the
-    partitioner gathers the weight again for the backward pass. The load ran it and says
-    so; a barrier is the identity: the run without it (``regather_weights=False``) ends
-    on the same bits."""
-    without, losses_without = _run(
-        GPT, _gpt_batches(), devices=4, layout=layout, regather_weights=False
-    )
-    trainer, losses = layouts_on_four[layout]
-    assert trainer.load_info.regathered_products.get("train[0]", 0) > 0
-    assert without.load_info.regathered_products == {}
-    assert np.array_equal(losses, losses_without)
-    state, ref = trainer.state_dict(), without.state_dict()
-    for k, v in ref.items():
-        assert np.array_equal(state[k], v), k
+    partitioner gathers the weight again for the backward pass. ``regather_weights=True``
+    always does, False never; "auto" (the default) compiles the program as written and
+    the rewritten one too only where the first does not fit the device: on the CPU,
+    which reports no memory, where ``device_memory`` is below XLA's plan of the program
+    as written. A barrier is the identity: every run ends on the same bits."""
+    as_written, losses = layouts_on_four[layout]  # "auto", no memory figure: as written
+    info = as_written.load_info
+    assert info.regathered_products == {}
+    assert "compiled as written" in info.regather_choice["train[0]"]
+    assert "report no memory" in info.regather_choice["train[0]"]
+    plan, _ = as_written._dispatcher.pick("train", _gpt_batches()[0])
+    need = memory_need(plan.executable)
+    assert need is not None and need > 0
+    runs = {
+        "forced": _run(GPT, _gpt_batches(), devices=4, layout=layout, regather_weights=True),
+        "never": _run(GPT, _gpt_batches(), devices=4, layout=layout, regather_weights=False),
+        # a device one byte short of the plan: both compiled, the rewritten one kept (its
+        # plan here is no larger); its 2-step program follows it, without a second weighing
+        "squeezed": _run(
+            GPT, _gpt_batches(), devices=4, layout=layout, device_memory=need - 1, steps_per_call=2
+        ),
+    }
+    assert runs["forced"][0].load_info.regathered_products["train[0]"] > 0
+    assert runs["forced"][0].load_info.regather_choice == {}  # asked, not weighed
+    assert runs["never"][0].load_info.regathered_products == {}
+    squeezed = runs["squeezed"][0].load_info
+    assert squeezed.regathered_products == runs["forced"][0].load_info.regathered_products
+    assert f"over the {need - 1:,} bytes a device holds" in squeezed.regather_choice["train[0]"]
+    assert squeezed.regather_choice["train[0]"].endswith("compiled with them")
+    assert set(squeezed.cache) == {"train[0]", "train[0]+regather-weights", "train[0]x2"}
+    state = as_written.state_dict()
+    for trainer, run_losses in runs.values():
+        assert np.array_equal(run_losses, losses)
+        other = trainer.state_dict()
+        for k, v in state.items():
+            assert np.array_equal(other[k], v), k
+
+
+def test_a_device_with_room_keeps_the_program_as_written() -> None:
+    """``regather_weights="auto"`` with ``device_memory`` at XLA's plan of the program
+    as written: it fits, and only it is compiled."""
+    trainer, _ = _run(GPT, _gpt_batches()[:1], devices=4, layout="fsdp", regather_weights=False)
+    plan, _ = trainer._dispatcher.pick("train", _gpt_batches()[0])
+    need = memory_need(plan.executable)
+    assert need is not None
+    roomy = load(
+        GPT,
+        options=LoadOptions.from_keywords(
+            cache_dir=False, devices=4, layout="fsdp", device_memory=need, compile_only=True
+        ),
+    ).load_info
+    assert roomy.regathered_products == {}
+    assert set(roomy.cache) == {"train[0]"}
+    assert f"within the {need:,} bytes a device holds" in roomy.regather_choice["train[0]"]
 
 
 def test_tensor_parallel_follows_megatrons_split(layouts_on_four: Any) -> None:

@@ -13,7 +13,8 @@ import jax
 import numpy as np
 import pytest
 
-from stepbundle.runtime import LoadOptions, ParallelOptions, UsageError, load
+from stepbundle.runtime import CompileOptions, LoadOptions, ParallelOptions, UsageError, load
+from stepbundle.runtime.compile.regather_choice import memory_need
 from stepbundle.runtime.offline import compile_offline
 
 GPT = Path(__file__).resolve().parent / "data" / "tiny_gpt.stepbundle"
@@ -59,3 +60,28 @@ def test_a_bucket_that_does_not_split_is_refused_not_compiled() -> None:
 def test_a_device_count_the_options_contradict_is_refused(four: list[object]) -> None:
     with pytest.raises(UsageError, match="given 4 device"):
         compile_offline(GPT, four, LoadOptions(parallel=ParallelOptions(devices=2)))
+
+
+def test_regather_weights_auto_weighs_the_plan_against_the_device_memory(
+    four: list[object],
+) -> None:
+    """#41: ``compile_offline`` under ``regather_weights="auto"`` compiles the program as
+    written; with ``device_memory`` below XLA's plan of it, the program with the weights
+    re-gathered too, and says so (on a described TPU slice, libtpu's refusal does this)."""
+
+    def options(**compile: object) -> LoadOptions:
+        return LoadOptions(
+            compile=CompileOptions(**compile),  # type: ignore[arg-type]
+            parallel=ParallelOptions(layout="fsdp"),
+        )
+
+    plain = compile_offline(GPT, four, options())
+    assert plain.regathered_products == {}
+    need = memory_need(plain.executables["train[0]"])
+    assert need is not None
+    tight = compile_offline(GPT, four, options(device_memory=need - 1))
+    assert tight.regathered_products["train[0]"] >= 9
+    words = tight.regather_choice["train[0]"]
+    assert f"needs {need:,} bytes a device, over the {need - 1:,}" in words, words
+    forced = compile_offline(GPT, four, options(regather_weights=True))
+    assert _hlo(tight.executables["train[0]"]) == _hlo(forced.executables["train[0]"])

@@ -17,6 +17,8 @@ import pytest
 from jaxlib.mlir import ir
 from runtime_helpers import golden_train_module, run_on_cpu
 
+from stepbundle.runtime import _compat
+from stepbundle.runtime.compile.regather_choice import device_memory, gib, memory_refusal
 from stepbundle.runtime.compile.rewrites import regather_weights
 from stepbundle.runtime.compile.stage import RewriteContext, Stage
 from stepbundle.runtime.placement.layout_spec import parse_layout
@@ -110,14 +112,20 @@ def test_the_values_are_the_same_bits() -> None:
     np.testing.assert_allclose(before[1], dy @ w, rtol=2e-2, atol=5e-2)  # bf16 operands
 
 
-def _barriers_after(layout: str, devices: int) -> int:
+def _rewritten(layout: str, devices: int, regather: bool = True) -> tuple[int, dict[str, int]]:
+    """The barriers in the GPT's train program after the rewrite, and its notes."""
     with open_bundle(GPT) as b:
         program = b.manifest.entries["train"].programs[0]
         module = parse_artifact(bytes(b.section(program.section)))
         plan = plan_shards(b.manifest, parse_layout(layout), devices)
     placement = Placement(jax.devices("cpu")[:devices], plan)
-    stage = regather_weights(Stage(module, program), RewriteContext("cpu", placement))
-    return sum(1 for op in stage.module._operations() if op.name == BARRIER)
+    ctx = RewriteContext("cpu", placement, regather_weights=regather)
+    stage = regather_weights(Stage(module, program), ctx)
+    return sum(1 for op in stage.module._operations() if op.name == BARRIER), ctx.notes
+
+
+def _barriers_after(layout: str, devices: int) -> int:
+    return _rewritten(layout, devices)[0]
 
 
 @pytest.mark.parametrize(
@@ -136,3 +144,46 @@ def test_only_layouts_that_split_parameters_over_data_are_rewritten(
     n = _barriers_after(layout, devices)
     # the two blocks' four weights, and the head's, each read again by the backward
     assert (n >= 9) if applies else n == 0, (layout, n)
+
+
+@pytest.mark.parametrize("layout", ["fsdp", "fsdp+tp"])
+def test_without_the_rewrite_the_products_it_would_copy_are_counted(layout: str) -> None:
+    """``regather_weights=False`` keeps the program as written and notes how many products
+    the rewrite would give a copy: ``compile_program``'s "auto" compiles the rewritten
+    program only where there are some."""
+    barriers, notes = _rewritten(layout, 4, regather=False)
+    assert barriers == 0 and "regathered_products" not in notes
+    _, done = _rewritten(layout, 4)
+    assert notes["regather_sites"] == done["regathered_products"] >= 9
+    assert _rewritten("zero1", 4, regather=False)[1] == {}  # nothing it would rewrite
+
+
+# libtpu's refusals as it wrote them: the 8B's fsdp program for a v5e-256 before the
+# rewrite (benchmarks/results/parallel_offline-v5e.json as of e719f49, its libtpu_report),
+# and the same program with every layer checkpointed (the compile's log).
+HBM_REFUSAL = (
+    "RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory space "
+    "hbm. Used 16.22G of 15.75G hbm. Exceeded hbm capacity by 482.50M. Memory usage report: "
+    "\n\nMemory Space: default (color=0)\nTotal bytes: 17416729600 (16.22GiB)\n"
+)
+TEMPORARIES_REFUSAL = (
+    "RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO "
+    "temporaries (16.20G) exceeds available HBM (15.75G)."
+)
+
+
+def test_a_compile_refused_for_memory_is_told_from_other_failures() -> None:
+    said = memory_refusal(_compat.JaxRuntimeError(HBM_REFUSAL))
+    assert said == (
+        "XLA:TPU compile permanent error. Ran out of memory in memory space hbm. Used "
+        "16.22G of 15.75G hbm. Exceeded hbm capacity by 482.50M."
+    )  # without the buffer listing
+    said = memory_refusal(_compat.JaxRuntimeError(TEMPORARIES_REFUSAL))
+    assert said is not None and said.startswith("Ran out of memory on HBM")
+    assert memory_refusal(_compat.JaxRuntimeError("INVALID_ARGUMENT: bad sharding")) is None
+    assert memory_refusal(ValueError(TEMPORARIES_REFUSAL)) is None  # not the compiler's
+
+
+def test_a_cpu_reports_no_memory_to_weigh_a_program_against() -> None:
+    assert device_memory(jax.devices("cpu")[:4]) is None
+    assert gib(16_911_433_728) == "15.75 GiB" and gib(125_648) == "125,648 bytes"

@@ -24,11 +24,15 @@ of all-gather, reduce-scatter, all-reduce, all-to-all and collective-permute, co
 async ``-start`` once, and the bytes of their results). A compile libtpu refuses (a
 program that does not fit the chip's memory is refused at compile time) is recorded with
 libtpu's own message. Each compile runs in a child process whose resident memory is
-watched (``--max-gb``: killed past it, and recorded so). ``--no-regather-weights``
-compiles the program as written, without the runtime's ``regather-weights`` rewrite
-(``stablehlo/regather.py``, on by default under ``fsdp`` and ``fsdp+tp``); each row says
-which (``regather_weights``: the option; ``regathered_products``: the products it gave a
-copy; rows compiled before the rewrite existed, e719f49, say null).
+watched (``--max-gb``: killed past it, and recorded so). ``--regather-weights on|off|auto``
+is the runtime's ``regather_weights`` (``stablehlo/regather.py``, under ``fsdp`` and
+``fsdp+tp``): ``on`` (the default here, as the rows before the runtime's "auto") gives
+each later product of a split weight its own gathered copy, ``off``
+(``--no-regather-weights``) compiles the program as written, ``auto`` (the runtime's
+default) compiles it as written and again with the rewrite where libtpu refuses the first
+for memory. Each row says which (``regather_weights``: true, false or "auto";
+``regathered_products``: the products given a copy; ``regather_choice``: what "auto"
+compared; rows compiled before the rewrite existed, e719f49, say null).
 
 Rows accumulate in ``benchmarks/results/parallel_offline-v5e.json``: a run replaces the
 rows of the (model, slice, layout, regather_weights) it measured.
@@ -125,15 +129,20 @@ def export(
 def collectives(hlo: str) -> dict[str, dict[str, int]]:
     """Per collective kind, how many instructions the HLO text holds (an async pair
     counted once, at its ``-start``; XLA combines many small ones into one over a tuple)
-    and the bytes of their results (every array of a combined one's tuple; of a
-    ``-start``'s tuple of operands and results, the results)."""
+    and the bytes of their results (every array of a combined one's tuple). An async
+    ``-start``'s shape holds its operands and then its results (an all-gather's), with
+    a collective-permute's two ``u32[]`` context words after them, which are not counted;
+    an ``all-reduce-start``'s shape is its results alone. (Before 2026-12-07 a
+    collective-permute-start counted only its context words: 0 bytes.)"""
     out = {c: {"count": 0, "bytes": 0} for c in COLLECTIVES}
     for shape, op, start in _INSTRUCTION.findall(hlo):
-        sizes = [_BYTES.get(dtype, 0) * _numel(dims) for dtype, dims in _ARRAY.findall(shape)]
-        if start:
-            sizes = sizes[len(sizes) // 2 :]
+        arrays = _ARRAY.findall(shape)
+        if start and op != "all-reduce":
+            while arrays and arrays[-1] in (("u32", ""), ("s32", "")):  # context words
+                arrays.pop()
+            arrays = arrays[len(arrays) // 2 :]
         out[op]["count"] += 1
-        out[op]["bytes"] += sum(sizes)
+        out[op]["bytes"] += sum(_BYTES.get(dtype, 0) * _numel(dims) for dtype, dims in arrays)
     return out
 
 
@@ -145,7 +154,7 @@ def _numel(dims: str) -> int:
     return n
 
 
-def child(bundle: str, topology: str, layout: str, regather: bool) -> dict[str, Any]:
+def child(bundle: str, topology: str, layout: str, regather: bool | str) -> dict[str, Any]:
     from jax.experimental import topologies
 
     from stepbundle.runtime import CompileOptions, LoadOptions, ParallelOptions, ShardRule
@@ -190,6 +199,7 @@ def child(bundle: str, topology: str, layout: str, regather: bool) -> dict[str, 
         "fused_attention": out.fused_attention.get(label, 0),
         "attention_kept": out.attention_kept.get(label, []),
         "regathered_products": out.regathered_products.get(label, 0),
+        "regather_choice": out.regather_choice.get(label, ""),
         "layout_notes": list(plan.notes) if plan is not None else [],
         "memory": {
             "arguments": m.argument_size_in_bytes,
@@ -202,6 +212,7 @@ def child(bundle: str, topology: str, layout: str, regather: bool) -> dict[str, 
         },
         "fits_16gib": total <= HBM,
         "collectives": collectives(hlo),
+        "collective_permute_bytes_counted": True,  # see collectives()
     }
 
 
@@ -231,7 +242,7 @@ def run_one(
     layout: str,
     max_gb: float,
     timeout: float,
-    regather: bool = True,
+    regather: bool | str = True,
 ) -> dict[str, Any]:
     row: dict[str, Any] = {
         "model": model,
@@ -239,13 +250,13 @@ def run_one(
         "layout": layout,
         "regather_weights": regather,
     }
-    tag = "" if regather else "-no-regather"
+    tag = "" if regather is True else "-regather-" + _WORDS[regather]
     log = Path(f"/tmp/compile_slices-{model}-{topology.replace(':', '_')}-{layout}{tag}.err")
     t0 = time.perf_counter()
     with open(log, "w") as err:
         proc = subprocess.Popen(
             [sys.executable, __file__, "child", bundle, topology, layout]
-            + ([] if regather else ["--no-regather-weights"]),
+            + ["--regather-weights", _WORDS[regather]],
             stdout=subprocess.PIPE,
             stderr=err,
             env={
@@ -319,7 +330,7 @@ def compile_all(a: argparse.Namespace) -> None:
 
     def one(topology: str, layout: str) -> None:
         print(f"{a.model} {topology} {layout} ...", file=sys.stderr, flush=True)
-        regather = not a.no_regather_weights
+        regather = _regather_option(a)
         row = run_one(a.bundle, a.model, topology, layout, a.max_gb, a.timeout, regather)
         row["jax"], row["libtpu"] = jax.__version__, _libtpu_version()
         row["git"] = _git()
@@ -346,14 +357,26 @@ def _key(r: dict[str, Any]) -> tuple[Any, ...]:
     return (r["model"], r["slice"], r["layout"], r.get("regather_weights"))
 
 
+_WORDS: dict[bool | str, str] = {True: "on", False: "off", "auto": "auto"}
+
+
+def _regather_option(a: argparse.Namespace) -> bool | str:
+    """``regather_weights`` from ``--regather-weights`` and ``--no-regather-weights``."""
+    if a.no_regather_weights:
+        return False
+    choice: dict[str, bool | str] = {"on": True, "off": False, "auto": "auto"}
+    return choice[a.regather_weights]
+
+
 def _regather(r: dict[str, Any]) -> str:
-    """The table's words for a row's ``regather-weights``."""
-    if r.get("regather_weights") is None:
+    """The table's words for a row's ``regather-weights``: the option, and under "auto"
+    what was kept."""
+    asked = r.get("regather_weights")
+    if asked is None:
         return "(before)"  # compiled before the rewrite existed (e719f49)
-    if not r["regather_weights"]:
-        return "off"
     n = r.get("regathered_products")
-    return "on" if n is None else f"on ({n})"
+    done = "off" if n == 0 or asked is False else ("on" if n is None else f"on ({n})")
+    return f"auto: {done}" if asked == "auto" else done
 
 
 def _gib(n: float) -> str:
@@ -368,6 +391,16 @@ def _line(r: dict[str, Any]) -> str:
         f"{r['slice']} {r['layout']} regather {_regather(r)}: total {_gib(m['total'])} GiB (args {_gib(m['arguments'])}, "
         f"temp {_gib(m['temporaries'])}) compile {r['compile_s']:.0f} s"
     )
+
+
+def _cell(r: dict[str, Any], k: str) -> str:
+    """The table's cell of collective kind ``k`` of row ``r``: how many, and their bytes."""
+    c = r["collectives"][k]
+    if not c["count"]:
+        return "0"
+    if k == "collective-permute" and not r.get("collective_permute_bytes_counted"):
+        return f"{c['count']} (? GiB)"  # counted as 0 bytes before 2026-12-07
+    return f"{c['count']} ({c['bytes'] / GIB:.2f} GiB)"
 
 
 def table(report: dict[str, Any]) -> str:
@@ -385,7 +418,7 @@ def table(report: dict[str, Any]) -> str:
             r["model"],
             slices.index(r["slice"]) if r["slice"] in slices else len(slices),
             layouts.index(r["layout"]) if r["layout"] in layouts else len(layouts),
-            {False: 0, True: 1}.get(r.get("regather_weights"), 2),
+            {False: 0, True: 1, "auto": 2}.get(r.get("regather_weights"), 3),
         )
 
     for r in sorted(report["rows"], key=order):
@@ -404,11 +437,8 @@ def table(report: dict[str, Any]) -> str:
             why = r.get("failed") or r.get("refused")
             lines.append(f"{head} | | | ? | not compiled: {why} | | | | |")
             continue
-        m, c = r["memory"], r["collectives"]
-        counts = " | ".join(
-            f"{c[k]['count']} ({c[k]['bytes'] / GIB:.2f} GiB)" if c[k]["count"] else "0"
-            for k in COLLECTIVES
-        )
+        m = r["memory"]
+        counts = " | ".join(_cell(r, k) for k in COLLECTIVES)
         lines.append(
             f"{head} {_gib(m['arguments'])} | {_gib(m['temporaries'])} | {_gib(m['total'])} | "
             f"{'yes' if r['fits_16gib'] else 'no'} | {counts} |"
@@ -439,9 +469,16 @@ def main() -> int:
     c.add_argument("--timeout", type=float, default=1800.0)
     c.add_argument("--out", default=str(RESULTS))
     c.add_argument(
+        "--regather-weights",
+        choices=("on", "off", "auto"),
+        default="on",
+        help="the runtime's regather_weights: on (default here), off, auto (the runtime's "
+        "default: the rewrite only where libtpu refuses the program as written)",
+    )
+    c.add_argument(
         "--no-regather-weights",
         action="store_true",
-        help="compile the program as written, without the regather-weights rewrite",
+        help="compile the program as written (--regather-weights off)",
     )
     t = sub.add_parser("table", help="print the markdown table of a results file")
     t.add_argument("--out", default=str(RESULTS))
@@ -449,6 +486,7 @@ def main() -> int:
     k.add_argument("bundle")
     k.add_argument("topology")
     k.add_argument("layout")
+    k.add_argument("--regather-weights", choices=("on", "off", "auto"), default="on")
     k.add_argument("--no-regather-weights", action="store_true")
     a = p.parse_args()
     if a.command == "export":
@@ -458,7 +496,7 @@ def main() -> int:
     elif a.command == "table":
         print(table(json.loads(Path(a.out).read_text())))
     else:
-        print(json.dumps(child(a.bundle, a.topology, a.layout, not a.no_regather_weights)))
+        print(json.dumps(child(a.bundle, a.topology, a.layout, _regather_option(a))))
     return 0
 
 

@@ -99,14 +99,31 @@ def _step(
     *,
     channels_last: bool = False,
     flip: tuple[int, int] | None = None,
+    upstream: list[Any] | None = None,
 ) -> tuple[list[Any], dict[str, Any]]:
     """One forward and backward of a copy of ``model`` in ``dtype``: every ReLU call's
     input (NCHW, float64) and every parameter's gradient (float64). ``flip`` (call,
     flat index) negates that one ReLU input, so the ReLU decides it the other way (its
-    value moves by twice a tie's size: a few 1e-6)."""
+    value moves by twice a tie's size: a few 1e-6). ``upstream``, when given, receives
+    each call's gradient at its output (float64), in call order: what an open ReLU
+    passes on at an element, and a closed one drops."""
     import copy
 
     import torch
+
+    class Tap(torch.autograd.Function):
+        """The identity (a copy), whose backward keeps the gradient at the ReLU's output."""
+
+        @staticmethod
+        def forward(ctx: Any, x: Any, k: int) -> Any:  # noqa: ARG004
+            ctx.k = k
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx: Any, g: Any) -> Any:
+            assert upstream is not None
+            upstream[ctx.k] = g.detach().double().clone()
+            return g, None
 
     m = copy.deepcopy(model).to(dtype)
     m.train()
@@ -115,15 +132,22 @@ def _step(
     def pre(_mod: Any, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
         k = len(seen)
         seen.append(args[0].detach().double().clone())
+        x = args[0]
         if flip is not None and flip[0] == k:
-            delta = torch.zeros_like(args[0]).reshape(-1)
-            delta[flip[1]] = -2 * args[0].detach().reshape(-1)[flip[1]]
-            return (args[0] + delta.reshape(args[0].shape),)
-        return None
+            delta = torch.zeros_like(x).reshape(-1)
+            delta[flip[1]] = -2 * x.detach().reshape(-1)[flip[1]]
+            x = x + delta.reshape(x.shape)
+        return (x,) if x is not args[0] else None
 
-    hooks = [
-        mod.register_forward_pre_hook(pre) for mod in m.modules() if isinstance(mod, torch.nn.ReLU)
-    ]
+    def post(_mod: Any, _args: tuple[Any, ...], out: Any) -> Any:
+        if upstream is None:
+            return None
+        upstream.append(None)
+        return Tap.apply(out, len(upstream) - 1)
+
+    relus = [mod for mod in m.modules() if isinstance(mod, torch.nn.ReLU)]
+    hooks = [mod.register_forward_pre_hook(pre) for mod in relus]
+    hooks += [mod.register_forward_hook(post) for mod in relus]
     x = batch["x"].to(dtype)
     if channels_last:
         m = m.to(memory_format=torch.channels_last)
@@ -171,7 +195,8 @@ def torch_stage(work: Path, seeds: int, frontend: str) -> list[str]:
     # Exported first: torch_xla's exporter fails in a process whose autograd engine ran a
     # CPU backward before torch_xla started ("device_ready_queues_" assertion).
     rep = export(recipe, str(work / "resnet18.stepbundle"), check=False)
-    pre64, g64 = _step(model, batch, torch.float64)
+    up64: list[Any] = []
+    pre64, g64 = _step(model, batch, torch.float64, upstream=up64)
     pre32, g32 = _step(model, batch, torch.float32)
     # The ties: float64's ReLU inputs of smallest magnitude, over every call.
     flat = [(float(abs(x.reshape(-1)[i])), k, int(i))
@@ -190,8 +215,8 @@ def torch_stage(work: Path, seeds: int, frontend: str) -> list[str]:
         "gives when that one ReLU decides the other way (`flipped`: its worst gradient "
         "against float64's):",
         "",
-        "| tie | ReLU call | shape | index (N, C, H, W) | float64 | float32 | float32's error at that call (normwise, largest) | flipped: worst gradient |",
-        "|---|---|---|---|---|---|---|---|",
+        "| tie | ReLU call | shape | index (N, C, H, W) | float64 | float32 | float32's error at that call (normwise, largest) | float64's gradient at the ReLU's output there | flipped: worst gradient |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for t, (_, k, i) in enumerate(ties):
         _, gf = _step(model, batch, torch.float64, flip=(k, i))
@@ -204,6 +229,7 @@ def torch_stage(work: Path, seeds: int, frontend: str) -> list[str]:
         lines.append(
             f"| {t} | {k} | {list(shape)} | {list(idx)} | {float(pre64[k].reshape(-1)[i]):.4g} "
             f"| {float(pre32[k].reshape(-1)[i]):.4g} | {err32[k][0]:.2e}, {err32[k][1]:.2e} "
+            f"| {float(up64[k].reshape(-1)[i]):.5g} "
             f"| {w:.2e} (`{name}`) |"
         )
     np.savez(work / "resnet18.ref.npz", **ref)

@@ -66,6 +66,8 @@ def report_load(args: RunConfig, trainer: Trainer, load_s: float, tag: str = "ru
         print(f"[{tag}] layout: {note}", file=sys.stderr)
     for note in trainer.load_info.head_barriers.values():  # the output head weighed (a TPU)
         print(f"[{tag}] output head: {note}", file=sys.stderr)
+    for note in trainer.load_info.regather_choice.values():  # fsdp, fsdp+tp: weights re-gathered?
+        print(f"[{tag}] regather-weights: {note}", file=sys.stderr)
     if trainer.load_info.auto_steps:  # what steps_per_call="auto" chose, and why
         print(f"[{tag}] {trainer.load_info.auto_steps}", file=sys.stderr)
     report_origins(trainer, args, tag)

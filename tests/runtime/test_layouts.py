@@ -533,6 +533,8 @@ def test_cli_run_takes_a_layout(tmp_path: Path) -> None:
     )
     assert r.returncode == 0, r.stderr
     assert "on cpu x4 (layout fsdp, mesh data 4, 360 B of state per device)" in r.stderr
+    # regather_weights="auto" weighed the program and the load says what it kept
+    assert "[run] regather-weights: train[0]: compiled as written" in r.stderr, r.stderr
     r = subprocess.run(
         [*run, "--data", data, "--steps", "2", "--devices", "4", "--layout", "fsdp+tp:3"],
         capture_output=True,

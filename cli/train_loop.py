@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
 __all__ = ["run_train", "save_state"]
 
-# Calls dispatched and not known to be finished, at most (see _run_train's pace): two
+# Calls dispatched and not known to be finished, at most (see run_train's pace): two
 # keep the device fed while the host waits for the older one.
 _CALLS_AHEAD = 2
 

@@ -137,8 +137,9 @@ class CompileOptions:
         (``fsdp``, ``fsdp+tp``), each product of such a parameter after its first reads its
         own copy behind an optimization barrier, so the partitioner gathers the weight
         again for the backward pass (``stablehlo/regather.py``): the same values; the 8B
-        of docs/parallel.md fits a v5e-64 and -256 only with it, and the 1.1B on a v5e-8
-        needs more memory with it (12.77 against 9.46 GiB a chip). "auto" (default): each such program is compiled as
+        of docs/parallel.md fits a v5e-256 only with it (a v5e-64 was compiled with it
+        only), and the 1.1B on a v5e-8 needs more memory with it (12.77 against 9.46 GiB a
+        chip). "auto" (default): each such program is compiled as
         written, and with the rewrite too only where the first does not fit (the compiler
         refused it for memory, or XLA's memory analysis exceeds ``device_memory``); the
         rewritten program is kept where it was refused, or unless it needs more

@@ -291,7 +291,7 @@ def _choose_regather(
     except Exception as e:  # the program as written is compiled: keep it
         why = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
         warn_once(
-            "regather-weights",
+            "regather-weights-compile",  # not the rewrite's own key: both may come up
             f"stepbundle kept {label} with its weights gathered once: the program with them "
             f"re-gathered did not compile ({why})",
         )

@@ -59,9 +59,10 @@ class LoadInfo:
         products to re-gather a weight for, what was compared and kept, in words
         (``runtime/compile/regather_choice.py``): the memory XLA plans for the program as
         written against the device's, or the compiler's refusal, and, where the rewritten
-        program was compiled too, what it needs. Such a program has two events in
-        ``cache``: its own label's and ``LABEL+regather-weights``. Empty where nothing was
-        weighed (True, False, no such product).
+        program was compiled too, what it needs. That compile has its own event in
+        ``cache``, ``LABEL+regather-weights``, beside the label's own where the program as
+        written compiled (a compile the compiler refused leaves no event). Empty where
+        nothing was weighed (True, False, no such product).
       kept_freed_memory: whether glibc's allocator was told to keep freed memory
         before compiling (on a TPU; ``CompileOptions.keep_freed_memory``,
         ``runtime/compile/allocator.py``).

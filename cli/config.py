@@ -51,7 +51,7 @@ class RunConfig:
     no_cache: bool = False
     no_fused_attention: bool = False
     no_bf16_products: bool = False
-    no_regather_weights: bool = False
+    regather_weights: str = "auto"
     head_barriers: str = "auto"
     entry: str = "train"
     entries: tuple[str, ...] | None = None

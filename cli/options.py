@@ -134,13 +134,21 @@ SHARED: dict[str, dict[str, Any]] = {
         "they are otherwise compiled bf16-out (each product the same bits on a v5e, fewer "
         "relayouts; docs/tpu.md)",
     },
+    "--regather-weights": {
+        "choices": ("auto", "on", "off"),
+        "default": "auto",
+        "help": "under --layout fsdp or fsdp+tp: 'auto' (default) compiles the program as "
+        "written and, only where it does not fit the device (the compiler refuses it for "
+        "memory, or XLA's memory analysis exceeds what the device reports), again with each "
+        "split weight gathered again for the backward pass (the same values); 'on' compiles "
+        "only that form (skips the refused compile for a model known not to fit as written); "
+        "'off' gathers each weight once for all its products (docs/parallel.md)",
+    },
     "--no-regather-weights": {
-        "action": "store_true",
-        "help": "under --layout fsdp or fsdp+tp, gather each split weight once for all its "
-        "products; otherwise, where the program as written does not fit the device (the "
-        "compiler refuses it for memory, or XLA's memory analysis exceeds what the device "
-        "reports), it is compiled again with each weight gathered again for the backward "
-        "pass (the same values; docs/parallel.md)",
+        "dest": "regather_weights",
+        "action": "store_const",
+        "const": "off",
+        "help": "the same as --regather-weights off",
     },
     "--head-barriers": {
         "choices": ("auto", "on", "off"),
@@ -188,6 +196,7 @@ def add_device_options(parser: Any) -> None:
         "--no-cache",
         "--no-fused-attention",
         "--no-bf16-products",
+        "--regather-weights",
         "--no-regather-weights",
         "--head-barriers",
     )
@@ -204,9 +213,9 @@ def head_barriers(config: RunConfig) -> bool | Literal["auto"]:
 
 
 def regather_weights(config: RunConfig) -> bool | Literal["auto"]:
-    """``CompileOptions.regather_weights`` from ``--no-regather-weights`` (run, eval,
-    compile): False, or "auto"."""
-    return False if config.no_regather_weights else "auto"
+    """``CompileOptions.regather_weights`` from ``--regather-weights`` (or
+    ``--no-regather-weights``, its ``off``; run, eval, compile)."""
+    return {"on": True, "off": False}.get(config.regather_weights, "auto")
 
 
 def parallel_options(config: RunConfig) -> ParallelOptions:

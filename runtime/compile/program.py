@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from stepbundle.schema.errors import DeviceError
 from stepbundle.schema.manifest import Program
 from stepbundle.stablehlo.attention import StateValues
 from stepbundle.stablehlo.head_barriers import (
@@ -234,7 +235,8 @@ def _choose_regather(
 
     The rewritten program is compiled (under ``LABEL+regather-weights`` in the cache's
     events) where the compiler refused the program as written for memory
-    (``regather_choice.memory_refusal``; it is then kept, and its own failure raises), or
+    (``regather_choice.memory_refusal``; it is then kept, and its own failure raises: a
+    DeviceError naming both refusals where it too was refused for memory), or
     where XLA's memory analysis of it exceeds ``memory()`` (then the rewritten program is
     kept unless it needs more; a failure of the rewritten compile keeps the program as
     written, with a warning). Where ``memory()`` is None (a CPU, a described TPU slice) only a refusal
@@ -254,7 +256,20 @@ def _choose_regather(
         n = other_ctx.notes.get("regathered_products", 0)
         if not n:  # the rewrite did not apply (it warned): the same program, refused
             raise
-        other = compile_stage(other_ctx, other_stage, "+regather-weights")
+        try:
+            other = compile_stage(other_ctx, other_stage, "+regather-weights")
+        except Exception as again:
+            why_again = regather_choice.memory_refusal(again)
+            if why_again is None:
+                raise
+            raise DeviceError(
+                f"{label} does not fit the device's memory in either form: the compiler "
+                f"refused the program as written ({why.rstrip('.')}) and with the weights "
+                f"re-gathered for {_plural(n, 'product')} ({why_again.rstrip('.')}). Split it "
+                "over more devices, "
+                "add a model axis (--layout fsdp+tp), train a smaller batch bucket, or "
+                "checkpoint activations when exporting (docs/parallel.md)"
+            ) from again
         return other, (
             f"{label}: the compiler refused the program as written for memory ({why}); "
             f"compiled with the weights re-gathered for {_plural(n, 'product')}"

@@ -195,11 +195,13 @@ def test_eval_takes_the_digest_pin_and_the_load_options_run_takes(
         ["--matmul-precision", "highest"],
         ["--pack-state", "0"],
         ["--no-bf16-products", "--no-regather-weights"],
+        ["--regather-weights", "on"],
     ):
         code, line = _command(capsys, *evaluate, *extra)
         assert code == 0, (extra, line)
-    pinned, precise, unpacked, as_written = seen
+    pinned, precise, unpacked, as_written, regathered = seen
     assert as_written.compile.regather_weights is False
+    assert regathered.compile.regather_weights is True
     assert pinned.compile.regather_weights == "auto"  # the rewrite only where needed
     assert pinned.safety.expect_digest == digest
     assert precise.compile.matmul_precision == "highest"

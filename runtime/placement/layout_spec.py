@@ -106,7 +106,8 @@ def _rules(dim: int, *names: str) -> tuple[ShardRule, ...]:
 # the projections into attention and into the MLP are split on their outputs (column, dim
 # 0; their biases too), the projections back on their inputs (row, dim 1; the bias stays
 # whole), the token embedding and the output head on the vocabulary. The names are those
-# of nanoGPT and Hugging Face's GPT-2, Llama, BERT, and Meta's Llama.
+# of nanoGPT and Hugging Face's GPT-2, Llama, BERT, Meta's Llama and timm's ViT blocks
+# (attn.qkv, attn.proj, mlp.fc1, mlp.fc2).
 DEFAULT_TP_RULES: tuple[ShardRule, ...] = (
     *_rules(
         0,
@@ -139,6 +140,8 @@ DEFAULT_TP_RULES: tuple[ShardRule, ...] = (
         "attention.wv.weight",
         "feed_forward.w1.weight",
         "feed_forward.w3.weight",
+        "mlp.fc1.weight",
+        "mlp.fc1.bias",
     ),
     *_rules(
         1,
@@ -151,6 +154,8 @@ DEFAULT_TP_RULES: tuple[ShardRule, ...] = (
         "output.dense.weight",
         "attention.wo.weight",
         "feed_forward.w2.weight",
+        "attn.proj.weight",
+        "mlp.fc2.weight",
     ),
     *_rules(
         0,

@@ -462,6 +462,33 @@ def test_default_rules_keep_what_does_not_divide_whole_and_say_so() -> None:
     assert any(n.startswith("transformer.wte.weight [32, 16] kept whole") for n in plan.notes)
 
 
+def test_default_rules_split_the_blocks_people_write_as_megatron_does() -> None:
+    """The first default rule a name matches: a block's projections into attention and
+    the MLP on their outputs (0), the projections back on their inputs (1), across the
+    naming of GPT-2, Llama and timm's ViT (whose attn.proj a new user found left whole
+    beside a split attn.qkv); a projection back keeps its bias whole."""
+    from stepbundle.runtime.placement.layout_spec import DEFAULT_TP_RULES
+
+    def first(name: str) -> int | None:
+        return next((r.dim for r in DEFAULT_TP_RULES if r.matches(name)), None)
+
+    expect = {
+        "blocks.0.attn.qkv.weight": 0,
+        "blocks.0.attn.qkv.bias": 0,
+        "blocks.0.attn.proj.weight": 1,
+        "blocks.0.attn.proj.bias": None,
+        "blocks.0.mlp.fc1.weight": 0,
+        "blocks.0.mlp.fc1.bias": 0,
+        "blocks.0.mlp.fc2.weight": 1,
+        "blocks.0.mlp.fc2.bias": None,
+        "transformer.h.0.attn.c_attn.weight": 0,
+        "transformer.h.0.attn.c_proj.weight": 1,
+        "model.layers.0.self_attn.o_proj.weight": 1,
+        "model.layers.0.mlp.down_proj.weight": 1,
+    }
+    assert {n: first(n) for n in expect} == expect
+
+
 def test_the_notes_say_what_tensor_parallelism_split_and_what_split_nothing() -> None:
     # A new user's model whose names no default rule knows loaded under fsdp+tp with
     # nothing split over the model axis and no word of it; rules under a layout without

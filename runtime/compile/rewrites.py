@@ -172,11 +172,18 @@ def fused_attention(stage: Stage, ctx: RewriteContext) -> Stage:
     ``runtime/compile/fused_attention.py``). Not under "high"/"highest" (the kernels' products
     are bf16). Over several devices, attention composites only, one kernel call per
     shard (``runtime/compile/mesh_attention.py``: a Pallas call is not partitioned)."""
-    if (
-        ctx.platform != "tpu"
-        or not ctx.fused_attention
-        or ctx.matmul_precision in ("high", "highest")
-    ):
+    if ctx.platform != "tpu" or not ctx.fused_attention:
+        return stage
+    if ctx.matmul_precision in ("high", "highest"):
+        if count_composites(stage.module) or count_score_products(stage.module):
+            why = (
+                f"the matmul precision is '{ctx.matmul_precision}', and the kernels compute "
+                "bf16 products (a torch front-end bundle records torch's float32 default, "
+                "'highest'); load it with matmul_precision='default' (--matmul-precision "
+                "default) to fuse its attention (docs/tpu.md)"
+            )
+            ctx.kept_attention.append(f"every attention: {why}")
+            warn_once("fused-attention-precision", f"stepbundle kept traced attention: {why}")
         return stage
     return fuse_attention(stage, ctx, ctx.platform)
 

@@ -172,6 +172,27 @@ def test_the_tpu_program_calls_the_kernel_on_each_shard(
     assert "tpu_custom_call" in text
 
 
+def test_at_highest_precision_a_tpu_keeps_attention_and_says_why() -> None:
+    """A TPU at matmul precision 'highest' (what a torch front-end bundle records) keeps
+    the attention traced: the load says so and how to fuse it, where a new user found
+    0 fused, nothing kept and no word (the same program at 'default' fuses it)."""
+    with open_bundle(BUNDLE) as b:
+        program = b.manifest.entries["train"].programs[0]
+        module = mlir.parse_artifact(bytes(b.section(program.section)))
+    for precision, fused in (("highest", False), ("default", True)):
+        ctx = rewrites.RewriteContext(
+            platform="tpu", placement=Placement(jax.devices()[:1]), matmul_precision=precision
+        )
+        out = rewrites.fused_attention(rewrites.Stage(module, program), ctx)
+        assert ("tpu_custom_call" in out.module.text()) is fused, precision
+        if fused:
+            assert ctx.kept_attention == [] and ctx.notes["fused_attention"] == 1
+        else:
+            assert out is not None and len(ctx.kept_attention) == 1, ctx.kept_attention
+            assert "matmul precision is 'highest'" in ctx.kept_attention[0]
+            assert "--matmul-precision default" in ctx.kept_attention[0]
+
+
 def test_heads_that_do_not_split_keep_the_decomposition_and_say_why() -> None:
     # fsdp+tp:4 on 4 devices: a model axis of 4 over the 2 heads
     out, ctx, text = _tpu_rewrite("fsdp+tp:4")

@@ -225,6 +225,7 @@ def plan_shards(
         ),
     }[layout.data]
     dims: dict[str, Dims] = {}
+    whole: list[str] = []  # tensors the data split takes and could not split
     for entry in manifest.state:
         shape = entry.spec.shape
         if not shape:
@@ -240,6 +241,8 @@ def plan_shards(
             plan[taken] = MODEL
         if data > 1 and entry.kind in split_kinds:
             d = _data_dim(shape, data, taken, indexed)
+            if d is None:
+                whole.append(f"{entry.name} {list(shape)}")
             if d is not None:
                 plan[d] = DATA
                 if d in indexed and entry is owner:
@@ -251,4 +254,11 @@ def plan_shards(
                     )
         if any(a is not None for a in plan):
             dims[entry.name] = tuple(plan)
+    if whole:
+        notes.append(
+            f"{len(whole)} tensor(s) the layout {layout.spec!r} splits over data are kept "
+            f"whole on every device, no free dimension dividing by {data}: "
+            + ", ".join(whole[:6])
+            + (", ..." if len(whole) > 6 else "")
+        )
     return ShardPlan(layout, data, model, dims, tuple(notes))

@@ -462,6 +462,22 @@ def test_default_rules_keep_what_does_not_divide_whole_and_say_so() -> None:
     assert any(n.startswith("transformer.wte.weight [32, 16] kept whole") for n in plan.notes)
 
 
+def test_a_data_split_that_cannot_split_a_tensor_says_so() -> None:
+    """fsdp over 3 devices: the tiny GPT's [32, 16] embedding has no dimension dividing
+    by 3, so every device holds it whole, and the notes name it (a new user's model
+    under fsdp on 8 devices held all its state on every device with no word)."""
+    plan = plan_shards(_gpt_manifest(), ParallelLayout(DataSplit.FSDP), 3)
+    assert "transformer.wte.weight" not in plan.dims
+    note = [n for n in plan.notes if "kept whole on every device" in n]
+    assert len(note) == 1 and "transformer.wte.weight [32, 16]" in note[0], plan.notes
+    assert "no free dimension dividing by 3" in note[0]
+    # zero1 takes only the optimizer state: the parameter itself is not named
+    plan = plan_shards(_gpt_manifest(), ParallelLayout(DataSplit.ZERO1), 3)
+    note = [n for n in plan.notes if "kept whole on every device" in n]
+    assert note and "transformer.wte.weight [" not in note[0]
+    assert "transformer.wte.weight.exp_avg" in note[0], note
+
+
 def test_default_rules_split_the_blocks_people_write_as_megatron_does() -> None:
     """The first default rule a name matches: a block's projections into attention and
     the MLP on their outputs (0), the projections back on their inputs (1), across the

@@ -37,6 +37,10 @@ Where it runs:
   under the same names, in the same dtypes and shapes (``_unmatched``; a gradient the step
   rebuilds, or state neither step made, is left out, and the export line says so).
   Each state tensor is then judged whole and row by row (``step_compare``).
+- Where float32's bounds and the float64 arbiter would still refuse the bundle, a ReLU
+  input within float32's rounding of zero that the bundle's step decided the other way
+  from PyTorch may explain it: float64 decided that way must then match every metric
+  and state tensor (``step_ties``), and the export line says which input it was.
 
 Imports: torch, safetensors, stepbundle.schema (the runtime only as a child process).
 """
@@ -91,6 +95,7 @@ from .step_eager import (
     state_by_name,
 )
 from .step_runtime import RuntimeStep, children_cpu_time, cpu_time, scratch_dir
+from .step_ties import arbitrate
 
 __all__ = [
     "CPU_EAGER",
@@ -182,6 +187,10 @@ class CheckReport:
         (``_unmatched``; "" when none): gradients the step rebuilds, state neither step
         made.
       reason: why it was skipped.
+      ties: where the bundle passed because float64 with a ReLU input decided the other
+        way matches it (``step_ties``), which input, in words ("" otherwise).
+      ties_cpu_seconds: the tie arbitration's processor time (0 where nothing failed;
+        counted in ``eager_cpu_seconds`` too).
     """
 
     ran: bool
@@ -197,6 +206,8 @@ class CheckReport:
     closest: str = ""
     uncompared: str = ""
     reason: str = ""
+    ties: str = ""
+    ties_cpu_seconds: float = 0.0
 
     def line(self) -> str:
         """The export line."""
@@ -210,7 +221,8 @@ class CheckReport:
         return (
             f"checked: one step through the runtime on the CPU against {self.reference}: "
             f"{self.compared} metrics and state tensors agree (closest to its bound: "
-            f"{self.closest}){uncompared}; {self.seconds:.1f}s (runtime process "
+            f"{self.closest}){uncompared}{f'; {self.ties}' if self.ties else ''}; "
+            f"{self.seconds:.1f}s (runtime process "
             f"{self.runtime_seconds:.1f}s, eager {self.eager_seconds:.1f}s; "
             f"{self.cpu_seconds:.1f}s of processor time)"
         )
@@ -317,6 +329,7 @@ def check_bundle(
     random_reference: Reference | str,
     say: Callable[[str], None] = lambda _m: None,
     runtime: RuntimeStep | None = None,
+    ties: bool = True,
 ) -> CheckReport:
     """Step the bundle at ``path`` once through the runtime and ``recipe`` once eagerly;
     compare every metric and state tensor.
@@ -327,6 +340,12 @@ def check_bundle(
     passes where it is no further from float64 than twice PyTorch float32's own distance
     (rounding that the step itself amplifies, such as Adam dividing a gradient that is
     zero in exact arithmetic by its own magnitude, moves PyTorch float32 as much).
+
+    Where that still refuses it under float32 bounds, a ReLU tie may explain it: one ReLU
+    input within float32's rounding of zero that the bundle's step decided the other way
+    from PyTorch's (``step_ties``). The bundle passes where float64 with that input (or
+    two such) decided the other way matches every metric and state tensor as closely as
+    float64 is asked to above, and the export line says which input it was.
 
     Under low-precision bounds (``Bounds.suspect``: bf16/f16 or autocast steps,
     numerics='torch_xla') a state tensor beyond them, and one within them whose update is
@@ -345,6 +364,9 @@ def check_bundle(
       say: progress lines.
       runtime: the runtime's process, started ahead (``runtime_ahead``); None: started
         here.
+      ties: where the check would refuse under float32 bounds, look for a ReLU input that
+        float32 rounding decides either way and float64 decided the bundle's way matches
+        (``step_ties.arbitrate``); False: refuse as it stands.
 
     Raises:
       CheckFailed: a metric or state tensor differs beyond ``Bounds``; the bundle at
@@ -432,6 +454,8 @@ def check_bundle(
             ask = set() if failing & set(metric_names) else failing | suspects(found, bounds)
         arbitrated = 0
         unarbitrated = 0
+        replayed = False
+        arbiter = ref
         if ask and not ref.float64:
             unarbitrated = len(ask - failing)
         elif ask:
@@ -500,6 +524,17 @@ def check_bundle(
                         arbitrated += v.ratio <= 1.0
                     kept.append(v)
             found = kept
+        tie = None
+        if ties and replayed and bounds.suspect is None and max(v.ratio for v in found) > 1.0:
+            # Refused as it stands: a ReLU input float32 rounding decides either way may
+            # explain it (step_ties).
+            tie = arbitrate(recipe, ref, arbiter, batch, seed, bundle, metric_names,
+                            state_names, {v.name for v in found if v.ratio > 1.0}, before,
+                            bounds)  # fmt: skip
+            eager_seconds += tie.seconds
+            eager_cpu += tie.cpu_seconds
+            if tie.flipped:
+                found = tie.verdicts
     seconds = time.perf_counter() - t0
     if not found:  # pragma: no cover - every train program has a loss metric
         return CheckReport(False, reason="nothing to compare")
@@ -507,13 +542,14 @@ def check_bundle(
     if worst.ratio > 1.0:
         with contextlib.suppress(OSError):
             path.unlink()
+        no_tie = f" No ReLU tie explains it: {tie.reason}." if tie and tie.candidates else ""
         raise CheckFailed(
             f"The exported step does not compute what the recipe's step computes: after one "
             f"step from the same state and batch, {describe(worst)} ({worst.detail}; "
             f"{worst.ratio:.3g}x {worst.against or f'the bound {bounds.label} explains'}). "
-            f"Compared against {ref.name}. The bundle at {os.fspath(path)!r} was removed. "
-            f"This is a bug of stepbundle or an unsupported pattern in the step: please "
-            f"report it with the recipe. {_UNCHECKED_ADVICE}.",
+            f"Compared against {ref.name}.{no_tie} The bundle at {os.fspath(path)!r} was "
+            f"removed. This is a bug of stepbundle or an unsupported pattern in the step: "
+            f"please report it with the recipe. {_UNCHECKED_ADVICE}.",
             worst.name,
             worst.bundle,
             worst.eager,
@@ -530,10 +566,15 @@ def check_bundle(
         runtime_parts={k: float(v) for k, v in parts.items()},
         compared=len(found),
         uncompared=uncompared,
+        ties=tie.words() if tie is not None and tie.flipped else "",
+        ties_cpu_seconds=tie.cpu_seconds if tie is not None else 0.0,
         closest=f"{worst.name} at {worst.ratio:.2g} of it"
         + (
-            f"; {arbitrated} within {'PyTorch float32' if bounds.suspect is None else 'eager'}"
-            f"'s own distance from float64"
+            " against float64 with the tie decided the bundle's way"
+            if tie is not None and tie.flipped
+            else f"; {arbitrated} within "
+            f"{'PyTorch float32' if bounds.suspect is None else 'eager'}'s own distance from "
+            f"float64"
             if arbitrated
             else ""
         )

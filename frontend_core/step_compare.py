@@ -381,30 +381,37 @@ def update_verdicts(
     float64: Mapping[str, torch.Tensor],
     before: Mapping[str, torch.Tensor],
     bounds: Bounds,
+    *,
+    own: Mapping[str, torch.Tensor] | None = None,
 ) -> dict[str, Verdict]:
     """Each suspect state tensor's update judged against the float64 step's: it fails
     where ``||a - x|| > ARBITER_TIMES * ||b - x|| + ARBITER_FLOOR * ||x - b0|| + atol *
     sqrt(n)`` (``a`` bundle, ``b`` eager, ``x`` float64, ``b0`` before the step), over
     the whole tensor or over any one of its rows (``_rows``: a dropped update of one
     embedding row or output channel). A tensor with non-finite values, or one the float64
-    step did not make, is left out."""
+    step did not make, is left out.
+
+    ``own``: the float64 step eager's own distance is measured from (``||b - own||``),
+    where ``float64`` is another (the tie arbitration's, with a ReLU decided the other
+    way: eager's distance from it would count the decision as rounding)."""
     out: dict[str, Verdict] = {}
     for name in sorted(names):
-        if name not in float64:
+        if name not in float64 or (own is not None and name not in own):
             continue
         x = float64[name].detach().reshape(-1).double()
         a = bundle[name].reshape(-1).double()
         w = eager[name].reshape(-1).double()
-        if a.shape != x.shape or w.shape != x.shape:
+        xo = x if own is None else own[name].detach().reshape(-1).double()
+        if a.shape != x.shape or w.shape != x.shape or xo.shape != x.shape:
             continue
-        if not bool(torch.isfinite(torch.stack([a, w, x])).all()):
+        if not bool(torch.isfinite(torch.stack([a, w, x, xo])).all()):
             continue
         shape = tuple(eager[name].shape)
         rows = _rows(shape)
         per = x.numel() // rows
         b0 = _before(name, before, float64[name])
         u_rows = _row_norms(x - b0.reshape(-1).double() if b0 is not None else x, rows)
-        b_rows, e_rows = _row_norms(a - x, rows), _row_norms(w - x, rows)
+        b_rows, e_rows = _row_norms(a - x, rows), _row_norms(w - xo, rows)
         upd, dist_b, dist_e = _whole(u_rows), _whole(b_rows), _whole(e_rows)
         limit = ARBITER_TIMES * dist_e + ARBITER_FLOOR * upd + bounds.atol * math.sqrt(x.numel())
         ratio = dist_b / limit if limit > 0 else (0.0 if dist_b == 0 else math.inf)

@@ -48,6 +48,7 @@ INTERNAL = {
     "stepbundle.stablehlo.mask_values._Unknown": "compute_mask says why it computed nothing",
     "stepbundle.frontend.step_eager.CannotReproduce": "frontend_core/step_check.py skips or "
     "leaves unarbitrated",
+    "stepbundle.frontend.step_ties._Mismatch": "step_ties.arbitrate looks for no tie",
 }
 
 # A builtin exception of these kinds may be raised: the protocols and programming errors.

@@ -30,6 +30,7 @@ CORE = [
     "stepbundle.frontend.step_check",
     "stepbundle.frontend.step_compare",
     "stepbundle.frontend.step_io",
+    "stepbundle.frontend.step_ties",
     "stepbundle.frontend.tables",
     "stepbundle.frontend.user_objects",
     "stepbundle.frontend.writer",

@@ -128,6 +128,8 @@ def child(name: str, frontend: str, out: str) -> None:
                 "eager_s": chk.eager_seconds,
                 "eager_cpu_s": chk.eager_cpu_seconds,
                 "closest": chk.closest,
+                "ties_cpu_s": getattr(chk, "ties_cpu_seconds", 0.0),
+                "ties": getattr(chk, "ties", ""),
                 "line": chk.line(),
                 "total_s": wall,
                 "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
@@ -205,8 +207,18 @@ def _cpu_parts(got: dict[str, Any]) -> str:
 
 
 def _key(row: str) -> tuple[str, ...]:
-    """A row's model and front-end."""
-    return tuple(c.strip() for c in row.split("|")[1:3])
+    """A row's model, front-end and XLA_FLAGS (a run with flags and one without sit side
+    by side)."""
+    cells = [c.strip() for c in row.split("|")]
+    return (cells[1], cells[2], cells[20] if len(cells) > 20 else "")
+
+
+def _ties(got: dict[str, Any]) -> str:
+    """The tie arbitration's processor time and what it found (0: no tensor failed, it
+    never ran)."""
+    found = re.search(r"element (\[[^\]]*\])", got["ties"]) if got["ties"] else None
+    said = f" ({found.group(1)} flipped)" if found else ""
+    return f"{got['ties_cpu_s']:.1f} s{said}"
 
 
 def _rows_kept() -> list[str]:
@@ -266,7 +278,7 @@ def main() -> None:
                 print(f"{name} on {frontend} failed:\n{proc.stderr[-4000:]}", flush=True)
                 rows.append(
                     f"| {name} | {frontend} | failed: exit code {proc.returncode} "
-                    f"| | | | | | | | | | | | | | | {_commit()} | {load:.1f} | {flags} |"
+                    f"| | | | | | | | | | | | | | | {_commit()} | {load:.1f} | {flags} | |"
                 )
             else:
                 got = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -287,7 +299,7 @@ def main() -> None:
                     f"| {_parts(got)} | {_cpu_parts(got)} | {closest} "
                     f"| {warm['cpu_s']:.1f} s ({warm['hits']} hit) / {cold['cpu_s']:.1f} s "
                     f"| {net:.1f} s ({net / got['export_cpu_s']:.2f}) "
-                    f"| {net_wall:.1f} s | {_commit()} | {load:.1f} | {flags} |"
+                    f"| {net_wall:.1f} s | {_commit()} | {load:.1f} | {flags} | {_ties(got)} |"
                 )
             _write(rows)
 
@@ -295,6 +307,8 @@ def main() -> None:
 def _write(rows: list[str]) -> None:
     new = {_key(r) for r in rows}
     kept = [r for r in _rows_kept() if _key(r) not in new]
+    # Rows from before the tie arbitration have no column for it.
+    kept = [r + " (code before it) |" if r.count("|") == 21 else r for r in kept]
     lines = [
         "# The export check's cost beside the export",
         "",
@@ -315,9 +329,12 @@ def _write(rows: list[str]) -> None:
         "'load': the machine's 1-minute load average when the row's export began (2 cores);",
         "'XLA_FLAGS': the environment's, where the run set any (the runtime's process adds",
         "its own on jaxlib 0.7.1: cli/step_check.py). Since 2026-12-07 10:15 UTC the machine",
-        "is a Zen 4 host with AVX-512, on which XLA's CPU code gets a resnet18 gradient wrong",
-        "and the check refuses the bundle (export_check_choices.md, fifth round): its rows cap",
-        "the ISA XLA compiles for.",
+        "is a Zen 4 host with AVX-512, on which the runtime's step decides one ReLU input of",
+        "resnet18 the other way from PyTorch (relu_ties.md): the rows with XLA_FLAGS cap the ISA",
+        "XLA compiles for, under which it does not, as the check needed before its tie",
+        "arbitration; the rows without are the host's own. 'ReLU ties, cpu': the tie",
+        "arbitration's processor time (in 'eager, cpu' and 'check, cpu' too; 0.0 where no",
+        "tensor failed, so it never ran) and the element float64 decided the bundle's way.",
         "The export's processor time moves with it (GPT-2's torch export took 44.3 s of",
         "processor time at load 1-8 and 55.1 s at load 7.4 on 2026-12-07), so the ratios are",
         "rough. Without a cache entry (the torch_xla rows, jaxlib 0.7.1) the two later runs",
@@ -336,8 +353,8 @@ def _write(rows: list[str]) -> None:
         "| runtime, cpu | eager, cpu | runtime parts, wall | runtime parts, cpu "
         "| closest to its bound "
         "| run after, cpu: warm / cold | net check, cpu | net check, wall | commit | load "
-        "| XLA_FLAGS |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| XLA_FLAGS | ReLU ties, cpu |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         *sorted(kept + rows),
     ]
     RESULTS.write_text("\n".join(lines) + "\n")

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 
     from .config import RunConfig
 
-__all__ = ["report_load"]
+__all__ = ["layout_note", "report_load"]
 
 
 def _fused_note(fused: dict[str, int]) -> str:
@@ -36,12 +36,14 @@ def _bf16_note(products: dict[str, tuple[int, int]]) -> str:
     )
 
 
-def _layout_note(info: LoadInfo) -> str:
-    """``layout fsdp+tp:2, mesh data 2 x model 2, 1.5 MiB of state per device``."""
+def layout_note(info: LoadInfo, state: bool = True) -> str:
+    """``layout fsdp+tp:2, mesh data 2 x model 2, 1.5 MiB of state per device`` (without
+    the state's bytes where ``state`` is False: a compile places none)."""
     from .summary import nbytes
 
     mesh = " x ".join(f"{axis} {size}" for axis, size in info.mesh.items())
-    return f"layout {info.layout}, mesh {mesh}, {nbytes(info.state_bytes_per_device)} of state per device"
+    held = f", {nbytes(info.state_bytes_per_device)} of state per device" if state else ""
+    return f"layout {info.layout}, mesh {mesh}{held}"
 
 
 def report_load(args: RunConfig, trainer: Trainer, load_s: float, tag: str = "run") -> None:
@@ -55,7 +57,7 @@ def report_load(args: RunConfig, trainer: Trainer, load_s: float, tag: str = "ru
     print(
         f"[{tag}] loaded {args.bundle} in {load_s:.2f}s ({trainer.load_info.compiled} compiled, "
         f"{trainer.load_info.cache_hits} from cache) on {args.device}"
-        + (f" x{n_dev} ({_layout_note(trainer.load_info)})" if n_dev > 1 else "")
+        + (f" x{n_dev} ({layout_note(trainer.load_info)})" if n_dev > 1 else "")
         + (f", {trainer.steps_per_call} steps per call" if trainer.steps_per_call > 1 else "")
         + _fused_note(trainer.load_info.fused_attention)
         + _bf16_note(trainer.load_info.bf16_products)

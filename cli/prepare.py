@@ -187,11 +187,21 @@ def _cmd_compile(args: RunConfig) -> int:
         if writer:
             print(f"{name:16s} {what}  {event.path}")
     if writer:
+        from .load_line import layout_note
+
+        n_dev = len(trainer.devices)
         print(
             f"[compile] {info.compiled} compiled, {info.cache_hits} already cached, in "
-            f"{time.perf_counter() - t0:.2f}s",
+            f"{time.perf_counter() - t0:.2f}s"
+            + (
+                f" for {args.device} x{n_dev} ({layout_note(info, state=False)})"
+                if n_dev > 1
+                else ""
+            ),
             file=sys.stderr,
         )
+        for note in info.layout_notes:  # what the layout did not split, and why
+            print(f"[compile] layout: {note}", file=sys.stderr)
         for note in info.head_barriers.values():  # the output head weighed (a TPU), or asked
             print(f"[compile] output head: {note}", file=sys.stderr)
         for note in info.regather_choice.values():  # fsdp, fsdp+tp: weights re-gathered?

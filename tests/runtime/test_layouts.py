@@ -578,6 +578,16 @@ def test_cli_run_takes_a_layout(tmp_path: Path) -> None:
     assert "on cpu x4 (layout fsdp, mesh data 4, 360 B of state per device)" in r.stderr
     # regather_weights="auto" weighed the program and the load says what it kept
     assert "[run] regather-weights: train[0]: compiled as written" in r.stderr, r.stderr
+    # stepbundle compile says the same of the layout (it said nothing of it)
+    compile_ = [sys.executable, "-m", "stepbundle", "compile", str(golden_bundle(name))]
+    r = subprocess.run(
+        [*compile_, "--cache-dir", str(tmp_path / "cache"), "--devices", "4", "--layout", "fsdp"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr
+    assert "for cpu x4 (layout fsdp, mesh data 4)" in r.stderr, r.stderr
     r = subprocess.run(
         [*run, "--data", data, "--steps", "2", "--devices", "4", "--layout", "fsdp+tp:3"],
         capture_output=True,

@@ -36,11 +36,34 @@ def parse_device(device: str) -> tuple[str, int]:
 _INSTALL = {"cuda": "pip install 'jax[cuda12]'", "tpu": "pip install 'jax[tpu]'"}
 
 
+_PLUGIN = {"tpu": "libtpu", "cuda": "jax_cuda12_plugin"}
+"""The module each accelerator's jax backend installs (its presence: installed, no device)."""
+
+
+def _plugin_installed(platform: str) -> bool:
+    import importlib.util
+
+    name = _PLUGIN.get(platform)
+    try:
+        return name is not None and importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
 def client_for(platform: str) -> Any:
-    """The PJRT client of ``platform``, or a ``PlatformError`` that says what to install."""
+    """The PJRT client of ``platform``, or a ``PlatformError`` that says what to install
+    (or, where the backend is installed, that this machine has no such device)."""
     try:
         return _compat.get_client(platform)
     except RuntimeError as e:  # jax: "Unknown backend cuda", "Backend 'tpu' failed to initialize"
+        if _plugin_installed(platform):
+            raise PlatformError(
+                f"jax's {platform} backend is installed, but it found no {platform} device "
+                f"here ({e}). Run on a machine that has one, use the CPU (device 'cpu', "
+                "--device cpu), or, to plan a TPU slice's programs without one, compile "
+                "them with stepbundle.runtime.offline.compile_offline for the devices of "
+                "jax.experimental.topologies (docs/parallel.md)."
+            ) from None
         raise PlatformError(
             f"No {platform} device is available to jax here ({e}). Install jax with its "
             f"{platform} backend ({_INSTALL.get(platform, 'see jax installation docs')}) on a machine "

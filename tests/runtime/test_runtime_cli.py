@@ -237,3 +237,25 @@ def test_unsupported_device_requests_are_clear_errors() -> None:
             device="cpu:7",
             options=LoadOptions(),
         )
+
+
+def test_a_missing_accelerator_says_install_or_no_device(tmp_path: Path) -> None:
+    """Without jax's tpu backend the error says what to install; with it installed and
+    no chip (a new user's machine with libtpu for offline compiles was told to install
+    jax[tpu]) it says there is no device and how to plan without one. The backend's
+    presence is its module on the path (here an empty package named as libtpu's)."""
+    code = (
+        "from stepbundle.runtime import PlatformError, load\n"
+        f"try:\n    load({str(golden_bundle('linear_adamw'))!r}, device='tpu')\n"
+        "except PlatformError as e:\n    print(e)\n"
+    )
+    bare = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert "pip install 'jax[tpu]'" in bare.stdout, bare.stdout + bare.stderr
+    (tmp_path / "libtpu").mkdir()
+    (tmp_path / "libtpu" / "__init__.py").write_text("")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    plugin = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert "backend is installed, but it found no tpu device" in plugin.stdout, plugin.stderr
+    assert "compile_offline" in plugin.stdout and "jax[tpu]" not in plugin.stdout

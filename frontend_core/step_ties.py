@@ -36,7 +36,7 @@ import dataclasses
 import itertools
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -449,8 +449,17 @@ def arbitrate(
     if not found:
         return done(reason="no ReLU input is within float32's rounding of its kink")
     names = [*metric_names, *state_names]
-    own = {v.name: v.ratio for v in judge(metric_names, state_names, (_values(m32), s32),
-                                          (m64, s64), before, bounds, dtypes=False)}  # fmt: skip
+    own: dict[str, float] = {}  # PyTorch float32's own distance from float64, as asked
+
+    def own_of(asked: list[str]) -> dict[str, float]:
+        new = [n for n in asked if n not in own]
+        if new:
+            fm = [n for n in new if n in metric_names]
+            fs = [n for n in new if n not in metric_names]
+            own.update({v.name: v.ratio for v in judge(fm, fs, (_values(m32), s32), (m64, s64),
+                                                       before, bounds, dtypes=False)})  # fmt: skip
+        return own
+
     trials: list[tuple[Tie, ...]] = [(t,) for t in found]
     trials += list(itertools.combinations(found[:TIE_PAIRED], 2))
     reruns = 0
@@ -465,7 +474,7 @@ def arbitrate(
             continue  # a flip that changed which calls the step makes, or their shapes
         verdicts: list[Verdict] = []
         for group in (first, rest):
-            got = _judged(group, metric_names, bundle, (mx, sx), s32, s64, own, before, bounds)
+            got = _judged(group, metric_names, bundle, (mx, sx), s32, s64, own_of, before, bounds)
             verdicts += got
             if any(v.ratio > 1.0 for v in got):
                 break
@@ -490,7 +499,7 @@ def _judged(
     flipped: tuple[Mapping[str, Any], Mapping[str, torch.Tensor]],
     eager: Mapping[str, torch.Tensor],
     float64: Mapping[str, torch.Tensor],
-    own: Mapping[str, float],
+    own: Callable[[list[str]], Mapping[str, float]],
     before: Mapping[str, torch.Tensor],
     bounds: Bounds,
 ) -> list[Verdict]:
@@ -502,8 +511,11 @@ def _judged(
     fs = [n for n in names if n not in metric_names]
     out = []
     suspect = set()
-    for v in judge(fm, fs, bundle, flipped, before, bounds, dtypes=False):
-        allowed = max(1.0, 2.0 * own.get(v.name, 0.0))
+    found = judge(fm, fs, bundle, flipped, before, bounds, dtypes=False)
+    # PyTorch float32's own distance, asked only where the bound alone does not suffice
+    ratios = own([v.name for v in found if v.ratio > 1.0 or v.suspect])
+    for v in found:
+        allowed = max(1.0, 2.0 * ratios.get(v.name, 0.0))
         if v.ratio <= allowed and v.suspect:
             suspect.add(v.name)
         out.append(Verdict(v.name, v.ratio / allowed, v.where, v.bundle, v.eager, v.detail,

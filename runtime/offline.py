@@ -26,15 +26,9 @@ from typing import Any
 
 from . import _compat
 from .compile.compile_cache import CacheEvent, CacheOutcome, CompileCache
+from .entry_compiler import EntryCompiler, scalar_constants
 from .errors import UsageError
-from .load import (
-    _Compiler,
-    _layout_and_placement,
-    _matmul_precision,
-    _open_bundle,
-    _scalar_constants,
-    _wanted_entries,
-)
+from .load import _layout_and_placement, _matmul_precision, _open_bundle, _wanted_entries
 from .options import LoadOptions
 from .placement.sharding import Placement
 
@@ -147,7 +141,7 @@ def compile_offline(
         manifest = bundle.manifest
         wanted = _wanted_entries(manifest, opts)
         layout, placement = _layout_and_placement(manifest, opts, devices, bundle, wanted)
-        compiler = _Compiler(
+        compiler = EntryCompiler(
             client=devices[0].client,
             placement=placement,
             layout=layout,
@@ -179,7 +173,7 @@ def compile_offline(
                     name,
                     i,
                     entry.updates_state,
-                    _scalar_constants(bundle, program),
+                    scalar_constants(bundle, program),
                 )
                 executables[label] = compiled.executable
                 fused[label] = compiled.fused_attention

@@ -83,7 +83,7 @@ def sites(path: Path, net: nn.Module) -> tuple[int, int, list[str]]:
     """What the load makes of the bundle's attention: the written-out attentions matched
     as causal (``find_attention``), the composites whose mask folds to ``is_causal``
     (``causal_mask_reads``), and the reasons for the rest."""
-    from stepbundle.runtime.load import _scalar_constants
+    from stepbundle.runtime.entry_compiler import scalar_constants
     from stepbundle.schema.reader import open_bundle
     from stepbundle.stablehlo import artifact as mlir
     from stepbundle.stablehlo.attention import find_attention
@@ -96,7 +96,7 @@ def sites(path: Path, net: nn.Module) -> tuple[int, int, list[str]]:
         # the scalar constants the load hands the rewrites: torch_xla captures an
         # integer offset into the positions HF's masks are built from, and a load that
         # gave the rewrites floating constants only left every layer unfused on the v5e
-        scalars = _scalar_constants(b, program)
+        scalars = scalar_constants(b, program)
     state = {
         i: (inp.name, lambda n=inp.name: buffers[n].reshape(-1).tolist())
         for i, inp in enumerate(program.inputs)

@@ -47,7 +47,8 @@ from jax.experimental import topologies  # noqa: E402
 from stepbundle.runtime import _compat
 from stepbundle.runtime.compile import rewrites
 from stepbundle.runtime.compile.program import compile_program  # noqa: E402
-from stepbundle.runtime.load import _open_bundle, _scalar_constants  # noqa: E402
+from stepbundle.runtime.entry_compiler import scalar_constants  # noqa: E402
+from stepbundle.runtime.load import _open_bundle  # noqa: E402
 from stepbundle.runtime.placement.sharding import Placement  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -111,7 +112,7 @@ def compile_one(
             donate=ent.updates_state,
             cache=_CompileOnly(),  # type: ignore[arg-type]
             matmul_precision=options.get("matmul_precision"),
-            scalar_constants=_scalar_constants(bundle, program),
+            scalar_constants=scalar_constants(bundle, program),
         ).executable
     finally:
         rewrites.REWRITES = original

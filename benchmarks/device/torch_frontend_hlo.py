@@ -378,7 +378,8 @@ def _compile_variant(path: str, variant: str, device: Any) -> tuple[Any, int, in
     from jaxlib.mlir.dialects import stablehlo
 
     from stepbundle.runtime.compile.program import compile_program
-    from stepbundle.runtime.load import _open_bundle, _scalar_constants
+    from stepbundle.runtime.entry_compiler import scalar_constants
+    from stepbundle.runtime.load import _open_bundle
     from stepbundle.runtime.placement.sharding import Placement
     from stepbundle.stablehlo.artifact import Module, parse_artifact
 
@@ -399,7 +400,7 @@ def _compile_variant(path: str, variant: str, device: Any) -> tuple[Any, int, in
         donate=entry.updates_state,
         cache=_CompileOnly(),  # type: ignore[arg-type]
         matmul_precision=bundle.manifest.matmul_precision,
-        scalar_constants=_scalar_constants(bundle, program),
+        scalar_constants=scalar_constants(bundle, program),
         head_barriers=False,  # the variant alone, not the load's choice on top
         bf16_products=False,
     )

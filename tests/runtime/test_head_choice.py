@@ -169,11 +169,11 @@ def test_the_head_fusion_reads_the_vocabulary() -> None:
 
 
 def test_the_load_weighs_training_programs_on_one_device_only() -> None:
-    from stepbundle.runtime.load import _Compiler
+    from stepbundle.runtime.entry_compiler import EntryCompiler
 
     def compiler(asked: bool | None, devices: int) -> Any:
         placement = SimpleNamespace(partitioned=devices > 1)
-        return _Compiler(
+        return EntryCompiler(
             client=None, placement=placement, layout=None, cache=None, matmul_precision=None,
             donate=True, fused_attention=True, head_barriers=asked, initial=None,
         )  # type: ignore[arg-type]  # fmt: skip
